@@ -1,0 +1,37 @@
+"""The contract between the backend-neutral core and a framework backend.
+
+The decoding loop (mars.core.decoding) drives a backend through `StepBackend`:
+`new_cache`, `crop`, `step`. Loading, training and saving are per-backend modules
+with the same shape: `load(model, adapter_path=..., dtype=...)` returning a loaded
+model with `.tokenizer`, `.mars` (MarsConfig or None) and `.eos_ids`; a
+`decoder(loaded)` that implements `StepBackend`; and `finetune(...)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+
+from ..core.decoding import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
+
+BACKENDS = ("torch", "mlx")
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def resolve(name: str = "auto") -> str:
+    """`auto` picks MLX on Apple silicon when it is installed, torch elsewhere."""
+    if name == "auto":
+        if platform.system() == "Darwin" and platform.machine() == "arm64" and importlib.util.find_spec("mlx"):
+            name = "mlx"
+        else:
+            name = "torch"
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
+    if name == "mlx":
+        raise BackendUnavailable("the mlx backend is not available in this version yet; use --backend torch")
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        raise BackendUnavailable("the torch backend needs torch and transformers: pip install 'mars-mtp[torch]'")
+    return name

@@ -1,0 +1,360 @@
+"""PyTorch backend: transformers models, the MARS training forward, and the decoding step."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ...core.config import MarsConfig, has_config, read_config
+from ...core.decoding import Sampling
+from ...core.loss import Alignment
+from ...core.tokens import choose_mask_token, eos_ids
+
+MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
+MASK_EMBEDDING_KEY = "mask_embedding"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+
+
+class ModelError(ValueError):
+    """A model path that cannot be loaded; the message names the path and the fix."""
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device and device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    except KeyError:
+        raise ModelError(f"--dtype {dtype}: choose float32, float16 or bfloat16") from None
+
+
+def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
+    """Bool (b, q, kv) -> additive float (b, 1, q, kv): 0 where allowed, the dtype's minimum elsewhere.
+
+    A float mask means the same thing to every attention implementation (eager adds
+    a boolean mask as 0/1 instead of masking).
+    """
+    allowed = torch.from_numpy(np.ascontiguousarray(mask)).to(device)
+    out = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    out.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return out[:, None]
+
+
+def _is_adapter_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or directory (give a Hugging Face model directory or a .gguf file)")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{path}: no config.json (not a Hugging Face model directory)")
+        if not any(p.name.endswith(WEIGHT_SUFFIXES) and p.name != MASK_EMBEDDING_FILE for p in path.iterdir()):
+            raise ModelError(f"{path}: no weights (*.safetensors or *.bin) beside config.json")
+
+
+def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None):
+    """(base path, adapter path or None). `model` may be an adapter directory: its base is then
+    read from mars.json or adapter_config.json. None means the embedded default."""
+    if model is None:
+        from ...default_model import default_model_dir
+
+        return default_model_dir(), (Path(adapter) if adapter else None)
+    path = Path(model)
+    if adapter is None and _is_adapter_dir(path):
+        adapter = path
+        base = read_config(path).base_model if has_config(path) else ""
+        if not base:
+            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+        if not base:
+            raise ModelError(f"{path}: adapter without a base model; pass --model BASE --adapter-path {path}")
+        from ...default_model import resolve_named_base
+
+        return resolve_named_base(base), path
+    return path, (Path(adapter) if adapter else None)
+
+
+@dataclass
+class TorchModel:
+    """A loaded causal LM with what MARS needs to drive it."""
+
+    model: torch.nn.Module  # a transformers *ForCausalLM (LoRA merged for inference)
+    tokenizer: object
+    mars: MarsConfig | None
+    path: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def body(self) -> torch.nn.Module:
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return getattr(base, base.base_model_prefix)
+
+    @property
+    def head(self) -> torch.nn.Module:
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return base.get_output_embeddings()
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        gen = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        return eos_ids(self.tokenizer, gen)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
+    """A transformers model from a directory or a GGUF file (dequantized), with sdpa attention."""
+    from transformers import AutoModelForCausalLM
+
+    _check_model_dir(path)
+    kwargs = dict(dtype=dtype, attn_implementation="sdpa")
+    try:
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise ModelError(f"{path}: a model file must be .gguf (or give a model directory)")
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+            # The weights are dequantized; drop the GGUF marker so the model saves like any other.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        if isinstance(e, ModelError):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"{path}: could not load the model ({first})") from None
+    return model.to(device).eval()
+
+
+def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, announce=print):
+    """Return a MarsConfig whose mask token exists in `tokenizer` and `model` (adding one if needed)."""
+    if mars is not None:
+        token, token_id, added = mars.mask_token, mars.mask_token_id, mars.mask_token_added
+        if added and token_id >= len(tokenizer):
+            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+    else:
+        token, token_id, added = choose_mask_token(tokenizer)
+        if added:
+            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            announce(
+                f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} "
+                "(the embedding grows by one row)"
+            )
+        else:
+            announce(f"mask token: reusing unused special token {token} (id {token_id})")
+        mars = MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
+    emb = model.get_input_embeddings()
+    if token_id >= emb.weight.shape[0]:
+        old = emb.weight.shape[0]
+        model.resize_token_embeddings(token_id + 1, mean_resizing=False)
+        with torch.no_grad():
+            # A new row starts as the mean embedding: a neutral "unknown token".
+            model.get_input_embeddings().weight[old:] = model.get_input_embeddings().weight[:old].mean(0)
+    return mars
+
+
+def load_mask_embedding(adapter_dir: Path):
+    from safetensors.torch import load_file
+
+    f = adapter_dir / MASK_EMBEDDING_FILE
+    return load_file(str(f))[MASK_EMBEDDING_KEY] if f.is_file() else None
+
+
+def load(
+    model_path=None,
+    *,
+    adapter_path=None,
+    dtype: str | None = None,
+    device: str | None = None,
+    merge: bool = True,
+    announce=print,
+) -> TorchModel:
+    """Load a model for decoding or training: HF dir, GGUF file, adapter dir, or None (embedded default)."""
+    base_path, adapter = resolve_model_path(model_path, adapter_path)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    _check_model_dir(base_path)
+    source = adapter if adapter is not None else base_path
+    tokenizer = load_tokenizer(source if adapter is not None and (adapter / "tokenizer_config.json").is_file() else base_path)
+    model = load_hf_model(base_path, dtype=dt, device=dev)
+    mars = None
+    cfg_dir = source if source.is_dir() else None
+    if cfg_dir is not None and has_config(cfg_dir):
+        mars = read_config(cfg_dir)
+        ensure_mask_token(model, tokenizer, mars, announce=announce)
+    if adapter is not None:
+        from peft import PeftModel
+
+        if not (adapter / "adapter_config.json").is_file():
+            raise ModelError(f"{adapter}: no adapter_config.json (not a PEFT adapter directory)")
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=not merge)
+        if merge:
+            model = model.merge_and_unload()
+        row = load_mask_embedding(adapter)
+        if row is not None and mars is not None:
+            with torch.no_grad():
+                model.get_input_embeddings().weight[mars.mask_token_id] = row.to(dt)
+    model.eval()
+    return TorchModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), device=dev, dtype=dt)
+
+
+class TorchDecoder:
+    """The decoding step of METHOD §5 for the core loop (mars.core.decoding.StepBackend)."""
+
+    def __init__(self, tm: TorchModel):
+        self.tm = tm
+        self.body = tm.body
+        self.head = tm.head
+        self.generator = None
+        self._seeded = None
+
+    def new_cache(self, batch: int):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.tm.model.config)
+
+    def crop(self, cache, length: int) -> None:
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def _rng(self, sampling: Sampling):
+        if self.generator is None or self._seeded != sampling.seed:
+            self.generator = torch.Generator(device=self.tm.device)
+            self.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            self._seeded = sampling.seed
+        return self.generator
+
+    @torch.inference_mode()
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        dev = self.tm.device
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
+        attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
+        out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
+        hidden = out.last_hidden_state
+        idx = torch.from_numpy(np.ascontiguousarray(read)).to(dev)
+        picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+        logits = self.head(picked).float()
+        chosen, conf = slot_predictions(logits, metric, sampling, self._rng(sampling) if not sampling.greedy else None)
+        return chosen.cpu().numpy(), conf.cpu().numpy()
+
+
+def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
+    """(ids, confidence) per slot, on the device. Confidence is measured on the untempered
+    distribution: of the drawn token for `probability`, of the slot for entropy and margin."""
+    logp = torch.log_softmax(logits, dim=-1)
+    probs = logp.exp()
+    if sampling.greedy:
+        top = probs.topk(2 if metric == "margin" else 1, dim=-1)
+        chosen = top.indices[..., 0]
+    else:
+        chosen = sample(logits, sampling, generator)
+    if metric == "probability":
+        conf = probs.gather(-1, chosen[..., None])[..., 0]
+    elif metric == "margin":
+        top2 = top.values if sampling.greedy else probs.topk(2, dim=-1).values
+        conf = top2[..., 0] - top2[..., 1]
+    else:
+        conf = -(probs * logp).nan_to_num().sum(-1)
+    return chosen, conf
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Tensor:
+    z = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = z.topk(sampling.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (cum - sorted_z.softmax(-1)) >= sampling.top_p
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    probs = z.softmax(-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+class MarsLoss(torch.nn.Module):
+    """The MARS objective (METHOD §4) around a causal LM; a module so DDP/accelerate can wrap it."""
+
+    def __init__(self, model: torch.nn.Module, mask_row: torch.nn.Parameter | None = None, mask_id: int = -1):
+        super().__init__()
+        self.model = model
+        self.mask_row = mask_row
+        self.mask_id = mask_id
+        tm = TorchModel(model, None, None, "", torch.device("cpu"), torch.float32)
+        self.body, self.head = tm.body, tm.head
+
+    def hidden(self, input_ids, positions, attn):
+        if self.mask_row is None:
+            out = self.body(input_ids=input_ids, position_ids=positions, attention_mask=attn, use_cache=False)
+        else:
+            # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
+            embeds = self.body.get_input_embeddings()(input_ids)
+            is_mask = (input_ids == self.mask_id)[..., None]
+            embeds = torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
+            out = self.body(inputs_embeds=embeds, position_ids=positions, attention_mask=attn, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights):
+        hidden = self.hidden(input_ids, positions, attn)
+        index = torch.cat([noisy_index, clean_index])
+        logits = self.head(hidden[torch.cat([rows, rows]), index]).float()
+        ce = F.cross_entropy(logits, torch.cat([targets, targets]), reduction="none")
+        n = targets.shape[0]
+        noisy = (ce[:n] * weights).sum()
+        clean = (ce[n:] * weights).sum()
+        return noisy, clean
+
+
+def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row"):
+    """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment)."""
+    from ...core.loss import align
+    from ...core.masks import training_inputs
+
+    input_ids, positions, mask = training_inputs(ids, labels, lengths, block_size, mask_id)
+    al: Alignment = align(labels, normalize)
+
+    def t(a):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    return dict(
+        input_ids=t(input_ids),
+        positions=t(positions),
+        attn=additive_mask(mask, dtype, device),
+        rows=t(al.rows),
+        noisy_index=t(al.noisy_index),
+        clean_index=t(al.clean_index),
+        targets=t(al.targets),
+        weights=t(al.weights),
+    )

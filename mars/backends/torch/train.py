@@ -1,0 +1,285 @@
+"""MARS fine-tuning on PyTorch: full or LoRA, AdamW, warmup + cosine, accumulation,
+validation, atomic checkpoints, resume; multi-GPU through `accelerate launch`."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...core.config import MarsConfig, write_config
+from ...core.data import batches
+from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
+
+CHECKPOINT = "checkpoint"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class TrainSettings:
+    fine_tune_type: str = "lora"  # lora | full
+    block_size: int = 4
+    ar_weight: float = 1.0
+    iters: int = 0  # optimizer steps; 0: derived from epochs
+    epochs: float = 1.0
+    batch_size: int = 4
+    grad_accumulation: int = 1
+    learning_rate: float = 1e-4
+    warmup: float = 0.03  # fraction of the steps
+    weight_decay: float = 0.0
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    steps_per_eval: int = 100
+    steps_per_save: int = 100
+    seed: int = 0
+    normalize: str = "row"
+    max_grad_norm: float = 1.0
+
+
+def lr_lambda(total: int, warmup: int):
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def _atomic_dir(target: Path, write) -> None:
+    """Write a directory through a temporary sibling, then swap it in."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp."))
+    try:
+        write(tmp)
+        old = None
+        if target.exists():
+            old = target.parent / f".{target.name}.old.{os.getpid()}"
+            os.replace(target, old)
+        os.replace(tmp, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class Trainer:
+    def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
+        from accelerate import Accelerator
+
+        self.tm, self.mars, self.s, self.output = tm, mars, settings, Path(output)
+        self.acc = accelerator or Accelerator(cpu=tm.device.type == "cpu")
+        torch.manual_seed(settings.seed)
+        model = tm.model
+        mask_row = None
+        if settings.fine_tune_type == "lora":
+            from peft import LoraConfig, get_peft_model
+
+            present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+            targets = [t for t in LORA_TARGETS if t in present]
+            if not targets:
+                raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
+            config = LoraConfig(
+                r=settings.lora_rank,
+                lora_alpha=settings.lora_alpha,
+                lora_dropout=settings.lora_dropout,
+                target_modules=targets,
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, config)
+            emb = model.get_input_embeddings().weight
+            mask_row = torch.nn.Parameter(emb[mars.mask_token_id].detach().clone().float())
+        elif settings.fine_tune_type == "full":
+            for p in model.parameters():
+                p.requires_grad_(True)
+        else:
+            raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+        model.train()
+        self.model = model
+        self.loss = MarsLoss(model, mask_row, mars.mask_token_id)
+        params = [p for p in self.loss.parameters() if p.requires_grad]
+        self.trainable = sum(p.numel() for p in params)
+        self.opt = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=settings.weight_decay)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.history: list[dict] = []
+
+    # -- checkpoints -------------------------------------------------------
+    def _trainable_state(self) -> dict:
+        return {n: p.detach().cpu().contiguous() for n, p in self.loss.named_parameters() if p.requires_grad}
+
+    def save_checkpoint(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.acc.is_main_process:
+            return
+
+        def write(d: Path):
+            save_file(self._trainable_state(), str(d / "trainable.safetensors"))
+            torch.save(
+                {
+                    "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(),
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "batch_in_epoch": self.batch_in_epoch,
+                    "history": self.history,
+                    "settings": asdict(self.s),
+                },
+                d / "state.pt",
+            )
+
+        _atomic_dir(self.output / CHECKPOINT, write)
+
+    def load_checkpoint(self) -> bool:
+        from safetensors.torch import load_file
+
+        d = self.output / CHECKPOINT
+        if not (d / "state.pt").is_file():
+            return False
+        state = load_file(str(d / "trainable.safetensors"))
+        named = dict(self.loss.named_parameters())
+        with torch.no_grad():
+            for n, t in state.items():
+                named[n].copy_(t)
+        meta = torch.load(d / "state.pt", weights_only=False)
+        self.opt.load_state_dict(meta["optimizer"])
+        self.sched.load_state_dict(meta["scheduler"])
+        self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        self.history = meta["history"]
+        return True
+
+    # -- the loop ----------------------------------------------------------
+    def _losses(self, batch):
+        ids, labels, lengths = batch
+        inputs = loss_inputs(
+            ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.tm.dtype, self.acc.device,
+            self.s.normalize,
+        )
+        return self.loss_module(**inputs)
+
+    @torch.no_grad()
+    def evaluate(self, examples) -> dict:
+        if not examples:
+            return {}
+        self.loss_module.eval()
+        noisy = clean = 0.0
+        n = 0
+        for batch in batches(examples, self.s.batch_size, pad_id=self.pad_id, shuffle=False):
+            a, b = self._losses(batch)
+            rows = len(batch[0])
+            noisy += float(a) * rows
+            clean += float(b) * rows
+            n += rows
+        self.loss_module.train()
+        return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
+
+    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
+        from tqdm.auto import tqdm
+
+        s = self.s
+        self.pad_id = self.tm.tokenizer.eos_token_id
+        per_epoch = math.ceil(len(train_examples) / s.batch_size)
+        shard = self.acc.num_processes
+        steps_per_epoch = max(1, per_epoch // (s.grad_accumulation * shard))
+        total = s.iters or max(1, math.ceil(s.epochs * steps_per_epoch))
+        warmup = max(1, int(round(s.warmup * total))) if s.warmup > 0 else 0
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, warmup) if warmup else lr_lambda(total, 0))
+        self.loss_module, self.opt, self.sched = self.acc.prepare(self.loss, self.opt, self.sched)
+        if resume and self.load_checkpoint():
+            log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
+        bar = tqdm(total=total, initial=self.step, disable=not (progress and self.acc.is_main_process), unit="step")
+        tokens = 0
+        t0 = time.perf_counter()
+        micro = 0
+        acc_noisy = acc_clean = 0.0
+        while self.step < total:
+            all_batches = list(batches(train_examples, s.batch_size, pad_id=self.pad_id, seed=s.seed + self.epoch))
+            mine = all_batches[self.acc.process_index :: shard]
+            for i in range(self.batch_in_epoch, len(mine)):
+                batch = mine[i]
+                noisy, clean = self._losses(batch)
+                loss = (noisy + s.ar_weight * clean) / s.grad_accumulation
+                self.acc.backward(loss)
+                acc_noisy += float(noisy) / s.grad_accumulation
+                acc_clean += float(clean) / s.grad_accumulation
+                tokens += int(batch[2].sum())
+                micro += 1
+                self.batch_in_epoch = i + 1
+                if micro % s.grad_accumulation:
+                    continue
+                if s.max_grad_norm:
+                    self.acc.clip_grad_norm_(self.loss_module.parameters(), s.max_grad_norm)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad(set_to_none=True)
+                self.step += 1
+                rate = tokens / max(1e-9, time.perf_counter() - t0)
+                record = {"step": self.step, "noisy": acc_noisy, "clean": acc_clean, "lr": self.sched.get_last_lr()[0], "tok_s": rate}
+                acc_noisy = acc_clean = 0.0
+                bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
+                bar.update(1)
+                if valid_examples and (self.step % s.steps_per_eval == 0 or self.step == total):
+                    record.update(self.evaluate(valid_examples))
+                    bar.write(
+                        f"step {self.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}"
+                    )
+                self.history.append(record)
+                if self.step % s.steps_per_save == 0 and self.step < total:
+                    self.save_checkpoint()
+                if self.step >= total:
+                    break
+            else:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+        bar.close()
+        return {"steps": self.step, "seconds": time.perf_counter() - t0, "history": self.history}
+
+    # -- output ------------------------------------------------------------
+    def save(self, tokenizer, base_ref: str) -> Path:
+        """Write the MARS checkpoint into the output directory (atomically) and drop the resume checkpoint."""
+        from safetensors.torch import save_file
+
+        self.mars.base_model = base_ref
+        self.mars.ar_weight = self.s.ar_weight
+        model = self.acc.unwrap_model(self.loss_module).model
+        model.eval()
+        if not self.acc.is_main_process:
+            return self.output
+
+        def write(d: Path):
+            if self.s.fine_tune_type == "lora":
+                model.save_pretrained(str(d))
+                row = self.loss.mask_row.detach().to(self.tm.dtype).cpu().contiguous()
+                save_file({MASK_EMBEDDING_KEY: row}, str(d / MASK_EMBEDDING_FILE))
+            else:
+                model.save_pretrained(str(d))
+            tokenizer.save_pretrained(str(d))
+            write_config(self.mars, d)
+            _write_history(self.history, d / "training_log.jsonl")
+
+        _atomic_dir(self.output, write)
+        return self.output
+
+
+def _write_history(history: list[dict], path: Path) -> None:
+    import json
+
+    with open(path, "w") as f:
+        for h in history:
+            f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n")
+
+
+def set_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)

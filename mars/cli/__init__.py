@@ -1,0 +1,3 @@
+from .main import cli, main
+
+__all__ = ["cli", "main"]

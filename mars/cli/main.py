@@ -1,0 +1,381 @@
+"""The `mars` command: thin click wrappers that parse, call the library, and print."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import click
+
+from .. import __version__
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def friendly_errors(fn):
+    """Known bad input becomes a one-line error and exit status 1, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ..backends.base import BackendUnavailable
+        from ..core.config import ConfigError
+        from ..core.data import DataError
+        from ..default_model import DefaultModelError
+
+        known = (BackendUnavailable, ConfigError, DataError, DefaultModelError, FileNotFoundError)
+        try:
+            from ..backends.torch.model import ModelError
+
+            known += (ModelError,)
+        except ImportError:
+            pass
+        try:
+            return fn(*args, **kwargs)
+        except known as e:
+            raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+
+    return wrapper
+
+
+def backend_option(f):
+    return click.option(
+        "--backend",
+        type=click.Choice(["auto", "torch", "mlx"]),
+        default="auto",
+        show_default=True,
+        help="auto: MLX on Apple silicon, torch elsewhere.",
+    )(f)
+
+
+def model_options(f):
+    f = click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)(f)
+    f = click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")(f)
+    f = click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")(f)
+    f = click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.")(f)
+    return f
+
+
+def quiet_libraries() -> None:
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+@click.group()
+@click.version_option(__version__, prog_name="mars")
+def cli():
+    """MARS: fine-tune a causal LM to emit several tokens per forward pass, and decode it with a speed knob."""
+
+
+# ---------------------------------------------------------------------------------------------
+# finetune
+
+
+@cli.command()
+@click.option("--model", default=None, help="Base model: HF directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--data", required=True, type=click.Path(path_type=Path), help="Directory with train.jsonl (valid.jsonl optional) or one .jsonl file.")
+@click.option("--output", "--adapter-path", "output", required=True, type=click.Path(path_type=Path), help="Where the MARS checkpoint goes (an adapter directory under LoRA).")
+@click.option("--fine-tune-type", type=click.Choice(["lora", "full"]), default="lora", show_default=True)
+@click.option("--block-size", type=int, default=4, show_default=True, help="B: masks per block.")
+@click.option("--ar-weight", type=float, default=1.0, show_default=True, help="alpha: weight of the clean-stream (AR) loss.")
+@click.option("--iters", type=int, default=0, help="Optimizer steps (overrides --epochs).")
+@click.option("--epochs", type=float, default=1.0, show_default=True)
+@click.option("--batch-size", type=int, default=4, show_default=True)
+@click.option("--grad-accumulation-steps", "grad_accumulation", type=int, default=1, show_default=True)
+@click.option("--learning-rate", type=float, default=1e-4, show_default=True)
+@click.option("--warmup", type=float, default=0.03, show_default=True, help="Warmup as a fraction of the steps.")
+@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--max-seq-length", type=int, default=512, show_default=True)
+@click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="What to do with a sequence over --max-seq-length.")
+@click.option("--lora-rank", type=int, default=8, show_default=True)
+@click.option("--lora-alpha", type=float, default=16.0, show_default=True)
+@click.option("--lora-dropout", type=float, default=0.0, show_default=True)
+@click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default="row", show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
+@click.option("--steps-per-eval", type=int, default=100, show_default=True)
+@click.option("--save-every", "steps_per_save", type=int, default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
+@click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@backend_option
+@friendly_errors
+def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, **opts):
+    """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
+    from ..backends.base import resolve
+    from ..core.config import ConfigError, has_config, read_config
+    from ..core.data import find_split_file, load_split
+
+    resolve(backend)
+    quiet_libraries()
+    if opts["block_size"] < 1:
+        raise click.BadParameter("must be >= 1", param_hint="--block-size")
+    if output.exists() and any(output.iterdir()) and not resume:
+        raise click.ClickException(f"{output}: exists and is not empty; pass --resume to continue it, or choose a new --output")
+    if resume and not (output / "checkpoint" / "state.pt").is_file():
+        raise click.ClickException(f"{output}: no checkpoint to resume from")
+
+    from ..backends.torch.model import ModelError, load, resolve_model_path
+    from ..backends.torch.train import Trainer, TrainSettings
+    from ..default_model import model_ref
+
+    base_path, adapter = resolve_model_path(model)
+    if adapter is not None:
+        raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model)")
+    from ..backends.torch.model import _check_model_dir, load_tokenizer
+
+    _check_model_dir(base_path)
+    tokenizer = load_tokenizer(base_path)
+    read = functools.partial(
+        load_split, tokenizer=tokenizer, block_size=opts["block_size"], max_seq_length=max_seq_length, on_long=on_long
+    )
+    train = read(data, "train")
+    valid = read(data, "valid") if find_split_file(data, "valid") else None
+    for split in (train, valid):
+        if split is not None and (split.truncated or split.skipped):
+            click.echo(
+                f"{split.path}: {split.truncated} truncated, {split.skipped} skipped over --max-seq-length {max_seq_length}",
+                err=True,
+            )
+    click.echo(f"data: {len(train.examples)} train" + (f", {len(valid.examples)} valid" if valid else "") + " examples", err=True)
+
+    tm = load(base_path, dtype=dtype, device=device, announce=lambda m: click.echo(m, err=True))
+    from ..backends.torch.model import ensure_mask_token
+
+    mars = tm.mars if has_config(base_path) else None
+    if mars is not None and mars.block_size != opts["block_size"]:
+        raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")
+    mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], announce=lambda m: click.echo(m, err=True))
+    settings = TrainSettings(**opts)
+    trainer = Trainer(tm, mars, settings, output)
+    click.echo(
+        f"training {settings.fine_tune_type} ({trainer.trainable:,} trainable parameters), B={settings.block_size}, "
+        f"ar_weight={settings.ar_weight}, on {tm.device}",
+        err=True,
+    )
+    result = trainer.train(train.examples, valid.examples if valid else (), resume=resume, log=lambda m: click.echo(m, err=True))
+    trainer.save(tm.tokenizer, model_ref(base_path))
+    last = result["history"][-1] if result["history"] else {}
+    summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
+    click.echo(f"saved {output} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# generate / chat
+
+
+def decode_options(f):
+    f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's, else 1.0.")(f)
+    f = click.option("--block-size", type=int, default=None, help="Masks per step (default: the checkpoint's block size).")(f)
+    f = click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")(f)
+    f = click.option("--max-tokens", type=int, default=256, show_default=True)(f)
+    f = click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")(f)
+    f = click.option("--top-p", type=float, default=1.0, show_default=True)(f)
+    f = click.option("--top-k", type=int, default=0, show_default=True)(f)
+    f = click.option("--seed", type=int, default=None)(f)
+    f = click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
+    f = click.option("--block-cache", type=int, default=16, show_default=True, help="B_cache: slots per block of the block cache.")(f)
+    f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
+    return f
+
+
+class Session:
+    """A loaded model plus the decoding settings a command uses."""
+
+    def __init__(self, model, adapter_path, dtype, device, backend):
+        from ..backends.base import resolve
+
+        resolve(backend)
+        quiet_libraries()
+        from ..backends.torch.model import TorchDecoder, load
+
+        say = lambda m: click.echo(m, err=True)  # noqa: E731
+        self.tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
+        self.decoder = TorchDecoder(self.tm)
+
+    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force):
+        from ..core.acceptance import is_ar_mode
+        from ..core.decoding import DecodeSettings, Sampling
+        from ..core.tokens import choose_mask_token
+
+        mars = self.tm.mars
+        metric = metric or (mars.metric if mars else "probability")
+        if threshold is None:
+            threshold = mars.default_threshold if mars else (0.0 if metric == "entropy" else 1.0)
+        if mars is None and not is_ar_mode(metric, threshold):
+            if not force:
+                raise click.ClickException(
+                    "this model has no mars.json (never MARS-trained): its mask predictions are confidently wrong; "
+                    "use --threshold 1.0, or --force to try anyway"
+                )
+            click.echo("WARNING: decoding a model without MARS training below threshold 1.0: expect wrong tokens", err=True)
+        mask_id = mars.mask_token_id if mars else choose_mask_token(self.tm.tokenizer)[1]
+        if mars is None and mask_id >= self.tm.model.get_input_embeddings().weight.shape[0]:
+            mask_id = self.tm.tokenizer.unk_token_id or 0
+        return DecodeSettings(
+            mask_id=mask_id,
+            eos_ids=self.tm.eos_ids,
+            block_size=block_size or (mars.block_size if mars else 4),
+            threshold=threshold,
+            metric=metric,
+            max_tokens=max_tokens,
+            cache=cache,
+            block_cache=block_cache,
+            sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed),
+        )
+
+
+def read_prompts(path: Path) -> list:
+    """A prompt file: JSONL of {"prompt": ...} or {"messages": [...]}, or plain text, one prompt per line."""
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix != ".jsonl":
+            prompts.append(line)
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            prompts.append(rec["prompt"])
+        elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+            msgs = rec["messages"]
+            prompts.append(msgs[:-1] if msgs and msgs[-1].get("role") == "assistant" else msgs)
+        else:
+            raise click.ClickException(f'{path}:{n}: expected {{"prompt": ...}} or {{"messages": [...]}}')
+    if not prompts:
+        raise click.ClickException(f"{path}: no prompts")
+    return prompts
+
+
+@cli.command()
+@model_options
+@click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeat for several).")
+@click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A file of prompts: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
+@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
+@decode_options
+@backend_option
+@friendly_errors
+def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, backend, **decode):
+    """Generate replies; prints the text and tokens per forward."""
+    from ..core.decoding import generate as run
+    from ..core.tokens import encode_prompt
+
+    prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
+    if not prompts:
+        raise click.UsageError("give --prompt TEXT or --prompts FILE")
+    session = Session(model, adapter_path, dtype, device, backend)
+    settings = session.settings(**decode)
+    tok = session.tm.tokenizer
+    total_tokens = total_forwards = 0
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ids = [encode_prompt(tok, p, chat=not raw) for p in chunk]
+        result = run(session.decoder, ids, settings)
+        for i, (p, out) in enumerate(zip(chunk, result.tokens)):
+            row = result.stats.rows[i]
+            text = tok.decode(out, skip_special_tokens=True)
+            if as_json:
+                click.echo(json.dumps({"prompt": p, "text": text, "tokens": len(out), "finish": result.finish[i],
+                                       "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3)}))
+            else:
+                click.echo(f"--- [{start + i}] {p if isinstance(p, str) else p[-1]['content']}")
+                click.echo(text)
+        total_tokens += result.stats.accepted
+        total_forwards += result.stats.row_forwards
+    seconds = time.perf_counter() - t0
+    click.echo(
+        f"threshold {settings.threshold} ({settings.metric}), B={settings.block_size}, cache={settings.cache}: "
+        f"{total_tokens} tokens, {total_forwards} forwards, "
+        f"{total_tokens / max(1, total_forwards):.2f} tokens/forward, {seconds:.2f}s ({total_tokens / seconds:.1f} tok/s)",
+        err=as_json,
+    )
+
+
+@cli.command()
+@model_options
+@click.option("--system", default=None, help="A system message.")
+@decode_options
+@backend_option
+@friendly_errors
+def chat(model, adapter_path, dtype, device, system, backend, **decode):
+    """Interactive chat that streams tokens as they are accepted.
+
+    Commands: /threshold 0.9 (change the threshold), /reset (forget the conversation), /quit.
+    """
+    from ..core.decoding import generate as run
+    from ..core.tokens import encode_prompt
+
+    session = Session(model, adapter_path, dtype, device, backend)
+    settings = session.settings(**decode)
+    tok = session.tm.tokenizer
+    history = [{"role": "system", "content": system}] if system else []
+    click.echo(f"threshold {settings.threshold}, B={settings.block_size}. /threshold X, /reset, /quit", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo("")
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            history = history[:1] if system else []
+            continue
+        if line.startswith("/threshold"):
+            parts = line.split()
+            try:
+                settings.threshold = float(parts[1])
+            except (IndexError, ValueError):
+                click.echo("usage: /threshold 0.9", err=True)
+                continue
+            if session.tm.mars is None and settings.threshold < 1.0 and not decode["force"]:
+                click.echo("this model has no mars.json: keeping threshold 1.0 (start with --force to override)", err=True)
+                settings.threshold = 1.0
+            click.echo(f"threshold = {settings.threshold}", err=True)
+            continue
+        history.append({"role": "user", "content": line})
+        ids = encode_prompt(tok, history)
+        out: list[int] = []
+        shown = ""
+
+        def stream(row, new):
+            nonlocal shown
+            out.extend(new)
+            text = tok.decode(out, skip_special_tokens=True)
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+        t0 = time.perf_counter()
+        result = run(session.decoder, [ids], settings, on_tokens=stream)
+        dt = time.perf_counter() - t0
+        st = result.stats.rows[0]
+        click.echo("")
+        click.echo(f"[{st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
+        history.append({"role": "assistant", "content": shown})
+
+
+def main():
+    cli()
+
+
+if __name__ == "__main__":
+    main()

