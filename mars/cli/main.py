@@ -88,21 +88,21 @@ def cli():
 @click.option("--fine-tune-type", type=click.Choice(["lora", "full"]), default="lora", show_default=True)
 @click.option("--block-size", type=int, default=4, show_default=True, help="B: masks per block.")
 @click.option("--ar-weight", type=float, default=1.0, show_default=True, help="alpha: weight of the clean-stream (AR) loss.")
-@click.option("--iters", type=int, default=0, help="Optimizer steps (overrides --epochs).")
+@click.option("--iters", type=click.IntRange(min=0), default=0, help="Optimizer steps (overrides --epochs).")
 @click.option("--epochs", type=float, default=1.0, show_default=True)
-@click.option("--batch-size", type=int, default=4, show_default=True)
-@click.option("--grad-accumulation-steps", "grad_accumulation", type=int, default=1, show_default=True)
-@click.option("--learning-rate", type=float, default=1e-4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--grad-accumulation-steps", "grad_accumulation", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--learning-rate", type=click.FloatRange(min=0.0), default=1e-4, show_default=True)
 @click.option("--warmup", type=float, default=0.03, show_default=True, help="Warmup as a fraction of the steps.")
 @click.option("--weight-decay", type=float, default=0.0, show_default=True)
-@click.option("--max-seq-length", type=int, default=512, show_default=True)
+@click.option("--max-seq-length", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="What to do with a sequence over --max-seq-length.")
 @click.option("--lora-rank", type=int, default=8, show_default=True)
 @click.option("--lora-alpha", type=float, default=16.0, show_default=True)
 @click.option("--lora-dropout", type=float, default=0.0, show_default=True)
 @click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default="row", show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
-@click.option("--steps-per-eval", type=int, default=100, show_default=True)
-@click.option("--save-every", "steps_per_save", type=int, default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
+@click.option("--steps-per-eval", type=click.IntRange(min=1), default=100, show_default=True)
+@click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
@@ -119,6 +119,8 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     quiet_libraries()
     if opts["block_size"] < 1:
         raise click.BadParameter("must be >= 1", param_hint="--block-size")
+    if max_seq_length < opts["block_size"]:
+        raise click.BadParameter(f"must be at least one block (--block-size {opts['block_size']})", param_hint="--max-seq-length")
     if output.exists() and any(output.iterdir()) and not resume:
         raise click.ClickException(f"{output}: exists and is not empty; pass --resume to continue it, or choose a new --output")
     if resume and not (output / "checkpoint" / "state.pt").is_file():
@@ -175,15 +177,15 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
 
 def decode_options(f):
     f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's, else 1.0.")(f)
-    f = click.option("--block-size", type=int, default=None, help="Masks per step (default: the checkpoint's block size).")(f)
+    f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
     f = click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")(f)
-    f = click.option("--max-tokens", type=int, default=256, show_default=True)(f)
-    f = click.option("--temp", type=float, default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")(f)
-    f = click.option("--top-p", type=float, default=1.0, show_default=True)(f)
-    f = click.option("--top-k", type=int, default=0, show_default=True)(f)
+    f = click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)(f)
+    f = click.option("--temp", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")(f)
+    f = click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)(f)
+    f = click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)(f)
     f = click.option("--seed", type=int, default=None)(f)
     f = click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
-    f = click.option("--block-cache", type=int, default=16, show_default=True, help="B_cache: slots per block of the block cache.")(f)
+    f = click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the block cache.")(f)
     f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
     return f
 
@@ -218,7 +220,7 @@ class Session:
                     "use --threshold 1.0, or --force to try anyway"
                 )
             click.echo("WARNING: decoding a model without MARS training below threshold 1.0: expect wrong tokens", err=True)
-        mask_id = mars.mask_token_id if mars else choose_mask_token(self.tm.tokenizer)[1]
+        mask_id = mars.mask_token_id if mars else choose_mask_token(self.tm.tokenizer, exclude=self.tm.eos_ids)[1]
         if mars is None and mask_id >= self.tm.model.get_input_embeddings().weight.shape[0]:
             mask_id = self.tm.tokenizer.unk_token_id or 0
         return DecodeSettings(
@@ -263,7 +265,7 @@ def read_prompts(path: Path) -> list:
 @model_options
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeat for several).")
 @click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A file of prompts: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
-@click.option("--batch-size", type=int, default=8, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
 @decode_options

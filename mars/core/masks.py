@@ -70,6 +70,7 @@ def decode_mask(key_valid: np.ndarray, query_len: int) -> np.ndarray:
     batch, kv = key_valid.shape
     q_index = kv - query_len + np.arange(query_len)
     causal = np.arange(kv)[None, :] <= q_index[:, None]
-    mask = causal[None] & key_valid[:, None, :]
+    query_valid = key_valid[:, q_index]
+    mask = causal[None] & key_valid[:, None, :] & query_valid[:, :, None]
     mask[:, np.arange(query_len), q_index] = True
     return mask

@@ -14,16 +14,17 @@ def _ids(encoded) -> list[int]:
     return [int(t) for t in encoded]
 
 
-def choose_mask_token(tokenizer) -> tuple[str, int, bool]:
+def choose_mask_token(tokenizer, exclude=()) -> tuple[str, int, bool]:
     """(token, id, must_add): an unused special token if the tokenizer has one, else a new one.
 
-    Unused: an added/special token that is not BOS/EOS/PAD/UNK and that the chat
-    template never writes (so chat never produces it and the embedding keeps its shape).
+    Unused: an added/special token that is not BOS/EOS/PAD/UNK (nor in `exclude`, e.g.
+    the model's generation EOS ids), that the chat template never writes (so chat never
+    produces it and the embedding keeps its shape), and preferably not an end-of-text marker.
     """
     reserved = {
         getattr(tokenizer, name, None)
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
-    }
+    } | set(exclude)
     template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     candidates = []
@@ -32,7 +33,9 @@ def choose_mask_token(tokenizer) -> tuple[str, int, bool]:
         if token_id in reserved or not text or text in template:
             continue
         if getattr(token, "special", True):
-            candidates.append((("mask" not in text.lower()), token_id, text))
+            lowered = text.lower()
+            rank = 0 if "mask" in lowered else 2 if ("end" in lowered or "eos" in lowered) else 1
+            candidates.append((rank, token_id, text))
     if candidates:
         _, token_id, text = min(candidates)
         return text, int(token_id), False

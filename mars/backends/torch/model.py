@@ -27,7 +27,14 @@ class ModelError(ValueError):
 
 def pick_device(device: str | None = None) -> torch.device:
     if device and device != "auto":
-        return torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ModelError(f"--device {device}: not a device (cpu, cuda, cuda:1, mps or auto)") from None
+        mps = getattr(torch.backends, "mps", None)
+        if (dev.type == "cuda" and not torch.cuda.is_available()) or (dev.type == "mps" and not (mps and mps.is_available())):
+            raise ModelError(f"--device {device}: not available on this machine (use cpu or auto)")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
@@ -158,7 +165,8 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
         if added and token_id >= len(tokenizer):
             tokenizer.add_special_tokens({"additional_special_tokens": [token]})
     else:
-        token, token_id, added = choose_mask_token(tokenizer)
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, gen_eos))
         if added:
             tokenizer.add_special_tokens({"additional_special_tokens": [token]})
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -297,6 +305,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Te
         cum = sorted_z.softmax(-1).cumsum(-1)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         drop = (cum - sorted_z.softmax(-1)) >= sampling.top_p
+        drop[..., 0] = False
         sorted_z = sorted_z.masked_fill(drop, float("-inf"))
         z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
     probs = z.softmax(-1)

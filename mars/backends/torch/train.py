@@ -211,8 +211,8 @@ class Trainer:
                 noisy, clean = self._losses(batch)
                 loss = (noisy + s.ar_weight * clean) / s.grad_accumulation
                 self.acc.backward(loss)
-                acc_noisy += float(noisy) / s.grad_accumulation
-                acc_clean += float(clean) / s.grad_accumulation
+                acc_noisy += noisy.item() / s.grad_accumulation
+                acc_clean += clean.item() / s.grad_accumulation
                 tokens += int(batch[2].sum())
                 micro += 1
                 self.batch_in_epoch = i + 1

@@ -1,0 +1,474 @@
+"""The `mars` command end to end on a tiny model: bad input, finetune (full, LoRA, resume), generate, chat.
+
+Most commands run in-process through click's CliRunner (fast); two run as real `mars`
+processes to check the exit status and the stderr a user sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from mars.cli.main import cli
+from tiny import save_model
+
+LETTERS = string.ascii_lowercase
+
+
+# --- helpers -------------------------------------------------------------------------
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(cli, [str(a) for a in args], input=input)
+
+
+def ok(result):
+    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output[-2000:]}\n{result.exception!r}"
+    return result
+
+
+def one_line_error(result, *needles):
+    """A known bad input: exit 1, no traceback, the last line is 'Error: ...' naming the problem."""
+    assert result.exit_code != 0, result.output[-2000:]
+    # A ClickException ends in SystemExit; anything else escaped the friendly-error net.
+    assert isinstance(result.exception, SystemExit), repr(result.exception)
+    assert "Traceback" not in result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines, "no output at all"
+    last = lines[-1]
+    assert last.startswith("Error:"), result.output[-2000:]
+    for needle in needles:
+        assert needle in last, f"{needle!r} not in {last!r}"
+    return last
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def spell_records(n=20):
+    return [
+        {"prompt": f"Spell from {LETTERS[i % 14]}", "completion": " ".join(LETTERS[i % 14 : i % 14 + 12])}
+        for i in range(n)
+    ]
+
+
+def read_log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines() if line.strip()]
+
+
+def mars_exe() -> str:
+    exe = Path(sys.executable).parent / "mars"
+    return str(exe) if exe.exists() else (shutil.which("mars") or "mars")
+
+
+def finetune_args(model, data, out, *extra, iters=20, kind="lora"):
+    return (
+        "finetune", "--model", model, "--data", data, "--output", out, "--fine-tune-type", kind,
+        "--iters", iters, "--batch-size", 4, "--learning-rate", 1e-3, "--device", "cpu", *extra,
+    )
+
+
+def run_mars(*args):
+    """A real `mars` process (one torch thread: see `one_torch_thread`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([mars_exe(), *map(str, args)], capture_output=True, text=True, timeout=180, env=env)
+
+
+# --- fixtures: one tiny base, one dataset, one full and one LoRA fine-tune ------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine torch's
+    spinning worker threads slow every step down by 10-50x when another process is busy."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("tiny") / "base", "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data") / "spell"
+    write_jsonl(d / "train.jsonl", spell_records())
+    return d
+
+
+@pytest.fixture(scope="module")
+def full(tiny, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("full") / "out"
+    result = ok(invoke(*finetune_args(tiny, data, out, "--ar-weight", 0.5, kind="full")))
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def lora(tiny, data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lora") / "out"
+    result = ok(invoke(*finetune_args(tiny, data, out, kind="lora")))
+    return out, result
+
+
+# --- 1. bad input: one line, non-zero, no output directory ---------------------------
+
+
+def test_malformed_jsonl_line(tiny, tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", [spell_records(1)[0], '{"prompt": "a", "completion": ', spell_records(1)[0]])
+    out = tmp_path / "out"
+    last = one_line_error(invoke(*finetune_args(tiny, d, out, iters=2)), "train.jsonl:2", "malformed JSON")
+    assert str(d / "train.jsonl") in last
+    assert not out.exists()
+
+
+def test_unknown_field(tiny, tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", [spell_records(1)[0], {"prompt": "a", "completion": "b", "answer": "c"}])
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(tiny, d, out, iters=2)), "train.jsonl:2", "unknown field 'answer'")
+    assert not out.exists()
+
+
+def test_empty_response(tiny, tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", [{"prompt": "a", "completion": "  "}])
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(tiny, d, out, iters=2)), "train.jsonl:1", "empty 'completion'")
+    assert not out.exists()
+
+
+def test_empty_final_assistant_message(tiny, tmp_path):
+    d = tmp_path / "data"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    write_jsonl(d / "train.jsonl", [spell_records(1)[0], {"messages": msgs}])
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(tiny, d, out, iters=2)), "train.jsonl:2", "empty final assistant message")
+    assert not out.exists()
+
+
+def test_too_long_is_an_error_by_default(tiny, data, tmp_path):
+    out = tmp_path / "out"
+    last = one_line_error(
+        invoke(*finetune_args(tiny, data, out, "--max-seq-length", 32, iters=2)),
+        "train.jsonl:1", "--max-seq-length 32", "neither truncated nor skipped",
+    )
+    assert "--on-long" in last
+    assert not out.exists()
+
+
+def test_model_without_weights(tiny, data, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny / "config.json", bare / "config.json")
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(bare, data, out, iters=2)), str(bare), "no weights")
+    assert not out.exists()
+    one_line_error(invoke("generate", "--model", bare, "--prompt", "hi", "--device", "cpu"), str(bare), "no weights")
+
+
+def test_generate_refuses_block_size_zero(tiny, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny, bad)
+    (bad / "mars.json").write_text(json.dumps({"block_size": 0, "mask_token": "<unused0>", "mask_token_id": 3}))
+    one_line_error(
+        invoke("generate", "--model", bad, "--prompt", "hi", "--max-tokens", 3, "--device", "cpu"),
+        "mars.json", "block_size",
+    )
+
+
+def test_missing_data_dir(tiny, tmp_path):
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(tiny, tmp_path / "nope", out, iters=2)), str(tmp_path / "nope"))
+    assert not out.exists()
+
+
+def test_output_and_resume_guards(tiny, data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    one_line_error(invoke(*finetune_args(tiny, data, out, iters=2)), "--resume")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]  # untouched
+    one_line_error(invoke(*finetune_args(tiny, data, out, "--resume", iters=2)), "no checkpoint")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (("--max-seq-length", 2), "--max-seq-length"),
+        (("--batch-size", 0), "--batch-size"),
+        (("--grad-accumulation-steps", 0), "--grad-accumulation-steps"),
+        (("--save-every", 0), "--save-every"),
+        (("--iters", -1), "--iters"),
+        (("--learning-rate", -1), "--learning-rate"),
+        (("--device", "nodevice"), "--device nodevice"),
+    ],
+)
+def test_bad_finetune_options(tiny, data, tmp_path, extra, needle):
+    out = tmp_path / "out"
+    one_line_error(invoke(*finetune_args(tiny, data, out, *extra, iters=2)), needle)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (("--max-tokens", 0), "--max-tokens"),
+        (("--batch-size", 0), "--batch-size"),
+        (("--block-size", 0), "--block-size"),
+        (("--top-p", 0, "--temp", 1), "--top-p"),
+        (("--device", "nodevice"), "--device nodevice"),
+    ],
+)
+def test_bad_generate_options(tiny, extra, needle):
+    one_line_error(invoke("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 3, *extra), needle)
+
+
+def test_real_process_exit_status_and_one_line_error(tiny, tmp_path):
+    d = tmp_path / "data"
+    write_jsonl(d / "train.jsonl", ["{not json"])
+    out = tmp_path / "out"
+    proc = run_mars(*finetune_args(tiny, d, out, iters=2))
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("Error:") and "train.jsonl:1" in lines[-1], proc.stderr
+    assert not out.exists()
+
+
+# --- 2. --on-long truncate / skip -----------------------------------------------------
+
+
+@pytest.fixture
+def mixed_lengths(tmp_path):
+    long = {"prompt": "Spell it all", "completion": " ".join(LETTERS * 3)}
+    return write_jsonl(tmp_path / "mixed" / "train.jsonl", spell_records(4) + [long, long])
+
+
+@pytest.mark.parametrize("mode,kept,report", [("truncate", 6, "2 truncated, 0 skipped"), ("skip", 4, "0 truncated, 2 skipped")])
+def test_on_long(tiny, mixed_lengths, tmp_path, mode, kept, report):
+    out = tmp_path / "out"
+    result = ok(invoke(*finetune_args(tiny, mixed_lengths.parent, out, "--max-seq-length", 64, "--on-long", mode, iters=2)))
+    assert f"{report} over --max-seq-length 64" in result.output
+    assert f"data: {kept} train examples" in result.output
+    assert "after 2 steps" in result.output
+    assert (out / "mars.json").is_file()
+
+
+# --- 3. full fine-tune ----------------------------------------------------------------
+
+
+def test_full_finetune_writes_a_plain_hf_model(full, tiny):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, result = full
+    assert "after 20 steps" in result.output
+    for name in ("config.json", "model.safetensors", "mars.json", "tokenizer.json", "tokenizer_config.json", "training_log.jsonl"):
+        assert (out / name).is_file(), name
+    assert not (out / "checkpoint").exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
+
+    mars = json.loads((out / "mars.json").read_text())
+    assert mars["block_size"] == 4
+    assert mars["mask_token"] == "<unused0>" and mars["mask_token_id"] == 3
+    assert mars["mask_token_added"] is False
+    assert mars["ar_weight"] == 0.5
+    assert Path(mars["base_model"]).resolve() == tiny.resolve()
+
+    log = read_log(out)
+    assert [r["step"] for r in log] == list(range(1, 21))
+    for r in log:
+        assert math.isfinite(r["noisy"]) and math.isfinite(r["clean"])
+
+    model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = torch.tensor([tok("hello")["input_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
+
+    # The weights moved away from the base (it was trained, not copied).
+    new, old = load_file(str(out / "model.safetensors")), load_file(str(tiny / "model.safetensors"))
+    assert new.keys() == old.keys()
+    assert any(not torch.allclose(new[k], old[k]) for k in new)
+
+
+# --- 4. LoRA ----------------------------------------------------------------------------
+
+
+def test_lora_writes_a_peft_adapter(lora, tiny):
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, result = lora
+    assert "after 20 steps" in result.output
+    for name in ("adapter_model.safetensors", "adapter_config.json", "mask_embedding.safetensors", "mars.json", "training_log.jsonl"):
+        assert (out / name).is_file(), name
+    assert not (out / "config.json").exists()  # an adapter, not a model
+    assert not (out / "checkpoint").exists()
+    mars = json.loads((out / "mars.json").read_text())
+    assert Path(mars["base_model"]).resolve() == tiny.resolve()
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny)).eval()
+    base_row = base.get_input_embeddings().weight[mars["mask_token_id"]].detach().clone()
+    model = PeftModel.from_pretrained(base, str(out)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[1, 10, 11, 12]])).logits
+    assert torch.isfinite(logits).all()
+
+    row = load_file(str(out / "mask_embedding.safetensors"))["mask_embedding"]
+    assert row.shape == base_row.shape
+    assert not torch.allclose(row.float(), base_row.float(), atol=1e-6), "the mask embedding row was not trained"
+
+
+def test_generate_from_adapter_dir_and_adapter_path(lora, tiny):
+    out, _ = lora
+    a = ok(invoke("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--json"))
+    b = ok(invoke("generate", "--model", tiny, "--adapter-path", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--json"))
+    ra, rb = json.loads(a.stdout.strip()), json.loads(b.stdout.strip())
+    assert ra["tokens"] >= 1 and ra == rb  # the adapter dir resolves its base from mars.json: same model
+    c = ok(invoke("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu"))
+    assert "tokens/forward" in c.output
+
+
+def test_generate_adapter_dir_real_process(lora):
+    out, _ = lora
+    proc = run_mars("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--threshold", 0.5)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "--- [0] hi"
+    assert "threshold 0.5" in lines[-1] and "tokens/forward" in lines[-1]
+
+
+# --- 5. resume --------------------------------------------------------------------------
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_resume_matches_an_uninterrupted_run(tiny, data, tmp_path, monkeypatch):
+    import torch
+    from safetensors.torch import load_file
+
+    from mars.backends.torch import train as train_mod
+
+    args = ("--save-every", 3, "--warmup", 0.2)
+    whole = tmp_path / "whole"
+    ok(invoke(*finetune_args(tiny, data, whole, *args, iters=9)))
+
+    # Interrupt a second run right after its checkpoint at step 6 (the second save, which replaces the first).
+    out = tmp_path / "resumed"
+    original = train_mod.Trainer.save_checkpoint
+    saved_at = []
+
+    def save_then_stop(self):
+        original(self)
+        saved_at.append(self.step)
+        ckpt = out / "checkpoint"
+        assert (ckpt / "state.pt").is_file() and (ckpt / "trainable.safetensors").is_file()
+        leftovers = [p.name for p in out.iterdir() if p.name.startswith(".")]
+        assert not leftovers, f"temporary checkpoint dirs left behind: {leftovers}"
+        if self.step == 6:
+            raise Interrupted
+
+    monkeypatch.setattr(train_mod.Trainer, "save_checkpoint", save_then_stop)
+    result = invoke(*finetune_args(tiny, data, out, *args, iters=9))
+    assert isinstance(result.exception, Interrupted), (result.exception, result.output[-2000:])
+    assert saved_at == [3, 6]
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint"]
+    monkeypatch.setattr(train_mod.Trainer, "save_checkpoint", original)
+
+    result = ok(invoke(*finetune_args(tiny, data, out, "--resume", *args, iters=9)))
+    assert "resumed from" in result.output and "at step 6/9" in result.output
+    assert "after 9 steps" in result.output
+    assert not (out / "checkpoint").exists(), "the resume checkpoint outlived the final save"
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+    log_whole, log_resumed = read_log(whole), read_log(out)
+    assert [r["step"] for r in log_resumed] == list(range(1, 10))
+    for a, b in zip(log_whole, log_resumed):
+        assert a["noisy"] == pytest.approx(b["noisy"], abs=1e-4) and a["clean"] == pytest.approx(b["clean"], abs=1e-4)
+        assert a["lr"] == pytest.approx(b["lr"], rel=1e-6)
+
+    for name in ("adapter_model.safetensors", "mask_embedding.safetensors"):
+        w, r = load_file(str(whole / name)), load_file(str(out / name))
+        assert w.keys() == r.keys()
+        for k in w:
+            diff = (w[k].float() - r[k].float()).abs().max().item()
+            assert diff <= 1e-5, f"{name}:{k} differs by {diff} after resume"
+
+
+# --- 6. generate ------------------------------------------------------------------------
+
+
+def test_generate_prints_tokens_per_forward(full):
+    out, _ = full
+    result = ok(invoke("generate", "--model", out, "--prompt", "Spell from c", "--max-tokens", 8, "--threshold", 0.5, "--device", "cpu"))
+    assert "--- [0] Spell from c" in result.stdout
+    last = [line for line in result.output.splitlines() if line.strip()][-1]
+    assert "threshold 0.5" in last and "tokens/forward" in last
+
+
+def test_generate_json_and_prompts_file(full, tmp_path):
+    out, _ = full
+    prompts = write_jsonl(
+        tmp_path / "prompts.jsonl",
+        [{"prompt": "Spell from a"}, {"messages": [{"role": "user", "content": "Spell from b"}]}],
+    )
+    result = ok(invoke(
+        "generate", "--model", out, "--prompts", prompts, "--prompt", "hi", "--json", "--max-tokens", 6, "--device", "cpu",
+    ))
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    assert len(rows) == 3  # one JSON object per prompt, nothing else on stdout
+    assert rows[0]["prompt"] == "hi" and rows[1]["prompt"] == "Spell from a"
+    for row in rows:
+        assert {"prompt", "text", "tokens", "finish", "forwards", "tokens_per_forward"} <= row.keys()
+        assert 1 <= row["tokens"] <= 6 and row["forwards"] >= 1
+        assert row["tokens_per_forward"] >= 1.0
+    assert "tokens/forward" in result.stderr  # the summary goes to stderr under --json
+
+
+def test_threshold_below_one_needs_mars_json_or_force(tiny):
+    args = ("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 3, "--threshold", 0.5, "--device", "cpu")
+    one_line_error(invoke(*args), "mars.json", "--force")
+    result = ok(invoke(*args, "--force"))
+    assert "tokens/forward" in result.output
+
+
+# --- 7. chat ------------------------------------------------------------------------------
+
+
+def test_chat(full):
+    out, _ = full
+    result = ok(invoke(
+        "chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
+        input="hello\n/threshold 0.5\nhi\n/quit\n",
+    ))
+    assert "threshold = 0.5" in result.output
+    replies = [line for line in result.output.splitlines() if "tokens/forward" in line]
+    assert len(replies) == 2, result.output

@@ -1,0 +1,224 @@
+"""PyTorch backend: the training forward against plain causal forwards, and decoding exactness.
+
+Tiny random float32 models (llama and qwen2 shapes) initialised at a large scale so
+their logits are peaked: greedy argmax then does not depend on the shape of the
+forward that produced it, and exact token equality is a fair test.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, slot_predictions
+from mars.core.acceptance import confidence_from_logits
+from mars.core.decoding import DecodeSettings, Sampling, generate
+from mars.core.loss import IGNORE
+from mars.core.masks import training_inputs
+from tiny import make_model, make_tokenizer
+
+ARCHS = ["llama", "qwen2"]
+MASK = 3
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tm(request, tok):
+    model = make_model(request.param, len(tok), seed=1)
+    return TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32)
+
+
+def prompts_of(tok, texts):
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in texts]
+
+
+PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
+
+
+def settings(**kw):
+    base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24, block_cache=8)
+    base.update(kw)
+    return DecodeSettings(**base)
+
+
+def hf_greedy(model, prompt, max_new):
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+# -- training forward --------------------------------------------------------------------------
+
+
+def training_batch(tok, B=4):
+    rows = [([5, 9, 12, 7, 30, 31, 32, 33, 34, 35], 3), ([8, 6, 40, 41, 42, 43], 2)]
+    L = max(-(-len(r) // B) * B for r, _ in rows)
+    ids = np.full((len(rows), L), EOS)
+    labels = np.full((len(rows), L), IGNORE)
+    lengths = []
+    for i, (r, prompt_len) in enumerate(rows):
+        n = -(-len(r) // B) * B
+        ids[i, : len(r)] = r
+        labels[i, prompt_len : len(r)] = r[prompt_len:]
+        labels[i, len(r) : n] = EOS  # EOS block padding is labelled
+        lengths.append(n)
+    return ids, labels, np.array(lengths)
+
+
+def plain_logits(model, seq):
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0]
+
+
+def test_training_forward_streams_equal_plain_causal_forwards(tm, tok):
+    B = 4
+    ids, labels, lengths = training_batch(tok, B)
+    input_ids, positions, _ = training_inputs(ids, labels, lengths, B, MASK)
+    inputs = loss_inputs(ids, labels, lengths, B, MASK, torch.float32, "cpu")
+    loss = MarsLoss(tm.model)
+    with torch.no_grad():
+        hidden = loss.hidden(inputs["input_ids"], inputs["positions"], inputs["attn"])
+        logits = loss.head(hidden)
+    L = ids.shape[1]
+    for r in range(len(ids)):
+        n = lengths[r]
+        # Clean stream: exactly the plain causal forward of the row.
+        ref = plain_logits(tm.model, ids[r, :n].tolist())
+        torch.testing.assert_close(logits[r, L : L + n], ref, atol=2e-5, rtol=1e-4)
+        # Noisy stream: at index q, the plain forward of clean earlier blocks + its own block's noisy prefix.
+        for q in range(n):
+            start = (q // B) * B
+            seq = ids[r, :start].tolist() + input_ids[r, start : q + 1].tolist()
+            torch.testing.assert_close(logits[r, q], plain_logits(tm.model, seq)[-1], atol=2e-5, rtol=1e-4)
+
+
+def test_mars_loss_matches_a_direct_computation(tm, tok):
+    B, alpha = 4, 0.7
+    ids, labels, lengths = training_batch(tok, B)
+    inputs = loss_inputs(ids, labels, lengths, B, MASK, torch.float32, "cpu")
+    loss = MarsLoss(tm.model)
+    with torch.no_grad():
+        noisy, clean = loss(**inputs)
+        logits = torch.log_softmax(loss.head(loss.hidden(inputs["input_ids"], inputs["positions"], inputs["attn"])), -1)
+    L = ids.shape[1]
+    per_row_noisy, per_row_clean = [], []
+    for r in range(len(ids)):
+        t = [i for i in range(1, L) if labels[r, i] != IGNORE]
+        per_row_noisy.append(np.mean([-float(logits[r, i - 1, labels[r, i]]) for i in t]))
+        per_row_clean.append(np.mean([-float(logits[r, L + i - 1, labels[r, i]]) for i in t]))
+    assert float(noisy) == pytest.approx(np.mean(per_row_noisy), rel=1e-5)
+    assert float(clean) == pytest.approx(np.mean(per_row_clean), rel=1e-5)
+    assert float(noisy + alpha * clean) == pytest.approx(np.mean(per_row_noisy) + alpha * np.mean(per_row_clean), rel=1e-5)
+
+
+# -- decoding ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["none", "window", "block"])
+def test_threshold_one_is_greedy_ar(tm, tok, cache):
+    dec = TorchDecoder(tm)
+    for prompt in prompts_of(tok, PROMPTS):
+        ours = generate(dec, [prompt], settings(threshold=1.0, cache=cache)).tokens[0]
+        assert ours == hf_greedy(tm.model, prompt, 24)
+
+
+@pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5, 0.1])
+def test_cached_window_equals_uncached(tm, tok, threshold):
+    dec = TorchDecoder(tm)
+    for prompt in prompts_of(tok, PROMPTS):
+        plain = generate(dec, [prompt], settings(threshold=threshold, cache="none"))
+        cached = generate(dec, [prompt], settings(threshold=threshold, cache="window"))
+        assert cached.tokens == plain.tokens
+        assert cached.stats.forwards == plain.stats.forwards
+
+
+@pytest.mark.parametrize("cache", ["none", "window", "block"])
+@pytest.mark.parametrize("threshold", [1.0, 0.5, 0.1])
+def test_batch_rows_equal_single_rows(tm, tok, cache, threshold):
+    dec = TorchDecoder(tm)
+    prompts = prompts_of(tok, PROMPTS)
+    s = settings(threshold=threshold, cache=cache)
+    batch = generate(dec, prompts, s)
+    for i, prompt in enumerate(prompts):
+        alone = generate(dec, [prompt], s)
+        assert batch.tokens[i] == alone.tokens[0]
+        assert batch.stats.rows[i].accepted == alone.stats.rows[0].accepted
+        if cache != "block":  # in the block cache a row may wait for the others
+            assert batch.stats.rows[i].forwards == alone.stats.rows[0].forwards
+
+
+def test_low_threshold_accepts_several_tokens_and_counts_them(tm, tok):
+    dec = TorchDecoder(tm)
+    s = settings(threshold=0.0, max_tokens=20)  # accepts every slot: B + 1 tokens per forward
+    res = generate(dec, prompts_of(tok, ["Hello there"]), s)
+    row = res.stats.rows[0]
+    assert row.accepted == len(res.tokens[0])
+    assert row.forwards == res.stats.forwards
+    if res.finish[0] == "length":
+        assert len(res.tokens[0]) == 20  # never overshoots max_tokens
+        assert row.forwards == 4  # 5 + 5 + 5 + 5
+    assert row.accepted_per_slot[0] == row.forwards
+
+
+def test_block_cache_counts_waiting_apart(tm, tok):
+    dec = TorchDecoder(tm)
+    res = generate(dec, prompts_of(tok, PROMPTS), settings(threshold=0.3, cache="block", block_cache=8))
+    for r, out in zip(res.stats.rows, res.tokens):
+        assert r.accepted == len(out)
+        assert r.forwards + r.waited <= res.stats.forwards
+
+
+def test_eos_stops_and_drops_what_follows(tok):
+    model = make_model("llama", len(tok), seed=3)
+    dec = TorchDecoder(TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32))
+    # Every slot after the first predicts EOS, confidently; slot 0 predicts its usual token.
+    def favour_eos(module, args, out):
+        out = out.clone()
+        out[:, 1:, EOS] += 1000.0
+        return out
+
+    handle = model.lm_head.register_forward_hook(favour_eos)
+    try:
+        res = generate(dec, prompts_of(tok, ["hi"]), settings(threshold=0.5))
+    finally:
+        handle.remove()
+    assert len(res.tokens[0]) == 2 and res.tokens[0][-1] == EOS and res.finish == ["eos"]
+    assert res.stats.rows[0].accepted == 2 and res.stats.forwards == 1
+
+
+def test_device_confidences_match_the_reference(tm):
+    logits = torch.randn(3, 5, 40) * 3
+    for metric in ("probability", "entropy", "margin"):
+        ids, conf = slot_predictions(logits, metric, Sampling())
+        ref_ids, ref_conf = confidence_from_logits(logits.numpy(), metric)
+        assert ids.tolist() == ref_ids.tolist()
+        np.testing.assert_allclose(conf.numpy(), ref_conf, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_is_seeded_and_top_k_one_is_greedy(tm, tok):
+    dec = TorchDecoder(tm)
+    prompt = prompts_of(tok, ["Hello there"])
+    greedy = generate(dec, prompt, settings(threshold=1.0)).tokens
+    top1 = generate(dec, prompt, settings(threshold=1.0, sampling=Sampling(temperature=1.0, top_k=1, seed=0))).tokens
+    assert top1 == greedy
+    a = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
+    b = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
+    assert a == b
+
+
+def test_float_mask_path_with_eager_attention(tok):
+    """Holes (left padding) go through an additive float mask; eager attention must agree with sdpa."""
+    sdpa = make_model("llama", len(tok), seed=1)
+    eager = make_model("llama", len(tok), seed=1)
+    eager.config._attn_implementation = "eager"
+    prompts = prompts_of(tok, PROMPTS)
+    s = settings(threshold=0.3)
+    a = generate(TorchDecoder(TorchModel(sdpa, tok, None, "", torch.device("cpu"), torch.float32)), prompts, s)
+    b = generate(TorchDecoder(TorchModel(eager, tok, None, "", torch.device("cpu"), torch.float32)), prompts, s)
+    assert a.tokens == b.tokens
