@@ -371,7 +371,6 @@ class Interrupted(Exception):
 
 
 def test_resume_matches_an_uninterrupted_run(tiny, data, tmp_path, monkeypatch):
-    import torch
     from safetensors.torch import load_file
 
     from mars.backends.torch import train as train_mod

@@ -162,7 +162,7 @@ def test_bad_line_names_file_and_line(tok, tmp_path, bad, message):
     with pytest.raises(DataError) as e:
         load(tok, path)
     text = str(e.value)
-    assert f"train.jsonl:3: " in text
+    assert "train.jsonl:3: " in text
     assert message in text
     assert "\n" not in text and "(" in text  # one line, with a hint
 

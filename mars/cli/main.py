@@ -112,7 +112,7 @@ def cli():
 def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, **opts):
     """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
     from ..backends.base import resolve
-    from ..core.config import ConfigError, has_config, read_config
+    from ..core.config import ConfigError, has_config
     from ..core.data import find_split_file, load_split
 
     resolve(backend)
@@ -126,16 +126,14 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     if resume and not (output / "checkpoint" / "state.pt").is_file():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
-    from ..backends.torch.model import ModelError, load, resolve_model_path
+    from ..backends.torch.model import ModelError, check_model_path, ensure_mask_token, load, load_tokenizer, resolve_model_path
     from ..backends.torch.train import Trainer, TrainSettings
     from ..default_model import model_ref
 
     base_path, adapter = resolve_model_path(model)
     if adapter is not None:
         raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model)")
-    from ..backends.torch.model import _check_model_dir, load_tokenizer
-
-    _check_model_dir(base_path)
+    check_model_path(base_path)
     tokenizer = load_tokenizer(base_path)
     read = functools.partial(
         load_split, tokenizer=tokenizer, block_size=opts["block_size"], max_seq_length=max_seq_length, on_long=on_long
@@ -151,8 +149,6 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     click.echo(f"data: {len(train.examples)} train" + (f", {len(valid.examples)} valid" if valid else "") + " examples", err=True)
 
     tm = load(base_path, dtype=dtype, device=device, announce=lambda m: click.echo(m, err=True))
-    from ..backends.torch.model import ensure_mask_token
-
     mars = tm.mars if has_config(base_path) else None
     if mars is not None and mars.block_size != opts["block_size"]:
         raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")

@@ -8,7 +8,7 @@ See METHOD.md sections 2 and 4 for why padding and labels look the way they do.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -67,7 +67,7 @@ def _is_adapter_dir(path: Path) -> bool:
     return path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
 
 
-def _check_model_dir(path: Path) -> None:
+def check_model_path(path: Path) -> None:
     if not path.exists():
         raise ModelError(f"{path}: no such file or directory (give a Hugging Face model directory or a .gguf file)")
     if path.is_dir():
@@ -137,7 +137,7 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     """A transformers model from a directory or a GGUF file (dequantized), with sdpa attention."""
     from transformers import AutoModelForCausalLM
 
-    _check_model_dir(path)
+    check_model_path(path)
     kwargs = dict(dtype=dtype, attn_implementation="sdpa")
     try:
         if path.is_file():
@@ -207,7 +207,7 @@ def load(
     base_path, adapter = resolve_model_path(model_path, adapter_path)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    _check_model_dir(base_path)
+    check_model_path(base_path)
     source = adapter if adapter is not None else base_path
     tokenizer = load_tokenizer(source if adapter is not None and (adapter / "tokenizer_config.json").is_file() else base_path)
     model = load_hf_model(base_path, dtype=dt, device=dev)
