@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from .core.files import atomic_dir
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_REF = f"default:{DEFAULT_NAME}"
@@ -55,16 +55,12 @@ def default_model_dir(announce=print) -> Path:
     model.hf_quantizer = None  # dequantized: save it as a plain float model
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{DEFAULT_NAME}."))
-    try:
+
+    def write(tmp: Path):
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        os.replace(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
+
+    atomic_dir(target, write)
     return target
 
 

@@ -116,7 +116,7 @@ def data(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full(tiny, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("full") / "out"
-    result = ok(invoke(*finetune_args(tiny, data, out, "--ar-weight", 0.5, kind="full")))
+    result = ok(invoke(*finetune_args(tiny, data, out, "--ar-weight", 0.5, "--default-threshold", 0.8, kind="full")))
     return out, result
 
 
@@ -293,6 +293,8 @@ def test_full_finetune_writes_a_plain_hf_model(full, tiny):
     assert mars["mask_token"] == "<unused0>" and mars["mask_token_id"] == 3
     assert mars["mask_token_added"] is False
     assert mars["ar_weight"] == 0.5
+    assert mars["default_threshold"] == 0.8
+    assert oct((out / "mars.json").stat().st_mode & 0o777) == oct(0o666 & ~current_umask())
     assert Path(mars["base_model"]).resolve() == tiny.resolve()
 
     log = read_log(out)
@@ -471,3 +473,9 @@ def test_chat(full):
     assert "threshold = 0.5" in result.output
     replies = [line for line in result.output.splitlines() if "tokens/forward" in line]
     assert len(replies) == 2, result.output
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -103,13 +103,14 @@ def cli():
 @click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default="row", show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
+@click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @backend_option
 @friendly_errors
-def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, **opts):
+def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, **opts):
     """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
     from ..backends.base import resolve
     from ..core.config import ConfigError, has_config
@@ -161,6 +162,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         err=True,
     )
     result = trainer.train(train.examples, valid.examples if valid else (), resume=resume, log=lambda m: click.echo(m, err=True))
+    mars.default_threshold = default_threshold
     trainer.save(tm.tokenizer, model_ref(base_path))
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}

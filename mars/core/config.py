@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+from .files import atomic_write_text
 
 FILENAME = "mars.json"
 FORMAT = 1
@@ -82,15 +83,7 @@ def read_config(path: str | os.PathLike) -> MarsConfig:
 def write_config(cfg: MarsConfig, directory: str | os.PathLike) -> Path:
     """Write `mars.json` into `directory` atomically (temp file, then rename)."""
     cfg.validate()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    target = directory / FILENAME
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".mars.", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(cfg.to_dict(), f, indent=2)
-        f.write("\n")
-    os.replace(tmp, target)
-    return target
+    return atomic_write_text(Path(directory) / FILENAME, json.dumps(cfg.to_dict(), indent=2) + "\n")
 
 
 def has_config(directory: str | os.PathLike) -> bool:

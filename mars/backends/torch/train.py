@@ -4,9 +4,6 @@ validation, atomic checkpoints, resume; multi-GPU through `accelerate launch`.""
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +13,7 @@ import torch
 
 from ...core.config import MarsConfig, write_config
 from ...core.data import batches
+from ...core.files import atomic_dir
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
 
 CHECKPOINT = "checkpoint"
@@ -52,24 +50,6 @@ def lr_lambda(total: int, warmup: int):
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-def _atomic_dir(target: Path, write) -> None:
-    """Write a directory through a temporary sibling, then swap it in."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp."))
-    try:
-        write(tmp)
-        old = None
-        if target.exists():
-            old = target.parent / f".{target.name}.old.{os.getpid()}"
-            os.replace(target, old)
-        os.replace(tmp, target)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 class Trainer:
@@ -139,7 +119,7 @@ class Trainer:
                 d / "state.pt",
             )
 
-        _atomic_dir(self.output / CHECKPOINT, write)
+        atomic_dir(self.output / CHECKPOINT, write)
 
     def load_checkpoint(self) -> bool:
         from safetensors.torch import load_file
@@ -268,7 +248,7 @@ class Trainer:
             write_config(self.mars, d)
             _write_history(self.history, d / "training_log.jsonl")
 
-        _atomic_dir(self.output, write)
+        atomic_dir(self.output, write)
         return self.output
 
 
