@@ -97,6 +97,36 @@ def training_check(device):
         }
 
 
+def full_autocast_check(device):
+    """Full fine-tuning keeps float32 weights and runs the forward under bfloat16 autocast on CUDA."""
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=0, scale=0.1).to(device)
+    tm = TorchModel(model, tok, None, "", torch.device(device), torch.float32)
+    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
+    examples = []
+    for c in "abcdefghijklmnopqrst":
+        ids, labels = encode_record({"prompt": f"Say {c}", "completion": c * 12}, tok, eos_id=tok.eos_token_id)
+        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
+        examples.append(Example(ids, labels, "x", False))
+    with tempfile.TemporaryDirectory() as d:
+        s = TrainSettings(fine_tune_type="full", iters=150, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
+        trainer = Trainer(tm, mars, s, Path(d) / "out")
+        h = trainer.train(examples, progress=False)["history"]
+    model.eval()
+    prompts = [encode_prompt(tok, f"Say {c}") for c in "abcdefghijklmnopqrst"]
+    base = dict(mask_id=mars.mask_token_id, eos_ids=(2,), block_size=4, max_tokens=24)
+    ar = generate(TorchDecoder(tm), prompts, DecodeSettings(threshold=1.0, **base))
+    fast = generate(TorchDecoder(tm), prompts, DecodeSettings(threshold=0.9, **base))
+    return {
+        "autocast": str(trainer.autocast),
+        "param_dtype": str(next(model.parameters()).dtype),
+        "noisy_first_last": [round(h[0]["noisy"], 4), round(h[-1]["noisy"], 4)],
+        "clean_first_last": [round(h[0]["clean"], 4), round(h[-1]["clean"], 4)],
+        "tokens_per_forward_at_0.9": round(fast.stats.tokens_per_forward, 3),
+        "same_output_as_1.0": fast.tokens == ar.tokens,
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -108,6 +138,7 @@ def main():
     for arch in ("llama", "qwen2"):
         report[arch] = decoding_checks(arch, args.device)
     report["training"] = training_check(args.device)
+    report["full_autocast"] = full_autocast_check(args.device)
     print(json.dumps(report, indent=2))
 
 

@@ -149,6 +149,8 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
             )
     click.echo(f"data: {len(train.examples)} train" + (f", {len(valid.examples)} valid" if valid else "") + " examples", err=True)
 
+    if dtype == "auto" and opts["fine_tune_type"] == "full":
+        dtype = "float32"  # trained weights stay float32; CUDA runs the forward under bfloat16 autocast
     tm = load(base_path, dtype=dtype, device=device, announce=lambda m: click.echo(m, err=True))
     mars = tm.mars if has_config(base_path) else None
     if mars is not None and mars.block_size != opts["block_size"]:

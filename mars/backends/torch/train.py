@@ -54,10 +54,21 @@ def lr_lambda(total: int, warmup: int):
 
 class Trainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
-        from accelerate import Accelerator
+        from accelerate import Accelerator, PartialState
 
         self.tm, self.mars, self.s, self.output = tm, mars, settings, Path(output)
-        self.acc = accelerator or Accelerator(cpu=tm.device.type == "cpu")
+        # Under `accelerate launch` each process trains on its own device; alone, on the one asked for.
+        distributed = PartialState(cpu=tm.device.type == "cpu").num_processes > 1
+        self.acc = accelerator or Accelerator(cpu=tm.device.type == "cpu", device_placement=distributed)
+        self.device = self.acc.device if distributed else tm.device
+        if distributed:
+            tm.model.to(self.device)
+        # float32 weights on CUDA train under bfloat16 autocast (float32 master weights and optimizer).
+        self.autocast = (
+            torch.bfloat16
+            if self.device.type == "cuda" and tm.dtype == torch.float32 and torch.cuda.is_bf16_supported()
+            else None
+        )
         torch.manual_seed(settings.seed)
         model = tm.model
         mask_row = None
@@ -143,10 +154,11 @@ class Trainer:
     def _losses(self, batch):
         ids, labels, lengths = batch
         inputs = loss_inputs(
-            ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.tm.dtype, self.acc.device,
-            self.s.normalize,
+            ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.autocast or self.tm.dtype,
+            self.device, self.s.normalize,
         )
-        return self.loss_module(**inputs)
+        with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
+            return self.loss_module(**inputs)
 
     @torch.no_grad()
     def evaluate(self, examples) -> dict:
