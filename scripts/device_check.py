@@ -62,16 +62,22 @@ def decoding_checks(arch, device):
     return out
 
 
-def training_check(device):
-    tok = make_tokenizer()
-    model = make_model("llama", len(tok), seed=0, scale=0.1).to(device=device, dtype=torch.bfloat16)
-    tm = TorchModel(model, tok, None, "", torch.device(device), torch.bfloat16)
-    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
+def say_examples(tok):
+    """Replies that repeat the letter the prompt names: learnable in a few dozen steps."""
     examples = []
     for c in "abcdefghijklmnopqrst":
         ids, labels = encode_record({"prompt": f"Say {c}", "completion": c * 12}, tok, eos_id=tok.eos_token_id)
         ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
         examples.append(Example(ids, labels, "x", False))
+    return examples
+
+
+def training_check(device):
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=0, scale=0.1).to(device=device, dtype=torch.bfloat16)
+    tm = TorchModel(model, tok, None, "", torch.device(device), torch.bfloat16)
+    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
+    examples = say_examples(tok)
     with tempfile.TemporaryDirectory() as d:
         base = Path(d) / "base"
         model.save_pretrained(base)
@@ -103,11 +109,7 @@ def full_autocast_check(device):
     model = make_model("llama", len(tok), seed=0, scale=0.1).to(device)
     tm = TorchModel(model, tok, None, "", torch.device(device), torch.float32)
     mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
-    examples = []
-    for c in "abcdefghijklmnopqrst":
-        ids, labels = encode_record({"prompt": f"Say {c}", "completion": c * 12}, tok, eos_id=tok.eos_token_id)
-        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
-        examples.append(Example(ids, labels, "x", False))
+    examples = say_examples(tok)
     with tempfile.TemporaryDirectory() as d:
         s = TrainSettings(fine_tune_type="full", iters=150, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
         trainer = Trainer(tm, mars, s, Path(d) / "out")

@@ -1,0 +1,53 @@
+"""The training loop's arithmetic: accumulation, epochs, the schedule."""
+
+import pytest
+import torch
+
+from mars.backends.torch.model import TorchModel, ensure_mask_token
+from mars.backends.torch.train import Trainer, TrainSettings, lr_lambda
+from mars.core.data import Example, encode_record, pad_to_block
+from tiny import make_model, make_tokenizer
+
+RECORDS = [
+    {"prompt": "Say a", "completion": "aaaa aaaa"},
+    {"prompt": "Say bb", "completion": "bb bb bb"},
+    {"prompt": "Hi", "completion": "Hello there, friend."},
+    {"prompt": "Count", "completion": "1 2 3 4 5 6 7"},
+]
+
+
+def setup(tmp_path, **kw):
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=0, scale=0.1)
+    tm = TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32)
+    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
+    examples = []
+    for rec in RECORDS:
+        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
+        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
+        examples.append(Example(ids, labels, "x", False))
+    settings = TrainSettings(fine_tune_type="full", learning_rate=1e-2, warmup=0.0, steps_per_save=10**9, **kw)
+    return Trainer(tm, mars, settings, tmp_path / "out"), examples, model
+
+
+def test_accumulating_two_half_batches_equals_one_whole_batch(tmp_path, monkeypatch):
+    # Plain SGD: Adam's normalised first step would amplify float noise in near-zero gradients.
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
+    whole, examples, model_a = setup(tmp_path / "a", iters=3, batch_size=4, max_grad_norm=0)
+    whole.train(examples, progress=False)
+    halves, examples, model_b = setup(tmp_path / "b", iters=3, batch_size=2, grad_accumulation=2, max_grad_norm=0)
+    halves.train(examples, progress=False)
+    for (name, a), (_, b) in zip(model_a.named_parameters(), model_b.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_epochs_set_the_step_count(tmp_path):
+    trainer, examples, _ = setup(tmp_path, epochs=2, batch_size=2)
+    assert trainer.train(examples, progress=False)["steps"] == 4  # 2 batches per epoch
+
+
+def test_warmup_then_cosine():
+    f = lr_lambda(total=10, warmup=2)
+    assert [round(f(s), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert f(6) == pytest.approx(0.5)
+    assert f(10) == pytest.approx(0.0)
