@@ -58,3 +58,13 @@ def test_cli_generate_runs_on_the_default():
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert refused.returncode != 0 and "mars.json" in refused.stderr
+
+
+def test_a_gguf_file_loads_directly(default):
+    from mars.default_model import default_gguf
+
+    direct = load(default_gguf(), announce=lambda m: None)
+    ids = torch.tensor([encode_prompt(default.tokenizer, PROMPTS[0])])
+    assert direct.tokenizer(PROMPTS[1])["input_ids"] == default.tokenizer(PROMPTS[1])["input_ids"]
+    with torch.no_grad():
+        torch.testing.assert_close(direct.model(ids).logits, default.model(ids).logits)
