@@ -1,0 +1,329 @@
+"""MLX backend: mlx-lm models run layer by layer with explicit positions and masks.
+
+mlx-lm's stock forward takes RoPE positions from a scalar cache offset and builds its
+own causal mask. MARS needs more: the training sequence repeats positions 0..L-1 for
+its two streams under the METHOD §3 mask, and batched decoding has holes and per-row
+positions. So this module reuses mlx-lm's modules and weights (projections, norms,
+RoPE, MLP, KV caches) and drives them itself, for the architectures listed below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ...core.config import MarsConfig, has_config, read_config
+from ...core.decoding import Sampling
+from ...core.tokens import choose_mask_token, eos_ids
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
+MASK_EMBEDDING_KEY = "mask_embedding"
+
+
+class MlxModelError(ValueError):
+    """A model the MLX backend cannot use; the message names the path or architecture and the fix."""
+
+
+@dataclass
+class MlxModel:
+    model: nn.Module  # an mlx-lm Model (llama, qwen2, qwen3)
+    tokenizer: object  # the Hugging Face tokenizer behind mlx-lm's wrapper
+    mars: MarsConfig | None
+    path: str
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return eos_ids(self.tokenizer, getattr(self.model.args, "eos_token_id", None))
+
+
+def check_architecture(model: nn.Module, where: str = "model") -> None:
+    model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
+    if model_type not in SUPPORTED:
+        raise MlxModelError(
+            f"{where}: architecture '{model_type}' is not supported by the MLX backend "
+            f"(supported: {', '.join(SUPPORTED)}); use --backend torch"
+        )
+
+
+def body(model: nn.Module) -> nn.Module:
+    return model.model
+
+
+def embed_tokens(model: nn.Module) -> nn.Module:
+    return model.model.embed_tokens
+
+
+def head(model: nn.Module, hidden: mx.array) -> mx.array:
+    if model.args.tie_word_embeddings:
+        return model.model.embed_tokens.as_linear(hidden)
+    return model.lm_head(hidden)
+
+
+def _rope(rope, x: mx.array, segments) -> mx.array:
+    """RoPE on (b, heads, q, d) where the sequence is `segments` of consecutive positions:
+    [(length, offsets (b,) or int)], e.g. the two MARS streams, each starting at 0."""
+    if len(segments) == 1:
+        return rope(x, offset=segments[0][1])
+    parts, start = [], 0
+    for length, offset in segments:
+        parts.append(rope(x[:, :, start : start + length], offset=offset))
+        start += length
+    return mx.concatenate(parts, axis=2)
+
+
+def _attention(attn, x: mx.array, mask, segments, cache) -> mx.array:
+    b, q, _ = x.shape
+    queries = attn.q_proj(x).reshape(b, q, attn.n_heads, -1)
+    keys = attn.k_proj(x).reshape(b, q, attn.n_kv_heads, -1)
+    values = attn.v_proj(x).reshape(b, q, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if hasattr(attn, "q_norm"):  # qwen3 normalises per head before RoPE
+        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
+    queries = _rope(attn.rope, queries.transpose(0, 2, 1, 3), segments)
+    keys = _rope(attn.rope, keys.transpose(0, 2, 1, 3), segments)
+    if cache is not None:
+        keys, values = cache.update_and_fetch(keys, values)
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q, -1))
+
+
+def hidden_states(model: nn.Module, inputs: mx.array, segments, mask=None, cache=None, embeddings=None) -> mx.array:
+    """The decoder body with explicit positions (`segments`) and a mask: bool (b, 1, q, kv),
+    "causal", or None (full attention)."""
+    inner = body(model)
+    h = inner.embed_tokens(inputs) if embeddings is None else embeddings
+    caches = cache if cache is not None else [None] * len(inner.layers)
+    for layer, c in zip(inner.layers, caches):
+        h = h + _attention(layer.self_attn, layer.input_layernorm(h), mask, segments, c)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return inner.norm(h)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _hf_tokenizer(wrapper):
+    return getattr(wrapper, "_tokenizer", wrapper)
+
+
+def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, announce=print):
+    """The same mask-token choice as the torch backend; grows the embedding when a token is added."""
+    if mars is None:
+        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, getattr(model.args, "eos_token_id", None)))
+        if added:
+            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+            token_id = tokenizer.convert_tokens_to_ids(token)
+            announce(f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)")
+        else:
+            announce(f"mask token: reusing unused special token {token} (id {token_id})")
+        mars = MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
+    elif mars.mask_token_added and mars.mask_token_id >= len(tokenizer):
+        tokenizer.add_special_tokens({"additional_special_tokens": [mars.mask_token]})
+    emb = embed_tokens(model)
+    rows = emb.weight.shape[0]
+    if mars.mask_token_id >= rows:
+        if isinstance(emb, nn.QuantizedEmbedding):
+            raise MlxModelError("a quantized model cannot grow its embedding for a new mask token; use a float model")
+        grown = mx.concatenate([emb.weight, mx.broadcast_to(emb.weight.mean(0, keepdims=True), (mars.mask_token_id + 1 - rows, emb.weight.shape[1]))])
+        emb.weight = grown
+        if not model.args.tie_word_embeddings:
+            w = model.lm_head.weight
+            model.lm_head.weight = mx.concatenate([w, mx.zeros((grown.shape[0] - w.shape[0], w.shape[1]), dtype=w.dtype)])
+    return mars
+
+
+def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
+    emb = embed_tokens(model)
+    if isinstance(emb, nn.QuantizedEmbedding):
+        raise MlxModelError("cannot place a trained mask-token row into a quantized embedding; fuse into a float model")
+    weight = emb.weight
+    emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
+
+
+def _resolve(model_path, adapter_path):
+    from ...default_model import default_model_dir, resolve_named_base
+
+    if model_path is None:
+        return default_model_dir(), (Path(adapter_path) if adapter_path else None)
+    path = Path(model_path)
+    if adapter_path is None and path.is_dir() and (path / "adapters.safetensors").is_file() and not (path / "config.json").is_file():
+        base = read_config(path).base_model if has_config(path) else ""
+        if not base:
+            raise MlxModelError(f"{path}: adapter without a base model in mars.json; pass --model BASE --adapter-path {path}")
+        return resolve_named_base(base), path
+    return path, (Path(adapter_path) if adapter_path else None)
+
+
+def _rope_overrides(config: dict) -> dict:
+    """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
+    `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in config:
+        return {}
+    out = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return out
+
+
+def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> MlxModel:
+    """An mlx-lm or Hugging Face directory (through mlx-lm's loader), with an optional mlx-lm adapter."""
+    from mlx_lm.utils import load as mlx_load
+
+    base, adapter = _resolve(model_path, adapter_path)
+    if not base.is_dir() or not (base / "config.json").is_file():
+        raise MlxModelError(f"{base}: not a model directory (no config.json)")
+    if not list(base.glob("*.safetensors")):
+        raise MlxModelError(f"{base}: no weights (*.safetensors) beside config.json")
+    model_type = json.loads((base / "config.json").read_text()).get("model_type", "?")
+    if model_type not in SUPPORTED:
+        raise MlxModelError(f"{base}: architecture '{model_type}' is not supported by the MLX backend (supported: {', '.join(SUPPORTED)}); use --backend torch")
+    source = adapter if adapter is not None else base
+    try:
+        model, wrapper = mlx_load(str(base), model_config=_rope_overrides(json.loads((base / "config.json").read_text())))
+    except (FileNotFoundError, ValueError) as e:
+        raise MlxModelError(f"{base}: could not load ({str(e).splitlines()[0]})") from None
+    check_architecture(model, str(base))
+    tokenizer = _hf_tokenizer(wrapper)
+    if adapter is not None and (adapter / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    mars = read_config(source) if has_config(source) else None
+    if mars is not None:
+        ensure_mask_token(model, tokenizer, mars, announce=announce)
+    if adapter is not None:
+        from mlx_lm.tuner.utils import load_adapters
+
+        model = load_adapters(model, str(adapter))
+        row_file = adapter / MASK_EMBEDDING_FILE
+        if row_file.is_file() and mars is not None:
+            set_mask_row(model, mars.mask_token_id, mx.load(str(row_file))[MASK_EMBEDDING_KEY])
+    model.eval()
+    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source))
+
+
+# -- decoding --------------------------------------------------------------------------------
+
+
+def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None):
+    """(ids, confidence) per slot on the device; the same rule as the torch backend."""
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    probs = mx.exp(logp)
+    if sampling.greedy:
+        chosen = mx.argmax(logits, axis=-1)
+    else:
+        chosen = _sample(logits, sampling, key)
+    if metric == "probability":
+        conf = mx.take_along_axis(probs, chosen[..., None], axis=-1)[..., 0]
+    elif metric == "margin":
+        top2 = mx.topk(probs, 2, axis=-1)
+        conf = mx.abs(top2[..., 1] - top2[..., 0])
+    else:
+        conf = -mx.sum(mx.where(probs > 0, probs * logp, 0.0), axis=-1)
+    return chosen, conf
+
+
+def _sample(logits: mx.array, sampling: Sampling, key):
+    z = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = mx.sort(z, axis=-1)[..., -sampling.top_k][..., None]
+        z = mx.where(z < kth, -mx.inf, z)
+    if sampling.top_p < 1.0:
+        order = mx.argsort(-z, axis=-1)
+        sorted_z = mx.take_along_axis(z, order, axis=-1)
+        p = mx.softmax(sorted_z, axis=-1)
+        drop = (mx.cumsum(p, axis=-1) - p) >= sampling.top_p
+        drop[..., 0] = False
+        sorted_z = mx.where(drop, -mx.inf, sorted_z)
+        z = mx.put_along_axis(mx.full(z.shape, -mx.inf), order, sorted_z, axis=-1)
+    return mx.random.categorical(z, axis=-1, key=key)
+
+
+class MlxDecoder:
+    """The decoding step of METHOD §5 for the core loop, on mlx-lm KV caches (trim, never copy)."""
+
+    def __init__(self, loaded: MlxModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self._key = None
+        self._seed = None
+
+    def new_cache(self, batch: int):
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in body(self.model).layers]
+
+    def crop(self, cache, length: int) -> None:
+        for c in cache:
+            if c.offset > length:
+                c.trim(c.offset - length)
+
+    def _next_key(self, sampling: Sampling):
+        if self._key is None or self._seed != sampling.seed:
+            seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
+            self._key, self._seed = mx.random.key(seed), sampling.seed
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
+        # Every row's real slots carry consecutive positions (holes are masked out),
+        # so one RoPE offset per row gives each row its own positions.
+        q = input_ids.shape[1]
+        offsets = mx.array((positions[:, -1] - (q - 1)).astype(np.int32))
+        attn = "causal" if mask is None else mx.array(mask)[:, None]
+        h = hidden_states(self.model, ids, [(q, offsets)], attn, cache)
+        idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
+        picked = mx.take_along_axis(h, idx[..., None], axis=1)
+        key = None if sampling.greedy else self._next_key(sampling)
+        chosen, conf = slot_predictions(head(self.model, picked), metric, sampling, key)
+        mx.eval(chosen, conf)
+        return np.array(chosen), np.array(conf)
+
+
+# -- training forward ------------------------------------------------------------------------
+
+
+def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1):
+    """(noisy, clean) losses of a MARS batch (METHOD §4), from the arrays of `training_batch`."""
+    inputs = batch["input_ids"]
+    length = inputs.shape[1] // 2
+    embeddings = None
+    if mask_row is not None:
+        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
+        embeddings = embed_tokens(model)(inputs)
+        embeddings = mx.where((inputs == mask_id)[..., None], mask_row.astype(embeddings.dtype), embeddings)
+    h = hidden_states(model, inputs, [(length, 0), (length, 0)], batch["mask"], embeddings=embeddings)
+    rows = mx.concatenate([batch["rows"], batch["rows"]])
+    index = mx.concatenate([batch["noisy_index"], batch["clean_index"]])
+    logits = head(model, h[rows, index]).astype(mx.float32)
+    targets = mx.concatenate([batch["targets"], batch["targets"]])
+    ce = nn.losses.cross_entropy(logits, targets, reduction="none")
+    n = batch["targets"].shape[0]
+    w = batch["weights"]
+    return (ce[:n] * w).sum(), (ce[n:] * w).sum()
+
+
+def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row") -> dict:
+    """MLX arrays for `mars_losses` from a padded numpy batch; masks and alignment come from the core."""
+    from ...core.loss import align
+    from ...core.masks import training_inputs
+
+    input_ids, _, mask = training_inputs(ids, labels, lengths, block_size, mask_id)
+    al = align(labels, normalize)
+    return {
+        "input_ids": mx.array(input_ids.astype(np.int32)),
+        "mask": mx.array(mask)[:, None],
+        "rows": mx.array(al.rows.astype(np.int32)),
+        "noisy_index": mx.array(al.noisy_index.astype(np.int32)),
+        "clean_index": mx.array(al.clean_index.astype(np.int32)),
+        "targets": mx.array(al.targets.astype(np.int32)),
+        "weights": mx.array(al.weights),
+    }
