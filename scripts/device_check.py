@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import make_model, make_tokenizer  # noqa: E402
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load  # noqa: E402
-from mars.backends.torch.train import Trainer, TrainSettings  # noqa: E402
+from mars.backends.torch.train import Trainer  # noqa: E402
+from mars.core.training import TrainSettings  # noqa: E402
 from mars.core.data import Example, encode_record, pad_to_block  # noqa: E402
 from mars.core.decoding import DecodeSettings, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402

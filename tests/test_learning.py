@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token
-from mars.backends.torch.train import Trainer, TrainSettings
+from mars.backends.torch.train import Trainer
+from mars.core.training import TrainSettings
 from mars.core.data import Example, encode_record, pad_to_block
 from mars.core.decoding import DecodeSettings, generate
 from mars.core.tokens import encode_prompt

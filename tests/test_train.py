@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchModel, ensure_mask_token
-from mars.backends.torch.train import Trainer, TrainSettings, lr_lambda
+from mars.backends.torch.train import Trainer
+from mars.core.training import TrainSettings, lr_lambda
 from mars.core.data import Example, encode_record, pad_to_block
 from tiny import make_model, make_tokenizer
 

@@ -128,7 +128,8 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
     from ..backends.torch.model import ModelError, check_model_path, ensure_mask_token, load, load_tokenizer, resolve_model_path
-    from ..backends.torch.train import Trainer, TrainSettings
+    from ..backends.torch.train import Trainer
+    from ..core.training import TrainSettings
     from ..default_model import model_ref
 
     base_path, adapter = resolve_model_path(model)

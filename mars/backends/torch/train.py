@@ -3,9 +3,8 @@ validation, atomic checkpoints, resume; multi-GPU through `accelerate launch`.""
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -14,43 +13,8 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.data import batches
 from ...core.files import atomic_dir
+from ...core.training import CHECKPOINT, LORA_TARGETS, TrainSettings, lr_lambda, total_steps
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
-
-CHECKPOINT = "checkpoint"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclass
-class TrainSettings:
-    fine_tune_type: str = "lora"  # lora | full
-    block_size: int = 4
-    ar_weight: float = 1.0
-    iters: int = 0  # optimizer steps; 0: derived from epochs
-    epochs: float = 1.0
-    batch_size: int = 4
-    grad_accumulation: int = 1
-    learning_rate: float = 1e-4
-    warmup: float = 0.03  # fraction of the steps
-    weight_decay: float = 0.0
-    lora_rank: int = 8
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    steps_per_eval: int = 100
-    steps_per_save: int = 100
-    seed: int = 0
-    normalize: str = "row"
-    max_grad_norm: float = 1.0
-
-
-def lr_lambda(total: int, warmup: int):
-    def f(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(1, total - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
 
 class Trainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
@@ -181,12 +145,9 @@ class Trainer:
 
         s = self.s
         self.pad_id = self.tm.tokenizer.eos_token_id
-        per_epoch = math.ceil(len(train_examples) / s.batch_size)
         shard = self.acc.num_processes
-        steps_per_epoch = max(1, per_epoch // (s.grad_accumulation * shard))
-        total = s.iters or max(1, math.ceil(s.epochs * steps_per_epoch))
-        warmup = max(1, int(round(s.warmup * total))) if s.warmup > 0 else 0
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, warmup) if warmup else lr_lambda(total, 0))
+        total, warmup = total_steps(len(train_examples), s, shard)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, warmup))
         self.loss_module, self.opt, self.sched = self.acc.prepare(self.loss, self.opt, self.sched)
         if resume and self.load_checkpoint():
             log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
