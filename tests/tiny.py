@@ -43,7 +43,7 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
     """A tiny random causal LM (float32). A large init scale makes logits peaked, so
     greedy argmax is stable across forwards of different shapes (no near-ties)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=vocab_size,
@@ -57,9 +57,16 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
-        tie_word_embeddings=(arch == "llama"),
+        tie_word_embeddings=(arch != "qwen2"),
     )
-    config = LlamaConfig(**common) if arch == "llama" else Qwen2Config(**common, use_sliding_window=False)
+    if arch == "llama":
+        config = LlamaConfig(**common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common, use_sliding_window=False)
+    elif arch == "qwen3":
+        config = Qwen3Config(**common, head_dim=hidden // 4, use_sliding_window=False)
+    else:
+        raise ValueError(arch)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval()

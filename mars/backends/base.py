@@ -31,7 +31,19 @@ def resolve(name: str = "auto") -> str:
     if name not in BACKENDS:
         raise BackendUnavailable(f"unknown backend {name!r}; choose one of auto, {', '.join(BACKENDS)}")
     if name == "mlx":
-        raise BackendUnavailable("the mlx backend is not available in this version yet; use --backend torch")
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        if importlib.util.find_spec("mlx") is None or importlib.util.find_spec("mlx_lm") is None:
+            raise BackendUnavailable("the mlx backend needs mlx and mlx-lm: pip install 'mars-mtp[mlx]'")
+    elif importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
         raise BackendUnavailable("the torch backend needs torch and transformers: pip install 'mars-mtp[torch]'")
     return name
+
+
+def loader(name: str):
+    """(load, decoder class) of a resolved backend."""
+    if name == "mlx":
+        from .mlx.model import MlxDecoder, load
+
+        return load, MlxDecoder
+    from .torch.model import TorchDecoder, load
+
+    return load, TorchDecoder

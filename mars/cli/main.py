@@ -35,6 +35,12 @@ def friendly_errors(fn):
         except ImportError:
             pass
         try:
+            from ..backends.mlx.model import MlxModelError
+
+            known += (MlxModelError,)
+        except ImportError:
+            pass
+        try:
             return fn(*args, **kwargs)
         except known as e:
             raise click.ClickException(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
@@ -124,7 +130,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         raise click.BadParameter(f"must be at least one block (--block-size {opts['block_size']})", param_hint="--max-seq-length")
     if output.exists() and any(output.iterdir()) and not resume:
         raise click.ClickException(f"{output}: exists and is not empty; pass --resume to continue it, or choose a new --output")
-    if resume and not (output / "checkpoint" / "state.pt").is_file():
+    if resume and not (output / "checkpoint").is_dir():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
     from ..backends.torch.model import ModelError, check_model_path, ensure_mask_token, load, load_tokenizer, resolve_model_path
@@ -195,15 +201,13 @@ class Session:
     """A loaded model plus the decoding settings a command uses."""
 
     def __init__(self, model, adapter_path, dtype, device, backend):
-        from ..backends.base import resolve
+        from ..backends.base import loader, resolve
 
-        resolve(backend)
+        load, decoder = loader(resolve(backend))
         quiet_libraries()
-        from ..backends.torch.model import TorchDecoder, load
-
         say = lambda m: click.echo(m, err=True)  # noqa: E731
         self.tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
-        self.decoder = TorchDecoder(self.tm)
+        self.decoder = decoder(self.tm)
 
     def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force):
         from ..core.acceptance import is_ar_mode
@@ -222,7 +226,7 @@ class Session:
                 )
             click.echo("WARNING: decoding a model without MARS training below threshold 1.0: expect wrong tokens", err=True)
         mask_id = mars.mask_token_id if mars else choose_mask_token(self.tm.tokenizer, exclude=self.tm.eos_ids)[1]
-        if mars is None and mask_id >= self.tm.model.get_input_embeddings().weight.shape[0]:
+        if mars is None and mask_id >= self.tm.vocab_rows:
             mask_id = self.tm.tokenizer.unk_token_id or 0
         return DecodeSettings(
             mask_id=mask_id,

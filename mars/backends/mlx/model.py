@@ -38,6 +38,10 @@ class MlxModel:
     path: str
 
     @property
+    def vocab_rows(self) -> int:
+        return self.model.args.vocab_size
+
+    @property
     def eos_ids(self) -> tuple[int, ...]:
         return eos_ids(self.tokenizer, getattr(self.model.args, "eos_token_id", None))
 

@@ -120,6 +120,10 @@ class TorchModel:
         return base.get_output_embeddings()
 
     @property
+    def vocab_rows(self) -> int:
+        return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
     def eos_ids(self) -> tuple[int, ...]:
         gen = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         return eos_ids(self.tokenizer, gen)

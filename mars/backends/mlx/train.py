@@ -1,0 +1,341 @@
+"""MARS fine-tuning on MLX: full or LoRA (mlx-lm's LoRA layers and adapter format), AdamW,
+warmup + cosine, accumulation, validation, atomic checkpoints, exact resume.
+
+Mirrors mars/backends/torch/train.py: the same batches, schedule, history records,
+checkpoint cadence and output layout, so that either backend's output reads the same.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ...core.config import MarsConfig, write_config
+from ...core.data import batches
+from ...core.files import atomic_dir
+from ...core.training import CHECKPOINT, LORA_TARGETS, TrainSettings, lr_lambda, total_steps
+from .model import (
+    MASK_EMBEDDING_FILE,
+    MASK_EMBEDDING_KEY,
+    MlxModel,
+    MlxModelError,
+    _rope_overrides,
+    body,
+    embed_tokens,
+    mars_losses,
+    set_mask_row,
+    training_batch,
+)
+
+TRAINABLE_FILE = "trainable.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+ADAPTER_FILE = "adapters.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class _Trainable(nn.Module):
+    """The model plus, under LoRA, the mask token's own embedding row: one tree for
+    `nn.value_and_grad` and the optimizer."""
+
+    def __init__(self, model: nn.Module, mask_row: mx.array | None):
+        super().__init__()
+        self.model = model
+        if mask_row is not None:
+            self.mask_row = mask_row
+
+
+def _quantized(module: nn.Module) -> bool:
+    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in module.named_modules())
+
+
+def lora_keys(model: nn.Module) -> list[str]:
+    """Module paths inside a decoder layer (e.g. 'self_attn.q_proj') of the usual LoRA targets."""
+    first = body(model).layers[0]
+    return sorted(
+        name
+        for name, m in first.named_modules()
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(m, (nn.Linear, nn.QuantizedLinear))
+    )
+
+
+class MlxTrainer:
+    def __init__(self, loaded: MlxModel, mars: MarsConfig, settings: TrainSettings, output: Path):
+        from mlx_lm.tuner.utils import linear_to_lora_layers
+
+        self.loaded, self.mars, self.s, self.output = loaded, mars, settings, Path(output)
+        model = loaded.model
+        self.model = model
+        mx.random.seed(settings.seed)
+        emb = embed_tokens(model)
+        self._emb_dtype = emb(mx.array([0])).dtype
+        mask_row = None
+        if settings.fine_tune_type == "lora":
+            keys = lora_keys(model)
+            if not keys:
+                raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
+            self.num_layers = len(body(model).layers)
+            self.lora_parameters = {
+                "rank": settings.lora_rank,
+                "scale": settings.lora_alpha / settings.lora_rank,
+                "dropout": settings.lora_dropout,
+                "keys": keys,
+            }
+            model.freeze()
+            linear_to_lora_layers(model, self.num_layers, self.lora_parameters)
+            row = emb(mx.array([mars.mask_token_id]))[0]
+            mask_row = row.astype(mx.float32)
+        elif settings.fine_tune_type == "full":
+            if _quantized(model):
+                raise MlxModelError("full fine-tuning needs a float model, not a quantized one; use --fine-tune-type lora")
+            model.unfreeze()
+        else:
+            raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+        model.train()
+        self.net = _Trainable(model, mask_row)
+        mx.eval(self.net.parameters())
+        self.trainable = sum(v.size for _, v in tree_flatten(self.net.trainable_parameters()))
+        # torch.optim.AdamW corrects the moment estimates' bias; mlx's AdamW does so only when asked.
+        self.opt = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=settings.weight_decay, bias_correction=True)
+        self._value_and_grad = nn.value_and_grad(self.net, self._loss)
+        self.step = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.history: list[dict] = []
+        self.pad_id = loaded.tokenizer.eos_token_id
+        self.total = 0
+
+    # -- the loss ----------------------------------------------------------
+    def _batch(self, batch) -> dict:
+        ids, labels, lengths = batch
+        return training_batch(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize)
+
+    def _losses(self, arrays: dict):
+        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id)
+
+    def _loss(self, arrays: dict):
+        noisy, clean = self._losses(arrays)
+        return noisy + self.s.ar_weight * clean, (noisy, clean)
+
+    # -- checkpoints -------------------------------------------------------
+    def _trainable_state(self) -> dict:
+        return dict(tree_flatten(self.net.trainable_parameters()))
+
+    def save_checkpoint(self) -> None:
+        def write(d: Path):
+            mx.save_safetensors(str(d / TRAINABLE_FILE), self._trainable_state())
+            mx.save_safetensors(str(d / OPTIMIZER_FILE), dict(tree_flatten(self.opt.state)))
+            state = {
+                "step": self.step,
+                "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch,
+                "history": self.history,
+                "settings": asdict(self.s),
+            }
+            (d / STATE_FILE).write_text(json.dumps(state))
+
+        atomic_dir(self.output / CHECKPOINT, write)
+
+    def load_checkpoint(self) -> bool:
+        d = self.output / CHECKPOINT
+        if not (d / STATE_FILE).is_file():
+            return False
+        weights = mx.load(str(d / TRAINABLE_FILE))
+        expected = self._trainable_state()
+        if set(weights) != set(expected):
+            raise ValueError(f"{d}: the checkpoint's trainable parameters do not match this run's (other settings?)")
+        self.net.update(tree_unflatten(list(weights.items())))
+        self.opt.state = tree_unflatten(list(mx.load(str(d / OPTIMIZER_FILE)).items()))
+        mx.eval(self.net.parameters(), self.opt.state)
+        meta = json.loads((d / STATE_FILE).read_text())
+        self.step, self.epoch, self.batch_in_epoch = meta["step"], meta["epoch"], meta["batch_in_epoch"]
+        self.history = meta["history"]
+        return True
+
+    # -- the loop ----------------------------------------------------------
+    def evaluate(self, examples) -> dict:
+        if not examples:
+            return {}
+        self.net.eval()
+        noisy = clean = 0.0
+        n = 0
+        for batch in batches(examples, self.s.batch_size, pad_id=self.pad_id, shuffle=False):
+            a, b = self._losses(self._batch(batch))
+            mx.eval(a, b)
+            rows = len(batch[0])
+            noisy += a.item() * rows
+            clean += b.item() * rows
+            n += rows
+        self.net.train()
+        return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
+
+    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
+        from tqdm.auto import tqdm
+
+        s = self.s
+        total, warmup = total_steps(len(train_examples), s)
+        self.total = total
+        schedule = lr_lambda(total, warmup)
+        if resume and self.load_checkpoint():
+            log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
+        self.net.train()
+        bar = tqdm(total=total, initial=self.step, disable=not progress, unit="step")
+        tokens = 0
+        t0 = time.perf_counter()
+        micro = 0
+        acc_noisy = acc_clean = 0.0
+        grads = None
+        while self.step < total:
+            all_batches = list(batches(train_examples, s.batch_size, pad_id=self.pad_id, seed=s.seed + self.epoch))
+            for i in range(self.batch_in_epoch, len(all_batches)):
+                batch = all_batches[i]
+                if micro % s.grad_accumulation == 0:
+                    # Dropout draws depend on the step only, so a resumed run draws the same.
+                    mx.random.seed(s.seed * 1_000_003 + self.step)
+                (_, (noisy, clean)), g = self._value_and_grad(self._batch(batch))
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+                mx.eval(grads, noisy, clean)
+                acc_noisy += noisy.item() / s.grad_accumulation
+                acc_clean += clean.item() / s.grad_accumulation
+                tokens += int(batch[2].sum())
+                micro += 1
+                self.batch_in_epoch = i + 1
+                if micro % s.grad_accumulation:
+                    continue
+                if s.grad_accumulation > 1:
+                    grads = tree_map(lambda x: x / s.grad_accumulation, grads)
+                if s.max_grad_norm:
+                    grads, _ = optim.clip_grad_norm(grads, s.max_grad_norm)
+                # The torch trainer's LambdaLR: step k runs at learning_rate * schedule(k).
+                self.opt.learning_rate = s.learning_rate * schedule(self.step)
+                self.opt.update(self.net, grads)
+                mx.eval(self.net.parameters(), self.opt.state)
+                grads = None
+                self.step += 1
+                rate = tokens / max(1e-9, time.perf_counter() - t0)
+                # Like torch's get_last_lr() after the scheduler step: the rate of the next step.
+                record = {"step": self.step, "noisy": acc_noisy, "clean": acc_clean, "lr": s.learning_rate * schedule(self.step), "tok_s": rate}
+                acc_noisy = acc_clean = 0.0
+                bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
+                bar.update(1)
+                if valid_examples and (self.step % s.steps_per_eval == 0 or self.step == total):
+                    record.update(self.evaluate(valid_examples))
+                    bar.write(f"step {self.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
+                self.history.append(record)
+                if self.step % s.steps_per_save == 0 and self.step < total:
+                    self.save_checkpoint()
+                if self.step >= total:
+                    break
+            else:
+                self.epoch += 1
+                self.batch_in_epoch = 0
+        bar.close()
+        self.net.eval()
+        return {"steps": self.step, "seconds": time.perf_counter() - t0, "history": self.history}
+
+    # -- output ------------------------------------------------------------
+    @property
+    def mask_row(self) -> mx.array | None:
+        return self.net.mask_row if "mask_row" in self.net else None
+
+    def _base_config(self) -> dict:
+        """The model's config.json for a full-model output, with what mlx-lm needs to read it back."""
+        from mlx_lm.utils import load_config
+
+        source = Path(self.loaded.path)
+        if (source / "config.json").is_file():
+            config = load_config(source)
+        else:  # loaded through an adapter directory: the model's own arguments
+            config = {k: v for k, v in asdict(self.model.args).items() if v is not None}
+        config.update(_rope_overrides(config))
+        config["vocab_size"] = int(embed_tokens(self.model).weight.shape[0])
+        return config
+
+    def _adapter_config(self, base_ref: str) -> dict:
+        """The fields mlx-lm's `lora` writes (and `load_adapters` reads) for a LoRA adapter."""
+        s = self.s
+        return {
+            "model": base_ref,
+            "fine_tune_type": "lora",
+            "num_layers": self.num_layers,
+            "lora_parameters": self.lora_parameters,
+            "optimizer": "adamw",
+            "optimizer_config": {"adamw": {"weight_decay": s.weight_decay}},
+            "seed": s.seed,
+            "batch_size": s.batch_size,
+            "iters": self.total or s.iters,
+            "learning_rate": s.learning_rate,
+            "grad_accumulation_steps": s.grad_accumulation,
+            "steps_per_eval": s.steps_per_eval,
+            "save_every": s.steps_per_save,
+            "adapter_path": str(self.output),
+        }
+
+    def _save_full(self, d: Path, fuse_lora: bool) -> None:
+        from mlx_lm.utils import save_config, save_model
+
+        model = self.model
+        originals, old_embedding = [], None
+        try:
+            if fuse_lora:
+                # As mlx_lm.fuse: every LoRA layer becomes a plain (or quantized) linear.
+                fused = []
+                for name, m in model.named_modules():
+                    if hasattr(m, "fuse"):
+                        originals.append((name, m))
+                        fused.append((name, m.fuse()))
+                if fused:
+                    model.update_modules(tree_unflatten(fused))
+                old_embedding = embed_tokens(model).weight
+                set_mask_row(model, self.mars.mask_token_id, self.mask_row)
+            save_model(d, model)
+        finally:
+            if originals:
+                model.update_modules(tree_unflatten(originals))
+            if old_embedding is not None:
+                embed_tokens(model).weight = old_embedding
+        save_config(self._base_config(), d / "config.json")
+        generation = Path(self.loaded.path) / "generation_config.json"
+        if generation.is_file():
+            shutil.copy(generation, d / "generation_config.json")
+
+    def save(self, tokenizer, base_ref: str, *, fuse: bool = False) -> Path:
+        """Write the MARS checkpoint into the output directory (atomically) and drop the resume checkpoint.
+
+        LoRA: an mlx-lm adapter directory (adapters.safetensors, adapter_config.json) plus the
+        trained mask-token row; full fine-tuning, or LoRA with fuse=True: a whole mlx-lm model."""
+        from mlx_lm.utils import save_config
+
+        self.mars.base_model = base_ref
+        self.mars.ar_weight = self.s.ar_weight
+        self.net.eval()
+
+        def write(d: Path):
+            if self.s.fine_tune_type == "lora" and not fuse:
+                mx.save_safetensors(str(d / ADAPTER_FILE), dict(tree_flatten(self.model.trainable_parameters())))
+                save_config(self._adapter_config(base_ref), d / ADAPTER_CONFIG)
+                row = self.mask_row.astype(self._emb_dtype)
+                mx.save_safetensors(str(d / MASK_EMBEDDING_FILE), {MASK_EMBEDDING_KEY: row})
+            else:
+                self._save_full(d, fuse_lora=self.s.fine_tune_type == "lora")
+            tokenizer.save_pretrained(str(d))
+            write_config(self.mars, d)
+            _write_history(self.history, d / "training_log.jsonl")
+
+        atomic_dir(self.output, write)
+        return self.output
+
+
+def _write_history(history: list[dict], path: Path) -> None:
+    """The same training_log.jsonl as the torch trainer's."""
+    with open(path, "w") as f:
+        for h in history:
+            f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n")
