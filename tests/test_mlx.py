@@ -134,3 +134,20 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(MlxModelError, match="'gpt2' is not supported .*llama, qwen2, qwen3"):
         mlx_load(path, announce=lambda m: None)
+
+
+def test_quantized_mlx_lm_model_decodes_like_mlx_lm(tmp_path):
+    from mlx_lm import convert
+
+    src = save_model(tmp_path / "hf", "llama", seed=1)
+    quantized = tmp_path / "q4"
+    convert(str(src), str(quantized), quantize=True, q_group_size=32, q_bits=4)
+    m = mlx_load(quantized, announce=lambda m: None)
+    assert "QuantizedLinear" in type(m.model.model.layers[0].self_attn.q_proj).__name__
+    for p in PROMPTS[:2]:
+        prompt = encode_prompt(m.tokenizer, p)
+        ours = generate(MlxDecoder(m), [prompt], settings(threshold=1.0)).tokens[0]
+        assert ours == mlx_lm_greedy(m.model, prompt, 24)
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    s = settings(threshold=0.3)
+    assert generate(MlxDecoder(m), prompts, s).tokens == [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts]

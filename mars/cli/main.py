@@ -23,23 +23,12 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from ..backends.base import BackendUnavailable
+        from ..backends.paths import ModelError
         from ..core.config import ConfigError
         from ..core.data import DataError
         from ..default_model import DefaultModelError
 
-        known = (BackendUnavailable, ConfigError, DataError, DefaultModelError, FileNotFoundError)
-        try:
-            from ..backends.torch.model import ModelError
-
-            known += (ModelError,)
-        except ImportError:
-            pass
-        try:
-            from ..backends.mlx.model import MlxModelError
-
-            known += (MlxModelError,)
-        except ImportError:
-            pass
+        known = (BackendUnavailable, ConfigError, DataError, DefaultModelError, FileNotFoundError, ModelError)
         try:
             return fn(*args, **kwargs)
         except known as e:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,13 +19,12 @@ import numpy as np
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.tokens import choose_mask_token, eos_ids
+from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
-MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
-MASK_EMBEDDING_KEY = "mask_embedding"
 
 
-class MlxModelError(ValueError):
+class MlxModelError(ModelError):
     """A model the MLX backend cannot use; the message names the path or architecture and the fix."""
 
 
@@ -149,20 +147,6 @@ def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
     emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
 
 
-def _resolve(model_path, adapter_path):
-    from ...default_model import default_model_dir, resolve_named_base
-
-    if model_path is None:
-        return default_model_dir(), (Path(adapter_path) if adapter_path else None)
-    path = Path(model_path)
-    if adapter_path is None and path.is_dir() and (path / "adapters.safetensors").is_file() and not (path / "config.json").is_file():
-        base = read_config(path).base_model if has_config(path) else ""
-        if not base:
-            raise MlxModelError(f"{path}: adapter without a base model in mars.json; pass --model BASE --adapter-path {path}")
-        return resolve_named_base(base), path
-    return path, (Path(adapter_path) if adapter_path else None)
-
-
 def _rope_overrides(config: dict) -> dict:
     """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
     `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
@@ -179,11 +163,10 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
     """An mlx-lm or Hugging Face directory (through mlx-lm's loader), with an optional mlx-lm adapter."""
     from mlx_lm.utils import load as mlx_load
 
-    base, adapter = _resolve(model_path, adapter_path)
-    if not base.is_dir() or not (base / "config.json").is_file():
-        raise MlxModelError(f"{base}: not a model directory (no config.json)")
-    if not list(base.glob("*.safetensors")):
-        raise MlxModelError(f"{base}: no weights (*.safetensors) beside config.json")
+    base, adapter = resolve_model_path(model_path, adapter_path)
+    check_model_path(base)
+    if base.is_file():
+        raise MlxModelError(f"{base}: the MLX backend loads model directories; import a GGUF with --backend torch")
     model_type = json.loads((base / "config.json").read_text()).get("model_type", "?")
     if model_type not in SUPPORTED:
         raise MlxModelError(f"{base}: architecture '{model_type}' is not supported by the MLX backend (supported: {', '.join(SUPPORTED)}); use --backend torch")

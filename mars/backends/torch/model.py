@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +13,14 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import choose_mask_token, eos_ids
-
-MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
-MASK_EMBEDDING_KEY = "mask_embedding"
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
-
-
-class ModelError(ValueError):
-    """A model path that cannot be loaded; the message names the path and the fix."""
-
+from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
+    MASK_EMBEDDING_FILE,
+    MASK_EMBEDDING_KEY,
+    ModelError,
+    check_model_path,
+    load_tokenizer,
+    resolve_model_path,
+)
 
 def pick_device(device: str | None = None) -> torch.device:
     if device and device != "auto":
@@ -63,41 +60,6 @@ def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
     return out[:, None]
 
 
-def _is_adapter_dir(path: Path) -> bool:
-    return path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
-
-
-def check_model_path(path: Path) -> None:
-    if not path.exists():
-        raise ModelError(f"{path}: no such file or directory (give a Hugging Face model directory or a .gguf file)")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{path}: no config.json (not a Hugging Face model directory)")
-        if not any(p.name.endswith(WEIGHT_SUFFIXES) and p.name != MASK_EMBEDDING_FILE for p in path.iterdir()):
-            raise ModelError(f"{path}: no weights (*.safetensors or *.bin) beside config.json")
-
-
-def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None):
-    """(base path, adapter path or None). `model` may be an adapter directory: its base is then
-    read from mars.json or adapter_config.json. None means the embedded default."""
-    if model is None:
-        from ...default_model import default_model_dir
-
-        return default_model_dir(), (Path(adapter) if adapter else None)
-    path = Path(model)
-    if adapter is None and _is_adapter_dir(path):
-        adapter = path
-        base = read_config(path).base_model if has_config(path) else ""
-        if not base:
-            base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
-        if not base:
-            raise ModelError(f"{path}: adapter without a base model; pass --model BASE --adapter-path {path}")
-        from ...default_model import resolve_named_base
-
-        return resolve_named_base(base), path
-    return path, (Path(adapter) if adapter else None)
-
-
 @dataclass
 class TorchModel:
     """A loaded causal LM with what MARS needs to drive it."""
@@ -129,14 +91,6 @@ class TorchModel:
         return eos_ids(self.tokenizer, gen)
 
 
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if path.is_file() and path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(str(path))
-
-
 def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     """A transformers model from a directory or a GGUF file (dequantized), with sdpa attention."""
     from transformers import AutoModelForCausalLM
@@ -145,8 +99,6 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     kwargs = dict(dtype=dtype, attn_implementation="sdpa")
     try:
         if path.is_file():
-            if path.suffix != ".gguf":
-                raise ModelError(f"{path}: a model file must be .gguf (or give a model directory)")
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
             # The weights are dequantized; drop the GGUF marker so the model saves like any other.
             model.hf_quantizer = None

@@ -1,0 +1,63 @@
+"""What both backends need before any framework: checking and resolving model paths, tokenizers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..core.config import has_config, read_config
+
+# The trained mask-token row beside an adapter: the same name in both backends' adapter directories.
+MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
+MASK_EMBEDDING_KEY = "mask_embedding"
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+class ModelError(ValueError):
+    """A model path that cannot be loaded; the message names the path and the fix."""
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A PEFT or mlx-lm adapter directory (both write adapter_config.json; neither a config.json)."""
+    return path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file()
+
+
+def check_model_path(path: Path) -> None:
+    if not path.exists():
+        raise ModelError(f"{path}: no such file or directory (give a model directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"{path}: a model file must be .gguf (or give a model directory)")
+        return
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path}: no config.json (not a model directory)")
+    if not any(p.name.endswith(WEIGHT_SUFFIXES) and p.name != MASK_EMBEDDING_FILE for p in path.iterdir()):
+        raise ModelError(f"{path}: no weights (*.safetensors or *.bin) beside config.json")
+
+
+def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None):
+    """(base path, adapter path or None). `model` may be an adapter directory: its base is then
+    read from mars.json or adapter_config.json. None means the embedded default."""
+    from ..default_model import default_model_dir, resolve_named_base
+
+    if model is None:
+        return default_model_dir(), (Path(adapter) if adapter else None)
+    path = Path(model)
+    if adapter is None and is_adapter_dir(path):
+        base = read_config(path).base_model if has_config(path) else ""
+        if not base:
+            config = json.loads((path / "adapter_config.json").read_text())
+            base = config.get("base_model_name_or_path") or config.get("model") or ""
+        if not base:
+            raise ModelError(f"{path}: adapter without a base model; pass --model BASE --adapter-path {path}")
+        return resolve_named_base(base), path
+    return path, (Path(adapter) if adapter else None)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))
