@@ -52,3 +52,38 @@ def test_warmup_then_cosine():
     assert [round(f(s), 3) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
     assert f(6) == pytest.approx(0.5)
     assert f(10) == pytest.approx(0.0)
+
+
+def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
+    from mars.backends.torch.model import TorchDecoder, load
+    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.tokens import encode_prompt
+    from tiny import save_model
+
+    base = save_model(tmp_path / "base", "llama", seed=0, scale=0.1)
+    tm = load(base, announce=lambda m: None)
+    mars = ensure_mask_token(tm.model, tm.tokenizer, None, block_size=4, announce=lambda m: None)
+    examples = []
+    for rec in RECORDS:
+        ids, labels = encode_record(rec, tm.tokenizer, eos_id=tm.tokenizer.eos_token_id)
+        examples.append(Example(*pad_to_block(ids, labels, 4, tm.tokenizer.eos_token_id, ended=True), "x", False))
+    s = TrainSettings(fine_tune_type="lora", iters=8, batch_size=4, learning_rate=1e-2, warmup=0.0, steps_per_save=10**9)
+    trainer = Trainer(tm, mars, s, tmp_path / "adapter")
+    trainer.train(examples, progress=False)
+    trainer.save(tm.tokenizer, str(base))
+    trainer.output = tmp_path / "fused"
+    trainer.save(tm.tokenizer, str(base), fuse=True)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (tmp_path / "fused" / "model.safetensors").is_file()
+    assert not (tmp_path / "fused" / "adapter_config.json").exists()
+
+    adapter = load(tmp_path / "adapter", announce=lambda m: None)  # its base comes from mars.json
+    fused = load(tmp_path / "fused", announce=lambda m: None)
+    mask_id = mars.mask_token_id
+    torch.testing.assert_close(
+        adapter.model.get_input_embeddings().weight[mask_id], fused.model.get_input_embeddings().weight[mask_id]
+    )
+    prompts = [encode_prompt(fused.tokenizer, r["prompt"]) for r in RECORDS]
+    for tau in (1.0, 0.5):
+        settings = DecodeSettings(mask_id=mask_id, eos_ids=(2,), threshold=tau, max_tokens=16)
+        assert generate(TorchDecoder(adapter), prompts, settings).tokens == generate(TorchDecoder(fused), prompts, settings).tokens

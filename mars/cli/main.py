@@ -100,32 +100,33 @@ def cli():
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
+@click.option("--fuse", is_flag=True, help="LoRA: write the adapter fused into a full model (mask-token row included) instead of an adapter.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @backend_option
 @friendly_errors
-def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, **opts):
+def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, fuse, **opts):
     """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
     from ..backends.base import resolve
+    from ..backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
     from ..core.config import ConfigError, has_config
     from ..core.data import find_split_file, load_split
+    from ..core.training import TrainSettings
+    from ..default_model import model_ref
 
-    resolve(backend)
+    name = resolve(backend)
     quiet_libraries()
     if opts["block_size"] < 1:
         raise click.BadParameter("must be >= 1", param_hint="--block-size")
     if max_seq_length < opts["block_size"]:
         raise click.BadParameter(f"must be at least one block (--block-size {opts['block_size']})", param_hint="--max-seq-length")
+    if fuse and opts["fine_tune_type"] != "lora":
+        raise click.BadParameter("only applies to --fine-tune-type lora", param_hint="--fuse")
     if output.exists() and any(output.iterdir()) and not resume:
         raise click.ClickException(f"{output}: exists and is not empty; pass --resume to continue it, or choose a new --output")
     if resume and not (output / "checkpoint").is_dir():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
-
-    from ..backends.torch.model import ModelError, check_model_path, ensure_mask_token, load, load_tokenizer, resolve_model_path
-    from ..backends.torch.train import Trainer
-    from ..core.training import TrainSettings
-    from ..default_model import model_ref
 
     base_path, adapter = resolve_model_path(model)
     if adapter is not None:
@@ -145,23 +146,33 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
             )
     click.echo(f"data: {len(train.examples)} train" + (f", {len(valid.examples)} valid" if valid else "") + " examples", err=True)
 
-    if dtype == "auto" and opts["fine_tune_type"] == "full":
-        dtype = "float32"  # trained weights stay float32; CUDA runs the forward under bfloat16 autocast
-    tm = load(base_path, dtype=dtype, device=device, announce=lambda m: click.echo(m, err=True))
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    if name == "mlx":
+        from ..backends.mlx.model import ensure_mask_token, load
+        from ..backends.mlx.train import MlxTrainer as Trainer
+
+        tm = load(base_path, announce=say)
+    else:
+        from ..backends.torch.model import ensure_mask_token, load
+        from ..backends.torch.train import Trainer
+
+        if dtype == "auto" and opts["fine_tune_type"] == "full":
+            dtype = "float32"  # trained weights stay float32; CUDA runs the forward under bfloat16 autocast
+        tm = load(base_path, dtype=dtype, device=device, announce=say)
     mars = tm.mars if has_config(base_path) else None
     if mars is not None and mars.block_size != opts["block_size"]:
         raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")
-    mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], announce=lambda m: click.echo(m, err=True))
+    mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], announce=say)
     settings = TrainSettings(**opts)
     trainer = Trainer(tm, mars, settings, output)
     click.echo(
         f"training {settings.fine_tune_type} ({trainer.trainable:,} trainable parameters), B={settings.block_size}, "
-        f"ar_weight={settings.ar_weight}, on {tm.device}",
+        f"ar_weight={settings.ar_weight}, on {getattr(tm, 'device', 'mlx')}",
         err=True,
     )
-    result = trainer.train(train.examples, valid.examples if valid else (), resume=resume, log=lambda m: click.echo(m, err=True))
+    result = trainer.train(train.examples, valid.examples if valid else (), resume=resume, log=say)
     mars.default_threshold = default_threshold
-    trainer.save(tm.tokenizer, model_ref(base_path))
+    trainer.save(tm.tokenizer, model_ref(base_path), fuse=fuse)
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
     click.echo(f"saved {output} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")

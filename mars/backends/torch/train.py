@@ -199,8 +199,10 @@ class Trainer:
         return {"steps": self.step, "seconds": time.perf_counter() - t0, "history": self.history}
 
     # -- output ------------------------------------------------------------
-    def save(self, tokenizer, base_ref: str) -> Path:
-        """Write the MARS checkpoint into the output directory (atomically) and drop the resume checkpoint."""
+    def save(self, tokenizer, base_ref: str, *, fuse: bool = False) -> Path:
+        """Write the MARS checkpoint into the output directory (atomically) and drop the resume checkpoint.
+
+        LoRA writes a PEFT adapter plus the mask-token row; with `fuse`, one full model instead."""
         from safetensors.torch import save_file
 
         self.mars.base_model = base_ref
@@ -209,14 +211,17 @@ class Trainer:
         model.eval()
         if not self.acc.is_main_process:
             return self.output
+        lora = self.s.fine_tune_type == "lora"
+        row = self.loss.mask_row.detach().to(self.tm.dtype) if lora else None
+        if lora and fuse:
+            model = model.merge_and_unload()
+            with torch.no_grad():
+                model.get_input_embeddings().weight[self.mars.mask_token_id] = row
 
         def write(d: Path):
-            if self.s.fine_tune_type == "lora":
-                model.save_pretrained(str(d))
-                row = self.loss.mask_row.detach().to(self.tm.dtype).cpu().contiguous()
-                save_file({MASK_EMBEDDING_KEY: row}, str(d / MASK_EMBEDDING_FILE))
-            else:
-                model.save_pretrained(str(d))
+            model.save_pretrained(str(d))
+            if lora and not fuse:
+                save_file({MASK_EMBEDDING_KEY: row.cpu().contiguous()}, str(d / MASK_EMBEDDING_FILE))
             tokenizer.save_pretrained(str(d))
             write_config(self.mars, d)
             _write_history(self.history, d / "training_log.jsonl")
