@@ -162,7 +162,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     mars = tm.mars if has_config(base_path) else None
     if mars is not None and mars.block_size != opts["block_size"]:
         raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")
-    mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], announce=say)
+    mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], exclude=tm.eos_ids, announce=say)
     settings = TrainSettings(**opts)
     trainer = Trainer(tm, mars, settings, output)
     click.echo(

@@ -34,6 +34,7 @@ class MlxModel:
     tokenizer: object  # the Hugging Face tokenizer behind mlx-lm's wrapper
     mars: MarsConfig | None
     path: str
+    generation_eos: tuple[int, ...] = ()  # config.json's eos_token_id list, as mlx-lm reads it
 
     @property
     def vocab_rows(self) -> int:
@@ -41,7 +42,7 @@ class MlxModel:
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
-        return eos_ids(self.tokenizer, getattr(self.model.args, "eos_token_id", None))
+        return eos_ids(self.tokenizer, list(self.generation_eos))
 
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
@@ -113,10 +114,11 @@ def _hf_tokenizer(wrapper):
     return getattr(wrapper, "_tokenizer", wrapper)
 
 
-def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, announce=print):
-    """The same mask-token choice as the torch backend; grows the embedding when a token is added."""
+def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, exclude=(), announce=print):
+    """The same mask-token choice as the torch backend (never an id in `exclude`, e.g. the
+    model's EOS ids); grows the embedding when a token is added."""
     if mars is None:
-        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, getattr(model.args, "eos_token_id", None)))
+        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, list(exclude)))
         if added:
             tokenizer.add_special_tokens({"additional_special_tokens": [token]})
             token_id = tokenizer.convert_tokens_to_ids(token)
@@ -192,7 +194,8 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         if row_file.is_file() and mars is not None:
             set_mask_row(model, mars.mask_token_id, mx.load(str(row_file))[MASK_EMBEDDING_KEY])
     model.eval()
-    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source))
+    generation_eos = tuple(sorted(int(i) for i in getattr(wrapper, "eos_token_ids", ()) or ()))
+    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), generation_eos=generation_eos)
 
 
 # -- decoding --------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, announce=print):
+def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, exclude=(), announce=print):
     """Return a MarsConfig whose mask token exists in `tokenizer` and `model` (adding one if needed)."""
     if mars is not None:
         token, token_id, added = mars.mask_token, mars.mask_token_id, mars.mask_token_added
@@ -122,7 +122,7 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
             tokenizer.add_special_tokens({"additional_special_tokens": [token]})
     else:
         gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, gen_eos))
+        token, token_id, added = choose_mask_token(tokenizer, exclude=set(eos_ids(tokenizer, gen_eos)) | set(exclude))
         if added:
             tokenizer.add_special_tokens({"additional_special_tokens": [token]})
             token_id = tokenizer.convert_tokens_to_ids(token)
