@@ -14,14 +14,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
+from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ...core.config import MarsConfig, write_config
 from ...core.data import batches
 from ...core.files import atomic_dir
-from ...core.training import CHECKPOINT, LORA_TARGETS, TrainSettings, lr_lambda, total_steps
+from ...core.training import (
+    CHECKPOINT,
+    LORA_TARGETS,
+    TrainSettings,
+    lr_lambda,
+    total_steps,
+)
 from .model import (
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
@@ -130,6 +136,9 @@ class MlxTrainer:
         return dict(tree_flatten(self.net.trainable_parameters()))
 
     def save_checkpoint(self) -> None:
+        if mx.distributed.init().rank() != 0:
+            return
+
         def write(d: Path):
             mx.save_safetensors(str(d / TRAINABLE_FILE), self._trainable_state())
             mx.save_safetensors(str(d / OPTIMIZER_FILE), dict(tree_flatten(self.opt.state)))
@@ -181,13 +190,16 @@ class MlxTrainer:
         from tqdm.auto import tqdm
 
         s = self.s
-        total, warmup = total_steps(len(train_examples), s)
+        # Several processes (`mlx.launch`): each takes every world-th batch; gradients are averaged.
+        group = mx.distributed.init()
+        rank, world = group.rank(), group.size()
+        total, warmup = total_steps(len(train_examples), s, world)
         self.total = total
         schedule = lr_lambda(total, warmup)
         if resume and self.load_checkpoint():
             log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
         self.net.train()
-        bar = tqdm(total=total, initial=self.step, disable=not progress, unit="step")
+        bar = tqdm(total=total, initial=self.step, disable=not progress or rank != 0, unit="step")
         tokens = 0
         t0 = time.perf_counter()
         micro = 0
@@ -195,8 +207,9 @@ class MlxTrainer:
         grads = None
         while self.step < total:
             all_batches = list(batches(train_examples, s.batch_size, pad_id=self.pad_id, seed=s.seed + self.epoch))
-            for i in range(self.batch_in_epoch, len(all_batches)):
-                batch = all_batches[i]
+            mine = all_batches[rank::world]
+            for i in range(self.batch_in_epoch, len(mine)):
+                batch = mine[i]
                 if micro % s.grad_accumulation == 0:
                     # Dropout draws depend on the step only, so a resumed run draws the same.
                     mx.random.seed(s.seed * 1_000_003 + self.step)
@@ -212,6 +225,8 @@ class MlxTrainer:
                     continue
                 if s.grad_accumulation > 1:
                     grads = tree_map(lambda x: x / s.grad_accumulation, grads)
+                if world > 1:
+                    grads = tree_map(lambda x: mx.distributed.all_sum(x, group=group) / world, grads)
                 if s.max_grad_norm:
                     grads, _ = optim.clip_grad_norm(grads, s.max_grad_norm)
                 # The torch trainer's LambdaLR: step k runs at learning_rate * schedule(k).
@@ -317,6 +332,8 @@ class MlxTrainer:
         self.mars.base_model = base_ref
         self.mars.ar_weight = self.s.ar_weight
         self.net.eval()
+        if mx.distributed.init().rank() != 0:
+            return self.output
 
         def write(d: Path):
             if self.s.fine_tune_type == "lora" and not fuse:
@@ -337,5 +354,4 @@ class MlxTrainer:
 def _write_history(history: list[dict], path: Path) -> None:
     """The same training_log.jsonl as the torch trainer's."""
     with open(path, "w") as f:
-        for h in history:
-            f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n")
+        f.writelines(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history)

@@ -56,6 +56,9 @@ class Trainer:
         elif settings.fine_tune_type == "full":
             for p in model.parameters():
                 p.requires_grad_(True)
+            # Models whose pad token is EOS get an embedding that never updates that row; here
+            # EOS is a real, labelled token (and padding is masked out), so it must train.
+            model.get_input_embeddings().padding_idx = None
         else:
             raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
         model.train()
