@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
-CHECKPOINT = "checkpoint"
+CHECKPOINT = "checkpoint"  # the resumable state inside the output directory
+TRAINING_LOG = "training_log.jsonl"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -48,3 +51,9 @@ def total_steps(n_examples: int, s: TrainSettings, shards: int = 1) -> tuple[int
     total = s.iters or max(1, math.ceil(s.epochs * steps_per_epoch))
     warmup = max(1, int(round(s.warmup * total))) if s.warmup > 0 else 0
     return total, warmup
+
+
+def write_history(history: list[dict], path: Path) -> None:
+    """training_log.jsonl: one record per optimizer step (losses, learning rate, tokens/s, validation)."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history)

@@ -149,7 +149,7 @@ def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
     emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
 
 
-def _rope_overrides(config: dict) -> dict:
+def rope_overrides(config: dict) -> dict:
     """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
     `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
     params = config.get("rope_parameters")
@@ -174,7 +174,7 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         raise MlxModelError(f"{base}: architecture '{model_type}' is not supported by the MLX backend (supported: {', '.join(SUPPORTED)}); use --backend torch")
     source = adapter if adapter is not None else base
     try:
-        model, wrapper = mlx_load(str(base), model_config=_rope_overrides(json.loads((base / "config.json").read_text())))
+        model, wrapper = mlx_load(str(base), model_config=rope_overrides(json.loads((base / "config.json").read_text())))
     except (FileNotFoundError, ValueError) as e:
         raise MlxModelError(f"{base}: could not load ({str(e).splitlines()[0]})") from None
     check_architecture(model, str(base))

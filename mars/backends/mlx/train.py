@@ -24,16 +24,18 @@ from ...core.files import atomic_dir
 from ...core.training import (
     CHECKPOINT,
     LORA_TARGETS,
+    TRAINING_LOG,
     TrainSettings,
     lr_lambda,
     total_steps,
+    write_history,
 )
 from .model import (
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
     MlxModel,
     MlxModelError,
-    _rope_overrides,
+    rope_overrides,
     body,
     embed_tokens,
     mars_losses,
@@ -270,7 +272,7 @@ class MlxTrainer:
             config = load_config(source)
         else:  # loaded through an adapter directory: the model's own arguments
             config = {k: v for k, v in asdict(self.model.args).items() if v is not None}
-        config.update(_rope_overrides(config))
+        config.update(rope_overrides(config))
         config["vocab_size"] = int(embed_tokens(self.model).weight.shape[0])
         return config
 
@@ -345,13 +347,7 @@ class MlxTrainer:
                 self._save_full(d, fuse_lora=self.s.fine_tune_type == "lora")
             tokenizer.save_pretrained(str(d))
             write_config(self.mars, d)
-            _write_history(self.history, d / "training_log.jsonl")
+            write_history(self.history, d / TRAINING_LOG)
 
         atomic_dir(self.output, write)
         return self.output
-
-
-def _write_history(history: list[dict], path: Path) -> None:
-    """The same training_log.jsonl as the torch trainer's."""
-    with open(path, "w") as f:
-        f.writelines(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history)

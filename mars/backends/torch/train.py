@@ -7,13 +7,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ...core.config import MarsConfig, write_config
 from ...core.data import batches
 from ...core.files import atomic_dir
-from ...core.training import CHECKPOINT, LORA_TARGETS, TrainSettings, lr_lambda, total_steps
+from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, total_steps, write_history
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
 
 class Trainer:
@@ -227,20 +226,7 @@ class Trainer:
                 save_file({MASK_EMBEDDING_KEY: row.cpu().contiguous()}, str(d / MASK_EMBEDDING_FILE))
             tokenizer.save_pretrained(str(d))
             write_config(self.mars, d)
-            _write_history(self.history, d / "training_log.jsonl")
+            write_history(self.history, d / TRAINING_LOG)
 
         atomic_dir(self.output, write)
         return self.output
-
-
-def _write_history(history: list[dict], path: Path) -> None:
-    import json
-
-    with open(path, "w") as f:
-        for h in history:
-            f.write(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n")
-
-
-def set_seed(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed)
