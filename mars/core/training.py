@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 CHECKPOINT = "checkpoint"  # the resumable state inside the output directory
 TRAINING_LOG = "training_log.jsonl"
@@ -57,3 +59,80 @@ def write_history(history: list[dict], path: Path) -> None:
     """training_log.jsonl: one record per optimizer step (losses, learning rate, tokens/s, validation)."""
     with open(path, "w") as f:
         f.writelines(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history)
+
+
+class Steps(Protocol):
+    """What a backend's trainer gives the shared loop."""
+
+    s: TrainSettings
+    step: int
+    epoch: int
+    batch_in_epoch: int
+    history: list[dict]
+    output: Path
+    pad_id: int
+
+    def accumulate(self, batch, first: bool) -> tuple[float, float]:
+        """Forward and backward of one micro-batch, adding 1/grad_accumulation of its
+        gradient; returns its (noisy, clean) losses. `first` starts an accumulation."""
+        ...
+
+    def apply_update(self) -> float:
+        """Clip, step the optimizer at this step's learning rate, clear the gradients;
+        returns the learning rate of the next step."""
+        ...
+
+    def evaluate(self, examples) -> dict: ...
+
+    def save_checkpoint(self) -> None: ...
+
+    def load_checkpoint(self) -> bool: ...
+
+
+def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: int = 0, world: int = 1,
+        resume: bool = False, log=print, progress: bool = True) -> dict:
+    """The training loop both backends share: epochs of length-bucketed batches (process
+    `rank` of `world` takes every world-th), accumulation, history, validation, checkpoints."""
+    from tqdm.auto import tqdm
+
+    from .data import batches
+
+    s = trainer.s
+    if resume and trainer.load_checkpoint():
+        log(f"resumed from {trainer.output / CHECKPOINT} at step {trainer.step}/{total}")
+    bar = tqdm(total=total, initial=trainer.step, disable=not progress or rank != 0, unit="step")
+    tokens = micro = 0
+    noisy_sum = clean_sum = 0.0
+    t0 = time.perf_counter()
+    while trainer.step < total:
+        epoch = list(batches(train_examples, s.batch_size, pad_id=trainer.pad_id, seed=s.seed + trainer.epoch))
+        mine = epoch[rank::world]
+        for i in range(trainer.batch_in_epoch, len(mine)):
+            noisy, clean = trainer.accumulate(mine[i], first=micro % s.grad_accumulation == 0)
+            noisy_sum += noisy / s.grad_accumulation
+            clean_sum += clean / s.grad_accumulation
+            tokens += int(mine[i][2].sum())
+            micro += 1
+            trainer.batch_in_epoch = i + 1
+            if micro % s.grad_accumulation:
+                continue
+            next_lr = trainer.apply_update()
+            trainer.step += 1
+            rate = tokens / max(1e-9, time.perf_counter() - t0)
+            record = {"step": trainer.step, "noisy": noisy_sum, "clean": clean_sum, "lr": next_lr, "tok_s": rate}
+            noisy_sum = clean_sum = 0.0
+            bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
+            bar.update(1)
+            if valid_examples and (trainer.step % s.steps_per_eval == 0 or trainer.step == total):
+                record.update(trainer.evaluate(valid_examples))
+                bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
+            trainer.history.append(record)
+            if trainer.step % s.steps_per_save == 0 and trainer.step < total:
+                trainer.save_checkpoint()
+            if trainer.step >= total:
+                break
+        else:
+            trainer.epoch += 1
+            trainer.batch_in_epoch = 0
+    bar.close()
+    return {"steps": trainer.step, "seconds": time.perf_counter() - t0, "history": trainer.history}

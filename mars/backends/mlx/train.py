@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from ...core.training import (
     TRAINING_LOG,
     TrainSettings,
     lr_lambda,
+    run,
     total_steps,
     write_history,
 )
@@ -188,75 +188,41 @@ class MlxTrainer:
         self.net.train()
         return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
 
-    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
-        from tqdm.auto import tqdm
+    def accumulate(self, batch, first: bool) -> tuple[float, float]:
+        if first:
+            # Dropout draws depend on the step only, so a resumed run draws the same.
+            mx.random.seed(self.s.seed * 1_000_003 + self.step)
+        (_, (noisy, clean)), g = self._value_and_grad(self._batch(batch))
+        g = tree_map(lambda x: x / self.s.grad_accumulation, g) if self.s.grad_accumulation > 1 else g
+        self._grads = g if first else tree_map(mx.add, self._grads, g)
+        mx.eval(self._grads, noisy, clean)
+        return noisy.item(), clean.item()
 
-        s = self.s
+    def apply_update(self) -> float:
+        grads, self._grads = self._grads, None
+        if self._world > 1:
+            grads = tree_map(lambda x: mx.distributed.all_sum(x, group=self._group) / self._world, grads)
+        if self.s.max_grad_norm:
+            grads, _ = optim.clip_grad_norm(grads, self.s.max_grad_norm)
+        # The torch trainer's LambdaLR: step k runs at learning_rate * schedule(k).
+        self.opt.learning_rate = self.s.learning_rate * self._schedule(self.step)
+        self.opt.update(self.net, grads)
+        mx.eval(self.net.parameters(), self.opt.state)
+        return self.s.learning_rate * self._schedule(self.step + 1)
+
+    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
         # Several processes (`mlx.launch`): each takes every world-th batch; gradients are averaged.
-        group = mx.distributed.init()
-        rank, world = group.rank(), group.size()
-        total, warmup = total_steps(len(train_examples), s, world)
-        self.total = total
-        schedule = lr_lambda(total, warmup)
-        if resume and self.load_checkpoint():
-            log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
+        self._group = mx.distributed.init()
+        self._world = self._group.size()
+        self.total, warmup = total_steps(len(train_examples), self.s, self._world)
+        self._schedule = lr_lambda(self.total, warmup)
         self.net.train()
-        bar = tqdm(total=total, initial=self.step, disable=not progress or rank != 0, unit="step")
-        tokens = 0
-        t0 = time.perf_counter()
-        micro = 0
-        acc_noisy = acc_clean = 0.0
-        grads = None
-        while self.step < total:
-            all_batches = list(batches(train_examples, s.batch_size, pad_id=self.pad_id, seed=s.seed + self.epoch))
-            mine = all_batches[rank::world]
-            for i in range(self.batch_in_epoch, len(mine)):
-                batch = mine[i]
-                if micro % s.grad_accumulation == 0:
-                    # Dropout draws depend on the step only, so a resumed run draws the same.
-                    mx.random.seed(s.seed * 1_000_003 + self.step)
-                (_, (noisy, clean)), g = self._value_and_grad(self._batch(batch))
-                grads = g if grads is None else tree_map(mx.add, grads, g)
-                mx.eval(grads, noisy, clean)
-                acc_noisy += noisy.item() / s.grad_accumulation
-                acc_clean += clean.item() / s.grad_accumulation
-                tokens += int(batch[2].sum())
-                micro += 1
-                self.batch_in_epoch = i + 1
-                if micro % s.grad_accumulation:
-                    continue
-                if s.grad_accumulation > 1:
-                    grads = tree_map(lambda x: x / s.grad_accumulation, grads)
-                if world > 1:
-                    grads = tree_map(lambda x: mx.distributed.all_sum(x, group=group) / world, grads)
-                if s.max_grad_norm:
-                    grads, _ = optim.clip_grad_norm(grads, s.max_grad_norm)
-                # The torch trainer's LambdaLR: step k runs at learning_rate * schedule(k).
-                self.opt.learning_rate = s.learning_rate * schedule(self.step)
-                self.opt.update(self.net, grads)
-                mx.eval(self.net.parameters(), self.opt.state)
-                grads = None
-                self.step += 1
-                rate = tokens / max(1e-9, time.perf_counter() - t0)
-                # Like torch's get_last_lr() after the scheduler step: the rate of the next step.
-                record = {"step": self.step, "noisy": acc_noisy, "clean": acc_clean, "lr": s.learning_rate * schedule(self.step), "tok_s": rate}
-                acc_noisy = acc_clean = 0.0
-                bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
-                bar.update(1)
-                if valid_examples and (self.step % s.steps_per_eval == 0 or self.step == total):
-                    record.update(self.evaluate(valid_examples))
-                    bar.write(f"step {self.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
-                self.history.append(record)
-                if self.step % s.steps_per_save == 0 and self.step < total:
-                    self.save_checkpoint()
-                if self.step >= total:
-                    break
-            else:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-        bar.close()
+        result = run(
+            self, train_examples, valid_examples, total=self.total, rank=self._group.rank(), world=self._world,
+            resume=resume, log=log, progress=progress,
+        )
         self.net.eval()
-        return {"steps": self.step, "seconds": time.perf_counter() - t0, "history": self.history}
+        return result
 
     # -- output ------------------------------------------------------------
     @property

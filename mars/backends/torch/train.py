@@ -3,7 +3,6 @@ validation, atomic checkpoints, resume; multi-GPU through `accelerate launch`.""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.data import batches
 from ...core.files import atomic_dir
-from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, total_steps, write_history
+from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, write_history
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
 
 class Trainer:
@@ -142,63 +141,28 @@ class Trainer:
         self.loss_module.train()
         return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
 
-    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
-        from tqdm.auto import tqdm
+    def accumulate(self, batch, first: bool) -> tuple[float, float]:
+        noisy, clean = self._losses(batch)
+        self.acc.backward((noisy + self.s.ar_weight * clean) / self.s.grad_accumulation)
+        return noisy.item(), clean.item()
 
-        s = self.s
+    def apply_update(self) -> float:
+        if self.s.max_grad_norm:
+            self.acc.clip_grad_norm_(self.loss_module.parameters(), self.s.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        return self.sched.get_last_lr()[0]
+
+    def train(self, train_examples, valid_examples=(), *, resume: bool = False, log=print, progress=True) -> dict:
         self.pad_id = self.tm.tokenizer.eos_token_id
-        shard = self.acc.num_processes
-        total, warmup = total_steps(len(train_examples), s, shard)
+        total, warmup = total_steps(len(train_examples), self.s, self.acc.num_processes)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, warmup))
         self.loss_module, self.opt, self.sched = self.acc.prepare(self.loss, self.opt, self.sched)
-        if resume and self.load_checkpoint():
-            log(f"resumed from {self.output / CHECKPOINT} at step {self.step}/{total}")
-        bar = tqdm(total=total, initial=self.step, disable=not (progress and self.acc.is_main_process), unit="step")
-        tokens = 0
-        t0 = time.perf_counter()
-        micro = 0
-        acc_noisy = acc_clean = 0.0
-        while self.step < total:
-            all_batches = list(batches(train_examples, s.batch_size, pad_id=self.pad_id, seed=s.seed + self.epoch))
-            mine = all_batches[self.acc.process_index :: shard]
-            for i in range(self.batch_in_epoch, len(mine)):
-                batch = mine[i]
-                noisy, clean = self._losses(batch)
-                loss = (noisy + s.ar_weight * clean) / s.grad_accumulation
-                self.acc.backward(loss)
-                acc_noisy += noisy.item() / s.grad_accumulation
-                acc_clean += clean.item() / s.grad_accumulation
-                tokens += int(batch[2].sum())
-                micro += 1
-                self.batch_in_epoch = i + 1
-                if micro % s.grad_accumulation:
-                    continue
-                if s.max_grad_norm:
-                    self.acc.clip_grad_norm_(self.loss_module.parameters(), s.max_grad_norm)
-                self.opt.step()
-                self.sched.step()
-                self.opt.zero_grad(set_to_none=True)
-                self.step += 1
-                rate = tokens / max(1e-9, time.perf_counter() - t0)
-                record = {"step": self.step, "noisy": acc_noisy, "clean": acc_clean, "lr": self.sched.get_last_lr()[0], "tok_s": rate}
-                acc_noisy = acc_clean = 0.0
-                bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
-                bar.update(1)
-                if valid_examples and (self.step % s.steps_per_eval == 0 or self.step == total):
-                    record.update(self.evaluate(valid_examples))
-                    bar.write(
-                        f"step {self.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}"
-                    )
-                self.history.append(record)
-                if self.step % s.steps_per_save == 0 and self.step < total:
-                    self.save_checkpoint()
-                if self.step >= total:
-                    break
-            else:
-                self.epoch += 1
-                self.batch_in_epoch = 0
-        bar.close()
-        return {"steps": self.step, "seconds": time.perf_counter() - t0, "history": self.history}
+        return run(
+            self, train_examples, valid_examples, total=total, rank=self.acc.process_index,
+            world=self.acc.num_processes, resume=resume, log=log, progress=progress,
+        )
 
     # -- output ------------------------------------------------------------
     def save(self, tokenizer, base_ref: str, *, fuse: bool = False) -> Path:
