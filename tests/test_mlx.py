@@ -151,3 +151,13 @@ def test_quantized_mlx_lm_model_decodes_like_mlx_lm(tmp_path):
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
     s = settings(threshold=0.3)
     assert generate(MlxDecoder(m), prompts, s).tokens == [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts]
+
+
+def test_both_backends_choose_the_same_mask_token(pair):
+    from mars.backends.mlx.model import ensure_mask_token as mlx_mask
+    from mars.backends.torch.model import ensure_mask_token as torch_mask
+
+    m, t = pair
+    a = mlx_mask(m.model, m.tokenizer, None, block_size=4, exclude=m.eos_ids, announce=lambda x: None)
+    b = torch_mask(t.model, t.tokenizer, None, block_size=4, exclude=t.eos_ids, announce=lambda x: None)
+    assert a == b and not a.mask_token_added
