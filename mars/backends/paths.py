@@ -61,3 +61,15 @@ def load_tokenizer(path: Path):
     if path.is_file() and path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def rope_overrides(config: dict) -> dict:
+    """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
+    `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict) or "rope_theta" in config:
+        return {}
+    out = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
+    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
+        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
+    return out

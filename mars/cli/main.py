@@ -24,11 +24,12 @@ def friendly_errors(fn):
     def wrapper(*args, **kwargs):
         from ..backends.base import BackendUnavailable
         from ..backends.paths import ModelError
+        from ..convert import ConvertError
         from ..core.config import ConfigError
         from ..core.data import DataError
         from ..default_model import DefaultModelError
 
-        known = (BackendUnavailable, ConfigError, DataError, DefaultModelError, FileNotFoundError, ModelError)
+        known = (BackendUnavailable, ConfigError, ConvertError, DataError, DefaultModelError, FileNotFoundError, ModelError)
         try:
             return fn(*args, **kwargs)
         except known as e:
@@ -378,6 +379,38 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
         click.echo("")
         click.echo(f"[{st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
         history.append({"role": "assistant", "content": shown})
+
+
+@cli.command()
+@click.argument("src", type=click.Path(path_type=Path))
+@click.option("--to", "to", type=click.Choice(["hf", "mlx"]), required=True, help="Output format: Hugging Face (transformers / PEFT) or mlx-lm.")
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="The directory to write (replaced atomically).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None, help="Cast float tensors (default: keep each tensor's type).")
+@click.option("-q", "--quantize", "quantize", is_flag=True, help="Quantize to mlx-lm affine layers (--to mlx).")
+@click.option("--q-bits", type=int, default=4, show_default=True)
+@click.option("--q-group-size", type=int, default=64, show_default=True)
+@click.option("--adapter", "adapter", type=click.Path(path_type=Path), default=None, help="A LoRA adapter (PEFT or mlx-lm) to fuse into SRC; needs --fuse.")
+@click.option("--fuse", is_flag=True, help="Write SRC with --adapter fused in as one full model.")
+@click.option("--model", "base", type=click.Path(path_type=Path), default=None, help="Adapter SRC: the base model, to place a PEFT adapter's layers for mlx-lm.")
+@friendly_errors
+def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fuse, base):
+    """Convert a model (HF / mlx-lm directory, or .gguf) or a LoRA adapter (PEFT <-> mlx-lm) into --to's format."""
+    from ..convert import ConvertError, adapter_format, convert_adapter, convert_model
+
+    if adapter is not None and not fuse:
+        raise ConvertError("--adapter fuses an adapter into SRC; add --fuse (or give the adapter directory as SRC to convert it)")
+    if fuse and adapter is None:
+        raise ConvertError("--fuse needs --adapter ADAPTER_DIR")
+    if adapter_format(src) is not None:
+        if quantize or dtype or fuse:
+            raise ConvertError(f"{src}: an adapter converts as it is; --dtype, -q and --fuse apply to models")
+        out = convert_adapter(src, output, to, base=base)
+    else:
+        out = convert_model(
+            src, output, to, dtype=dtype, q_bits=q_bits if quantize else None, q_group_size=q_group_size,
+            adapter=adapter, announce=lambda m: click.echo(m, err=True),
+        )
+    click.echo(f"wrote {out}")
 
 
 def main():

@@ -19,7 +19,7 @@ import numpy as np
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.tokens import choose_mask_token, eos_ids
-from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path
+from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path, rope_overrides
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -147,18 +147,6 @@ def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
         raise MlxModelError("cannot place a trained mask-token row into a quantized embedding; fuse into a float model")
     weight = emb.weight
     emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
-
-
-def rope_overrides(config: dict) -> dict:
-    """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
-    `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
-    params = config.get("rope_parameters")
-    if not isinstance(params, dict) or "rope_theta" in config:
-        return {}
-    out = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
-    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
-        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
-    return out
 
 
 def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> MlxModel:

@@ -1,0 +1,275 @@
+"""Whole models between Hugging Face and mlx-lm directories (llama, qwen2, qwen3), and GGUF import.
+
+For these architectures both sides use the same tensor names; the differences are that mlx-lm
+drops `lm_head.weight` under tied embeddings and `rotary_emb.inv_freq`, may store affine-quantized
+layers (`X.weight` packed uint32, `X.scales`, `X.biases`, config `quantization`), and reads RoPE
+settings from `rope_theta` rather than transformers 5's `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, rope_overrides
+from ..core.files import atomic_dir
+from .adapters import Lora, read_adapter
+from .quant import dequantize, quantize
+from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+_SKIP = ("config.json", "model.safetensors.index.json")  # rewritten, never copied
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: unreadable JSON ({str(e).splitlines()[0]})") from None
+
+
+def read_config(src: Path) -> dict:
+    if not (src / "config.json").is_file():
+        raise ConvertError(f"{src}: no config.json (not a model directory)")
+    config = _json(src / "config.json")
+    arch = config.get("model_type", "?")
+    if arch not in SUPPORTED:
+        raise ConvertError(f"{src}/config.json: architecture '{arch}' is not supported by mars convert (supported: {', '.join(SUPPORTED)})")
+    return config
+
+
+def quantization_of(config: dict, where: Path) -> dict | None:
+    """mlx-lm's {"group_size", "bits", "mode"} or None for a float model."""
+    q = config.get("quantization")
+    if q is None:
+        qc = config.get("quantization_config")
+        if qc is None:
+            return None
+        if "quant_method" in qc or "bits" not in qc:
+            raise ConvertError(f"{where}/config.json: quantization method {qc.get('quant_method', '?')!r} is not supported (mlx-lm affine only); dequantize the model first")
+        q = qc
+    mode = q.get("mode", "affine")
+    if mode != "affine":
+        raise ConvertError(f"{where}/config.json: quantization mode {mode!r} is not supported (affine only)")
+    return q
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor a llama / qwen2 / qwen3 checkpoint holds, with its shape."""
+    try:
+        h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+        heads = config["num_attention_heads"]
+        kv = config.get("num_key_value_heads") or heads
+        vocab = config["vocab_size"]
+    except KeyError as e:
+        raise ConvertError(f"config.json: missing {e.args[0]}") from None
+    hd = config.get("head_dim") or h // heads
+    arch = config["model_type"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
+    attn_bias = arch == "qwen2" or (arch == "llama" and config.get("attention_bias"))
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (heads * hd, h),
+            p + "self_attn.k_proj.weight": (kv * hd, h),
+            p + "self_attn.v_proj.weight": (kv * hd, h),
+            p + "self_attn.o_proj.weight": (h, heads * hd),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        })
+        if attn_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,), p + "self_attn.v_proj.bias": (kv * hd,)})
+        if arch == "llama" and config.get("attention_bias"):
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if arch == "llama" and config.get("mlp_bias"):
+            shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
+        if arch == "qwen3":
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def check_shapes(tensors: dict[str, Tensor], config: dict, where: Path) -> None:
+    shapes = expected_shapes(config)
+    tied = config.get("tie_word_embeddings", False)
+    for name, t in tensors.items():
+        if name not in shapes:
+            raise ConvertError(f"{where}: unexpected tensor {name} for a {config['model_type']} model")
+        if t.shape != shapes[name]:
+            raise ConvertError(f"{where}: shape mismatch for {name}: {list(t.shape)} in the weights, {list(shapes[name])} from config.json")
+        if not t.is_float:
+            raise ConvertError(f"{where}: tensor {name} has non-float type {t.dtype}")
+    for name in shapes:
+        if name not in tensors and not (name == "lm_head.weight" and tied):
+            raise ConvertError(f"{where}: tensor {name} is missing")
+
+
+def load_tensors(src: Path, config: dict) -> dict[str, Tensor]:
+    """The model's float tensors in Hugging Face / mlx-lm names (dequantized, sanitized as mlx-lm does)."""
+    tensors = read_weights(src, exclude=(MASK_EMBEDDING_FILE,))
+    q = quantization_of(config, src)
+    if q is not None:
+        bits, group = q.get("bits"), q.get("group_size")
+        for name in sorted(n for n in tensors if n.endswith(".scales")):
+            prefix = name[: -len(".scales")]
+            per = q.get(prefix) if isinstance(q.get(prefix), dict) else {}
+            b, g = per.get("bits", bits), per.get("group_size", group)
+            if f"{prefix}.weight" not in tensors or f"{prefix}.biases" not in tensors:
+                raise ConvertError(f"{src}: {name} without {prefix}.weight and {prefix}.biases")
+            tensors[f"{prefix}.weight"] = dequantize(prefix, tensors[f"{prefix}.weight"], tensors.pop(name), tensors.pop(f"{prefix}.biases"), b, g)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if config.get("tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
+def fuse(tensors: dict[str, Tensor], config: dict, lora: Lora, adapter: Path) -> None:
+    """W += scale * B A for every adapted linear (float32 arithmetic, rounded back to W's type),
+    and the trained mask-token row into the embedding."""
+    for path in sorted(lora.a):
+        name = f"{path}.weight"
+        if name not in tensors:
+            raise ConvertError(f"{adapter}: the adapter changes {path}, which the base model does not have")
+        w = tensors[name]
+        if lora.a[path].shape[1] != w.shape[1] or lora.b[path].shape[0] != w.shape[0]:
+            raise ConvertError(f"{adapter}: shape mismatch for {path}: LoRA {lora.b[path].shape[0]}x{lora.a[path].shape[1]}, base weight {list(w.shape)}")
+        tensors[name] = from_float32(to_float32(w) + lora.delta(path), w.dtype)
+    row_file = adapter / MASK_EMBEDDING_FILE
+    if not row_file.is_file():
+        return
+    from ..core.config import has_config, read_config as read_mars
+
+    if not has_config(adapter):
+        raise ConvertError(f"{adapter}: {MASK_EMBEDDING_FILE} without mars.json (the mask token id)")
+    mask_id = read_mars(adapter).mask_token_id
+    row = read_safetensors(row_file)[0].get(MASK_EMBEDDING_KEY)
+    emb = tensors["model.embed_tokens.weight"]
+    if row is None or row.shape != (emb.shape[1],):
+        raise ConvertError(f"{row_file}: expected tensor {MASK_EMBEDDING_KEY} of shape [{emb.shape[1]}]")
+    e = to_float32(emb)
+    if mask_id >= e.shape[0]:  # the mask token was added: grow as the backends do (mean rows; zero head rows)
+        grow = mask_id + 1 - e.shape[0]
+        e = np.concatenate([e, np.broadcast_to(e.mean(0, keepdims=True), (grow, e.shape[1]))])
+        if "lm_head.weight" in tensors:
+            head = tensors["lm_head.weight"]
+            tensors["lm_head.weight"] = from_float32(np.concatenate([to_float32(head), np.zeros((grow, e.shape[1]), np.float32)]), head.dtype)
+        config["vocab_size"] = e.shape[0]
+    e = np.array(e)
+    e[mask_id] = to_float32(row)
+    tensors["model.embed_tokens.weight"] = from_float32(e, emb.dtype)
+
+
+def output_config(config: dict, to: str, dtype: str | None, quant: dict | None) -> dict:
+    config = dict(config)
+    config.pop("quantization", None)
+    config.pop("quantization_config", None)
+    if dtype is not None:
+        for key in ("dtype", "torch_dtype"):
+            if key in config or key == "dtype":
+                config[key] = dtype
+    if to == "mlx":
+        config.update(rope_overrides(config))
+    else:  # the rope_theta an MLX config carries beside rope_parameters only for mlx-lm
+        params = config.get("rope_parameters")
+        if isinstance(params, dict) and "rope_theta" in config and params.get("rope_theta") == config["rope_theta"]:
+            del config["rope_theta"]
+    if quant is not None:
+        config["quantization"] = dict(quant)
+        config["quantization_config"] = dict(quant)
+    return config
+
+
+def _has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
+def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None, announce=print) -> Path:
+    """Convert a model directory (HF or mlx-lm, float or mlx-quantized) or a .gguf file into a
+    Hugging Face (to='hf') or mlx-lm (to='mlx') directory at `output`, optionally fusing an adapter
+    (PEFT or mlx-lm), casting float tensors (dtype 'float32'|'float16'|'bfloat16') and quantizing
+    (to='mlx', q_bits). Nothing is written unless the whole conversion succeeds."""
+    src, output = Path(src), Path(output)
+    if to not in ("hf", "mlx"):
+        raise ConvertError(f"--to must be hf or mlx, got {to!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if q_bits is not None and to != "mlx":
+        raise ConvertError("quantization (-q) writes mlx-lm layers; use --to mlx")
+    if not src.exists():
+        raise ConvertError(f"{src}: no such file or directory")
+    if src.is_file():
+        if src.suffix != ".gguf":
+            raise ConvertError(f"{src}: a model file must be .gguf (or give a model directory)")
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.gguf.") as tmp:
+            imported = import_gguf(src, Path(tmp) / "hf", announce=announce)
+            return convert_model(imported, output, to, dtype=dtype, q_bits=q_bits, q_group_size=q_group_size, adapter=adapter, announce=announce)
+    config = read_config(src)
+    if not _has_tokenizer(src) and not (adapter is not None and _has_tokenizer(Path(adapter))):
+        raise ConvertError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them in from the original model")
+    tensors = load_tensors(src, config)
+    check_shapes(tensors, config, src)
+    lora = None
+    if adapter is not None:
+        adapter = Path(adapter)
+        lora = read_adapter(adapter)
+        fuse(tensors, config, lora, adapter)
+    if dtype is not None:
+        tensors = {k: cast(t, DTYPES[dtype]) for k, t in tensors.items()}
+    quant = None
+    if q_bits is not None:
+        quant = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
+        out = {}
+        for name, t in tensors.items():
+            if t.array.ndim == 2 and name.endswith(".weight") and t.shape[-1] % q_group_size == 0:
+                prefix = name[: -len(".weight")]
+                out[name], out[f"{prefix}.scales"], out[f"{prefix}.biases"] = quantize(prefix, t, q_bits, q_group_size)
+            else:
+                out[name] = t
+        tensors = out
+    new_config = output_config(config, to, dtype, quant)
+    if dtype is None and quantization_of(config, src) is not None:
+        floats = {t.dtype for t in tensors.values() if t.is_float}
+        if len(floats) == 1:
+            new_config["dtype"] = DTYPE_NAMES.get(floats.pop(), new_config.get("dtype"))
+
+    def write(d: Path):
+        for p in sorted(src.iterdir()):
+            if p.is_file() and not p.name.endswith(".safetensors") and p.name not in _SKIP:
+                shutil.copy2(p, d / p.name)
+        if adapter is not None:  # the adapter's tokenizer (it may have added the mask token) and mars.json
+            for p in sorted(adapter.iterdir()):
+                if p.is_file() and (p.name in TOKENIZER_FILES or p.name in ("special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "mars.json")):
+                    shutil.copy2(p, d / p.name)
+        write_weights(d, tensors, to)
+        (d / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+
+    return atomic_dir(output, write)
+
+
+def import_gguf(gguf: Path, target: Path, announce=print) -> Path:
+    """A GGUF file dequantized (by transformers) into a float32 Hugging Face directory."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ConvertError("GGUF import uses transformers and torch; install them (pip install torch transformers gguf)") from None
+    announce(f"importing {gguf.name} (dequantizing through transformers)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (ValueError, KeyError, OSError) as e:
+        raise ConvertError(f"{gguf}: cannot import this GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(target))
+    tokenizer.save_pretrained(str(target))
+    return target
