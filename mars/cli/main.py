@@ -413,6 +413,12 @@ def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fus
     click.echo(f"wrote {out}")
 
 
+# Commands in their own modules (they import helpers from this one).
+from .evaluate import evaluate_command  # noqa: E402
+
+cli.add_command(evaluate_command)
+
+
 def main():
     cli()
 

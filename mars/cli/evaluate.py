@@ -1,0 +1,94 @@
+"""`mars eval`: NLL against a baseline and a decoding threshold sweep (see mars/evaluate.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from .main import backend_option, friendly_errors, quiet_libraries, read_prompts
+
+
+def _thresholds(ctx, param, value):
+    if not value:
+        return None
+    out = []
+    for part in ",".join(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(float(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not a number", param=param) from None
+    return tuple(out)
+
+
+@click.command("eval")
+@click.option("--model", "models", multiple=True, help="A model to evaluate (repeat for several: one line each in the plot). Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--baseline", default=None, help="A model whose NLL the others are compared with (e.g. the plain SFT model).")
+@click.option("--data", type=click.Path(path_type=Path), default=None, help="A data directory (test.jsonl, else valid.jsonl) or one .jsonl file.")
+@click.option("--split", default=None, help="The split of --data to use (default: test, falling back to valid).")
+@click.option("--prompts", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Decode these prompts instead of the dataset's: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
+@click.option("--threshold", "thresholds", multiple=True, callback=_thresholds, help="Thresholds to sweep (repeat, or comma-separated). Default: 1.0,0.95,0.9,0.8,0.7,0.5.")
+@click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: each checkpoint's block size).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True)
+@click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache of --cache block.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Decode at most N prompts.")
+@click.option("--max-seq-length", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True)
+@click.option("--no-nll", is_flag=True, help="Skip the NLL measurement.")
+@click.option("--no-decode", is_flag=True, help="Skip the threshold sweep.")
+@click.option("--force", is_flag=True, help="Sweep thresholds below 1 on models without mars.json too.")
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON here.")
+@click.option("--outputs", "with_outputs", is_flag=True, help="Include the decoded token ids in the JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG: tokens/forward against agreement with AR.")
+@click.option("--plot-x", type=click.Choice(["exact", "prefix"]), default="exact", show_default=True, help="The plot's x axis: exact-match rate or mean prefix fraction.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@backend_option
+@friendly_errors
+def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
+                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, output, with_outputs, plot_path,
+                     plot_x, dtype, device, backend):
+    """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
+    from .. import evaluate as ev
+
+    if data is None and prompt_file is None:
+        raise click.UsageError("give --data (a dataset) or --prompts FILE")
+    if no_nll and no_decode:
+        raise click.UsageError("--no-nll and --no-decode leave nothing to do")
+    if prompt_file is not None and not prompt_file.is_file():
+        raise click.ClickException(f"{prompt_file}: no such file")
+    if data is not None:
+        # A missing or malformed dataset fails before any model loads.
+        path, _ = ev.eval_file(data, split)
+        if not ev.dataset_prompts(path) and prompt_file is None and not no_decode:
+            raise click.ClickException(f"{path}: no prompts to decode ({{\"text\"}} records have none); pass --prompts FILE or --no-decode")
+    if data is None and baseline is not None:
+        raise click.UsageError("--baseline compares NLL, which needs --data")
+    prompts = read_prompts(prompt_file) if prompt_file else None
+    settings = ev.EvalSettings(
+        thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
+        batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,
+        limit=limit, force=force, decode=not no_decode, nll=not no_nll,
+    )
+    quiet_libraries()
+    say = lambda m: click.echo(m, err=True)
+    load = lambda m: ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
+    loaded = [load(m) for m in (models or [None])]
+    base = load(baseline) if baseline is not None else None
+    report = ev.evaluate(loaded, baseline=base, data=data, split=split, prompts=prompts, settings=settings, announce=say)
+    click.echo(ev.format_table(report))
+    if output is not None:
+        click.echo(f"wrote {ev.write_json(report, output, outputs=with_outputs)}", err=True)
+    if plot_path is not None:
+        if not settings.decode:
+            raise click.UsageError("--plot needs the threshold sweep (drop --no-decode)")
+        try:
+            click.echo(f"wrote {ev.plot(report, plot_path, x=plot_x)}", err=True)
+        except ImportError as e:
+            raise click.ClickException(str(e)) from None

@@ -1,0 +1,449 @@
+"""`mars eval`: AR quality (NLL per response token) and a decoding threshold sweep.
+
+Two measurements per model, on one dataset or prompt file:
+
+1. NLL: the mean clean-stream loss per response token (the model's ordinary next-token
+   loss) and, for a MARS checkpoint (with mars.json), the noisy-stream loss, computed with
+   the training loss code (METHOD §4) and aggregated as one token-weighted mean over the
+   whole split. Padding after a response's EOS carries no loss here (training counts it):
+   every response token, its EOS included, counts once.
+2. A threshold sweep with the decoding loop (METHOD §5): per threshold, tokens per forward,
+   the acceptance rate of each window slot, and agreement with the same model's AR output
+   (threshold 1.0): exact-match rate and mean matching-prefix length.
+
+Backend-neutral: the models come from `mars.backends.base.loader`; only `nll` touches a
+framework, through each backend's loss function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .core.data import (
+    IGNORE,
+    DataError,
+    batches,
+    find_split_file,
+    load_split,
+    read_jsonl,
+)
+
+DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
+
+
+@dataclass
+class EvalSettings:
+    thresholds: tuple = DEFAULT_THRESHOLDS
+    metric: str | None = None  # default: the checkpoint's, else probability
+    block_size: int | None = None  # default: the checkpoint's, else 4
+    max_tokens: int = 128
+    batch_size: int = 8
+    cache: str = "window"  # none | window | block
+    block_cache: int = 16
+    max_seq_length: int = 512
+    on_long: str = "error"
+    limit: int | None = None  # at most this many prompts are decoded
+    force: bool = False  # sweep below AR mode on a model without mars.json
+    decode: bool = True
+    nll: bool = True
+
+
+@dataclass
+class EvalModel:
+    """A loaded model ready for evaluation: what the backend's `load` returned plus its decoder."""
+
+    label: str
+    backend: str
+    tm: object
+    decoder: object
+
+    @property
+    def mars(self):
+        return self.tm.mars
+
+    def block_size(self, override: int | None = None) -> int:
+        return override or (self.mars.block_size if self.mars else 4)
+
+    def mask_id(self) -> int:
+        """The checkpoint's mask token; for a plain model, the token the CLI would pick."""
+        from .core.tokens import choose_mask_token
+
+        if self.mars is not None:
+            return self.mars.mask_token_id
+        mask_id = choose_mask_token(self.tm.tokenizer, exclude=self.tm.eos_ids)[1]
+        if mask_id >= self.tm.vocab_rows:
+            mask_id = self.tm.tokenizer.unk_token_id or 0
+        return mask_id
+
+
+def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None) -> EvalModel:
+    """Load `model` (a path, or None for the embedded default) with the resolved backend."""
+    from .backends.base import loader, resolve
+
+    name = resolve(backend)
+    load, decoder_cls = loader(name)
+    tm = load(model, dtype=dtype, device=device, announce=announce)
+    return EvalModel(label=label or (str(model) if model is not None else "default"), backend=name, tm=tm, decoder=decoder_cls(tm))
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def eval_file(data, split: str | None = None) -> tuple[Path, str]:
+    """(file, split name): a single .jsonl file as it is, else DIR/<split>.jsonl; without a split,
+    test.jsonl, falling back to valid.jsonl."""
+    data = Path(data)
+    if not data.exists():
+        raise DataError(f"{data}: no such file or directory (--data takes a directory with test.jsonl or valid.jsonl, or one .jsonl file)")
+    if data.is_file():
+        if data.suffix != ".jsonl":
+            raise DataError(f"{data}: is not a .jsonl file (pass a .jsonl file or a data directory)")
+        return data, data.stem
+    for name in [split] if split else ["test", "valid"]:
+        path = find_split_file(data, name)
+        if path is not None:
+            return path, name
+    wanted = f"{split}.jsonl" if split else "test.jsonl or valid.jsonl"
+    hint = "" if split else "; pass --split train to evaluate on the training data"
+    raise DataError(f"{data}: no {wanted}{hint}")
+
+
+def load_examples(path: Path, tokenizer, *, block_size: int, max_seq_length: int = 512, on_long: str = "error"):
+    """Encoded, block-padded examples of one JSONL file (the training encoding)."""
+    # load_split reads DIR/<split>.jsonl or a single file as 'train': give it the file.
+    return load_split(path, "train", tokenizer, block_size=block_size, max_seq_length=max_seq_length, on_long=on_long).examples
+
+
+def dataset_prompts(path: Path) -> list:
+    """The prompts of a dataset's records: messages without the final assistant turn, or the
+    'prompt' field; `text` records have no prompt and are skipped."""
+    prompts = []
+    for _, record in read_jsonl(path):
+        if "messages" in record:
+            prompts.append(record["messages"][:-1])
+        elif "prompt" in record:
+            prompts.append(record["prompt"])
+    return prompts
+
+
+def response_labels(labels: np.ndarray, eos_id: int) -> np.ndarray:
+    """Labels with the block padding after each row's first labelled EOS set to IGNORE."""
+    labels = np.array(labels, dtype=np.int64, copy=True)
+    for row in labels:
+        hit = np.nonzero((row == eos_id) & (np.arange(row.size) > 0))[0]
+        if hit.size:
+            row[hit[0] + 1 :] = IGNORE
+    return labels
+
+
+# -- NLL ----------------------------------------------------------------------------------------
+
+
+def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: int = 8) -> dict:
+    """Mean clean- and noisy-stream NLL per response token over `examples` (token-weighted).
+
+    Uses the training forward and loss (normalize="token"), so the clean NLL is the model's
+    ordinary next-token loss on the responses. The noisy NLL is reported for MARS checkpoints
+    only (None otherwise, with a note: a plain model's mask token was never trained).
+    """
+    B = em.block_size(block_size)
+    mask_id = em.mask_id()
+    eos_id = em.tm.tokenizer.eos_token_id
+    pad_id = eos_id
+    clean_sum = noisy_sum = 0.0
+    count = 0
+    step = _torch_losses(em) if em.backend == "torch" else _mlx_losses(em)
+    for ids, labels, lengths in batches(examples, batch_size, pad_id=pad_id, shuffle=False):
+        labels = response_labels(labels, eos_id)
+        n = int((labels[:, 1:] != IGNORE).sum())
+        if n == 0:
+            continue
+        noisy, clean = step(ids, labels, lengths, B, mask_id)
+        noisy_sum += noisy * n
+        clean_sum += clean * n
+        count += n
+    if count == 0:
+        raise DataError("no response tokens to evaluate")
+    out = {"tokens": count, "examples": len(examples), "block_size": B, "clean_nll": clean_sum / count,
+           "noisy_nll": noisy_sum / count if em.mars is not None else None}
+    out["clean_ppl"] = math.exp(out["clean_nll"])
+    if em.mars is None:
+        out["note"] = "no mars.json: the noisy stream (mask predictions) was never trained; its NLL is not reported"
+    return out
+
+
+def _torch_losses(em: EvalModel):
+    import torch
+
+    from .backends.torch.model import MarsLoss, loss_inputs
+
+    module = MarsLoss(em.tm.model)
+
+    @torch.inference_mode()
+    def step(ids, labels, lengths, B, mask_id):
+        inputs = loss_inputs(ids, labels, lengths, B, mask_id, em.tm.dtype, em.tm.device, normalize="token")
+        noisy, clean = module(**inputs)
+        return float(noisy), float(clean)
+
+    return step
+
+
+def _mlx_losses(em: EvalModel):
+    import mlx.core as mx
+
+    from .backends.mlx.model import mars_losses, training_batch
+
+    def step(ids, labels, lengths, B, mask_id):
+        noisy, clean = mars_losses(em.tm.model, training_batch(ids, labels, lengths, B, mask_id, normalize="token"))
+        mx.eval(noisy, clean)
+        return float(noisy.item()), float(clean.item())
+
+    return step
+
+
+# -- decoding sweep -----------------------------------------------------------------------------
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def ar_threshold(metric: str) -> float:
+    """The threshold that is AR mode by rule for the metric (METHOD §5)."""
+    return 0.0 if metric == "entropy" else 1.0
+
+
+def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -> dict:
+    """Decode every prompt in batches; tokens per row plus the summed statistics."""
+    from .core.decoding import generate
+
+    outputs, accepted, forwards, per_slot = [], 0, 0, np.zeros(settings.masks_per_step + 1, dtype=np.int64)
+    t0 = time.perf_counter()
+    for start in range(0, len(prompt_ids), batch_size):
+        result = generate(em.decoder, prompt_ids[start : start + batch_size], settings)
+        outputs.extend(result.tokens)
+        for row in result.stats.rows:
+            accepted += row.accepted
+            forwards += row.forwards
+            per_slot += np.asarray(row.accepted_per_slot, dtype=np.int64)
+    return {"outputs": outputs, "accepted": accepted, "forwards": forwards, "per_slot": per_slot, "seconds": time.perf_counter() - t0}
+
+
+def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
+    """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
+    output (threshold 1.0, or 0.0 for entropy), which is always run first."""
+    from .core.acceptance import is_ar_mode
+    from .core.decoding import DecodeSettings
+    from .core.tokens import encode_prompt
+
+    metric = settings.metric or (em.mars.metric if em.mars else "probability")
+    B = em.block_size(settings.block_size)
+    ar = ar_threshold(metric)
+    thresholds = list(dict.fromkeys(float(t) for t in settings.thresholds))
+    others = [t for t in thresholds if not is_ar_mode(metric, t)]
+    skipped = []
+    if em.mars is None and not settings.force:
+        skipped, others = others, []
+    tok = em.tm.tokenizer
+    prompt_ids = [encode_prompt(tok, p) for p in prompts]
+    if not prompt_ids:
+        raise DataError("no prompts to decode (text records have none; pass a prompt file)")
+
+    def run(threshold):
+        s = DecodeSettings(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, block_size=B, threshold=threshold, metric=metric,
+                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache)
+        announce(f"{em.label}: decoding {len(prompt_ids)} prompts at threshold {threshold}")
+        return decode_all(em, prompt_ids, s, settings.batch_size)
+
+    reference = run(ar)
+    rows = []
+    for threshold in [ar] + others:
+        d = reference if threshold == ar else run(threshold)
+        prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
+        longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
+        slots = np.zeros(B + 1)
+        slots[: d["per_slot"].size] = d["per_slot"] / max(1, d["forwards"])
+        rows.append({
+            "threshold": threshold,
+            "tokens": d["accepted"],
+            "forwards": d["forwards"],
+            "tokens_per_forward": d["accepted"] / max(1, d["forwards"]),
+            "slot_acceptance": [float(x) for x in slots],
+            "exact_match": float(np.mean([o == r for o, r in zip(d["outputs"], reference["outputs"])])),
+            "mean_prefix": float(np.mean(prefix)),
+            "mean_prefix_fraction": float(np.mean([p / n for p, n in zip(prefix, longest)])),
+            "seconds": d["seconds"],
+            "outputs": d["outputs"],
+        })
+    out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
+           "prompts": len(prompt_ids), "reference_threshold": ar, "thresholds": rows}
+    if skipped:
+        out["skipped_thresholds"] = skipped
+        out["note"] = "no mars.json (never MARS-trained): thresholds below AR mode skipped (force=True runs them)"
+    return out
+
+
+# -- the whole evaluation -----------------------------------------------------------------------
+
+
+def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, split: str | None = None,
+             prompts: list | None = None, settings: EvalSettings | None = None, announce=lambda m: None) -> dict:
+    """Evaluate loaded models (EvalModel) on a dataset (`data`: dir or .jsonl) and/or `prompts`.
+
+    NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
+    The baseline gets the NLL only; each model's NLL is compared with it.
+    """
+    s = settings or EvalSettings()
+    if data is None and prompts is None:
+        raise DataError("nothing to evaluate: give a dataset or prompts")
+    path = None
+    if data is not None:
+        path, split = eval_file(data, split)
+    if prompts is None and s.decode:
+        prompts = dataset_prompts(path)
+    if prompts is not None and s.limit is not None:
+        prompts = prompts[: s.limit]
+    report = {"data": str(path) if path else None, "split": split if path else None, "settings": _settings_dict(s), "models": []}
+
+    def quality(em):
+        examples = load_examples(path, em.tm.tokenizer, block_size=em.block_size(s.block_size),
+                                 max_seq_length=s.max_seq_length, on_long=s.on_long)
+        announce(f"{em.label}: NLL over {len(examples)} examples")
+        return nll(em, examples, block_size=s.block_size, batch_size=s.batch_size)
+
+    do_nll = s.nll and path is not None
+    if baseline is not None and do_nll:
+        report["baseline"] = {"label": baseline.label, "backend": baseline.backend, "mars": baseline.mars is not None,
+                              "nll": quality(baseline)}
+    for em in models:
+        entry = {"label": em.label, "backend": em.backend, "mars": em.mars is not None}
+        if do_nll:
+            entry["nll"] = quality(em)
+            if "baseline" in report:
+                base = report["baseline"]["nll"]
+                entry["nll"]["clean_nll_vs_baseline"] = entry["nll"]["clean_nll"] - base["clean_nll"]
+                if entry["nll"]["noisy_nll"] is not None and base.get("noisy_nll") is not None:
+                    entry["nll"]["noisy_nll_vs_baseline"] = entry["nll"]["noisy_nll"] - base["noisy_nll"]
+                if entry["nll"]["tokens"] != base["tokens"]:
+                    entry["nll"]["baseline_note"] = (
+                        f"the baseline tokenizes the responses into {base['tokens']} tokens, this model into "
+                        f"{entry['nll']['tokens']}: per-token NLLs are not directly comparable"
+                    )
+        if s.decode:
+            if not prompts:
+                raise DataError(f"{path}: no prompts to decode (text records have none; pass a prompt file)")
+            entry["sweep"] = sweep(em, prompts, s, announce=announce)
+        report["models"].append(entry)
+    return report
+
+
+def _settings_dict(s: EvalSettings) -> dict:
+    d = dict(s.__dict__)
+    d["thresholds"] = list(d["thresholds"])
+    return d
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def write_json(report: dict, path, *, outputs: bool = False) -> Path:
+    """The report as JSON; decoded token ids are left out unless `outputs`."""
+    def strip(r):
+        if outputs:
+            return r
+        r = json.loads(json.dumps(r))
+        for m in r["models"]:
+            for row in m.get("sweep", {}).get("thresholds", []):
+                row.pop("outputs", None)
+        return r
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(strip(report), indent=2) + "\n")
+    return path
+
+
+def format_table(report: dict) -> str:
+    lines = []
+    if report.get("data"):
+        lines.append(f"data: {report['data']}")
+    base = report.get("baseline")
+
+    def nll_line(label, n, extra=""):
+        noisy = f"{n['noisy_nll']:.4f}" if n.get("noisy_nll") is not None else "n/a"
+        return f"  {label}: clean NLL {n['clean_nll']:.4f} (ppl {n['clean_ppl']:.2f}), noisy NLL {noisy}, {n['tokens']} tokens{extra}"
+
+    if base:
+        lines.append(f"baseline {base['label']}")
+        lines.append(nll_line("NLL", base["nll"]))
+    for m in report["models"]:
+        lines.append(f"model {m['label']} ({m['backend']}{', MARS' if m['mars'] else ', no mars.json'})")
+        if "nll" in m:
+            n = m["nll"]
+            extra = f", clean vs baseline {n['clean_nll_vs_baseline']:+.4f}" if "clean_nll_vs_baseline" in n else ""
+            if "noisy_nll_vs_baseline" in n:
+                extra += f", noisy vs baseline {n['noisy_nll_vs_baseline']:+.4f}"
+            lines.append(nll_line("NLL", n, extra))
+            if n.get("baseline_note"):
+                lines.append(f"  note: {n['baseline_note']}")
+        sw = m.get("sweep")
+        if sw:
+            lines.append(f"  sweep: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
+            lines.append(f"  {'tau':>6} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
+            for r in sw["thresholds"]:
+                slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
+                lines.append(
+                    f"  {r['threshold']:>6.3g} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
+                    f"{r['mean_prefix_fraction']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
+                )
+            if sw.get("note"):
+                lines.append(f"  note: {sw['note']}")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path, *, x: str = "exact") -> Path:
+    """Tokens per forward (y) against agreement with AR (x: exact-match rate, or mean prefix
+    fraction with x='prefix'): one point per threshold, one line per model. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("the plot needs matplotlib: pip install 'mars-mtp[plot]'") from None
+    key = {"exact": "exact_match", "prefix": "mean_prefix_fraction"}[x]
+    fig, ax = plt.subplots(figsize=(6.4, 4.8))
+    for m in report["models"]:
+        sw = m.get("sweep")
+        if not sw:
+            continue
+        rows = sw["thresholds"]
+        xs, ys = [r[key] for r in rows], [r["tokens_per_forward"] for r in rows]
+        (line,) = ax.plot(xs, ys, marker="o", label=f"{m['label']} (B={sw['block_size']})")
+        points: dict = {}  # thresholds that land on the same point share one label
+        for r, a, b in zip(rows, xs, ys):
+            points.setdefault((round(a, 6), round(b, 6)), []).append(f"{r['threshold']:g}")
+        for (a, b), names in points.items():
+            ax.annotate(", ".join(names), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8, color=line.get_color())
+    ax.set_xlabel("exact match with threshold 1.0" if x == "exact" else "mean matching-prefix fraction vs threshold 1.0")
+    ax.set_ylabel("tokens per forward")
+    ax.set_xlim(-0.02, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("MARS: speed vs agreement with AR decoding")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(path), dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return path
