@@ -74,7 +74,8 @@ class StepBackend(Protocol):
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling) -> tuple[np.ndarray, np.ndarray]:
         """Forward `input_ids` (b, q) at `positions` on top of `cache` (None: no cache)
         under `mask` (b, q, kv) bool or None (plain causal, no holes); return
-        (ids, confidence), each (b, k), for the outputs at `read` (b, k) indices into q."""
+        (ids, confidence), each (b, k), for the outputs at `read` (b, k) indices into q.
+        `metric` None (greedy AR): the argmax ids alone; confidences may be zeros."""
         ...
 
 
@@ -296,13 +297,15 @@ def generate(
     cache = None if s.cache == "none" else backend.new_cache(len(rows))
     stats = DecodeStats(rows=[r.stats for r in rows])
     eos = set(s.eos_ids)
+    # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
+    step_metric = None if is_ar_mode(s.metric, s.threshold) and s.sampling.greedy else s.metric
 
     while not all(r.done for r in rows):
         feed = strategy.plan(rows)
         keys = strategy.keys(feed)
         mask = None if keys.all() else decode_mask(keys, feed.ids.shape[1])
         ids, conf = backend.step(
-            cache, feed.ids, feed.positions, mask, feed.read, metric=s.metric, sampling=s.sampling
+            cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling
         )
         stats.forwards += 1
         stats.fed_tokens += feed.ids.size

@@ -191,6 +191,8 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
 
 def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None):
     """(ids, confidence) per slot on the device; the same rule as the torch backend."""
+    if metric is None and sampling.greedy:
+        return mx.argmax(logits, axis=-1), mx.zeros(logits.shape[:-1])
     logits = logits.astype(mx.float32)
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     probs = mx.exp(logp)

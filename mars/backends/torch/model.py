@@ -233,7 +233,10 @@ class TorchDecoder:
 
 def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
     """(ids, confidence) per slot, on the device. Confidence is measured on the untempered
-    distribution: of the drawn token for `probability`, of the slot for entropy and margin."""
+    distribution: of the drawn token for `probability`, of the slot for entropy and margin.
+    No metric (greedy AR): the argmax alone, as `generate` takes it."""
+    if metric is None and sampling.greedy:
+        return logits.argmax(-1), torch.zeros(logits.shape[:-1], device=logits.device)
     logp = torch.log_softmax(logits, dim=-1)
     probs = logp.exp()
     if sampling.greedy:

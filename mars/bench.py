@@ -1,0 +1,379 @@
+"""Decoding speed, measured side by side (DESIGN "Benchmarks").
+
+Every configuration decodes the same prompt set at each batch size: AR with KV cache
+through the project's own loop (threshold 1.0), what a user would run instead
+(`transformers` `generate` on torch, `mlx_lm` on MLX), and MARS with the window and
+the block-level cache at each threshold. After a warm-up, runs are interleaved
+(A B C A B C ...) so drift on a shared machine hits every configuration alike;
+medians are reported, and every speed also as a ratio to AR with KV cache in the
+same round. The per-forward cost curve times one cached forward of k new tokens on
+a prefilled prompt cache, cropped back after each sample.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .core.acceptance import is_ar_mode
+from .core.decoding import DecodeSettings, Sampling, generate
+from .core.masks import decode_mask
+from .core.tokens import choose_mask_token, encode_prompt
+
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a ten-year-old.",
+    "List three uses of a paperclip.",
+    "Write a Python function that reverses a string.",
+    "What is 17 times 23? Show your steps.",
+    "Summarize the plot of Romeo and Juliet in two sentences.",
+    "Give me a short packing list for a weekend hike.",
+]
+
+
+class BenchError(ValueError):
+    """Bad benchmark settings; the message names the option and the fix."""
+
+
+@dataclass
+class BenchSettings:
+    batch_sizes: tuple[int, ...] = (1, 4, 8)
+    thresholds: tuple[float, ...] = (0.9,)
+    block_caches: tuple[int, ...] = (4, 8, 16, 32)
+    max_tokens: int = 64
+    repeats: int = 3
+    block_size: int | None = None  # default: the checkpoint's, else 4
+    metric: str | None = None  # default: the checkpoint's, else probability
+    forward_ks: tuple[int, ...] = tuple(range(1, 33))  # the cost curve; empty: skip it
+    forward_repeats: int = 5
+    force: bool = False  # allow thresholds < 1 on a model without mars.json
+
+    def __post_init__(self):
+        # Each configuration is named by its values; a repeated value would time one twice under one name.
+        for name in ("batch_sizes", "thresholds", "block_caches", "forward_ks"):
+            setattr(self, name, tuple(dict.fromkeys(getattr(self, name))))
+        for name in ("batch_sizes", "block_caches", "forward_ks"):
+            values = getattr(self, name)
+            if any(v < 1 for v in values):
+                raise BenchError(f"{name.replace('_', ' ')} must be >= 1, got {list(values)}")
+        if not self.batch_sizes:
+            raise BenchError("give at least one batch size")
+        if self.repeats < 1 or self.forward_repeats < 1:
+            raise BenchError("repeats must be >= 1")
+        if self.max_tokens < 1:
+            raise BenchError(f"max tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Config:
+    """One thing to time: `run(prompts)` decodes a batch and returns (tokens per row, DecodeStats or None)."""
+
+    name: str
+    kind: str  # ar | reference | mars
+    run: Callable
+    threshold: float | None = None
+    cache: str | None = None
+    block_cache: int | None = None
+    walls: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    tokens: list[list[int]] = field(default_factory=list)
+    forwards: int | None = None
+    row_forwards: int | None = None
+
+
+def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings) -> DecodeSettings:
+    """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
+    mars = loaded.mars
+    mask_id = mars.mask_token_id if mars else choose_mask_token(loaded.tokenizer, exclude=loaded.eos_ids)[1]
+    if mars is None and mask_id >= loaded.vocab_rows:
+        mask_id = loaded.tokenizer.unk_token_id or 0
+    return DecodeSettings(
+        mask_id=mask_id,
+        eos_ids=loaded.eos_ids,
+        block_size=s.block_size or (mars.block_size if mars else 4),
+        threshold=threshold,
+        metric=s.metric or (mars.metric if mars else "probability"),
+        max_tokens=s.max_tokens,
+        cache=cache,
+        block_cache=block_cache,
+        sampling=Sampling(),
+    )
+
+
+def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
+    """A reply as the project's loop reports it: up to and including the first EOS, at most max_tokens."""
+    out = []
+    for t in tokens[:max_tokens]:
+        out.append(int(t))
+        if out[-1] in eos:
+            break
+    return out
+
+
+def torch_reference(loaded, max_tokens: int):
+    """`transformers` `generate`: greedy, the batch left-padded, the same max_new_tokens."""
+    import torch
+
+    eos = list(loaded.eos_ids)
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else eos[0]
+
+    @torch.inference_mode()
+    def run(prompts):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(prompts), width), dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, width - len(p) :] = torch.tensor(p)
+            attn[r, width - len(p) :] = 1
+        out = loaded.model.generate(
+            ids.to(loaded.device), attention_mask=attn.to(loaded.device), max_new_tokens=max_tokens,
+            do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=pad,
+        )
+        new = out[:, width:].tolist()
+        return [_until_eos(row, set(eos), max_tokens) for row in new], None
+
+    return "transformers.generate", run
+
+
+def mlx_reference(loaded, max_tokens: int):
+    """`mlx_lm.stream_generate` (what `mlx_lm.generate` runs) for one prompt, `mlx_lm.batch_generate` for a batch."""
+    from mlx_lm import batch_generate, stream_generate
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(loaded.tokenizer, eos_token_ids=list(loaded.eos_ids))
+    eos = set(loaded.eos_ids)
+
+    def run(prompts):
+        if len(prompts) == 1:
+            return [[r.token for r in stream_generate(loaded.model, tokenizer, prompts[0], max_tokens=max_tokens)]], None
+        result = batch_generate(loaded.model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
+        # batch_generate leaves the stop token out; a reply shorter than max_tokens ended on one.
+        return [list(t) + ([min(eos)] if len(t) < max_tokens else []) for t in result.token_ids], None
+
+    return "mlx_lm.generate", run
+
+
+def _ours(decoder, settings: DecodeSettings):
+    def run(prompts):
+        result = generate(decoder, prompts, settings)
+        return result.tokens, result.stats
+
+    return run
+
+
+def build_configs(loaded, decoder, backend: str, s: BenchSettings) -> list[Config]:
+    ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s)), 1.0, "window")
+    name, ref = (mlx_reference if backend == "mlx" else torch_reference)(loaded, s.max_tokens)
+    configs = [ar, Config(name, "reference", ref)]
+    for tau in s.thresholds:
+        window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s))
+        configs.append(Config(f"mars-window t={tau:g}", "mars", window, tau, "window"))
+        for bc in s.block_caches:
+            run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s))
+            configs.append(Config(f"mars-block{bc} t={tau:g}", "mars", run, tau, "block", bc))
+    return configs
+
+
+def _chunks(prompts, size):
+    return [prompts[i : i + size] for i in range(0, len(prompts), size)]
+
+
+def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, int | None, int | None]:
+    tokens, forwards, row_forwards = [], 0, 0
+    t0 = time.perf_counter()
+    for chunk in chunks:
+        out, stats = config.run(chunk)
+        tokens.extend(out)
+        if stats is not None:
+            forwards += stats.forwards
+            row_forwards += stats.row_forwards
+    wall = time.perf_counter() - t0
+    own = config.kind != "reference"
+    return wall, tokens, sum(len(t) for t in tokens), forwards if own else None, row_forwards if own else None
+
+
+def _strip_eos(rows, eos):
+    return [[t for t in row if t not in eos] for row in rows]
+
+
+def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None) -> dict:
+    """Time every configuration on `prompts` in batches of `batch`, interleaved; medians and ratios to AR."""
+    chunks = _chunks(prompts, batch)
+    for c in configs:  # warm-up: one batch each
+        c.run(chunks[0])
+        c.walls, c.ratios, c.tokens = [], [], []
+    for rep in range(s.repeats):
+        speeds = {}
+        for c in configs:
+            wall, tokens, count, forwards, row_forwards = _timed_pass(c, chunks)
+            c.walls.append(wall)
+            speeds[c.name] = count / wall
+            if rep == 0:
+                c.tokens, c.forwards, c.row_forwards = tokens, forwards, row_forwards
+            if log:
+                log(f"batch {batch} round {rep + 1}/{s.repeats}: {c.name} {count} tokens in {wall:.3f}s")
+        ar_speed = speeds[configs[0].name]
+        for c in configs:
+            c.ratios.append(speeds[c.name] / ar_speed)
+    ar, ref = configs[0], configs[1]
+    ar_rows = _strip_eos(ar.tokens, eos)
+    rows = []
+    for c in configs:
+        count = sum(len(t) for t in c.tokens)
+        wall = statistics.median(c.walls)
+        rows.append({
+            "name": c.name,
+            "kind": c.kind,
+            "batch_size": batch,
+            "threshold": c.threshold,
+            "cache": c.cache,
+            "block_cache": c.block_cache,
+            "tokens": count,
+            "forwards": c.forwards,
+            "tokens_per_forward": round(count / c.row_forwards, 4) if c.row_forwards else None,
+            "wall_s": wall,
+            "wall_s_runs": c.walls,
+            "tokens_per_s": count / wall,
+            "ratio_to_ar": 1.0 if c is ar else statistics.median(c.ratios),
+            "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
+        })
+    mismatched = [i for i, (a, b) in enumerate(zip(ar_rows, _strip_eos(ref.tokens, eos))) if a != b]
+    check = {"batch_size": batch, "reference": ref.name, "matches": not mismatched, "mismatched_rows": mismatched}
+    return {"runs": rows, "reference_check": check}
+
+
+def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int) -> list[dict]:
+    """Median time of one cached forward of k new tokens on a prefilled cache of the first
+    `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out)."""
+    rows = [prompts[i % len(prompts)] for i in range(batch)]
+    width = max(len(p) for p in rows)
+    ids = np.full((batch, width), filler, dtype=np.int64)
+    valid = np.zeros((batch, width), dtype=bool)
+    for r, p in enumerate(rows):
+        ids[r, width - len(p) :] = p
+        valid[r, width - len(p) :] = True
+    positions = np.where(valid, np.cumsum(valid, axis=1) - 1, 0)
+    lengths = valid.sum(axis=1)
+    greedy = Sampling()
+    cache = decoder.new_cache(batch)
+    mask = None if valid.all() else decode_mask(valid, width)
+    decoder.step(cache, ids, positions, mask, np.full((batch, 1), width - 1), metric="probability", sampling=greedy)
+
+    def one(k):
+        new_ids = np.full((batch, k), filler, dtype=np.int64)
+        new_pos = lengths[:, None] + np.arange(k)[None, :]
+        keys = np.concatenate([valid, np.ones((batch, k), dtype=bool)], axis=1)
+        m = None if keys.all() else decode_mask(keys, k)
+        read = np.tile(np.arange(k), (batch, 1))
+        t0 = time.perf_counter()
+        decoder.step(cache, new_ids, new_pos, m, read, metric="probability", sampling=greedy)
+        seconds = time.perf_counter() - t0
+        decoder.crop(cache, width)
+        return seconds
+
+    for k in ks:  # warm-up
+        one(k)
+    samples = {k: [] for k in ks}
+    for _ in range(repeats):
+        for k in ks:
+            samples[k].append(one(k))
+    base = statistics.median(samples[ks[0]])
+    return [
+        {"batch_size": batch, "cache_length": int(width), "k": k, "median_s": statistics.median(samples[k]),
+         "ratio_to_first": statistics.median(samples[k]) / base}
+        for k in ks
+    ]
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: BenchSettings, log=None) -> dict:
+    """Every configuration at every batch size, and the forward-cost curve; a JSON-ready dict."""
+    ar_settings = decode_settings(loaded, 1.0, "window", 16, s)
+    below = [t for t in s.thresholds if not is_ar_mode(ar_settings.metric, t)]
+    if loaded.mars is None and below and not s.force:
+        raise BenchError(
+            "this model has no mars.json (never MARS-trained): thresholds below 1.0 decode untrained mask guesses; "
+            "use --threshold 1.0, or --force to time them anyway"
+        )
+    configs = build_configs(loaded, decoder, backend, s)
+    eos = set(loaded.eos_ids)
+    runs, checks, curve = [], [], []
+    for batch in s.batch_sizes:
+        result = bench_batch(configs, prompts, batch, s, eos, log)
+        runs += result["runs"]
+        checks.append(result["reference_check"])
+    ks = tuple(s.forward_ks)
+    for batch in s.batch_sizes if ks else ():
+        curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, ar_settings.mask_id)
+    settings = asdict(s)
+    settings.update(block_size=ar_settings.block_size, metric=ar_settings.metric)
+    return {
+        "backend": backend,
+        "model": getattr(loaded, "path", None),
+        "device": str(getattr(loaded, "device", "mlx")),
+        "torch_threads": _torch_threads() if backend == "torch" else None,
+        "mars_checkpoint": loaded.mars is not None,
+        "prompts": len(prompts),
+        "settings": settings,
+        "ar_matches_reference": all(c["matches"] for c in checks),
+        "reference_check": checks,
+        "runs": runs,
+        "forward_cost": curve,
+    }
+
+
+def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=None, raw: bool = False,
+              settings: BenchSettings | None = None, threads: int | None = None, announce=print, log=None) -> dict:
+    """Load a model (None: the embedded default), encode the prompts (default: DEFAULT_PROMPTS) and run.
+
+    `threads` sets torch's CPU threads: on a shared machine, fewer threads than cores avoids
+    the oversubscription that makes every timing noisy."""
+    from .backends.base import loader, resolve
+
+    name = resolve(backend)
+    if threads and name == "torch":
+        import torch
+
+        torch.set_num_threads(threads)
+    load, Decoder = loader(name)
+    loaded = load(model, adapter_path=adapter_path, announce=announce)
+    texts = list(prompts) if prompts else DEFAULT_PROMPTS
+    ids = [encode_prompt(loaded.tokenizer, p, chat=not raw) for p in texts]
+    return run_benchmark(loaded, Decoder(loaded), name, ids, settings or BenchSettings(), log)
+
+
+def format_table(report: dict) -> str:
+    """The runs per batch size, then the forward-cost curve, as plain text."""
+    s = report["settings"]
+    head = (
+        f"backend {report['backend']} on {report['device']}, {report['prompts']} prompts, max {s['max_tokens']} tokens, "
+        f"median of {s['repeats']}; AR matches {report['reference_check'][0]['reference']}: {report['ar_matches_reference']}"
+    )
+    lines = [
+        head,
+        "",
+        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'=AR':>5}",
+    ]
+    for r in report["runs"]:
+        tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] is not None else "-"
+        lines.append(
+            f"{r['batch_size']:>5}  {r['name']:<24} {r['tokens']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
+            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['rows_equal_to_ar']:>5.2f}"
+        )
+    if report["forward_cost"]:
+        lines += ["", "one cached forward of k new tokens (median ms; x the first k)"]
+        for batch in s["batch_sizes"]:
+            points = [p for p in report["forward_cost"] if p["batch_size"] == batch]
+            cells = ", ".join(f"k={p['k']}: {p['median_s'] * 1e3:.2f} ({p['ratio_to_first']:.2f}x)" for p in points)
+            lines.append(f"batch {batch} (cache {points[0]['cache_length']}): {cells}")
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""`mars bench`: decoding speed side by side (the timing lives in mars.bench)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    """`1,4,8` or `1-32` (or a mix) -> (1, 4, 8)."""
+    out = []
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.extend(range(int(lo), int(hi) + 1) if hi else [int(lo)])
+    except ValueError:
+        raise click.BadParameter(f"expected numbers like 1,4,8 or 1-32, got {text!r}", param_hint=option) from None
+    if not out or min(out) < 1:
+        raise click.BadParameter(f"every value must be >= 1, got {text!r}", param_hint=option)
+    return tuple(out)
+
+
+@click.command("bench")
+@click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.")
+@click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")
+@click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A prompt file (JSONL or one per line). Default: 8 built-in prompts.")
+@click.option("--raw", is_flag=True, help="Feed the prompts as plain text, without the chat template.")
+@click.option("--batch-sizes", default="1,4,8", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--threshold", "thresholds", type=float, multiple=True, help="A MARS threshold to time (repeat for several). Default: 0.9.")
+@click.option("--block-cache", "block_caches", default="4,8,16,32", show_default=True, help="Comma-separated B_cache values for the block cache.")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's).")
+@click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed rounds after the warm-up; medians are reported.")
+@click.option("--forward-k", "forward_ks", default="1-32", show_default=True, help="New-token counts k of the per-forward cost curve (e.g. 1-32 or 1,2,4,8); 0 skips it.")
+@click.option("--forward-repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
+@click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
+@click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
+@click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
+@click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
+def bench_command(**opts):
+    """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
+    # Imported here, not at the top, so mars.cli.main can import this module wherever it likes.
+    from .main import friendly_errors
+
+    friendly_errors(_bench)(**opts)
+
+
+def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
+           max_tokens, repeats, forward_ks, forward_repeats, output, force, threads, verbose, backend):
+    from ..bench import BenchError, BenchSettings, benchmark, format_table
+    from .main import quiet_libraries, read_prompts
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    try:
+        settings = BenchSettings(
+            batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+            thresholds=tuple(thresholds) or (0.9,),
+            block_caches=_ints(block_caches, "--block-cache"),
+            max_tokens=max_tokens,
+            repeats=repeats,
+            block_size=block_size,
+            metric=metric,
+            forward_ks=() if forward_ks.strip() == "0" else _ints(forward_ks, "--forward-k"),
+            forward_repeats=forward_repeats,
+            force=force,
+        )
+    except BenchError as e:
+        raise click.UsageError(str(e)) from None
+    prompts = read_prompts(prompt_file) if prompt_file else None
+    quiet_libraries()
+    try:
+        report = benchmark(model, backend=backend, adapter_path=adapter_path, prompts=prompts, raw=raw,
+                           settings=settings, threads=threads, announce=say, log=say if verbose else None)
+    except BenchError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(format_table(report))
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2) + "\n")
+        click.echo(f"wrote {output}", err=True)

@@ -1,0 +1,96 @@
+"""`mars bench`: every configuration is timed and reported, AR is the unit of the ratios,
+and the project's AR loop emits the same tokens as transformers / mlx-lm greedy generation."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mars.bench import BenchError, BenchSettings, benchmark, format_table
+from mars.cli.bench import _ints, bench_command
+from tiny import save_model
+
+PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
+SETTINGS = dict(batch_sizes=(1, 2), block_caches=(4, 8), repeats=1, forward_ks=(1, 2, 3, 4), forward_repeats=1, max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("bench") / "model", "llama", seed=1)
+
+
+def check_report(report, reference):
+    assert report["ar_matches_reference"] is True
+    assert [c["batch_size"] for c in report["reference_check"]] == [1, 2]
+    expected = {"ar-kv-cache", reference, "mars-window t=0.9", "mars-block4 t=0.9", "mars-block8 t=0.9"}
+    for batch in (1, 2):
+        runs = {r["name"]: r for r in report["runs"] if r["batch_size"] == batch}
+        assert set(runs) == expected
+        ar = runs["ar-kv-cache"]
+        assert ar["ratio_to_ar"] == 1.0 and ar["tokens_per_forward"] == 1.0 and ar["rows_equal_to_ar"] == 1.0
+        assert runs[reference]["tokens"] == ar["tokens"] and runs[reference]["rows_equal_to_ar"] == 1.0
+        assert runs["mars-block8 t=0.9"]["block_cache"] == 8 and runs["mars-window t=0.9"]["cache"] == "window"
+        for r in runs.values():
+            assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio_to_ar"] > 0 and r["tokens"] > 0
+            assert len(r["wall_s_runs"]) == 1
+    curve = report["forward_cost"]
+    assert [(p["batch_size"], p["k"]) for p in curve] == [(b, k) for b in (1, 2) for k in (1, 2, 3, 4)]
+    assert all(p["median_s"] > 0 for p in curve)
+    assert all(p["ratio_to_first"] == 1.0 for p in curve if p["k"] == 1)
+    table = format_table(report)
+    assert "mars-block4 t=0.9" in table and "k=4" in table
+    json.dumps(report)  # JSON-ready as it is
+
+
+def test_torch_bench_reports_every_configuration(tiny):
+    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
+    assert report["backend"] == "torch" and report["prompts"] == 4
+    check_report(report, "transformers.generate")
+
+
+def test_mlx_bench_reports_every_configuration(tiny):
+    pytest.importorskip("mlx_lm")
+    report = benchmark(str(tiny), backend="mlx", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
+    assert report["backend"] == "mlx"
+    check_report(report, "mlx_lm.generate")
+
+
+def test_thresholds_below_one_need_force_without_mars_json(tiny):
+    with pytest.raises(BenchError, match="no mars.json"):
+        benchmark(str(tiny), backend="torch", prompts=PROMPTS[:1], settings=BenchSettings(**SETTINGS), announce=lambda m: None)
+
+
+def test_cli_writes_json_and_prints_the_table(tiny, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello there\nx\n")
+    out = tmp_path / "r" / "bench.json"
+    args = ["--model", tiny, "--backend", "torch", "--prompts", prompts, "--batch-sizes", "1,2", "--block-cache", "4",
+            "--threshold", "0.9", "--threshold", "0.5", "--repeats", "1", "--forward-k", "1-2", "--forward-repeats", "1",
+            "--max-tokens", "8", "--force", "--threads", "1", "--output", out]
+    result = CliRunner().invoke(bench_command, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and report["ar_matches_reference"] is True and report["torch_threads"] == 1
+    names = {r["name"] for r in report["runs"]}
+    assert {"mars-block4 t=0.5", "mars-window t=0.9", "transformers.generate"} <= names
+    assert "ar-kv-cache" in result.output
+
+
+def test_cli_errors_are_one_line(tiny):
+    result = CliRunner().invoke(bench_command, ["--model", str(tiny), "--backend", "torch", "--repeats", "1"])
+    assert result.exit_code == 1 and "no mars.json" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(bench_command, ["--model", str(tiny), "--batch-sizes", "1,x"])
+    assert result.exit_code == 2 and "--batch-sizes" in result.output
+
+
+def test_integer_lists():
+    assert _ints("1,4,8", "--x") == (1, 4, 8)
+    assert _ints("1-4", "--x") == (1, 2, 3, 4)
+    assert _ints("1-2,8", "--x") == (1, 2, 8)
+
+
+def test_settings_drop_repeats_and_refuse_zero():
+    s = BenchSettings(thresholds=(0.9, 0.9, 0.8), block_caches=(4, 4))
+    assert s.thresholds == (0.9, 0.8) and s.block_caches == (4,)
+    with pytest.raises(BenchError, match="batch sizes must be >= 1"):
+        BenchSettings(batch_sizes=(0,))
