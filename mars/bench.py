@@ -22,7 +22,8 @@ import numpy as np
 from .core.acceptance import is_ar_mode
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
-from .core.tokens import choose_mask_token, encode_prompt
+from .backends.base import mask_id_for
+from .core.tokens import encode_prompt
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -89,9 +90,7 @@ class Config:
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     mars = loaded.mars
-    mask_id = mars.mask_token_id if mars else choose_mask_token(loaded.tokenizer, exclude=loaded.eos_ids)[1]
-    if mars is None and mask_id >= loaded.vocab_rows:
-        mask_id = loaded.tokenizer.unk_token_id or 0
+    mask_id = mask_id_for(loaded)
     return DecodeSettings(
         mask_id=mask_id,
         eos_ids=loaded.eos_ids,

@@ -72,14 +72,9 @@ class EvalModel:
 
     def mask_id(self) -> int:
         """The checkpoint's mask token; for a plain model, the token the CLI would pick."""
-        from .core.tokens import choose_mask_token
+        from .backends.base import mask_id_for
 
-        if self.mars is not None:
-            return self.mars.mask_token_id
-        mask_id = choose_mask_token(self.tm.tokenizer, exclude=self.tm.eos_ids)[1]
-        if mask_id >= self.tm.vocab_rows:
-            mask_id = self.tm.tokenizer.unk_token_id or 0
-        return mask_id
+        return mask_id_for(self.tm)
 
 
 def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None) -> EvalModel:

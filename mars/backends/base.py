@@ -47,3 +47,16 @@ def loader(name: str):
     from .torch.model import TorchDecoder, load
 
     return load, TorchDecoder
+
+
+def mask_id_for(loaded) -> int:
+    """The mask token a loaded model decodes with: its checkpoint's, or for a plain model
+    (decoded below threshold 1 only under --force) the token fine-tuning would pick."""
+    from ..core.tokens import choose_mask_token
+
+    if loaded.mars is not None:
+        return loaded.mars.mask_token_id
+    mask_id = choose_mask_token(loaded.tokenizer, exclude=loaded.eos_ids)[1]
+    if mask_id >= loaded.vocab_rows:  # it would have to be added: use a token that exists
+        mask_id = loaded.tokenizer.unk_token_id or 0
+    return mask_id

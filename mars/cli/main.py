@@ -213,7 +213,7 @@ class Session:
     def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force):
         from ..core.acceptance import is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
-        from ..core.tokens import choose_mask_token
+        from ..backends.base import mask_id_for
 
         mars = self.tm.mars
         metric = metric or (mars.metric if mars else "probability")
@@ -226,9 +226,7 @@ class Session:
                     "use --threshold 1.0, or --force to try anyway"
                 )
             click.echo("WARNING: decoding a model without MARS training below threshold 1.0: expect wrong tokens", err=True)
-        mask_id = mars.mask_token_id if mars else choose_mask_token(self.tm.tokenizer, exclude=self.tm.eos_ids)[1]
-        if mars is None and mask_id >= self.tm.vocab_rows:
-            mask_id = self.tm.tokenizer.unk_token_id or 0
+        mask_id = mask_id_for(self.tm)
         return DecodeSettings(
             mask_id=mask_id,
             eos_ids=self.tm.eos_ids,
