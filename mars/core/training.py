@@ -136,3 +136,18 @@ def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: 
             trainer.batch_in_epoch = 0
     bar.close()
     return {"steps": trainer.step, "seconds": time.perf_counter() - t0, "history": trainer.history}
+
+
+def validation_losses(examples, s: TrainSettings, pad_id: int, losses, ar_weight: float) -> dict:
+    """Row-weighted mean of `losses(batch) -> (noisy, clean)` floats over the examples."""
+    from .data import batches
+
+    noisy = clean = 0.0
+    n = 0
+    for batch in batches(examples, s.batch_size, pad_id=pad_id, shuffle=False):
+        a, b = losses(batch)
+        rows = len(batch[0])
+        noisy += a * rows
+        clean += b * rows
+        n += rows
+    return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + ar_weight * clean) / n}

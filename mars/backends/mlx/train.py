@@ -18,7 +18,6 @@ from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ...core.config import MarsConfig, write_config
-from ...core.data import batches
 from ...core.files import atomic_dir
 from ...core.training import (
     CHECKPOINT,
@@ -28,6 +27,7 @@ from ...core.training import (
     lr_lambda,
     run,
     total_steps,
+    validation_losses,
     write_history,
 )
 from .model import (
@@ -176,17 +176,15 @@ class MlxTrainer:
         if not examples:
             return {}
         self.net.eval()
-        noisy = clean = 0.0
-        n = 0
-        for batch in batches(examples, self.s.batch_size, pad_id=self.pad_id, shuffle=False):
+
+        def losses(batch):
             a, b = self._losses(self._batch(batch))
             mx.eval(a, b)
-            rows = len(batch[0])
-            noisy += a.item() * rows
-            clean += b.item() * rows
-            n += rows
+            return a.item(), b.item()
+
+        result = validation_losses(examples, self.s, self.pad_id, losses, self.mars.ar_weight)
         self.net.train()
-        return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
+        return result
 
     def accumulate(self, batch, first: bool) -> tuple[float, float]:
         if first:

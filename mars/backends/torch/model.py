@@ -60,6 +60,13 @@ def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
     return out[:, None]
 
 
+def body_and_head(model: torch.nn.Module):
+    """The decoder body and the LM head of a *ForCausalLM, through a PEFT wrapper if any
+    (LoRA layers live inside the body, so calling it uses them)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+
+
 @dataclass
 class TorchModel:
     """A loaded causal LM with what MARS needs to drive it."""
@@ -73,13 +80,11 @@ class TorchModel:
 
     @property
     def body(self) -> torch.nn.Module:
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return getattr(base, base.base_model_prefix)
+        return body_and_head(self.model)[0]
 
     @property
     def head(self) -> torch.nn.Module:
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        return base.get_output_embeddings()
+        return body_and_head(self.model)[1]
 
     @property
     def vocab_rows(self) -> int:
@@ -280,8 +285,7 @@ class MarsLoss(torch.nn.Module):
         self.model = model
         self.mask_row = mask_row
         self.mask_id = mask_id
-        tm = TorchModel(model, None, None, "", torch.device("cpu"), torch.float32)
-        self.body, self.head = tm.body, tm.head
+        self.body, self.head = body_and_head(model)
 
     def hidden(self, input_ids, positions, attn):
         if self.mask_row is None:

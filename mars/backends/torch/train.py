@@ -9,9 +9,8 @@ from pathlib import Path
 import torch
 
 from ...core.config import MarsConfig, write_config
-from ...core.data import batches
 from ...core.files import atomic_dir
-from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, write_history
+from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
 
 class Trainer:
@@ -130,16 +129,11 @@ class Trainer:
         if not examples:
             return {}
         self.loss_module.eval()
-        noisy = clean = 0.0
-        n = 0
-        for batch in batches(examples, self.s.batch_size, pad_id=self.pad_id, shuffle=False):
-            a, b = self._losses(batch)
-            rows = len(batch[0])
-            noisy += float(a) * rows
-            clean += float(b) * rows
-            n += rows
+        result = validation_losses(
+            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch)), self.mars.ar_weight
+        )
         self.loss_module.train()
-        return {"val_noisy": noisy / n, "val_clean": clean / n, "val_loss": (noisy + self.mars.ar_weight * clean) / n}
+        return result
 
     def accumulate(self, batch, first: bool) -> tuple[float, float]:
         noisy, clean = self._losses(batch)
