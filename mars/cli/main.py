@@ -413,10 +413,12 @@ def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fus
 
 # Commands in their own modules (they import helpers from this one).
 from .bench import bench_command  # noqa: E402
+from .distill import distill_command  # noqa: E402
 from .evaluate import evaluate_command  # noqa: E402
 
 cli.add_command(evaluate_command)
 cli.add_command(bench_command)
+cli.add_command(distill_command)
 
 
 def main():

@@ -27,6 +27,11 @@ SHAPES = {
     "text": ("text",),
 }
 SHAPE_HINT = '{"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'
+# Optional on chat shapes: how the response ended. "length" marks a reply cut by a generation
+# limit (as `mars distill` writes them): it did not end, so neither its EOS nor its block
+# padding is labelled (METHOD §2).
+OPTIONAL = {"messages": ("finish",), "prompt": ("finish",), "text": ()}
+FINISH = ("eos", "length")
 
 
 class DataError(ValueError):
@@ -95,8 +100,8 @@ def check_record(record, where: str) -> str:
         )
     allowed = SHAPES[shape]
     for key in record:
-        if key not in allowed:
-            expected = " or ".join(repr(k) for k in allowed)
+        if key not in allowed and key not in OPTIONAL[shape]:
+            expected = " or ".join(repr(k) for k in allowed + OPTIONAL[shape])
             raise _fail(
                 where,
                 f"unknown field {key!r}; expected {expected}",
@@ -107,6 +112,12 @@ def check_record(record, where: str) -> str:
             fields = " and ".join(repr(k) for k in allowed)
             raise _fail(where, f"missing field {key!r}", f"this record shape needs {fields}")
 
+    if "finish" in record and record["finish"] not in FINISH:
+        raise _fail(
+            where,
+            f"'finish' must be \"eos\" or \"length\", got {json.dumps(record['finish'])}",
+            '"length" marks a response cut by a length limit; remove the field otherwise',
+        )
     if shape == "text":
         if not _need_str(record["text"], "'text'", where).strip():
             raise _fail(where, "empty 'text'", "remove the line or give it some text")
@@ -234,7 +245,14 @@ def encode_record(record, tokenizer, *, eos_id: int, where: str = "record") -> t
         response = response[: response.index(eos_id) + 1]
     else:
         response.append(eos_id)
+    if not record_ended(record):
+        response = response[:-1]  # the reply was cut, not ended: its EOS is no target
     return prompt + response, [IGNORE] * len(prompt) + response
+
+
+def record_ended(record) -> bool:
+    """False for a response marked as cut by a length limit ("finish": "length")."""
+    return record.get("finish") != "length"
 
 
 def pad_to_block(ids, labels, block_size: int, eos_id: int, *, ended: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -330,7 +348,8 @@ def load_split(
                     f"the prompt alone fills --max-seq-length {max_seq_length}, so truncation leaves nothing to learn",
                     "raise --max-seq-length, shorten the prompt, or pass --on-long skip",
                 )
-        ids, labels = pad_to_block(ids, labels, block_size, eos_id, ended=not truncated)
+        ended = not truncated and record_ended(record)
+        ids, labels = pad_to_block(ids, labels, block_size, eos_id, ended=ended)
         examples.append(Example(ids=ids, labels=labels, source=where, truncated=truncated))
     if not examples:
         raise DataError(

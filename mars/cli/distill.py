@@ -1,0 +1,44 @@
+"""`mars distill`: prompts in, the model's own greedy replies out, as a training set."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from .main import backend_option, friendly_errors, model_options, quiet_libraries
+
+
+@click.command("distill")
+@model_options
+@click.option("--prompts", "prompts", required=True, type=click.Path(path_type=Path),
+              help="A .jsonl prompt file, or a directory of train/valid/test .jsonl ({\"messages\"} or {\"prompt\"}, optional \"follow_ups\").")
+@click.option("--output", required=True, type=click.Path(file_okay=False, path_type=Path), help="The data directory to write (mlx-lm chat JSONL).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="Reply length cap; cut replies are marked \"finish\": \"length\".")
+@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many prompts per split.")
+@backend_option
+@friendly_errors
+def distill_command(model, adapter_path, dtype, device, prompts, output, max_tokens, batch_size, limit, backend):
+    """Self-distil: answer every prompt with the model's greedy (threshold 1.0) reply.
+
+    Resumable: rerun the same command after an interruption and it continues.
+    """
+    from ..backends.base import loader, resolve
+    from ..default_model import DEFAULT_REF, model_ref
+    from ..distill import DistillSettings, distill, prompt_files, read_prompt_file
+
+    for _, path in prompt_files(prompts):  # bad prompts fail before the model loads
+        read_prompt_file(path)
+    load, decoder_cls = loader(resolve(backend))
+    quiet_libraries()
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
+    ref = model_ref(model) if model is not None else DEFAULT_REF
+    if adapter_path is not None:
+        ref += f" + {Path(adapter_path).resolve()}"
+    settings = DistillSettings(max_tokens=max_tokens, batch_size=batch_size, limit=limit)
+    summary = distill(tm, decoder_cls(tm), prompts, output, settings, model_ref=ref, log=say)
+    click.echo(json.dumps(summary["splits"]))
+    click.echo(f"{summary['generated_tokens']} tokens in {summary['seconds']}s -> {output}")
