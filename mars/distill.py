@@ -176,7 +176,8 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
     output = Path(output)
     files = prompt_files(prompts)
     splits = {split: read_prompt_file(path) for split, path in files}  # validate all before any work
-    run = {"model": model_ref, "prompts": str(prompts), "max_tokens": settings.max_tokens, "limit": settings.limit}
+    # --limit may change between runs (a run cut short is finished with a smaller one).
+    run = {"model": model_ref, "prompts": str(prompts), "max_tokens": settings.max_tokens}
     _check_resume(output, run)
     output.mkdir(parents=True, exist_ok=True)
     summary = {"run": run, "splits": {}}
@@ -192,6 +193,9 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
             summary["splits"][split] = _count(final)
             continue
         done = _done_lines(partial)
+        if done > len(records):  # a smaller --limit than the run that wrote it
+            partial.write_text("".join(partial.read_text(encoding="utf-8").splitlines(keepends=True)[: len(records)]), encoding="utf-8")
+            done = len(records)
         if done:
             log(f"{partial}: resuming after {done} of {len(records)} prompts")
         bar = tqdm(total=len(records), initial=done, desc=f"distill {split}", unit="prompt", disable=not progress, dynamic_ncols=True)
