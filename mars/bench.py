@@ -53,6 +53,7 @@ class BenchSettings:
     forward_ks: tuple[int, ...] = tuple(range(1, 33))  # the cost curve; empty: skip it
     forward_repeats: int = 5
     force: bool = False  # allow thresholds < 1 on a model without mars.json
+    lossless: bool = False  # also time lossless decoding (METHOD §8), window and block caches
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -75,7 +76,7 @@ class Config:
     """One thing to time: `run(prompts)` decodes a batch and returns (tokens per row, DecodeStats or None)."""
 
     name: str
-    kind: str  # ar | reference | mars
+    kind: str  # ar | reference | mars | lossless
     run: Callable
     threshold: float | None = None
     cache: str | None = None
@@ -87,7 +88,7 @@ class Config:
     row_forwards: int | None = None
 
 
-def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings) -> DecodeSettings:
+def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     mars = loaded.mars
     mask_id = mask_id_for(loaded)
@@ -101,6 +102,7 @@ def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: B
         cache=cache,
         block_cache=block_cache,
         sampling=Sampling(),
+        lossless=lossless,
     )
 
 
@@ -175,6 +177,11 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings) -> list[Confi
         for bc in s.block_caches:
             run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s))
             configs.append(Config(f"mars-block{bc} t={tau:g}", "mars", run, tau, "block", bc))
+    if s.lossless:
+        configs.append(Config("lossless-window", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True)), None, "window"))
+        for bc in s.block_caches:
+            run = _ours(decoder, decode_settings(loaded, 1.0, "block", bc, s, True))
+            configs.append(Config(f"lossless-block{bc}", "lossless", run, None, "block", bc))
     return configs
 
 

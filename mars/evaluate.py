@@ -52,6 +52,7 @@ class EvalSettings:
     force: bool = False  # sweep below AR mode on a model without mars.json
     decode: bool = True
     nll: bool = True
+    lossless: bool = False  # also decode in lossless mode (METHOD §8): one more row, exact by construction
 
 
 @dataclass
@@ -255,22 +256,24 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
-    def run(threshold):
+    def run(threshold, lossless=False):
         s = DecodeSettings(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, block_size=B, threshold=threshold, metric=metric,
-                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache)
-        announce(f"{em.label}: decoding {len(prompt_ids)} prompts at threshold {threshold}")
+                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, lossless=lossless)
+        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + ("lossless" if lossless else f"at threshold {threshold}"))
         return decode_all(em, prompt_ids, s, settings.batch_size)
 
     reference = run(ar)
     rows = []
-    for threshold in [ar] + others:
-        d = reference if threshold == ar else run(threshold)
+    modes = [(t, False) for t in [ar] + others] + ([(ar, True)] if settings.lossless else [])
+    for threshold, lossless in modes:
+        d = reference if threshold == ar and not lossless else run(threshold, lossless)
         prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
         slots = np.zeros(B + 1)
         slots[: d["per_slot"].size] = d["per_slot"] / max(1, d["forwards"])
         rows.append({
-            "threshold": threshold,
+            "mode": "lossless" if lossless else "threshold",
+            "threshold": None if lossless else threshold,
             "tokens": d["accepted"],
             "forwards": d["forwards"],
             "tokens_per_forward": d["accepted"] / max(1, d["forwards"]),
@@ -278,6 +281,8 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             "exact_match": float(np.mean([o == r for o, r in zip(d["outputs"], reference["outputs"])])),
             "mean_prefix": float(np.mean(prefix)),
             "mean_prefix_fraction": float(np.mean([p / n for p, n in zip(prefix, longest)])),
+            # The share of the AR output's tokens reproduced before the first divergence.
+            "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
             "outputs": d["outputs"],
         })
@@ -395,12 +400,13 @@ def format_table(report: dict) -> str:
         sw = m.get("sweep")
         if sw:
             lines.append(f"  sweep: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
-            lines.append(f"  {'tau':>6} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
+            lines.append(f"  {'tau':>8} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
+                tau = "lossless" if r.get("mode") == "lossless" else f"{r['threshold']:.3g}"
                 lines.append(
-                    f"  {r['threshold']:>6.3g} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
-                    f"{r['mean_prefix_fraction']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
+                    f"  {tau:>8} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
+                    f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
                 )
             if sw.get("note"):
                 lines.append(f"  note: {sw['note']}")
@@ -428,7 +434,8 @@ def plot(report: dict, path, *, x: str = "exact") -> Path:
         (line,) = ax.plot(xs, ys, marker="o", label=f"{m['label']} (B={sw['block_size']})")
         points: dict = {}  # thresholds that land on the same point share one label
         for r, a, b in zip(rows, xs, ys):
-            points.setdefault((round(a, 6), round(b, 6)), []).append(f"{r['threshold']:g}")
+            name = "lossless" if r.get("mode") == "lossless" else f"{r['threshold']:g}"
+            points.setdefault((round(a, 6), round(b, 6)), []).append(name)
         for (a, b), names in points.items():
             ax.annotate(", ".join(names), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8, color=line.get_color())
     ax.set_xlabel("exact match with threshold 1.0" if x == "exact" else "mean matching-prefix fraction vs threshold 1.0")

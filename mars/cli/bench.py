@@ -38,6 +38,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--forward-repeats", type=click.IntRange(min=1), default=5, show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
 @click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
+@click.option("--lossless", is_flag=True, help="Also time lossless decoding (window and each --block-cache).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
 @click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
@@ -50,7 +51,7 @@ def bench_command(**opts):
 
 
 def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-           max_tokens, repeats, forward_ks, forward_repeats, output, force, threads, verbose, backend):
+           max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, threads, verbose, backend):
     from ..bench import BenchError, BenchSettings, benchmark, format_table
     from .main import quiet_libraries, read_prompts
 
@@ -67,6 +68,7 @@ def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block
             forward_ks=() if forward_ks.strip() == "0" else _ints(forward_ks, "--forward-k"),
             forward_repeats=forward_repeats,
             force=force,
+            lossless=lossless,
         )
     except BenchError as e:
         raise click.UsageError(str(e)) from None

@@ -43,6 +43,7 @@ def _thresholds(ctx, param, value):
 @click.option("--no-nll", is_flag=True, help="Skip the NLL measurement.")
 @click.option("--no-decode", is_flag=True, help="Skip the threshold sweep.")
 @click.option("--force", is_flag=True, help="Sweep thresholds below 1 on models without mars.json too.")
+@click.option("--lossless", is_flag=True, help="Also decode in lossless mode (the masks draft, the next forward verifies).")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON here.")
 @click.option("--outputs", "with_outputs", is_flag=True, help="Include the decoded token ids in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG: tokens/forward against agreement with AR.")
@@ -52,7 +53,7 @@ def _thresholds(ctx, param, value):
 @backend_option
 @friendly_errors
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
-                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, output, with_outputs, plot_path,
+                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, output, with_outputs, plot_path,
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
@@ -74,7 +75,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
     settings = ev.EvalSettings(
         thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
         batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,
-        limit=limit, force=force, decode=not no_decode, nll=not no_nll,
+        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless,
     )
     quiet_libraries()
     say = lambda m: click.echo(m, err=True)

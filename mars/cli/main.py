@@ -195,6 +195,7 @@ def decode_options(f):
     f = click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
     f = click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the block cache.")(f)
     f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
+    f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored.")(f)
     return f
 
 
@@ -210,7 +211,7 @@ class Session:
         self.tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
         self.decoder = decoder(self.tm)
 
-    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force):
+    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False):
         from ..core.acceptance import is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
         from ..backends.base import mask_id_for
@@ -219,7 +220,7 @@ class Session:
         metric = metric or (mars.metric if mars else "probability")
         if threshold is None:
             threshold = mars.default_threshold if mars else (0.0 if metric == "entropy" else 1.0)
-        if mars is None and not is_ar_mode(metric, threshold):
+        if mars is None and not is_ar_mode(metric, threshold) and not lossless:
             if not force:
                 raise click.ClickException(
                     "this model has no mars.json (never MARS-trained): its mask predictions are confidently wrong; "
@@ -237,7 +238,15 @@ class Session:
             cache=cache,
             block_cache=block_cache,
             sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed),
+            lossless=lossless,
         )
+
+
+def mode(settings) -> str:
+    """How a run decodes, for the summary lines."""
+    if settings.lossless:
+        return "lossless" + (f" sampling (temp {settings.sampling.temperature:g})" if not settings.sampling.greedy else " greedy")
+    return f"threshold {settings.threshold} ({settings.metric})"
 
 
 def read_prompts(path: Path) -> list:
@@ -305,7 +314,7 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
         total_forwards += result.stats.row_forwards
     seconds = time.perf_counter() - t0
     click.echo(
-        f"threshold {settings.threshold} ({settings.metric}), B={settings.block_size}, cache={settings.cache}: "
+        f"{mode(settings)}, B={settings.block_size}, cache={settings.cache}: "
         f"{total_tokens} tokens, {total_forwards} forwards, "
         f"{total_tokens / max(1, total_forwards):.2f} tokens/forward, {seconds:.2f}s ({total_tokens / seconds:.1f} tok/s)",
         err=as_json,
@@ -330,7 +339,7 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
     settings = session.settings(**decode)
     tok = session.tm.tokenizer
     history = [{"role": "system", "content": system}] if system else []
-    click.echo(f"threshold {settings.threshold}, B={settings.block_size}. /threshold X, /reset, /quit", err=True)
+    click.echo(f"{mode(settings)}, B={settings.block_size}. /threshold X, /reset, /quit", err=True)
     while True:
         try:
             line = input(">> ")
@@ -355,6 +364,8 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
             if session.tm.mars is None and settings.threshold < 1.0 and not decode["force"]:
                 click.echo("this model has no mars.json: keeping threshold 1.0 (start with --force to override)", err=True)
                 settings.threshold = 1.0
+            if settings.lossless:
+                click.echo("lossless mode ignores the threshold (restart without --lossless to use it)", err=True)
             click.echo(f"threshold = {settings.threshold}", err=True)
             continue
         history.append({"role": "user", "content": line})

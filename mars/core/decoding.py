@@ -5,6 +5,12 @@ the backend runs one forward and returns per-slot (id, confidence) on the host,
 the acceptance rule decides how many leading slots each row keeps, and the
 strategy commits: it tells the backend how far to crop the cache.
 
+Lossless mode (METHOD §8) runs on the same strategies: each row also feeds, as real ids,
+the drafts its masks proposed last step, right after its uncommitted tokens and before
+its masks. The outputs before the drafts are the AR predictions for them, so a draft is
+kept while it equals that prediction (greedy) or passes the speculative-sampling test
+(done by the backend), and one AR token always follows. Rejected drafts become holes.
+
 Rows of a batch share one cache length. Rows that fed fewer tokens than others
 leave holes: keys nobody attends (`key_valid` False), so every row sees exactly
 the sequence it would see alone, at its own positions.
@@ -46,6 +52,7 @@ class DecodeSettings:
     cache: str = "window"  # none | window | block
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
     sampling: Sampling = field(default_factory=Sampling)
+    lossless: bool = False  # masks draft, the next forward verifies: output exactly AR's (METHOD §8)
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -61,6 +68,9 @@ class DecodeSettings:
     @property
     def masks_per_step(self) -> int:
         # In AR mode the masks could never be accepted: feed none (a one-slot window).
+        # Lossless mode ignores the threshold: its masks only draft.
+        if self.lossless:
+            return self.block_size
         return 0 if is_ar_mode(self.metric, self.threshold) else self.block_size
 
 
@@ -78,6 +88,21 @@ class StepBackend(Protocol):
         `metric` None (greedy AR): the argmax ids alone; confidences may be zeros."""
         ...
 
+    def keep_rows(self, cache, rows: list[int]) -> None:
+        """Keep only these batch rows of the cache (None: no cache) and of any per-row state
+        kept for speculate."""
+        ...
+
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of
+        the D draft slots and after the last (AR), then the m masks. Row r's first
+        `n_drafts[r]` ids of `drafts` (b, D) were drawn by the previous call from its mask
+        distributions q, which the backend kept. Returns (kept (b,), token (b,), new drafts
+        (b, m)): drafts kept by the speculative-sampling rule (accept with min(1, p/q)), then
+        a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the
+        last draft; new drafts are drawn from this step's mask distributions, kept for the next call."""
+        ...
+
 
 @dataclass
 class Feed:
@@ -86,6 +111,12 @@ class Feed:
     valid: np.ndarray  # (b, q) bool: False for holes
     read: np.ndarray  # (b, k) indices into q: slot j of row r is read at read[r, j]
     limit: np.ndarray  # (b,) tokens row r may accept this step; 0 = it waits
+    # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r]; `read`
+    # then holds 1 + D AR reads (the last real token's output, then each draft's) and the
+    # masks' reads. `kept` (b,) is filled in by the loop: drafts that passed verification.
+    drafts: np.ndarray | None = None
+    n_drafts: np.ndarray | None = None
+    kept: np.ndarray | None = None
 
 
 @dataclass
@@ -94,6 +125,10 @@ class RowStats:
     waited: int = 0  # forwards in which the row was unfinished but took nothing
     accepted: int = 0
     accepted_per_slot: list[int] = field(default_factory=list)
+    # Lossless mode, per draft slot: proposed by the masks, fed for verification, kept.
+    drafted_per_slot: list[int] = field(default_factory=list)
+    verified_per_slot: list[int] = field(default_factory=list)
+    kept_per_slot: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -132,10 +167,23 @@ class DecodeStats:
                     "accepted": r.accepted,
                     "tokens_per_forward": round(r.tokens_per_forward, 4),
                     "accepted_per_slot": r.accepted_per_slot,
+                    **(
+                        {"drafted_per_slot": r.drafted_per_slot, "verified_per_slot": r.verified_per_slot, "kept_per_slot": r.kept_per_slot}
+                        if r.drafted_per_slot
+                        else {}
+                    ),
                 }
                 for r in self.rows
             ],
         }
+
+    def draft_totals(self) -> dict:
+        """Lossless mode: drafts proposed, verified and kept, per draft slot, summed over rows."""
+        def total(name):
+            per = [getattr(r, name) for r in self.rows if getattr(r, name)]
+            return [int(x) for x in np.sum(per, axis=0)] if per else []
+
+        return {"drafted_per_slot": total("drafted_per_slot"), "verified_per_slot": total("verified_per_slot"), "kept_per_slot": total("kept_per_slot")}
 
 
 @dataclass
@@ -152,6 +200,7 @@ class _Row:
         self.cached = 0  # real tokens of `seq` already in the cache
         self.done = False
         self.finish = ""
+        self.drafts: list[int] = []  # lossless: the masks' last proposals, verified next step
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 
     @property
@@ -169,6 +218,22 @@ def _right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: li
         ids[r, start : start + len(toks)] = toks
         valid[r, start:] = True
     return ids, valid
+
+
+def _pad_drafts(drafts: list[list[int]], mask_id: int) -> tuple[np.ndarray, np.ndarray]:
+    width = max((len(d) for d in drafts), default=0)
+    out = np.full((len(drafts), width), mask_id, dtype=np.int64)
+    for r, d in enumerate(drafts):
+        out[r, : len(d)] = d
+    return out, np.asarray([len(d) for d in drafts], dtype=np.int64)
+
+
+def _lossless_read(last: np.ndarray, n_drafts: np.ndarray, width_drafts: int, first_mask: np.ndarray, masks: int, width: int):
+    """1 + D AR reads (the output at the last real token, then at each draft; padded by
+    repeating a row's last one), then the masks' reads."""
+    ar = last[:, None] + np.minimum(np.arange(width_drafts + 1)[None, :], n_drafts[:, None])
+    mk = np.minimum(first_mask[:, None] + np.arange(masks)[None, :], width - 1)
+    return np.concatenate([ar, mk], axis=1)
 
 
 def _positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
@@ -190,14 +255,27 @@ class WindowStrategy:
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
 
     def plan(self, rows: list[_Row]) -> Feed:
-        m = self.s.masks_per_step
-        parts = [[] if r.done else r.seq[r.cached :] for r in rows]
+        s, m = self.s, self.s.masks_per_step
+        # Lossless: as many drafts as leave room for the AR token after them.
+        drafts = [[] if r.done else r.drafts[: s.max_tokens - len(r.out) - 1] for r in rows]
+        parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
         masks = [0 if r.done else m for r in rows]
         width = max(len(p) for p in parts) + m
-        ids, valid = _right_aligned(parts, width, self.s.mask_id, masks)
-        read = np.tile(np.arange(width - m - 1, width), (len(rows), 1))
-        limit = [0 if r.done else min(m + 1, self.s.max_tokens - len(r.out)) for r in rows]
-        return Feed(ids, _positions(valid, [r.cached for r in rows]), valid, read, np.asarray(limit))
+        ids, valid = _right_aligned(parts, width, s.mask_id, masks)
+        positions = _positions(valid, [r.cached for r in rows])
+        if not s.lossless:
+            read = np.tile(np.arange(width - m - 1, width), (len(rows), 1))
+            limit = [0 if r.done else min(m + 1, s.max_tokens - len(r.out)) for r in rows]
+            return Feed(ids, positions, valid, read, np.asarray(limit))
+        padded, n = _pad_drafts(drafts, s.mask_id)
+        first_mask = np.full(len(rows), width - m)
+        read = _lossless_read(first_mask - n - 1, n, padded.shape[1], first_mask, m, width)
+        limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
+        return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
+
+    def keep_rows(self, keep: list[int]) -> None:
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[keep]
 
     def keys(self, feed: Feed) -> np.ndarray:
         if not self.cached or self.key_valid is None:
@@ -210,7 +288,10 @@ class WindowStrategy:
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
         fed_real = feed.ids.shape[1] - self.s.masks_per_step
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
-        self.key_valid = self.keys(feed)[:, : old + fed_real]
+        self.key_valid = self.keys(feed)[:, : old + fed_real].copy()
+        if feed.kept is not None:  # rejected drafts were computed from wrong ids: make them holes
+            for r, (n, k) in enumerate(zip(feed.n_drafts, feed.kept)):
+                self.key_valid[r, old + fed_real - n + k : old + fed_real] = False
         backend.crop(cache, self.key_valid.shape[1])
         for r, b in zip(rows, before):
             r.cached = b
@@ -240,23 +321,36 @@ class BlockStrategy:
         fold_ids, fold_valid = _right_aligned(fold, width_fold, s.mask_id, [0] * len(rows))
         fill = [len(r.seq) - start for r, start in zip(rows, self.block_start)]
         waiting = [r.done or f >= size for r, f in zip(rows, fill)]
+        room = [min(size - f, s.max_tokens - len(r.out)) for r, f in zip(rows, fill)]
+        # Lossless: drafts fill the slots after the row's real ones, leaving room for the AR token.
+        drafts = [[] if w or not s.lossless else r.drafts[: k - 1] for r, w, k in zip(rows, waiting, room)]
         blk_ids = np.full((len(rows), size), s.mask_id, dtype=np.int64)
         blk_valid = np.zeros((len(rows), size), dtype=bool)
-        for i, (r, start, f) in enumerate(zip(rows, self.block_start, fill)):
+        for i, (r, start, f, d) in enumerate(zip(rows, self.block_start, fill, drafts)):
             if not waiting[i]:
                 blk_ids[i, :f] = r.seq[start:]
+                blk_ids[i, f : f + len(d)] = d
                 blk_valid[i] = True
         ids = np.concatenate([fold_ids, blk_ids], axis=1)
         valid = np.concatenate([fold_valid, blk_valid], axis=1)
         positions = _positions(valid, [r.cached for r in rows])
-        slots = s.masks_per_step + 1
-        base = width_fold + np.asarray(fill)[:, None] - 1
-        read = np.clip(base + np.arange(slots)[None, :], 0, ids.shape[1] - 1)
-        limit = [
-            0 if w else min(slots, size - f, s.max_tokens - len(r.out)) for r, f, w in zip(rows, fill, waiting)
-        ]
         self._fold_width = width_fold
+        last = width_fold + np.asarray(fill) - 1
+        if s.lossless:
+            padded, n = _pad_drafts(drafts, s.mask_id)
+            read = _lossless_read(last, n, padded.shape[1], last + n + 1, s.masks_per_step, ids.shape[1])
+            limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
+            return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
+        slots = s.masks_per_step + 1
+        read = np.clip(last[:, None] + np.arange(slots)[None, :], 0, ids.shape[1] - 1)
+        limit = [0 if w else min(slots, k) for w, k in zip(waiting, room)]
         return Feed(ids, positions, valid, read, np.asarray(limit))
+
+    def keep_rows(self, keep: list[int]) -> None:
+        if self.key_valid is not None:
+            self.key_valid = self.key_valid[keep]
+        if self.block_start:
+            self.block_start = [self.block_start[j] for j in keep]
 
     def keys(self, feed: Feed) -> np.ndarray:
         if self.key_valid is None:
@@ -273,6 +367,43 @@ class BlockStrategy:
         size = self.s.block_cache
         if all(r.done or len(r.seq) - start >= size for r, start in zip(rows, self.block_start)):
             self.block_start = [len(r.seq) for r in rows]
+
+
+def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[list[int]], list[list[int]]]:
+    """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
+    a waiting row) and its masks' proposals. Sets `feed.kept`."""
+    width = feed.drafts.shape[1]
+    if s.sampling.greedy:
+        ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=s.sampling)
+        ar, proposals = ids[:, : width + 1], ids[:, width + 1 :]
+        same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
+        kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
+        token = ar[np.arange(len(ar)), kept]
+    else:
+        kept, token, proposals = backend.speculate(
+            cache, feed.ids, feed.positions, mask, feed.read, feed.drafts, feed.n_drafts, sampling=s.sampling
+        )
+        kept = np.asarray(kept, dtype=np.int64)
+    feed.kept = np.where(feed.limit > 0, kept, 0)
+    accepted = [
+        [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])] if feed.limit[i] > 0 else [] for i in range(len(kept))
+    ]
+    return accepted, [[int(t) for t in row] for row in proposals]
+
+
+def _count_drafts(r: _Row, verified: int, kept: int, proposals: list[int]) -> None:
+    """Lossless bookkeeping: the masks' proposals become the next drafts only if every draft
+    passed (otherwise they were conditioned on a wrong token)."""
+    st = r.stats
+    if not st.drafted_per_slot:
+        st.drafted_per_slot, st.verified_per_slot, st.kept_per_slot = ([0] * len(proposals) for _ in range(3))
+    for j in range(verified):
+        st.verified_per_slot[j] += 1
+    for j in range(kept):
+        st.kept_per_slot[j] += 1
+    r.drafts = list(proposals) if kept == verified else []
+    for j in range(len(r.drafts)):
+        st.drafted_per_slot[j] += 1
 
 
 def _strategy(settings: DecodeSettings):
@@ -294,31 +425,43 @@ def generate(
     slots = s.masks_per_step + 1
     rows = [_Row(p, slots) for p in prompts]
     strategy = _strategy(s)
-    cache = None if s.cache == "none" else backend.new_cache(len(rows))
+    cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
+    if s.cache == "none":
+        cache = None
     stats = DecodeStats(rows=[r.stats for r in rows])
     eos = set(s.eos_ids)
     # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
     step_metric = None if is_ar_mode(s.metric, s.threshold) and s.sampling.greedy else s.metric
 
-    while not all(r.done for r in rows):
+    live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)
+    everyone = rows
+    while live:
+        rows = [everyone[i] for i in live]
         feed = strategy.plan(rows)
         keys = strategy.keys(feed)
         mask = None if keys.all() else decode_mask(keys, feed.ids.shape[1])
-        ids, conf = backend.step(
-            cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling
-        )
         stats.forwards += 1
         stats.fed_tokens += feed.ids.size
-        counts = accept_counts(conf, s.metric, s.threshold, feed.limit)
-        # What each row had fed for real: the cached variants commit it.
+        if s.lossless:
+            accepted, proposals = _verify(backend, cache, feed, mask, s)
+        else:
+            ids, conf = backend.step(
+                cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling
+            )
+            counts = accept_counts(conf, s.metric, s.threshold, feed.limit)
+            accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
+        # What each row had fed for real: the cached variants commit it (kept drafts too).
         before = [len(r.seq) if not r.done else r.cached for r in rows]
         for i, r in enumerate(rows):
             if r.done:
                 continue
-            if counts[i] == 0:
+            new = accepted[i]
+            if not new:
                 r.stats.waited += 1
                 continue
-            new = [int(t) for t in ids[i, : counts[i]]]
+            if s.lossless:
+                _count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i])
+                before[i] += int(feed.kept[i])
             for j, t in enumerate(new):
                 if t in eos:
                     new = new[: j + 1]
@@ -332,7 +475,21 @@ def generate(
             if not r.done and len(r.out) >= s.max_tokens:
                 r.done, r.finish = True, "length"
             if on_tokens is not None:
-                on_tokens(i, new)
+                on_tokens(live[i], new)
         strategy.commit(backend, cache, rows, feed, before)
+        live = _compact(backend, cache, strategy, rows, live)
 
+    rows = everyone
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
+
+
+def _compact(backend, cache, strategy, rows: list[_Row], live: list[int]) -> list[int]:
+    """Drop finished rows from the batch once they are a quarter of it (or all of it): a
+    finished row still costs a slot of every forward. The others' caches are untouched."""
+    keep = [j for j, r in enumerate(rows) if not r.done]
+    if len(keep) == len(rows) or (keep and 4 * (len(rows) - len(keep)) < len(rows)):
+        return live
+    if keep:
+        backend.keep_rows(cache, keep)
+        strategy.keep_rows(keep)
+    return [live[j] for j in keep]

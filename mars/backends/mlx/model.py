@@ -211,6 +211,11 @@ def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None
 
 
 def _sample(logits: mx.array, sampling: Sampling, key):
+    return mx.random.categorical(_filtered(logits, sampling), axis=-1, key=key)
+
+
+def _filtered(logits: mx.array, sampling: Sampling) -> mx.array:
+    """Tempered, top-k and top-p filtered logits: the distribution sampling draws from."""
     z = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = mx.sort(z, axis=-1)[..., -sampling.top_k][..., None]
@@ -223,7 +228,7 @@ def _sample(logits: mx.array, sampling: Sampling, key):
         drop[..., 0] = False
         sorted_z = mx.where(drop, -mx.inf, sorted_z)
         z = mx.put_along_axis(mx.full(z.shape, -mx.inf), order, sorted_z, axis=-1)
-    return mx.random.categorical(z, axis=-1, key=key)
+    return z
 
 
 class MlxDecoder:
@@ -234,16 +239,26 @@ class MlxDecoder:
         self.model = loaded.model
         self._key = None
         self._seed = None
+        self._drafted = None  # lossless sampling: the last step's mask distributions
 
     def new_cache(self, batch: int):
         from mlx_lm.models.cache import KVCache
 
+        self._drafted = None
         return [KVCache() for _ in body(self.model).layers]
 
     def crop(self, cache, length: int) -> None:
         for c in cache:
             if c.offset > length:
                 c.trim(c.offset - length)
+
+    def keep_rows(self, cache, rows: list[int]) -> None:
+        idx = mx.array(rows, dtype=mx.int32)
+        for c in cache if cache is not None else ():
+            if c.keys is not None:
+                c.keys, c.values = c.keys[idx], c.values[idx]
+        if self._drafted is not None:
+            self._drafted = self._drafted[idx]
 
     def _next_key(self, sampling: Sampling):
         if self._key is None or self._seed != sampling.seed:
@@ -252,7 +267,7 @@ class MlxDecoder:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def _logits(self, cache, input_ids, positions, mask, read) -> mx.array:
         ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
         # Every row's real slots carry consecutive positions (holes are masked out),
         # so one RoPE offset per row gives each row its own positions.
@@ -262,10 +277,46 @@ class MlxDecoder:
         h = hidden_states(self.model, ids, [(q, offsets)], attn, cache)
         idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
+        return head(self.model, picked)
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        logits = self._logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
-        chosen, conf = slot_predictions(head(self.model, picked), metric, sampling, key)
+        chosen, conf = slot_predictions(logits, metric, sampling, key)
         mx.eval(chosen, conf)
         return np.array(chosen), np.array(conf)
+
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
+        logits = self._logits(cache, input_ids, positions, mask, read).astype(mx.float32)
+        width = drafts.shape[1]
+        p = mx.softmax(_filtered(logits[:, : width + 1], sampling), axis=-1)
+        q_next = mx.softmax(_filtered(logits[:, width + 1 :], sampling), axis=-1)
+        batch = p.shape[0]
+        rows = mx.arange(batch)
+        kept = mx.zeros((batch,), dtype=mx.int32)
+        q_at = mx.zeros(p[:, 0].shape)
+        if width:
+            dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)[..., None]
+            n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
+            q = self._drafted[:, :width]
+            px = mx.take_along_axis(p[:, :width], dr, axis=-1)[..., 0]
+            qx = mx.take_along_axis(q, dr, axis=-1)[..., 0]
+            u = mx.random.uniform(shape=px.shape, key=self._next_key(sampling))
+            # accept with probability min(1, p/q); q(x) > 0 since x was drawn from q
+            ok = (u * qx < px) & (mx.arange(width)[None, :] < n[:, None])
+            kept = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+            rejected = kept < n
+            q_at = mx.where(rejected[:, None], q[rows, mx.minimum(kept, width - 1)], q_at)
+        p_at = p[rows, kept]
+        residual = mx.maximum(p_at - q_at, 0.0)
+        total = residual.sum(axis=-1, keepdims=True)
+        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_at)
+        token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
+        proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
+        self._drafted = q_next
+        mx.eval(kept, token, proposals, q_next)
+        return np.array(kept), np.array(token), np.array(proposals)
 
 
 # -- training forward ------------------------------------------------------------------------

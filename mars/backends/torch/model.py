@@ -202,10 +202,12 @@ class TorchDecoder:
         self.head = tm.head
         self.generator = None
         self._seeded = None
+        self._drafted = None  # lossless sampling: the last step's mask distributions
 
     def new_cache(self, batch: int):
         from transformers import DynamicCache
 
+        self._drafted = None
         return DynamicCache(config=self.tm.model.config)
 
     def crop(self, cache, length: int) -> None:
@@ -214,6 +216,15 @@ class TorchDecoder:
                 layer.keys = layer.keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
 
+    def keep_rows(self, cache, rows: list[int]) -> None:
+        idx = torch.tensor(rows, device=self.tm.device)
+        for layer in cache.layers if cache is not None else ():
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        if self._drafted is not None:
+            self._drafted = self._drafted.index_select(0, idx)
+
     def _rng(self, sampling: Sampling):
         if self.generator is None or self._seeded != sampling.seed:
             self.generator = torch.Generator(device=self.tm.device)
@@ -221,8 +232,7 @@ class TorchDecoder:
             self._seeded = sampling.seed
         return self.generator
 
-    @torch.inference_mode()
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def _logits(self, cache, input_ids, positions, mask, read) -> torch.Tensor:
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
@@ -231,9 +241,45 @@ class TorchDecoder:
         hidden = out.last_hidden_state
         idx = torch.from_numpy(np.ascontiguousarray(read)).to(dev)
         picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = self.head(picked).float()
+        return self.head(picked).float()
+
+    @torch.inference_mode()
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        logits = self._logits(cache, input_ids, positions, mask, read)
         chosen, conf = slot_predictions(logits, metric, sampling, self._rng(sampling) if not sampling.greedy else None)
         return chosen.cpu().numpy(), conf.cpu().numpy()
+
+    @torch.inference_mode()
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
+        logits = self._logits(cache, input_ids, positions, mask, read)
+        gen = self._rng(sampling)
+        width = drafts.shape[1]
+        p = sampling_probs(logits[:, : width + 1], sampling)
+        q_next = sampling_probs(logits[:, width + 1 :], sampling)
+        rows = torch.arange(p.shape[0], device=p.device)
+        kept = torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
+        q_at = torch.zeros_like(p[:, 0])
+        if width:
+            dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(p.device)
+            n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(p.device)
+            q = self._drafted[:, :width]
+            px = p[:, :width].gather(-1, dr[..., None])[..., 0]
+            qx = q.gather(-1, dr[..., None])[..., 0]
+            u = torch.rand(px.shape, generator=gen, device=p.device)
+            # accept with probability min(1, p/q); q(x) > 0 since x was drawn from q
+            ok = (u * qx < px) & (torch.arange(width, device=p.device)[None, :] < n[:, None])
+            kept = ok.long().cumprod(1).sum(1)
+            rejected = kept < n
+            q_at = torch.where(rejected[:, None], q[rows, kept.clamp(max=width - 1)], q_at)
+        p_at = p[rows, kept]
+        residual = (p_at - q_at).clamp(min=0)
+        total = residual.sum(-1, keepdim=True)
+        dist = torch.where(total > 0, residual / total.clamp(min=1e-30), p_at)
+        token = torch.multinomial(dist, 1, generator=gen)[:, 0]
+        proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
+        self._drafted = q_next
+        return kept.cpu().numpy(), token.cpu().numpy(), proposals.cpu().numpy()
 
 
 def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
@@ -260,6 +306,13 @@ def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, gene
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Tensor:
+    probs = sampling_probs(logits, sampling)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution sampling draws from: tempered, then top-k and top-p filtered."""
     z = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = z.topk(sampling.top_k, dim=-1).values[..., -1:]
@@ -272,9 +325,7 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Te
         drop[..., 0] = False
         sorted_z = sorted_z.masked_fill(drop, float("-inf"))
         z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
-    probs = z.softmax(-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    return z.softmax(-1)
 
 
 class MarsLoss(torch.nn.Module):

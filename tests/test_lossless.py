@@ -1,0 +1,211 @@
+"""Lossless mode (METHOD §8): the masks draft, the next forward verifies.
+
+Greedy: the output equals threshold-1.0 (plain greedy AR) output token for token, for every
+cache strategy, block size and batch size. Sampling: the distribution of the first tokens
+equals plain AR sampling's (a chi-square test against the exact distribution computed from
+the model), and the same test fails when the acceptance rule is broken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
+from mars.core.decoding import DecodeSettings, Sampling, generate
+from tiny import make_model, make_tokenizer
+
+MASK, EOS = 3, 2
+PROMPTS = [
+    "Hello there",
+    "What is 2+2? Tell me now.",
+    "x",
+    "Write a short poem about the sea, please",
+    "abc abc abc",
+    "Why is the sky blue?",
+    "List three fruits",
+    "q",
+]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tm(request, tok):
+    return TorchModel(make_model(request.param, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+
+
+def prompts_of(tok, texts):
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in texts]
+
+
+def settings(**kw):
+    base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24, block_cache=8)
+    base.update(kw)
+    return DecodeSettings(**base)
+
+
+# -- greedy ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["none", "window", "block"])
+@pytest.mark.parametrize("B", [2, 3, 5, 8])
+def test_greedy_lossless_equals_ar_for_every_batch_size(tm, tok, cache, B):
+    dec = TorchDecoder(tm)
+    prompts = prompts_of(tok, PROMPTS)
+    ar = generate(dec, prompts, settings(threshold=1.0, cache=cache, block_size=B)).tokens
+    for batch in (1, 3, 8):
+        s = settings(lossless=True, cache=cache, block_size=B)
+        out = []
+        for start in range(0, len(prompts), batch):
+            out += generate(dec, prompts[start : start + batch], s).tokens
+        assert out == ar, (cache, B, batch)
+
+
+def test_lossless_ignores_the_threshold_and_reports_drafts(tm, tok):
+    dec = TorchDecoder(tm)
+    prompts = prompts_of(tok, PROMPTS[:4])
+    a = generate(dec, prompts, settings(lossless=True, threshold=0.1))
+    b = generate(dec, prompts, settings(lossless=True, threshold=1.0))
+    assert a.tokens == b.tokens
+    totals = a.stats.draft_totals()
+    assert len(totals["verified_per_slot"]) == 4
+    # Every verified draft was proposed first, every kept one verified; per slot, fewer further out.
+    for drafted, verified, kept in zip(totals["drafted_per_slot"], totals["verified_per_slot"], totals["kept_per_slot"]):
+        assert drafted >= verified >= kept
+    assert totals["verified_per_slot"][0] > 0
+    row = a.stats.to_dict()["rows"][0]
+    assert {"drafted_per_slot", "verified_per_slot", "kept_per_slot"} <= set(row)
+
+
+def test_max_tokens_is_never_overshot(tm, tok):
+    dec = TorchDecoder(tm)
+    for n in (1, 2, 5):
+        for cache in ("window", "block"):
+            res = generate(dec, prompts_of(tok, PROMPTS[:3]), settings(lossless=True, max_tokens=n, cache=cache))
+            ar = generate(dec, prompts_of(tok, PROMPTS[:3]), settings(threshold=1.0, max_tokens=n, cache=cache))
+            assert res.tokens == ar.tokens and all(len(t) <= n for t in res.tokens)
+
+
+# -- sampling: the output distribution is exactly AR sampling's --------------------------------
+
+SAMPLING = Sampling(temperature=1.0, top_k=4, seed=0)
+N_TOKENS = 3
+
+
+def chi_square_p(observed: Counter, expected: dict, n: int) -> float:
+    """Pearson's chi-square goodness of fit; cells expected < 5 are pooled. The p-value uses
+    the Wilson-Hilferty normal approximation (plenty for a pass/fail at 1e-3)."""
+    cells, pool_obs, pool_exp = [], 0, 0.0
+    for key, prob in expected.items():
+        e = prob * n
+        if e < 5:
+            pool_obs, pool_exp = pool_obs + observed.get(key, 0), pool_exp + e
+        else:
+            cells.append((observed.get(key, 0), e))
+    if any(k not in expected for k in observed):
+        return 0.0  # a sample AR sampling can never produce
+    if pool_exp > 0:
+        cells.append((pool_obs, pool_exp))
+    stat = sum((o - e) ** 2 / e for o, e in cells)
+    k = len(cells) - 1
+    z = ((stat / k) ** (1 / 3) - (1 - 2 / (9 * k))) / math.sqrt(2 / (9 * k))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def exact_distribution(model, prompt: list[int]) -> dict:
+    """P(first N_TOKENS tokens) under AR sampling (tempered, top-k), sequences that end in EOS
+    stopping there, from direct forwards of the model."""
+    out = {}
+
+    @torch.no_grad()
+    def walk(prefix: tuple, prob: float):
+        if len(prefix) == N_TOKENS or (prefix and prefix[-1] == EOS):
+            out[prefix] = out.get(prefix, 0.0) + prob
+            return
+        logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1].float()
+        p = sampling_probs(logits, SAMPLING)
+        for t in torch.nonzero(p > 0).flatten().tolist():
+            walk(prefix + (t,), prob * float(p[t]))
+
+    walk((), 1.0)
+    return out
+
+
+def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500) -> tuple[Counter, dict]:
+    counts: Counter = Counter()
+    totals = None
+    s = settings(lossless=True, max_tokens=N_TOKENS, cache=cache, block_size=3, sampling=SAMPLING)
+    for _ in range(n // rows):
+        res = generate(decoder, [prompt] * rows, s)
+        counts.update(tuple(t) for t in res.tokens)
+        d = res.stats.draft_totals()
+        totals = d if totals is None else {k: [a + b for a, b in zip(totals[k], d[k])] for k in d}
+    return counts, totals
+
+
+class AcceptEveryDraft(TorchDecoder):
+    """A broken verifier: keeps every draft whatever p says."""
+
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        _, token, proposals = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
+        return np.asarray(n_drafts), token, proposals
+
+
+class ResampleFromP(TorchDecoder):
+    """A subtly broken verifier: after a rejection it draws from p, not from norm(max(0, p - q))."""
+
+    def _logits(self, *args):
+        self.last = super()._logits(*args)
+        return self.last
+
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        kept, token, proposals = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
+        p = sampling_probs(self.last[:, : drafts.shape[1] + 1], sampling)
+        at = p[torch.arange(p.shape[0]), torch.from_numpy(np.asarray(kept))]
+        redrawn = torch.multinomial(at, 1, generator=self._rng(sampling))[:, 0].numpy()
+        return kept, np.where(kept < n_drafts, redrawn, token), proposals
+
+
+@pytest.fixture(scope="module")
+def sampler(tok):
+    # A model whose AR and mask distributions differ (random weights), top-k 4: few cells.
+    model = make_model("llama", len(tok), seed=3, scale=0.15)
+    tm = TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32)
+    prompt = prompts_of(tok, ["Hi"])[0]
+    return tm, prompt, exact_distribution(model, prompt)
+
+
+@pytest.mark.parametrize("cache", ["window", "block"])
+def test_lossless_sampling_matches_ar_sampling(sampler, cache):
+    tm, prompt, expected = sampler
+    n = 4000
+    counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, cache)
+    # The verification path really ran: drafts were kept and drafts were rejected.
+    assert 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], totals
+    assert chi_square_p(counts, expected, n) > 1e-3
+
+
+def test_plain_ar_sampling_passes_the_same_test(sampler):
+    tm, prompt, expected = sampler
+    n = 4000
+    s = settings(threshold=1.0, max_tokens=N_TOKENS, sampling=SAMPLING)
+    counts, decoder = Counter(), TorchDecoder(tm)  # one decoder: its generator runs on across calls
+    for _ in range(n // 500):
+        counts.update(tuple(t) for t in generate(decoder, [prompt] * 500, s).tokens)
+    assert chi_square_p(counts, expected, n) > 1e-3
+
+
+@pytest.mark.parametrize("broken", [AcceptEveryDraft, ResampleFromP])
+def test_the_test_fails_when_the_rule_is_broken(sampler, broken):
+    tm, prompt, expected = sampler
+    n = 4000
+    counts, _ = lossless_samples(broken(tm), prompt, n, "window")
+    assert chi_square_p(counts, expected, n) < 1e-3
