@@ -22,6 +22,17 @@ class DefaultModelError(RuntimeError):
     pass
 
 
+# The MARS weights this project trained on the default (weights/README.md): a LoRA adapter
+# plus the mask-token row, applied whenever no --model is given.
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+
+
+def shipped_weights() -> Path | None:
+    """The shipped adapter directory, or None when this install has none (e.g. a bare wheel)."""
+    d = WEIGHTS_DIR
+    return d if (d / "mars.json").is_file() and (d / "adapter_config.json").is_file() else None
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("MARS_HOME") or Path.home() / ".cache" / "mars")
 

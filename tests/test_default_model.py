@@ -13,7 +13,7 @@ import torch
 from mars.backends.torch.model import TorchDecoder, load
 from mars.core.decoding import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
-from mars.default_model import DEFAULT_NAME, default_model_dir
+from mars.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +22,15 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 
 @pytest.fixture(scope="module")
 def default():
-    return load(None, announce=lambda m: None)
+    # The plain base, by name (no --model means base + the shipped MARS weights: test_weights.py).
+    return load(DEFAULT_REF, announce=lambda m: None)
 
 
 def test_default_resolves_to_a_cached_hf_directory(default):
     path = default_model_dir()
     assert path.name == DEFAULT_NAME and (path / "config.json").is_file()
     assert default.model.config.model_type == "llama" and default.model.config.vocab_size == 49152
-    assert default.mars is None  # no MARS weights yet: a plain AR model
+    assert default.mars is None  # the plain base: no MARS weights
 
 
 def test_threshold_one_equals_transformers_generate(default):
@@ -48,13 +49,13 @@ def test_threshold_one_equals_transformers_generate(default):
 def test_cli_generate_runs_on_the_default():
     env = dict(os.environ, OMP_NUM_THREADS="2")
     run = subprocess.run(
-        [sys.executable, "-m", "mars.cli.main", "generate", "--prompt", PROMPTS[0], "--max-tokens", "16"],
+        [sys.executable, "-m", "mars.cli.main", "generate", "--prompt", PROMPTS[0], "--max-tokens", "16", "--threshold", "1.0"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "tokens/forward" in run.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "mars.cli.main", "generate", "--prompt", "hi", "--threshold", "0.8"],
+        [sys.executable, "-m", "mars.cli.main", "generate", "--model", DEFAULT_REF, "--prompt", "hi", "--threshold", "0.8"],
         capture_output=True, text=True, env=env, timeout=600,
     )
     assert refused.returncode != 0 and "mars.json" in refused.stderr

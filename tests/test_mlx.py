@@ -161,3 +161,36 @@ def test_both_backends_choose_the_same_mask_token(pair):
     a = mlx_mask(m.model, m.tokenizer, None, block_size=4, exclude=m.eos_ids, announce=lambda x: None)
     b = torch_mask(t.model, t.tokenizer, None, block_size=4, exclude=t.eos_ids, announce=lambda x: None)
     assert a == b and not a.mask_token_added
+
+
+@pytest.mark.parametrize("cache", ["none", "window", "block"])
+@pytest.mark.parametrize("B", [2, 4, 7])
+def test_mlx_lossless_equals_ar_on_both_backends(pair, cache, B):
+    m, t = pair
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0, cache=cache, block_size=B)).tokens
+    s = settings(lossless=True, cache=cache, block_size=B)
+    assert generate(MlxDecoder(m), prompts, s).tokens == ar
+    assert [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts] == ar
+
+
+def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path):
+    from collections import Counter
+
+    from test_lossless import N_TOKENS, chi_square_p, exact_distribution
+
+    import test_lossless
+
+    path = save_model(tmp_path / "model", "llama", seed=3, scale=0.15)
+    m, t = mlx_load(path, announce=lambda m: None), torch_load(path, announce=lambda m: None)
+    prompt = encode_prompt(m.tokenizer, "Hi")
+    expected = exact_distribution(t.model, prompt)
+    s = settings(lossless=True, max_tokens=N_TOKENS, block_size=3, sampling=test_lossless.SAMPLING)
+    dec, counts, kept, verified, n = MlxDecoder(m), Counter(), 0, 0, 3000
+    for _ in range(n // 500):
+        res = generate(dec, [prompt] * 500, s)
+        counts.update(tuple(x) for x in res.tokens)
+        kept += res.stats.draft_totals()["kept_per_slot"][0]
+        verified += res.stats.draft_totals()["verified_per_slot"][0]
+    assert 0 < kept < verified
+    assert chi_square_p(counts, expected, n) > 1e-3

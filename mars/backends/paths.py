@@ -36,12 +36,18 @@ def check_model_path(path: Path) -> None:
         raise ModelError(f"{path}: no weights (*.safetensors or *.bin) beside config.json")
 
 
-def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None):
+def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None, *, weights: bool = True):
     """(base path, adapter path or None). `model` may be an adapter directory: its base is then
-    read from mars.json or adapter_config.json. None means the embedded default."""
-    from ..default_model import default_model_dir, resolve_named_base
+    read from mars.json or adapter_config.json. None means the embedded default with the
+    shipped MARS weights (`weights=False`, or an explicit adapter: without them);
+    "default:SmolLM2-135M-Instruct" names the plain default base."""
+    from ..default_model import DEFAULT_REF, default_model_dir, resolve_named_base, shipped_weights
 
     if model is None:
+        if adapter is None and weights:
+            return default_model_dir(), shipped_weights()
+        return default_model_dir(), (Path(adapter) if adapter else None)
+    if str(model) == DEFAULT_REF:
         return default_model_dir(), (Path(adapter) if adapter else None)
     path = Path(model)
     if adapter is None and is_adapter_dir(path):

@@ -26,7 +26,8 @@ def distill_command(model, adapter_path, dtype, device, prompts, output, max_tok
     Resumable: rerun the same command after an interruption and it continues.
     """
     from ..backends.base import loader, resolve
-    from ..default_model import DEFAULT_REF, model_ref
+    from ..backends.paths import resolve_model_path
+    from ..default_model import model_ref
     from ..distill import DistillSettings, distill, prompt_files, read_prompt_file
 
     for _, path in prompt_files(prompts):  # bad prompts fail before the model loads
@@ -35,9 +36,8 @@ def distill_command(model, adapter_path, dtype, device, prompts, output, max_tok
     quiet_libraries()
     say = lambda m: click.echo(m, err=True)  # noqa: E731
     tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
-    ref = model_ref(model) if model is not None else DEFAULT_REF
-    if adapter_path is not None:
-        ref += f" + {Path(adapter_path).resolve()}"
+    base, adapter = resolve_model_path(model, adapter_path)
+    ref = model_ref(base) + (f" + {adapter.resolve()}" if adapter is not None else "")
     settings = DistillSettings(max_tokens=max_tokens, batch_size=batch_size, limit=limit)
     summary = distill(tm, decoder_cls(tm), prompts, output, settings, model_ref=ref, log=say)
     click.echo(json.dumps(summary["splits"]))

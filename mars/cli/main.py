@@ -129,7 +129,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     if resume and not (output / "checkpoint").is_dir():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
-    base_path, adapter = resolve_model_path(model)
+    base_path, adapter = resolve_model_path(model, weights=False)  # no --model: train the plain base
     if adapter is not None:
         raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model)")
     check_model_path(base_path)
@@ -281,12 +281,14 @@ def read_prompts(path: Path) -> list:
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
+@click.option("--compare", is_flag=True, help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.")
 @decode_options
 @backend_option
 @friendly_errors
-def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, backend, **decode):
+def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, backend, **decode):
     """Generate replies; prints the text and tokens per forward."""
-    from ..core.decoding import generate as run
+    import dataclasses
+
     from ..core.tokens import encode_prompt
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
@@ -295,29 +297,55 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
     session = Session(model, adapter_path, dtype, device, backend)
     settings = session.settings(**decode)
     tok = session.tm.tokenizer
-    total_tokens = total_forwards = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        ids = [encode_prompt(tok, p, chat=not raw) for p in chunk]
-        result = run(session.decoder, ids, settings)
-        for i, (p, out) in enumerate(zip(chunk, result.tokens)):
-            row = result.stats.rows[i]
-            text = tok.decode(out, skip_special_tokens=True)
-            if as_json:
-                click.echo(json.dumps({"prompt": p, "text": text, "tokens": len(out), "finish": result.finish[i],
+    ids = [encode_prompt(tok, p, chat=not raw) for p in prompts]
+    runs = [settings]
+    if compare:
+        ar = dataclasses.replace(settings, threshold=0.0 if settings.metric == "entropy" else 1.0, lossless=False)
+        runs = [ar, settings]
+    results = [_decode_batches(session, ids, s, batch_size) for s in runs]
+    for i, p in enumerate(prompts):
+        texts = [tok.decode(r["tokens"][i], skip_special_tokens=True) for r in results]
+        if as_json:
+            for s, r, text in zip(runs, results, texts):
+                row = r["rows"][i]
+                click.echo(json.dumps({"prompt": p, "mode": mode(s), "text": text, "tokens": len(r["tokens"][i]), "finish": r["finish"][i],
                                        "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3)}))
-            else:
-                click.echo(f"--- [{start + i}] {p if isinstance(p, str) else p[-1]['content']}")
-                click.echo(text)
-        total_tokens += result.stats.accepted
-        total_forwards += result.stats.row_forwards
+            continue
+        click.echo(f"--- [{i}] {p if isinstance(p, str) else p[-1]['content']}")
+        if compare:
+            click.echo(f"[{mode(runs[0])}]")
+            click.echo(texts[0])
+            click.echo(f"[{mode(runs[1])}]" + ("  (same text)" if texts[1] == texts[0] else ""))
+        click.echo(texts[-1])
+    lines = [_summary(s, r) for s, r in zip(runs, results)]
+    if compare:
+        same = sum(a == b for a, b in zip(results[0]["tokens"], results[1]["tokens"]))
+        speed = (results[1]["tokens_total"] / results[1]["seconds"]) / max(1e-9, results[0]["tokens_total"] / results[0]["seconds"])
+        lines.append(f"{same}/{len(prompts)} replies identical to AR; {speed:.2f}x AR's tokens/s")
+    for line in lines:
+        click.echo(line, err=as_json)
+
+
+def _decode_batches(session, ids, settings, batch_size) -> dict:
+    from ..core.decoding import generate as run
+
+    tokens, finish, rows = [], [], []
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), batch_size):
+        result = run(session.decoder, ids[start : start + batch_size], settings)
+        tokens += result.tokens
+        finish += result.finish
+        rows += result.stats.rows
     seconds = time.perf_counter() - t0
-    click.echo(
-        f"{mode(settings)}, B={settings.block_size}, cache={settings.cache}: "
-        f"{total_tokens} tokens, {total_forwards} forwards, "
-        f"{total_tokens / max(1, total_forwards):.2f} tokens/forward, {seconds:.2f}s ({total_tokens / seconds:.1f} tok/s)",
-        err=as_json,
+    return {"tokens": tokens, "finish": finish, "rows": rows, "seconds": seconds,
+            "tokens_total": sum(r.accepted for r in rows), "forwards": sum(r.forwards for r in rows)}
+
+
+def _summary(settings, r: dict) -> str:
+    n, f, sec = r["tokens_total"], r["forwards"], r["seconds"]
+    return (
+        f"{mode(settings)}, B={settings.block_size}, cache={settings.cache}: {n} tokens, {f} forwards, "
+        f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
     )
 
 

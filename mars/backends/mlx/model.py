@@ -10,6 +10,7 @@ RoPE, MLP, KV caches) and drives them itself, for the architectures listed below
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -149,6 +150,26 @@ def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
     emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
 
 
+def mlx_adapter(adapter: Path, base: Path, announce=print) -> Path:
+    """An mlx-lm adapter directory for `adapter`: itself, or for a PEFT adapter (such as the
+    shipped default weights) its conversion, made once and kept in the cache."""
+    import hashlib
+
+    from ..convert.adapters import adapter_format, convert_adapter
+    from ..default_model import cache_root
+
+    if adapter_format(adapter) != "peft":
+        return adapter
+    digest = hashlib.sha256()
+    for f in sorted(p for p in adapter.iterdir() if p.is_file()):
+        digest.update(f.name.encode() + f.read_bytes())
+    target = cache_root() / "adapters" / f"{adapter.name}-{digest.hexdigest()[:16]}"
+    if not (target / "adapters.safetensors").is_file():
+        announce(f"converting the PEFT adapter {adapter} for mlx-lm into {target} (once)")
+        convert_adapter(adapter, target, "mlx", base=base)
+    return target
+
+
 def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> MlxModel:
     """An mlx-lm or Hugging Face directory (through mlx-lm's loader), with an optional mlx-lm adapter."""
     from mlx_lm.utils import load as mlx_load
@@ -177,7 +198,7 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
     if adapter is not None:
         from mlx_lm.tuner.utils import load_adapters
 
-        model = load_adapters(model, str(adapter))
+        model = load_adapters(model, str(mlx_adapter(adapter, base, announce)))
         row_file = adapter / MASK_EMBEDDING_FILE
         if row_file.is_file() and mars is not None:
             set_mask_row(model, mars.mask_token_id, mx.load(str(row_file))[MASK_EMBEDDING_KEY])
