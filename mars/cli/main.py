@@ -454,10 +454,12 @@ def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fus
 from .bench import bench_command  # noqa: E402
 from .distill import distill_command  # noqa: E402
 from .evaluate import evaluate_command  # noqa: E402
+from .serve import serve_command  # noqa: E402
 
 cli.add_command(evaluate_command)
 cli.add_command(bench_command)
 cli.add_command(distill_command)
+cli.add_command(serve_command)
 
 
 def main():

@@ -52,19 +52,34 @@ def confidence_from_logits(logits: np.ndarray, metric: str) -> tuple[np.ndarray,
     return ids, conf
 
 
-def accept_counts(confidence: np.ndarray, metric: str, threshold: float, limits) -> np.ndarray:
+def accept_counts(confidence: np.ndarray, metric: str, threshold, limits) -> np.ndarray:
     """How many leading slots each row accepts: (batch,) from confidences (batch, slots).
 
     Slot 0 (the AR prediction) is always accepted; slot j > 0 while every slot
     before it was accepted and its own confidence passes. `limits[r]` caps row r
     (max_accept: B + 1, room left in a block, tokens left before max_tokens);
     a limit of 0 means the row takes nothing this step.
+
+    `threshold` is one number for every row, or one per row (batch,): rows of a served
+    batch each decode at their own threshold, AR mode decided per row by the same rule.
     """
     confidence = np.asarray(confidence)
     limits = np.asarray(limits, dtype=np.int64)
-    if is_ar_mode(metric, threshold):
-        return np.minimum(limits, 1)
-    ok = passes(confidence, metric, threshold)
+    if np.ndim(threshold) == 0:
+        if is_ar_mode(metric, threshold):
+            return np.minimum(limits, 1)
+        ok = passes(confidence, metric, threshold)
+    else:
+        threshold = np.asarray(threshold, dtype=np.float64)
+        ok = passes(confidence, metric, threshold[:, None])
+        ok[ar_mode_rows(metric, threshold), 1:] = False
     ok[:, 0] = True
     run = np.cumprod(ok, axis=1).sum(axis=1)
     return np.minimum(run, limits)
+
+
+def ar_mode_rows(metric: str, thresholds: np.ndarray) -> np.ndarray:
+    """`is_ar_mode` for a (batch,) array of thresholds."""
+    check_metric(metric)
+    thresholds = np.asarray(thresholds, dtype=np.float64)
+    return thresholds <= 0.0 if metric == "entropy" else thresholds >= 1.0

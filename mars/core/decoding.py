@@ -14,6 +14,10 @@ kept while it equals that prediction (greedy) or passes the speculative-sampling
 Rows of a batch share one cache length. Rows that fed fewer tokens than others
 leave holes: keys nobody attends (`key_valid` False), so every row sees exactly
 the sequence it would see alone, at its own positions.
+
+`generate` decodes a fixed set of prompts to the end; `ContinuousBatch` runs the same
+step on the block strategy for a server, with rows joining at block boundaries, leaving
+at any step, and each decoding at its own threshold.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .acceptance import accept_counts, check_metric, is_ar_mode
+from .acceptance import accept_counts, ar_mode_rows, check_metric, is_ar_mode
 from .masks import decode_mask
 
 STRATEGIES = ("none", "window", "block")
@@ -194,9 +198,11 @@ class DecodeResult:
 
 
 class _Row:
-    def __init__(self, prompt: list[int], slots: int):
+    def __init__(self, prompt: list[int], slots: int, *, threshold: float, max_tokens: int):
         self.seq = list(prompt)  # prompt + accepted output
         self.prompt_len = len(prompt)
+        self.threshold = threshold  # per row: the rows of a served batch differ (ContinuousBatch)
+        self.max_tokens = max_tokens
         self.cached = 0  # real tokens of `seq` already in the cache
         self.done = False
         self.finish = ""
@@ -257,7 +263,7 @@ class WindowStrategy:
     def plan(self, rows: list[_Row]) -> Feed:
         s, m = self.s, self.s.masks_per_step
         # Lossless: as many drafts as leave room for the AR token after them.
-        drafts = [[] if r.done else r.drafts[: s.max_tokens - len(r.out) - 1] for r in rows]
+        drafts = [[] if r.done else r.drafts[: r.max_tokens - len(r.out) - 1] for r in rows]
         parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
         masks = [0 if r.done else m for r in rows]
         width = max(len(p) for p in parts) + m
@@ -265,7 +271,7 @@ class WindowStrategy:
         positions = _positions(valid, [r.cached for r in rows])
         if not s.lossless:
             read = np.tile(np.arange(width - m - 1, width), (len(rows), 1))
-            limit = [0 if r.done else min(m + 1, s.max_tokens - len(r.out)) for r in rows]
+            limit = [0 if r.done else min(m + 1, r.max_tokens - len(r.out)) for r in rows]
             return Feed(ids, positions, valid, read, np.asarray(limit))
         padded, n = _pad_drafts(drafts, s.mask_id)
         first_mask = np.full(len(rows), width - m)
@@ -309,6 +315,7 @@ class BlockStrategy:
 
     def __init__(self, settings: DecodeSettings):
         self.s = settings
+        self.masks = settings.masks_per_step  # a served batch sets it per step from its rows' thresholds
         self.key_valid: np.ndarray | None = None
         self.block_start: list[int] = []  # len(seq) at the start of each row's block
 
@@ -321,7 +328,7 @@ class BlockStrategy:
         fold_ids, fold_valid = _right_aligned(fold, width_fold, s.mask_id, [0] * len(rows))
         fill = [len(r.seq) - start for r, start in zip(rows, self.block_start)]
         waiting = [r.done or f >= size for r, f in zip(rows, fill)]
-        room = [min(size - f, s.max_tokens - len(r.out)) for r, f in zip(rows, fill)]
+        room = [min(size - f, r.max_tokens - len(r.out)) for r, f in zip(rows, fill)]
         # Lossless: drafts fill the slots after the row's real ones, leaving room for the AR token.
         drafts = [[] if w or not s.lossless else r.drafts[: k - 1] for r, w, k in zip(rows, waiting, room)]
         blk_ids = np.full((len(rows), size), s.mask_id, dtype=np.int64)
@@ -338,10 +345,10 @@ class BlockStrategy:
         last = width_fold + np.asarray(fill) - 1
         if s.lossless:
             padded, n = _pad_drafts(drafts, s.mask_id)
-            read = _lossless_read(last, n, padded.shape[1], last + n + 1, s.masks_per_step, ids.shape[1])
+            read = _lossless_read(last, n, padded.shape[1], last + n + 1, self.masks, ids.shape[1])
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
             return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
-        slots = s.masks_per_step + 1
+        slots = self.masks + 1
         read = np.clip(last[:, None] + np.arange(slots)[None, :], 0, ids.shape[1] - 1)
         limit = [0 if w else min(slots, k) for w, k in zip(waiting, room)]
         return Feed(ids, positions, valid, read, np.asarray(limit))
@@ -351,6 +358,19 @@ class BlockStrategy:
             self.key_valid = self.key_valid[keep]
         if self.block_start:
             self.block_start = [self.block_start[j] for j in keep]
+
+    def add_row(self, row: _Row) -> None:
+        """A row joins the batch at a block boundary (ContinuousBatch): the keys cached so far
+        are holes to it, and its first block starts where its prompt ends."""
+        self.block_start.append(len(row.seq))
+        if self.key_valid is not None:
+            self.key_valid = np.concatenate([self.key_valid, np.zeros((1, self.key_valid.shape[1]), dtype=bool)])
+
+    def next_block_if_filled(self, rows: list[_Row]) -> None:
+        """Once every row filled (or finished) its block, the next step commits it and starts the next."""
+        size = self.s.block_cache
+        if self.block_start and all(r.done or len(r.seq) - start >= size for r, start in zip(rows, self.block_start)):
+            self.block_start = [len(r.seq) for r in rows]
 
     def keys(self, feed: Feed) -> np.ndarray:
         if self.key_valid is None:
@@ -364,9 +384,7 @@ class BlockStrategy:
         for r, start in zip(rows, self.block_start):
             if not r.done:
                 r.cached = start
-        size = self.s.block_cache
-        if all(r.done or len(r.seq) - start >= size for r, start in zip(rows, self.block_start)):
-            self.block_start = [len(r.seq) for r in rows]
+        self.next_block_if_filled(rows)
 
 
 def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[list[int]], list[list[int]]]:
@@ -423,64 +441,77 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     s = settings
     slots = s.masks_per_step + 1
-    rows = [_Row(p, slots) for p in prompts]
+    rows = [_Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
     strategy = _strategy(s)
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
         cache = None
     stats = DecodeStats(rows=[r.stats for r in rows])
-    eos = set(s.eos_ids)
-    # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
-    step_metric = None if is_ar_mode(s.metric, s.threshold) and s.sampling.greedy else s.metric
 
     live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)
     everyone = rows
     while live:
         rows = [everyone[i] for i in live]
-        feed = strategy.plan(rows)
-        keys = strategy.keys(feed)
-        mask = None if keys.all() else decode_mask(keys, feed.ids.shape[1])
-        stats.forwards += 1
-        stats.fed_tokens += feed.ids.size
-        if s.lossless:
-            accepted, proposals = _verify(backend, cache, feed, mask, s)
-        else:
-            ids, conf = backend.step(
-                cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling
-            )
-            counts = accept_counts(conf, s.metric, s.threshold, feed.limit)
-            accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
-        # What each row had fed for real: the cached variants commit it (kept drafts too).
-        before = [len(r.seq) if not r.done else r.cached for r in rows]
-        for i, r in enumerate(rows):
-            if r.done:
-                continue
-            new = accepted[i]
-            if not new:
-                r.stats.waited += 1
-                continue
-            if s.lossless:
-                _count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i])
-                before[i] += int(feed.kept[i])
-            for j, t in enumerate(new):
-                if t in eos:
-                    new = new[: j + 1]
-                    r.done, r.finish = True, "eos"
-                    break
-            r.seq.extend(new)
-            r.stats.forwards += 1
-            r.stats.accepted += len(new)
-            for j in range(len(new)):
-                r.stats.accepted_per_slot[j] += 1
-            if not r.done and len(r.out) >= s.max_tokens:
-                r.done, r.finish = True, "length"
-            if on_tokens is not None:
-                on_tokens(live[i], new)
-        strategy.commit(backend, cache, rows, feed, before)
+        accepted = _advance(backend, cache, strategy, rows, s, stats)
+        if on_tokens is not None:
+            for i, new in enumerate(accepted):
+                if new:
+                    on_tokens(live[i], new)
         live = _compact(backend, cache, strategy, rows, live)
 
     rows = everyone
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
+
+
+def _advance(backend, cache, strategy, rows: list[_Row], s: DecodeSettings, stats: DecodeStats) -> list[list[int]]:
+    """One forward of the loop: the strategy lays out what every row feeds, the backend runs
+    it, the acceptance rule (each row at its own threshold) decides what each row keeps, the
+    rows grow and the strategy commits. Returns the tokens each row took (none if it waited)."""
+    feed = strategy.plan(rows)
+    keys = strategy.keys(feed)
+    mask = None if keys.all() else decode_mask(keys, feed.ids.shape[1])
+    stats.forwards += 1
+    stats.fed_tokens += feed.ids.size
+    if s.lossless:
+        accepted, proposals = _verify(backend, cache, feed, mask, s)
+    else:
+        thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
+        # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
+        step_metric = None if ar_mode_rows(s.metric, thresholds).all() and s.sampling.greedy else s.metric
+        ids, conf = backend.step(
+            cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling
+        )
+        counts = accept_counts(conf, s.metric, thresholds, feed.limit)
+        accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
+    # What each row had fed for real: the cached variants commit it (kept drafts too).
+    before = [len(r.seq) if not r.done else r.cached for r in rows]
+    eos = set(s.eos_ids)
+    for i, r in enumerate(rows):
+        if r.done:
+            accepted[i] = []
+            continue
+        new = accepted[i]
+        if not new:
+            r.stats.waited += 1
+            continue
+        if s.lossless:
+            _count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i])
+            before[i] += int(feed.kept[i])
+        for j, t in enumerate(new):
+            if t in eos:
+                new = new[: j + 1]
+                r.done, r.finish = True, "eos"
+                break
+        accepted[i] = new
+        r.seq.extend(new)
+        r.stats.forwards += 1
+        r.stats.accepted += len(new)
+        for j in range(len(new)):
+            r.stats.accepted_per_slot[j] += 1
+        if not r.done and len(r.out) >= r.max_tokens:
+            r.done, r.finish = True, "length"
+    strategy.commit(backend, cache, rows, feed, before)
+    return accepted
 
 
 def _compact(backend, cache, strategy, rows: list[_Row], live: list[int]) -> list[int]:
@@ -493,3 +524,109 @@ def _compact(backend, cache, strategy, rows: list[_Row], live: list[int]) -> lis
         backend.keep_rows(cache, keep)
         strategy.keep_rows(keep)
     return [live[j] for j in keep]
+
+
+class ContinuousBatch:
+    """Block-cache decoding (METHOD §6) for a server: rows join at block boundaries and leave
+    whenever they finish or are removed.
+
+    Each row decodes at its own threshold (which the caller may change between steps) and
+    stops at its own max_tokens; lossless mode and sampling belong to the batch, since a
+    backend step samples every row alike. A row joins only at a block boundary (`can_join`),
+    so its blocks start where its prompt ends, as when it is decoded alone: with a greedy
+    decoder its tokens are those of `generate(..., cache="block")` on its prompt alone,
+    whatever else is in the batch. Its prompt is fed in the first step of the block, with
+    the other rows' previous block. A finished or removed row leaves at once; a block is
+    committed once every remaining row has filled it.
+
+    `keep_keys(cache, columns)`, when given, keeps only those cache positions of every layer;
+    it lets the batch drop the keys of rows that left, so a batch that never empties keeps a
+    bounded cache. Without it the cache is released only when the batch empties.
+    """
+
+    def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None):
+        self.backend = backend
+        self.s = settings
+        self.keep_keys = keep_keys
+        self.rows: list[_Row] = []
+        self.stats = DecodeStats(rows=[])  # forwards and fed tokens of the batch; rows keep their own
+        self.strategy = BlockStrategy(settings)
+        self.cache = None
+
+    @property
+    def can_join(self) -> bool:
+        """At a block boundary: no row has filled any slot of the current block yet."""
+        return all(len(r.seq) == start for r, start in zip(self.rows, self.strategy.block_start))
+
+    def join(self, prompt: list[int], *, threshold: float | None = None, max_tokens: int | None = None) -> _Row:
+        """Add a row (only when `can_join`); it takes part in the next step. Returns the row:
+        its `out`, `done`, `finish`, `stats` and `threshold` are the caller's to read, and
+        `threshold` to set."""
+        if not prompt:
+            raise ValueError("every prompt needs at least one token")
+        if not self.can_join:
+            raise RuntimeError("rows join at block boundaries: wait until can_join")
+        s = self.s
+        row = _Row(
+            prompt,
+            s.block_size + 1,
+            threshold=s.threshold if threshold is None else threshold,
+            max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        )
+        if not self.rows:
+            self.strategy = BlockStrategy(s)
+            self.cache = self.backend.new_cache(1)
+        else:
+            # The new row's entries copy row 0's; they are holes to it, never attended.
+            self.backend.keep_rows(self.cache, list(range(len(self.rows))) + [0])
+        self.strategy.add_row(row)
+        self.rows.append(row)
+        return row
+
+    def leave(self, rows: list[_Row]) -> None:
+        """Remove rows (finished or not) from the batch at once."""
+        gone = {id(r) for r in rows}
+        keep = [j for j, r in enumerate(self.rows) if id(r) not in gone]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:
+            self.strategy = BlockStrategy(self.s)
+            self.cache = None
+            return
+        self.backend.keep_rows(self.cache, keep)
+        self.strategy.keep_rows(keep)
+        self.strategy.next_block_if_filled(self.rows)
+        self._drop_dead_keys()
+
+    def step(self) -> list[tuple[_Row, list[int]]]:
+        """One forward for every row; returns (row, tokens) for the rows that took tokens.
+        Rows that finished in this step have left the batch when it returns."""
+        if not self.rows:
+            return []
+        s = self.s
+        all_ar = ar_mode_rows(s.metric, [r.threshold for r in self.rows]).all()
+        self.strategy.masks = 0 if all_ar and not s.lossless else s.block_size
+        rows = list(self.rows)
+        accepted = _advance(self.backend, self.cache, self.strategy, rows, s, self.stats)
+        self.leave([r for r in rows if r.done])
+        return [(r, new) for r, new in zip(rows, accepted) if new]
+
+    def _drop_dead_keys(self) -> None:
+        """Cache positions no remaining row attends (they belonged to rows that left) go once
+        they are a quarter of the cache: the copy is paid rarely, the waste stays bounded."""
+        kv = self.strategy.key_valid
+        if kv is None or not kv.shape[1]:
+            return
+        live = kv.any(axis=0)
+        if not live.any():
+            # Only rows that have not taken a step yet remain: they own no entry; start afresh
+            # (a cache with no entries could not gain a row by copying one).
+            self.cache = self.backend.new_cache(len(self.rows))
+            self.strategy.key_valid = None
+            return
+        if self.keep_keys is None or 4 * (kv.shape[1] - int(live.sum())) < kv.shape[1]:
+            return
+        columns = np.flatnonzero(live)
+        self.keep_keys(self.cache, columns)
+        self.strategy.key_valid = kv[:, columns]

@@ -281,6 +281,15 @@ class MlxDecoder:
         if self._drafted is not None:
             self._drafted = self._drafted[idx]
 
+    def keep_keys(self, cache, columns) -> None:
+        """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        idx = mx.array(np.asarray(columns, dtype=np.int32))
+        for c in cache:
+            if c.keys is not None:
+                c.keys = mx.take(c.keys[..., : c.offset, :], idx, axis=2)
+                c.values = mx.take(c.values[..., : c.offset, :], idx, axis=2)
+                c.offset = len(columns)
+
     def _next_key(self, sampling: Sampling):
         if self._key is None or self._seed != sampling.seed:
             seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (2**31))

@@ -225,6 +225,14 @@ class TorchDecoder:
         if self._drafted is not None:
             self._drafted = self._drafted.index_select(0, idx)
 
+    def keep_keys(self, cache, columns) -> None:
+        """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                idx = torch.as_tensor(columns, device=layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+
     def _rng(self, sampling: Sampling):
         if self.generator is None or self._seeded != sampling.seed:
             self.generator = torch.Generator(device=self.tm.device)

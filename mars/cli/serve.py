@@ -1,0 +1,89 @@
+"""`mars serve`: the OpenAI-compatible server (the serving itself lives in mars.serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("serve")
+@click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct with its MARS weights.")
+@click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")
+@click.option("--served-model-name", default=None, help="The model id clients ask for (default: --model as given, or 'default').")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
+              help="fixed: each request's threshold, else --threshold; adaptive: the threshold loosens as load rises.")
+@click.option("--threshold", type=float, default=None, help="Threshold for requests that give none (fixed policy). Default: the checkpoint's, else 1.0.")
+@click.option("--min-threshold", type=float, default=None, help="Adaptive range, low end (default: 0.7 for probability, 0.5 margin, 0.0 entropy).")
+@click.option("--max-threshold", type=float, default=None, help="Adaptive range, high end (default: 1.0; entropy: 1.0).")
+@click.option("--full-load", type=click.IntRange(min=1), default=None, help="Adaptive: the load (queued + in flight) that reaches the loose end. Default: --max-batch.")
+@click.option("--hold", type=click.FloatRange(min=0.0), default=2.0, show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")
+@click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the batch's block cache.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting for a row; past it: 429 with Retry-After.")
+@click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: the model's context length).")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True, help="The most max_tokens a request may ask for.")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=512, show_default=True, help="max_tokens for a request that gives none.")
+@click.option("--temp", type=click.FloatRange(0.0, 2.0), default=0.0, show_default=True, help="Temperature for a request that gives none (0: greedy).")
+@click.option("--admin-from-anywhere", is_flag=True, help="Let non-loopback clients use /admin/* (default: loopback only).")
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")
+@click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
+def serve_command(**opts):
+    """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
+
+    Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's)
+    and, under --policy adaptive, "adaptive": false (keep the request's own threshold).
+    GET /metrics for Prometheus; POST /admin/policy changes the policy live (loopback only).
+    """
+    # Imported here, not at the top, so mars.cli.main can import this module wherever it likes.
+    from .main import friendly_errors
+
+    friendly_errors(_serve)(**opts)
+
+
+def _serve(model, adapter_path, served_model_name, host, port, policy, threshold, min_threshold, max_threshold, full_load,
+           hold, block_size, block_cache, max_batch, max_queue, max_prompt_tokens, max_tokens_limit, default_max_tokens,
+           temp, admin_from_anywhere, log_level, dtype, device, backend):
+    try:
+        import starlette  # noqa: F401
+        import uvicorn
+    except ImportError:
+        raise click.ClickException("mars serve needs starlette and uvicorn: pip install 'mars-mtp[serve]'") from None
+    from ..serve import EngineLimits, ServeLimits, build
+    from ..serve.policy import PolicyError
+    from .main import Session
+
+    session = Session(model, adapter_path, dtype, device, backend)
+    name = served_model_name or (model if model is not None else "default")
+    aliases = {Path(model).name} if model is not None else {"SmolLM2-135M-Instruct"}
+    if served_model_name and model is not None:
+        aliases.add(model)
+    try:
+        app, engine = build(
+            session.tm,
+            type(session.decoder),
+            name=name,
+            aliases=tuple(sorted(aliases)),
+            block_size=block_size,
+            policy=dict(policy=policy, default_threshold=threshold, min_threshold=min_threshold, max_threshold=max_threshold,
+                        full_load=full_load, hold=hold),
+            engine_limits=EngineLimits(max_batch=max_batch, max_queue=max_queue, block_cache=block_cache),
+            serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
+                                     default_max_tokens=min(default_max_tokens, max_tokens_limit), temperature=temp),
+            admin_from_anywhere=admin_from_anywhere,
+        )
+    except PolicyError as e:
+        raise click.ClickException(str(e)) from None
+    described = engine.policy.describe()
+    knob = (f"adaptive threshold {described['max_threshold']}..{described['min_threshold']} ({described['metric']}), "
+            f"full at load {described['full_load']}" if described["policy"] == "adaptive"
+            else f"fixed threshold {described['default_threshold']} ({described['metric']})")
+    untrained = "" if engine.model.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
+    click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.model.block_size}, "
+               f"B_cache={block_cache}, batch {max_batch}, queue {max_queue}{untrained}", err=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -1,0 +1,41 @@
+"""`mars serve`: an OpenAI-compatible server whose speed knob (the threshold) turns with load.
+
+    policy.py   which threshold each row decodes at: fixed, or adaptive to load
+    engine.py   the model's thread: continuous batching on the block-level cache
+    api.py      request validation, response shapes, streamed text with stop strings
+    app.py      the ASGI app (starlette); uvicorn runs it
+
+Needs the `serve` extra (starlette, uvicorn); mars.core stays free of it.
+"""
+
+from __future__ import annotations
+
+from .api import ServeLimits
+from .engine import Engine, EngineLimits, ServedModel
+from .policy import PolicySettings, ThresholdPolicy, ar_threshold
+
+
+def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size: int | None = None,
+          policy: dict | None = None, engine_limits: EngineLimits | None = None, serve_limits: ServeLimits | None = None,
+          admin_from_anywhere: bool = False):
+    """(app, engine) for a loaded model (what a backend's `load` returned) and its decoder class.
+
+    `policy` holds PolicySettings fields; unset ones default from the checkpoint: the fixed
+    threshold is its mars.json default_threshold (else AR mode), the adaptive range runs from
+    AR mode to the metric's default loose end, and full load is the batch size."""
+    from .app import create_app
+
+    model = ServedModel.from_loaded(loaded, decoder_cls, name, aliases=aliases, block_size=block_size)
+    engine_limits = engine_limits or EngineLimits()
+    given = dict(policy or {})
+    if given.get("default_threshold") is None:
+        checkpoint = model.checkpoint_threshold
+        given["default_threshold"] = checkpoint if checkpoint is not None else ar_threshold(model.metric)
+    if given.get("full_load") is None:
+        given["full_load"] = engine_limits.max_batch
+    threshold_policy = ThresholdPolicy(model.metric, PolicySettings.for_metric(model.metric, **given), trained=model.trained)
+    engine = Engine(model, threshold_policy, engine_limits)
+    return create_app(engine, serve_limits, admin_from_anywhere=admin_from_anywhere), engine
+
+
+__all__ = ["Engine", "EngineLimits", "PolicySettings", "ServeLimits", "ServedModel", "ThresholdPolicy", "build"]

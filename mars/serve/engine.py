@@ -1,0 +1,402 @@
+"""Continuous batching: one thread owns the model and runs the decoding loop for every request.
+
+HTTP handlers (on the asyncio loop) submit a `Job` and read its tokens from the job's
+`Outbox`; the engine thread never waits on a handler. Requests join the batch at its next
+block boundary when there is room (`max_batch` rows) and leave it the step they finish or
+are cancelled, on `mars.core.decoding.ContinuousBatch` (the block-level cache of METHOD §6). Rows that
+sample differently cannot share a forward (a backend step samples every row alike), so
+the engine keeps one batch per kind of decoding, each with its own decoder and cache,
+and runs them in turn: all greedy requests share one batch whatever their thresholds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+from ..core.decoding import ContinuousBatch, DecodeSettings, Sampling
+from .policy import ThresholdPolicy
+
+log = logging.getLogger("mars.serve")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at --max-queue."""
+
+
+class EngineStopped(Exception):
+    """The engine thread is not running (the server is shutting down, or it failed)."""
+
+
+@dataclass
+class ServedModel:
+    """A loaded model and what serving it needs, backend-neutral."""
+
+    name: str
+    loaded: Any  # what a backend's `load` returned: .tokenizer, .mars, .eos_ids, .vocab_rows
+    make_decoder: Callable[[], Any]  # a new StepBackend over the same weights (one per batch)
+    mask_id: int
+    block_size: int
+    metric: str
+    aliases: tuple[str, ...] = ()
+
+    @classmethod
+    def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None):
+        from ..backends.base import mask_id_for
+
+        mars = loaded.mars
+        return cls(
+            name=name,
+            loaded=loaded,
+            make_decoder=lambda: decoder_cls(loaded),
+            mask_id=mask_id_for(loaded),
+            block_size=block_size or (mars.block_size if mars else 4),
+            metric=metric or (mars.metric if mars else "probability"),
+            aliases=tuple(a for a in aliases if a and a != name),
+        )
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def trained(self) -> bool:
+        """MARS-trained (has mars.json): may decode below AR mode."""
+        return self.loaded.mars is not None
+
+    @property
+    def checkpoint_threshold(self) -> float | None:
+        return self.loaded.mars.default_threshold if self.loaded.mars is not None else None
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's position limit, when its config states one."""
+        model = getattr(self.loaded, "model", None)
+        for config in (getattr(model, "config", None), getattr(model, "args", None)):
+            value = getattr(config, "max_position_embeddings", None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+class Outbox:
+    """One request's tokens, from the engine thread to its handler on the asyncio loop.
+
+    The engine only appends under a lock and, when the handler is not already due to wake,
+    schedules one wake-up: it never waits on the handler, so a slow or vanished client
+    cannot stall the batch. What piles up is bounded by the request's max_tokens."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, looser: Callable[[float, float], float] = min):
+        self._loop = loop
+        self._looser = looser  # min for probability and margin, max for entropy
+        self._lock = threading.Lock()
+        self._ready = asyncio.Event()
+        self._wake_due = False
+        self._tokens: list[int] = []
+        self._forwards = 0
+        self.finish: str | None = None  # "eos" | "length" | "error" | "cancelled"
+        self.error: str | None = None
+        self.threshold: float | None = None  # the loosest threshold the row decoded at
+
+    def post(self, tokens: list[int], *, threshold: float | None = None, finish: str | None = None, error: str | None = None) -> None:
+        with self._lock:
+            if tokens:
+                self._tokens.extend(tokens)
+                self._forwards += 1  # a forward counts for a row when it produced a token (METHOD §5)
+            if threshold is not None:
+                self.threshold = threshold if self.threshold is None else self._looser(self.threshold, threshold)
+            if finish is not None and self.finish is None:  # the first word on how it ended stands
+                self.finish, self.error = finish, error
+            wake, self._wake_due = not self._wake_due, True
+        if wake:
+            try:
+                self._loop.call_soon_threadsafe(self._ready.set)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    async def take(self) -> tuple[list[int], int, str | None]:
+        """Wait for news; returns (new tokens, forwards that produced them, finish or None)."""
+        await self._ready.wait()
+        with self._lock:
+            self._ready.clear()
+            self._wake_due = False
+            tokens, forwards = self._tokens, self._forwards
+            self._tokens, self._forwards = [], 0
+            return tokens, forwards, self.finish
+
+
+@dataclass(eq=False)
+class Job:
+    """One request as the engine sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    outbox: Outbox
+    sampling: Sampling = field(default_factory=Sampling)
+    lossless: bool = False
+    threshold: float | None = None  # the request's own; None: the policy's
+    pinned: bool = False  # the request opted out of the adaptive policy
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    cancelled: bool = False
+
+    def kind(self) -> tuple:
+        """Jobs of one kind share a batch (and its forwards)."""
+        if self.sampling.greedy:
+            return ("greedy", self.lossless)
+        if self.sampling.seed is not None:  # its own random stream, as when decoded alone
+            return ("seeded", self.id)
+        s = self.sampling
+        return ("sampled", self.lossless, s.temperature, s.top_p, s.top_k)
+
+
+class _Batch:
+    def __init__(self, model: ServedModel, settings: DecodeSettings):
+        self.decoder = model.make_decoder()
+        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys)
+        self.jobs: dict[int, Job] = {}  # id(row) -> job
+
+    def __len__(self):
+        return len(self.batch.rows)
+
+
+@dataclass
+class EngineLimits:
+    max_batch: int = 16  # rows decoded together, every kind of batch counted
+    max_queue: int = 64  # requests waiting for a row; past it `submit` raises QueueFull
+    block_cache: int = 16  # B_cache
+    stats_window: float = 10.0  # seconds of history behind the recent tokens/s and tokens/forward
+
+
+class Engine:
+    """The model's thread. `submit` and `cancel` are safe to call from any thread."""
+
+    def __init__(self, model: ServedModel, policy: ThresholdPolicy, limits: EngineLimits | None = None):
+        self.model = model
+        self.policy = policy
+        self.limits = limits or EngineLimits()
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._batches: dict[tuple, _Batch] = {}
+        self._turn = 0  # round robin over the batches
+        self._in_flight = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.failed: str | None = None  # why the engine thread died, if it did
+        # Recent history: (time, tokens, row forwards) per forward.
+        self._history: deque[tuple[float, int, int]] = deque()
+        self._history_lock = threading.Lock()
+        self.started_at = time.monotonic()
+        self.started_wall = time.time()
+        self.tokens_total = 0
+        self.forwards_total = 0
+
+    # -- any thread ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._run, name="mars-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.failed is None
+
+    def new_outbox(self, loop) -> Outbox:
+        return Outbox(loop, looser=max if self.policy.metric == "entropy" else min)
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if not self.alive:
+                raise EngineStopped(self.failed or "the engine is not running")
+            # Requests that will get a free row at the next step do not count against the queue.
+            free_rows = max(self.limits.max_batch - self._in_flight, 0)
+            if len(self._waiting) >= self.limits.max_queue + free_rows:
+                raise QueueFull(f"{len(self._waiting) - free_rows} requests are waiting for a row (--max-queue {self.limits.max_queue})")
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The client went away (or a stop string ended it): free the row at the next step.
+        Whoever still reads the job's outbox sees it end as "cancelled"."""
+        with self._cond:
+            job.cancelled = True
+            self._cond.notify_all()
+        job.outbox.post([], finish="cancelled")
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def recent(self) -> dict:
+        """Tokens/s and tokens/forward over the last `stats_window` seconds."""
+        now = time.monotonic()
+        with self._history_lock:
+            self._forget(now)
+            tokens = sum(t for _, t, _ in self._history)
+            forwards = sum(f for _, _, f in self._history)
+        span = min(self.limits.stats_window, max(now - self.started_at, 1e-3))
+        return {"tokens_per_second": tokens / span, "tokens_per_forward": tokens / forwards if forwards else 0.0}
+
+    def _forget(self, now: float) -> None:
+        while self._history and self._history[0][0] < now - self.limits.stats_window:
+            self._history.popleft()
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drop_cancelled()  # first, so their rows are free for the waiting
+                with self._cond:
+                    if self._stopping:
+                        break
+                    admitted = self._admit_locked()
+                    if not admitted and not self._in_flight_rows():
+                        # Idle: wake now and then anyway so the adaptive threshold can relax.
+                        self._cond.wait(timeout=0.05)
+                load = len(self._waiting) + len(admitted) + self._in_flight_rows()
+                self.policy.update(load, time.monotonic())
+                for job in admitted:
+                    try:
+                        self._join(job)
+                    except Exception as e:  # this request cannot be decoded; the others can
+                        log.exception("a request could not join the batch")
+                        job.outbox.post([], finish="error", error=f"could not start decoding: {type(e).__name__}: {e}")
+                self._in_flight = self._in_flight_rows()
+                self._step_next_batch()
+                self._in_flight = self._in_flight_rows()
+        except Exception:  # a bug, not a request's fault: fail loudly, answer 503 from now on
+            self.failed = traceback.format_exc().strip().splitlines()[-1]
+            log.exception("the engine thread failed")
+            self._fail_everyone(self.failed)
+        finally:
+            with self._cond:
+                leftovers = list(self._waiting)
+                self._waiting.clear()
+            for job in leftovers:
+                job.outbox.post([], finish="error", error="the server is shutting down")
+            for b in self._batches.values():
+                for job in b.jobs.values():
+                    job.outbox.post([], finish="error", error="the server is shutting down")
+            self._batches.clear()
+
+    def _in_flight_rows(self) -> int:
+        return sum(len(b) for b in self._batches.values())
+
+    def _admit_locked(self) -> list[Job]:
+        """Waiting jobs that get a row now, first come first served among those whose batch is
+        at a block boundary (the others wait for it); cancelled ones are dropped."""
+        room = self.limits.max_batch - self._in_flight_rows()
+        admitted: list[Job] = []
+        still_waiting: deque[Job] = deque()
+        for job in self._waiting:
+            if job.cancelled:
+                continue
+            batch = self._batches.get(job.kind())
+            if room > 0 and (batch is None or batch.batch.can_join):
+                admitted.append(job)
+                room -= 1
+            else:
+                still_waiting.append(job)
+        self._waiting = still_waiting
+        self._in_flight += len(admitted)  # counted at once, so `submit` never sees their rows as free
+        return admitted
+
+    def _settings(self, job: Job) -> DecodeSettings:
+        m = self.model
+        return DecodeSettings(
+            mask_id=m.mask_id,
+            eos_ids=tuple(m.loaded.eos_ids),
+            block_size=m.block_size,
+            metric=m.metric,
+            max_tokens=job.max_tokens,
+            cache="block",
+            block_cache=self.limits.block_cache,
+            sampling=job.sampling,
+            lossless=job.lossless,
+        )
+
+    def _join(self, job: Job) -> None:
+        kind = job.kind()
+        batch = self._batches.get(kind)
+        if batch is None:
+            batch = self._batches[kind] = _Batch(self.model, self._settings(job))
+        row = batch.batch.join(job.prompt, threshold=self._threshold(job), max_tokens=job.max_tokens)
+        batch.jobs[id(row)] = job
+
+    def _threshold(self, job: Job) -> float:
+        if job.lossless:
+            return self.policy.for_request(None, pinned=True)  # unused: lossless ignores it
+        return self.policy.for_request(job.threshold, pinned=job.pinned)
+
+    def _drop_cancelled(self) -> None:
+        for kind, b in list(self._batches.items()):
+            gone = [row for row in b.batch.rows if b.jobs[id(row)].cancelled]
+            if gone:
+                b.batch.leave(gone)
+                for row in gone:
+                    del b.jobs[id(row)]
+            if not len(b):
+                del self._batches[kind]
+
+    def _step_next_batch(self) -> None:
+        kinds = list(self._batches)
+        if not kinds:
+            return
+        self._turn = (self._turn + 1) % len(kinds)
+        kind = kinds[self._turn]
+        b = self._batches[kind]
+        for row in b.batch.rows:
+            row.threshold = self._threshold(b.jobs[id(row)])
+        thresholds = {id(row): row.threshold for row in b.batch.rows}
+        try:
+            took = b.batch.step()
+        except Exception as e:  # a failed forward ends its batch's requests, not the server
+            log.exception("a decoding step failed")
+            for job in b.jobs.values():
+                job.outbox.post([], finish="error", error=f"decoding failed: {type(e).__name__}: {e}")
+            del self._batches[kind]
+            return
+        tokens = 0
+        for row, new in took:
+            job = b.jobs[id(row)]
+            tokens += len(new)
+            job.outbox.post(new, threshold=None if job.lossless else thresholds[id(row)], finish=row.finish if row.done else None)
+        still = {id(r) for r in b.batch.rows}
+        for key in [k for k in b.jobs if k not in still]:
+            del b.jobs[key]
+        if not len(b):
+            del self._batches[kind]
+        now = time.monotonic()
+        with self._history_lock:
+            self._history.append((now, tokens, len(took)))
+            self._forget(now)
+        self.tokens_total += tokens
+        self.forwards_total += 1
+
+    def _fail_everyone(self, why: str) -> None:
+        for b in self._batches.values():
+            for job in b.jobs.values():
+                job.outbox.post([], finish="error", error=f"the engine failed: {why}")
+        self._batches.clear()
