@@ -179,8 +179,11 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
     # --limit may change between runs (a run cut short is finished with a smaller one).
     run = {"model": model_ref, "prompts": str(prompts), "max_tokens": settings.max_tokens}
     _check_resume(output, run)
+    meta = output / "distill.json"
+    # Time and tokens add up over the runs that made this output (a resumed run counts its own).
+    before = json.loads(meta.read_text()) if meta.exists() else {}
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"run": run, "splits": {}}
+    summary = {"run": run, "splits": {}, "seconds": before.get("seconds", 0.0), "generated_tokens": before.get("generated_tokens", 0)}
     atomic_write_text(output / "distill.json", json.dumps(summary, indent=2) + "\n")
     d = Distiller(loaded, decoder, settings)
     t0 = time.perf_counter()
@@ -211,8 +214,8 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
                 bar.set_postfix(tok_s=f"{rate:.0f}")
         bar.close()
         summary["splits"][split] = _finish_split(partial, final)
-    summary["seconds"] = round(time.perf_counter() - t0, 1)
-    summary["generated_tokens"] = d.generated
+    summary["seconds"] = round(before.get("seconds", 0.0) + time.perf_counter() - t0, 1)
+    summary["generated_tokens"] = before.get("generated_tokens", 0) + d.generated
     atomic_write_text(output / "distill.json", json.dumps(summary, indent=2) + "\n")
     return summary
 

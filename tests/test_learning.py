@@ -1,43 +1,17 @@
 """MARS fine-tuning really teaches a tiny model to emit several tokens per forward."""
 
-import string
-
 import pytest
-import torch
 
-from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token
-from mars.backends.torch.train import Trainer
-from mars.core.training import TrainSettings
-from mars.core.data import Example, encode_record, pad_to_block
+from mars.backends.torch.model import TorchDecoder
 from mars.core.decoding import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
-from tiny import make_model, make_tokenizer
-
-LETTERS = string.ascii_lowercase
-
-
-def spell_records():
-    # Each reply repeats a letter the prompt names: every mask's target is fixed by the
-    # prompt, whatever offset a decoding window starts at.
-    return [{"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in LETTERS[:20]]
+from tiny import spell_records, train_spelling
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    tok = make_tokenizer()
-    model = make_model("llama", len(tok), seed=0, scale=0.1)
-    tm = TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32)
-    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
-    examples = []
-    for rec in spell_records():
-        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
-        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
-        examples.append(Example(ids, labels, "spell", False))
-    s = TrainSettings(fine_tune_type="full", block_size=4, iters=150, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
-    trainer = Trainer(tm, mars, s, tmp_path_factory.mktemp("learn") / "out")
-    result = trainer.train(examples, progress=False)
-    model.eval()
-    return tm, mars, result
+    tm, result = train_spelling(tmp_path_factory.mktemp("learn") / "out")
+    return tm, tm.mars, result
 
 
 def test_losses_fall(trained):

@@ -17,19 +17,9 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
 from mars.core.decoding import DecodeSettings, Sampling, generate
-from tiny import make_model, make_tokenizer
+from tiny import PROMPTS, make_model, make_tokenizer
 
 MASK, EOS = 3, 2
-PROMPTS = [
-    "Hello there",
-    "What is 2+2? Tell me now.",
-    "x",
-    "Write a short poem about the sea, please",
-    "abc abc abc",
-    "Why is the sky blue?",
-    "List three fruits",
-    "q",
-]
 
 
 @pytest.fixture(scope="module")

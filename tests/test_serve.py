@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import string
 import threading
 import time
 from dataclasses import replace
@@ -28,7 +27,7 @@ httpx = pytest.importorskip("httpx")
 
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st  # noqa: E402
 
-from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token  # noqa: E402
+from mars.backends.torch.model import TorchDecoder, TorchModel  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
 from mars.core.decoding import ContinuousBatch, DecodeSettings, generate  # noqa: E402
@@ -36,19 +35,9 @@ from mars.core.tokens import encode_prompt  # noqa: E402
 from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
 from mars.serve.api import TextStream  # noqa: E402
 from mars.serve.policy import PolicyError, PolicySettings, ThresholdPolicy  # noqa: E402
-from tiny import make_model, make_tokenizer  # noqa: E402
+from tiny import PROMPTS, make_model, make_tokenizer, spell_records, train_spelling  # noqa: E402
 
 MASK, EOS = 3, 2
-PROMPTS = [
-    "Hello there",
-    "What is 2+2? Tell me now.",
-    "x",
-    "Write a short poem about the sea, please",
-    "abc abc abc",
-    "Why is the sky blue?",
-    "List three fruits",
-    "q",
-]
 
 
 @pytest.fixture(scope="module")
@@ -462,31 +451,10 @@ def test_load_no_lost_or_truncated_responses(tm, tok):
 # -- the adaptive policy under load -------------------------------------------------------------------
 
 
-def spell_records():
-    # As tests/test_learning.py: each reply repeats a letter the prompt names.
-    return [{"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny model MARS-trained a few steps, so its masks are accepted (tests/test_learning.py)."""
-    from mars.backends.torch.train import Trainer
-    from mars.core.data import Example, encode_record, pad_to_block
-    from mars.core.training import TrainSettings
-
-    tok = make_tokenizer()
-    model = make_model("llama", len(tok), seed=0, scale=0.1)
-    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
-    tm = TorchModel(model, tok, mars, "", torch.device("cpu"), torch.float32)
-    examples = []
-    for rec in spell_records():
-        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
-        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
-        examples.append(Example(ids, labels, "spell", False))
-    s = TrainSettings(fine_tune_type="full", block_size=4, iters=150, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
-    Trainer(tm, mars, s, tmp_path_factory.mktemp("serve-learn") / "out").train(examples, progress=False)
-    model.eval()
-    return tm
+    """A tiny model MARS-trained a few steps, so its masks are accepted."""
+    return train_spelling(tmp_path_factory.mktemp("serve-learn") / "out")[0]
 
 
 def test_adaptive_threshold_follows_load_and_beats_fixed(trained):

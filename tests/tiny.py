@@ -79,3 +79,47 @@ def save_model(path, arch: str = "llama", *, seed: int = 0, with_unused: bool = 
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+# Prompts the decoding tests share.
+PROMPTS = [
+    "Hello there",
+    "What is 2+2? Tell me now.",
+    "x",
+    "Write a short poem about the sea, please",
+    "abc abc abc",
+    "Why is the sky blue?",
+    "List three fruits",
+    "q",
+]
+
+
+def spell_records():
+    """Each reply repeats a letter the prompt names: every mask's target is fixed by the
+    prompt, whatever offset a decoding window starts at."""
+    return [{"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]]
+
+
+def train_spelling(out_dir, *, steps: int = 150):
+    """A tiny llama MARS-trained (full, B = 4) on spell_records until its masks are right:
+    returns (TorchModel with its MarsConfig, training result)."""
+    import torch
+
+    from mars.backends.torch.model import TorchModel, ensure_mask_token
+    from mars.backends.torch.train import Trainer
+    from mars.core.data import Example, encode_record, pad_to_block
+    from mars.core.training import TrainSettings
+
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=0, scale=0.1)
+    mars = ensure_mask_token(model, tok, None, block_size=4, announce=lambda m: None)
+    tm = TorchModel(model, tok, mars, "", torch.device("cpu"), torch.float32)
+    examples = []
+    for rec in spell_records():
+        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
+        ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
+        examples.append(Example(ids, labels, "spell", False))
+    s = TrainSettings(fine_tune_type="full", block_size=4, iters=steps, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
+    result = Trainer(tm, mars, s, out_dir).train(examples, progress=False)
+    model.eval()
+    return tm, result
