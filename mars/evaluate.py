@@ -225,15 +225,20 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
     from .core.decoding import generate
 
     outputs, accepted, forwards, per_slot = [], 0, 0, np.zeros(settings.masks_per_step + 1, dtype=np.int64)
+    drafts: dict = {}
     t0 = time.perf_counter()
     for start in range(0, len(prompt_ids), batch_size):
         result = generate(em.decoder, prompt_ids[start : start + batch_size], settings)
         outputs.extend(result.tokens)
+        for name, counts in result.stats.draft_totals().items():
+            old = drafts.get(name, [])
+            drafts[name] = [a + b for a, b in zip(old + [0] * (len(counts) - len(old)), counts + [0] * (len(old) - len(counts)))]
         for row in result.stats.rows:
             accepted += row.accepted
             forwards += row.forwards
             per_slot += np.asarray(row.accepted_per_slot, dtype=np.int64)
-    return {"outputs": outputs, "accepted": accepted, "forwards": forwards, "per_slot": per_slot, "seconds": time.perf_counter() - t0}
+    return {"outputs": outputs, "accepted": accepted, "forwards": forwards, "per_slot": per_slot, "drafts": drafts,
+            "seconds": time.perf_counter() - t0}
 
 
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
@@ -284,6 +289,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             # The share of the AR output's tokens reproduced before the first divergence.
             "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
+            **({"drafts": d["drafts"]} if lossless else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,

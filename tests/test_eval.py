@@ -224,3 +224,21 @@ def test_cli_one_line_errors(paths, args, needle):
     assert r.exit_code != 0
     assert needle in r.output
     assert "Traceback" not in r.output and len([line for line in r.output.splitlines() if line.startswith("Error")]) == 1
+
+
+def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
+    em = ev.load_model(paths["mars"], "torch", **QUIET)
+    report = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False))
+    rows = report["models"][0]["sweep"]["thresholds"]
+    lossless = rows[-1]
+    assert lossless["mode"] == "lossless" and lossless["threshold"] is None
+    assert lossless["outputs"] == rows[0]["outputs"] and lossless["exact_match"] == 1.0
+    assert lossless["prefix_token_share"] == 1.0
+    drafts = lossless["drafts"]
+    assert all(d >= v >= k for d, v, k in zip(drafts["drafted_per_slot"], drafts["verified_per_slot"], drafts["kept_per_slot"]))
+    table = ev.format_table(report)
+    assert "lossless" in table
+    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "1.0",
+               "--max-tokens", 8, "--no-nll", "--lossless", "--plot", tmp_path / "p.png")
+    assert r.exit_code == 0, r.output
+    assert "lossless" in r.output
