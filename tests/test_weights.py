@@ -1,0 +1,66 @@
+"""The shipped MARS weights for the embedded default (weights/), end to end on the real model.
+
+Marked slow: SmolLM2-135M-Instruct on the CPU, five held-out test prompts, up to 128 new tokens.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mars.backends.torch.model import TorchDecoder, load
+from mars.core.config import read_config
+from mars.core.decoding import DecodeSettings, generate
+from mars.core.tokens import encode_prompt
+from mars.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weights
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_TOKENS = 128
+
+
+def held_out_prompts():
+    lines = (ROOT / "data" / "prompts" / "test.jsonl").read_text().splitlines()[:5]
+    return [json.loads(line)["messages"] for line in lines]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    assert shipped_weights() == WEIGHTS_DIR, "weights/ holds no adapter and mars.json"
+    return load(None, announce=lambda m: None)
+
+
+def test_weights_are_small_and_described():
+    size = sum(f.stat().st_size for f in WEIGHTS_DIR.iterdir() if f.is_file() and f.suffix == ".safetensors")
+    assert size < 25 * 2**20, size
+    mars = read_config(WEIGHTS_DIR)
+    assert mars.base_model == DEFAULT_REF and 0 < mars.default_threshold < 1
+    assert "reproduce" in (WEIGHTS_DIR / "README.md").read_text().lower()
+
+
+def test_no_model_means_base_plus_weights(shipped):
+    assert shipped.mars is not None and shipped.mars == read_config(WEIGHTS_DIR)
+    plain = load(DEFAULT_REF, announce=lambda m: None)
+    assert plain.mars is None  # the plain base is still reachable by name
+
+
+def test_threshold_one_is_greedy_ar_and_the_default_threshold_is_faster(shipped):
+    tok, mars = shipped.tokenizer, shipped.mars
+    prompts = [encode_prompt(tok, p) for p in held_out_prompts()]
+    common = dict(mask_id=mars.mask_token_id, eos_ids=shipped.eos_ids, block_size=mars.block_size, max_tokens=MAX_TOKENS)
+    dec = TorchDecoder(shipped)
+    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
+    for p, out in zip(prompts, ar.tokens):
+        ids = torch.tensor([p])
+        ref = shipped.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                     eos_token_id=list(shipped.eos_ids), pad_token_id=shipped.eos_ids[0])
+        assert out == ref[0, len(p) :].tolist()
+    fast = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, **common))
+    # Measured 1.06 here at 0.9 (weights/README.md); the 1.3 the weights were meant to reach is not met.
+    assert fast.stats.tokens_per_forward > 1.0, fast.stats.tokens_per_forward
+    looser = generate(dec, prompts, DecodeSettings(threshold=0.6, **common))
+    assert looser.stats.tokens_per_forward > 1.5, looser.stats.tokens_per_forward  # 2.04 measured
+    lossless = generate(dec, prompts, DecodeSettings(lossless=True, **common))
+    assert lossless.tokens == ar.tokens
