@@ -155,8 +155,8 @@ def mlx_adapter(adapter: Path, base: Path, announce=print) -> Path:
     shipped default weights) its conversion, made once and kept in the cache."""
     import hashlib
 
-    from ..convert.adapters import adapter_format, convert_adapter
-    from ..default_model import cache_root
+    from ...convert.adapters import adapter_format, convert_adapter
+    from ...default_model import cache_root
 
     if adapter_format(adapter) != "peft":
         return adapter
