@@ -345,6 +345,38 @@ def test_lora_writes_a_peft_adapter(lora, tiny):
     assert not torch.allclose(row.float(), base_row.float(), atol=1e-6), "the mask embedding row was not trained"
 
 
+def test_init_adapter_continues_a_lora_run(lora, tiny, data, tmp_path):
+    from safetensors.numpy import load_file
+
+    src, _ = lora
+    # Learning rate 0: the saved adapter is the one it started from, bit for bit.
+    same = tmp_path / "same"
+    ok(invoke(*finetune_args(tiny, data, same, "--init-adapter", src, "--learning-rate", 0, "--lora-rank", 4, iters=1)))
+    for name in ("adapter_model.safetensors", "mask_embedding.safetensors"):
+        a, b = load_file(str(src / name)), load_file(str(same / name))
+        assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), name
+    assert json.loads((same / "adapter_config.json").read_text())["r"] == json.loads((src / "adapter_config.json").read_text())["r"]
+    assert json.loads((same / "mars.json").read_text())["block_size"] == json.loads((src / "mars.json").read_text())["block_size"]
+    # Training goes on from there: the first loss is the trained adapter's, well below a fresh start's.
+    cont, fresh = tmp_path / "cont", tmp_path / "fresh"
+    ok(invoke(*finetune_args(tiny, data, cont, "--init-adapter", src, iters=2)))
+    ok(invoke(*finetune_args(tiny, data, fresh, iters=2)))
+    first = lambda out: read_log(out)[0]["noisy"]  # noqa: E731
+    assert first(cont) == pytest.approx(first(same), rel=1e-6)
+    assert first(cont) < first(fresh) - 1.0, (first(cont), first(fresh))
+    a, b = load_file(str(src / "adapter_model.safetensors")), load_file(str(cont / "adapter_model.safetensors"))
+    assert any((a[k] != b[k]).any() for k in a), "the continued run did not train the adapter"
+
+
+def test_init_adapter_bad_input(lora, tiny, data, tmp_path):
+    src, _ = lora
+    one_line_error(invoke(*finetune_args(tiny, data, tmp_path / "a", "--init-adapter", src, kind="full")), "--init-adapter", "lora")
+    one_line_error(invoke(*finetune_args(tiny, data, tmp_path / "b", "--init-adapter", tiny)), str(tiny), "not an adapter")
+    one_line_error(invoke(*finetune_args(tiny, data, tmp_path / "c", "--init-adapter", src, "--block-size", 2)), "--block-size", "block size 4")
+    for out in ("a", "b", "c"):
+        assert not (tmp_path / out).exists()
+
+
 def test_generate_from_adapter_dir_and_adapter_path(lora, tiny):
     out, _ = lora
     a = ok(invoke("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--json"))

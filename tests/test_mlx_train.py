@@ -289,3 +289,35 @@ def test_cli_finetune_and_generate_with_the_mlx_backend(tmp_path):
     gen = CliRunner().invoke(cli, ["generate", "--backend", "mlx", "--model", str(out), "--prompt", "Say c", "--max-tokens", "6"])
     assert gen.exit_code == 0, gen.output
     assert "tokens/forward" in gen.output
+
+
+def test_init_adapter_from_an_mlx_adapter_on_both_backends(lora, tmp_path):
+    """`--init-adapter` starts both trainers from the same mlx-lm adapter: at learning rate 0 they
+    save it unchanged (the torch run as PEFT, which converts back bit for bit)."""
+    from click.testing import CliRunner
+
+    from mars.cli.main import cli
+    from mars.convert.adapters import convert_adapter
+
+    base, adapter, _, _ = lora
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in spell_records()[:8]))
+    outs = {}
+    for backend in ("mlx", "torch"):
+        outs[backend] = tmp_path / backend
+        run = CliRunner().invoke(cli, [
+            "finetune", "--backend", backend, "--model", str(base), "--data", str(data), "--output", str(outs[backend]),
+            "--init-adapter", str(adapter), "--iters", "1", "--batch-size", "4", "--learning-rate", "0",
+        ])
+        assert run.exit_code == 0, run.output
+    back = convert_adapter(outs["torch"], tmp_path / "back", "mlx", base=base)
+    source = mx.load(str(adapter / "adapters.safetensors"))
+    for got in (mx.load(str(outs["mlx"] / "adapters.safetensors")), mx.load(str(back / "adapters.safetensors"))):
+        assert got.keys() == source.keys()
+        for k in source:
+            assert mx.array_equal(got[k], source[k]).item(), k
+    row = mx.load(str(adapter / "mask_embedding.safetensors"))["mask_embedding"]
+    for out in (outs["mlx"], outs["torch"]):
+        got = mx.load(str(out / "mask_embedding.safetensors"))["mask_embedding"]
+        assert mx.array_equal(got.astype(mx.float32), row.astype(mx.float32)).item(), out

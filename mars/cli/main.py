@@ -101,13 +101,14 @@ def cli():
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
+@click.option("--init-adapter", type=click.Path(path_type=Path), default=None, help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha, block size and mask row are kept.")
 @click.option("--fuse", is_flag=True, help="LoRA: write the adapter fused into a full model (mask-token row included) instead of an adapter.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
 @backend_option
 @friendly_errors
-def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, fuse, **opts):
+def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, fuse, init_adapter, **opts):
     """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
     from ..backends.base import resolve
     from ..backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
@@ -131,8 +132,9 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
 
     base_path, adapter = resolve_model_path(model, weights=False)  # no --model: train the plain base
     if adapter is not None:
-        raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model)")
+        raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model), or pass it as --init-adapter")
     check_model_path(base_path)
+    init = check_init_adapter(init_adapter, base_path, opts) if init_adapter is not None else None
     tokenizer = load_tokenizer(base_path)
     read = functools.partial(
         load_split, tokenizer=tokenizer, block_size=opts["block_size"], max_seq_length=max_seq_length, on_long=on_long
@@ -160,11 +162,11 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         if dtype == "auto" and opts["fine_tune_type"] == "full":
             dtype = "float32"  # trained weights stay float32; CUDA runs the forward under bfloat16 autocast
         tm = load(base_path, dtype=dtype, device=device, announce=say)
-    mars = tm.mars if has_config(base_path) else None
+    mars = init if init is not None else (tm.mars if has_config(base_path) else None)
     if mars is not None and mars.block_size != opts["block_size"]:
         raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")
     mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], exclude=tm.eos_ids, announce=say)
-    settings = TrainSettings(**opts)
+    settings = TrainSettings(**opts, init_adapter=str(init_adapter) if init is not None else "")
     trainer = Trainer(tm, mars, settings, output)
     click.echo(
         f"training {settings.fine_tune_type} ({trainer.trainable:,} trainable parameters), B={settings.block_size}, "
@@ -177,6 +179,39 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
     click.echo(f"saved {output} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")
+
+
+def check_init_adapter(path: Path, base_path: Path, opts: dict):
+    """The MARS config of an adapter to start LoRA from, after checking it fits this run;
+    `opts` takes the adapter's block size, rank and alpha (they are what will train)."""
+    from ..backends.paths import ModelError
+    from ..convert.adapters import ConvertError, adapter_format, read_adapter
+    from ..core.config import has_config, read_config
+    from ..default_model import model_ref
+
+    where = f"--init-adapter {path}"
+    if opts["fine_tune_type"] != "lora":
+        raise click.BadParameter("only applies to --fine-tune-type lora (a full model starts from --model)", param_hint="--init-adapter")
+    try:
+        fmt = adapter_format(path)
+    except ConvertError as e:
+        raise ModelError(f"{where}: {e}") from None
+    if fmt is None:
+        raise ModelError(f"{where}: not an adapter directory (adapter_config.json with adapter weights, no config.json)")
+    if not has_config(path):
+        raise ModelError(f"{where}: no mars.json (not a MARS adapter: its mask row and block size are unknown)")
+    mars = read_config(path)
+    if not (path / "mask_embedding.safetensors").is_file():
+        raise ModelError(f"{where}: no mask_embedding.safetensors (the trained mask-token row)")
+    if mars.base_model and mars.base_model != model_ref(base_path):
+        raise ModelError(f"{where}: trained on {mars.base_model}, not on {model_ref(base_path)}; pass --model {mars.base_model}")
+    explicit = click.get_current_context().get_parameter_source("block_size") == click.core.ParameterSource.COMMANDLINE
+    if explicit and opts["block_size"] != mars.block_size:
+        raise click.BadParameter(f"{opts['block_size']} differs from the adapter's block size {mars.block_size}", param_hint="--block-size")
+    opts["block_size"] = mars.block_size
+    lora = read_adapter(path)
+    opts["lora_rank"], opts["lora_alpha"] = lora.rank, lora.scale * lora.rank
+    return mars
 
 
 # ---------------------------------------------------------------------------------------------

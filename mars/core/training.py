@@ -34,6 +34,7 @@ class TrainSettings:
     seed: int = 0
     normalize: str = "row"
     max_grad_norm: float = 1.0
+    init_adapter: str = ""  # LoRA: start from this MARS adapter (its rank, scale, targets and mask row)
 
 
 def lr_lambda(total: int, warmup: int):

@@ -97,9 +97,27 @@ class MlxTrainer:
                 "dropout": settings.lora_dropout,
                 "keys": keys,
             }
+            init = None
+            if settings.init_adapter:
+                from .model import mlx_adapter
+
+                # A PEFT adapter is converted once (into the cache); its rank, scale and layers rule.
+                init = mlx_adapter(Path(settings.init_adapter), Path(loaded.path), announce=lambda m: None)
+                config = json.loads((init / "adapter_config.json").read_text())
+                self.num_layers = int(config["num_layers"])
+                self.lora_parameters = dict(config["lora_parameters"])
             model.freeze()
             linear_to_lora_layers(model, self.num_layers, self.lora_parameters)
-            row = emb(mx.array([mars.mask_token_id]))[0]
+            if init is not None:
+                weights = mx.load(str(init / "adapters.safetensors"))
+                known = {k for k, _ in tree_flatten(model.parameters())}
+                stray = sorted(k for k in weights if k not in known)
+                if stray:
+                    raise MlxModelError(f"{settings.init_adapter}: adapter weights {stray[:3]} do not fit this model")
+                model.load_weights(list(weights.items()), strict=False)
+                row = mx.load(str(Path(settings.init_adapter) / MASK_EMBEDDING_FILE))[MASK_EMBEDDING_KEY]
+            else:
+                row = emb(mx.array([mars.mask_token_id]))[0]
             mask_row = row.astype(mx.float32)
         elif settings.fine_tune_type == "full":
             if _quantized(model):

@@ -33,7 +33,9 @@ class Trainer:
         torch.manual_seed(settings.seed)
         model = tm.model
         mask_row = None
-        if settings.fine_tune_type == "lora":
+        if settings.fine_tune_type == "lora" and settings.init_adapter:
+            model, mask_row = _from_adapter(model, Path(settings.init_adapter), tm.path)
+        elif settings.fine_tune_type == "lora":
             from peft import LoraConfig, get_peft_model
 
             present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
@@ -188,3 +190,23 @@ class Trainer:
 
         atomic_dir(self.output, write)
         return self.output
+
+
+def _from_adapter(model, adapter: Path, base) -> tuple:
+    """LoRA layers and mask row initialised from a MARS adapter (PEFT, or mlx-lm converted)."""
+    import tempfile
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from ...convert.adapters import adapter_format, convert_adapter
+    from ..paths import MASK_EMBEDDING_FILE as ROW_FILE
+    from ..paths import MASK_EMBEDDING_KEY as ROW_KEY
+
+    with tempfile.TemporaryDirectory(prefix="mars-init-") as tmp:
+        source = adapter
+        if adapter_format(adapter) == "mlx":
+            source = convert_adapter(adapter, Path(tmp) / "peft", "hf", base=Path(base))
+        model = PeftModel.from_pretrained(model, str(source), is_trainable=True)
+    row = load_file(str(adapter / ROW_FILE))[ROW_KEY]
+    return model, torch.nn.Parameter(row.detach().clone().float())
