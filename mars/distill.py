@@ -192,9 +192,19 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
             records = records[: settings.limit]
         final, partial = output / f"{split}.jsonl", output / f"{split}.jsonl{PARTIAL}"
         if final.exists():
-            log(f"{final}: already complete, kept")
-            summary["splits"][split] = _count(final)
-            continue
+            counts = {**before.get("splits", {}).get(split, {}), **_count(final)}
+            asked = counts.get("prompts", counts["records"] + counts.get("empty_replies_dropped", 0))
+            if asked >= len(records):
+                log(f"{final}: already complete, kept")
+                summary["splits"][split] = counts
+                continue
+            if counts.get("empty_replies_dropped", 0) or counts["records"] != asked:
+                raise DataError(
+                    f"{final}: cannot be extended to --limit {len(records)}: empty replies were dropped from it, so "
+                    "its lines no longer match the prompts (distil into a new --output)"
+                )
+            # A larger --limit than the finished run: continue it where it stopped.
+            final.rename(partial)
         done = _done_lines(partial)
         if done > len(records):  # a smaller --limit than the run that wrote it
             partial.write_text("".join(partial.read_text(encoding="utf-8").splitlines(keepends=True)[: len(records)]), encoding="utf-8")
@@ -229,6 +239,7 @@ def _finish_split(partial: Path, final: Path) -> dict:
     partial.unlink()
     counts = _count(final)
     counts["empty_replies_dropped"] = len(lines) - len(kept)
+    counts["prompts"] = len(lines)
     return counts
 
 

@@ -82,6 +82,19 @@ def test_distill_writes_the_models_own_replies_and_resumes(model, tmp_path):
     assert "resuming after 2 of 5" in r.output
     assert (out / "train.jsonl").read_text() == expected
 
+    # A finished output distilled with a smaller --limit grows to a larger one, the same file.
+    small = tmp_path / "small"
+    args = ("--model", model, "--prompts", prompts.parent, "--max-tokens", 12, "--batch-size", 2, "--backend", "torch")
+    assert run(*args, "--output", small, "--limit", 2).exit_code == 0
+    assert len((small / "train.jsonl").read_text().splitlines()) == 2
+    r = run(*args, "--output", small, "--limit", 2)
+    assert r.exit_code == 0 and "already complete" in r.output
+    r = run(*args, "--output", small, "--limit", 5)
+    assert r.exit_code == 0, r.output
+    assert "resuming after 2 of 5" in r.output
+    assert (small / "train.jsonl").read_text() == expected
+    assert json.loads((small / "distill.json").read_text())["splits"]["train"]["prompts"] == 5
+
     # The output is a training set the data loader accepts as it is.
     split = load_split(out, "train", make_tokenizer(), block_size=4, max_seq_length=512)
     assert len(split.examples) == len(PROMPTS)

@@ -17,7 +17,7 @@ from .main import backend_option, friendly_errors, model_options, quiet_librarie
 @click.option("--output", required=True, type=click.Path(file_okay=False, path_type=Path), help="The data directory to write (mlx-lm chat JSONL).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="Reply length cap; cut replies are marked \"finish\": \"length\".")
 @click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many prompts per split.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many prompts per split; rerun with a larger one to extend a finished output.")
 @backend_option
 @friendly_errors
 def distill_command(model, adapter_path, dtype, device, prompts, output, max_tokens, batch_size, limit, backend):
