@@ -94,3 +94,22 @@ def test_settings_drop_repeats_and_refuse_zero():
     assert s.thresholds == (0.9, 0.8) and s.block_caches == (4,)
     with pytest.raises(BenchError, match="batch sizes must be >= 1"):
         BenchSettings(batch_sizes=(0,))
+
+
+def test_training_plot_joins_the_stages_of_a_run(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_training.py"
+    spec = importlib.util.spec_from_file_location("plot_training", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"step": s, "noisy": 5.0, "clean": 1.0}) + "\n" for s in (1, 2, 3)))
+    b.write_text("".join(json.dumps({"step": s, "noisy": 4.0, "clean": 0.9}) + "\n" for s in (1, 2)))
+    rows, bounds = mod.read_stages([a, b])
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5] and bounds == [3]
+    assert [r["noisy"] for r in rows] == [5.0] * 3 + [4.0] * 2
+    mod.main(str(a), str(b), str(tmp_path / "curves.png"))
+    assert (tmp_path / "curves.png").stat().st_size > 1000
