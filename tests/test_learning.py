@@ -50,3 +50,61 @@ def test_lossless_keeps_trained_drafts_and_equals_ar(trained, cache):
         assert out == ar.tokens
         # Drafts were really accepted: the verification path ran and paid off.
         assert kept > 0 and sum(map(len, out)) / forwards > 2.0, (kept, forwards)
+
+
+def _slot_precision():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "slot_precision.py"
+    spec = importlib.util.spec_from_file_location("slot_precision", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_slot_precision_reads_the_decoding_window(trained):
+    """benchmarks/slot_precision.py's slots are the decoding window's: at each block start t, the
+    model fed the true text before t plus B masks (plain causal attention) predicts the same
+    tokens with the same probabilities; its reference is the model's own AR prediction."""
+    import numpy as np
+    import torch
+
+    from mars.core.data import Example, encode_record, pad_to_block
+    from mars.evaluate import EvalModel, response_labels
+
+    tm, mars, _ = trained
+    sp = _slot_precision()
+    em = EvalModel("tiny", "torch", tm, TorchDecoder(tm))
+    tok, B = tm.tokenizer, mars.block_size
+    for rec in spell_records()[:3]:
+        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
+        ids, labels = pad_to_block(ids, labels, B, tok.eos_token_id, ended=True)
+        prob, pred, ref = sp.slot_records(em, [Example(ids, labels, "spell", False)])
+        labels = response_labels(labels[None], tok.eos_token_id)[0]  # the reply's first EOS is its last label
+        starts = [t for t in range(B, len(ids), B) if labels[t] != -100]
+        assert len(starts) == len(prob) > 0
+        with torch.no_grad():
+            full = tm.model(input_ids=torch.tensor([ids])).logits[0].softmax(-1)
+            for k, t in enumerate(starts):
+                window = torch.tensor([list(ids[:t]) + [mars.mask_token_id] * B])
+                p = tm.model(input_ids=window).logits[0, t - 1 :].softmax(-1)  # slots 0..B
+                read = ref[k] >= 0  # slots whose token is labelled (past the reply's end: no mask was fed)
+                assert read[0]
+                np.testing.assert_allclose(prob[k][read], p.max(-1).values.numpy()[read], rtol=1e-4, atol=1e-5)
+                assert pred[k][read].tolist() == p.argmax(-1).numpy()[read].tolist()
+                for s in range(B + 1):
+                    j = t + s
+                    expected = int(full[j - 1].argmax()) if j < len(ids) and labels[j] != -100 else -1
+                    assert ref[k, s] == expected
+    # The trained masks agree with AR and the replayed rule accepts several tokens precisely.
+    examples = []
+    for rec in spell_records():
+        ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
+        examples.append(Example(*pad_to_block(ids, labels, B, tok.eos_token_id, ended=True), "spell", False))
+    rep = sp.summarise(*sp.slot_records(em, examples), thresholds=[1.0, 0.9])
+    assert all(s["agree_with_ar"] > 0.9 for s in rep["slots"]), rep["slots"]
+    at1, at09 = rep["thresholds"]
+    assert at1["tokens_per_step"] == 1.0 and at1["precision"] is None
+    assert at09["tokens_per_step"] > 2.0 and at09["precision"] > 0.95, at09
+    assert "tok/step" in sp.format_report(rep)
