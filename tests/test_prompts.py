@@ -73,3 +73,17 @@ def test_refuses_impossible_splits(mp):
     with pytest.raises(ValueError):
         mp.build(0, 5000, 150)
     assert mp.main(["--out", "/nonexistent-unused", "--test", "5000"]) == 1
+
+
+def test_shipped_distilled_data_answers_the_first_prompts_in_order():
+    """data/distilled (the training data of weights/) holds, per split, one reply to each of the
+    first N prompts of data/prompts in file order, follow-ups asked in turn."""
+    root = Path(__file__).resolve().parent.parent / "data"
+    for split, at_least in (("train", 1600), ("valid", 150)):
+        prompts = [json.loads(line) for line in (root / "prompts" / f"{split}.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (root / "distilled" / f"{split}.jsonl").read_text().splitlines()]
+        assert len(records) >= at_least
+        for prompt, rec in zip(prompts, records):
+            users = [m["content"] for m in rec["messages"] if m["role"] == "user"]
+            assert users == [prompt["messages"][0]["content"], *prompt.get("follow_ups", [])]
+            assert rec["messages"][-1]["role"] == "assistant" and rec["finish"] in ("eos", "length")
