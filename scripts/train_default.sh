@@ -37,9 +37,9 @@ if [ ! -f "$WORK/b4/mars.json" ]; then
 fi
 # Stage 2.
 distill 1664
-train "$WORK/b4x" 220 5e-4 0.03 110 --init-adapter "$WORK/b4"
+train "$WORK/b4x" 160 7e-4 0.03 80 --init-adapter "$WORK/b4"
 
 "$MARS" eval --model "$WORK/b4x" --baseline "$BASE" --data "$WORK/distilled" --split valid \
     --prompts data/prompts/test.jsonl --limit 32 --max-tokens 128 \
-    --threshold 1.0,0.95,0.9,0.85,0.8,0.7,0.6,0.5 --lossless \
+    --threshold 1.0,0.95,0.9,0.85,0.8,0.7,0.6 --lossless \
     --output "$WORK/eval.json" --plot "$WORK/eval.png"
