@@ -58,9 +58,12 @@ def test_threshold_one_is_greedy_ar_and_the_default_threshold_is_faster(shipped)
                                      eos_token_id=list(shipped.eos_ids), pad_token_id=shipped.eos_ids[0])
         assert out == ref[0, len(p) :].tolist()
     fast = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, **common))
-    # Measured 1.06 here at 0.9 (weights/README.md); the 1.3 the weights were meant to reach is not met.
-    assert fast.stats.tokens_per_forward > 1.0, fast.stats.tokens_per_forward
     looser = generate(dec, prompts, DecodeSettings(threshold=0.6, **common))
-    assert looser.stats.tokens_per_forward > 1.5, looser.stats.tokens_per_forward  # 2.04 measured
     lossless = generate(dec, prompts, DecodeSettings(lossless=True, **common))
+    print("tokens/forward: default", fast.stats.tokens_per_forward, "0.6", looser.stats.tokens_per_forward,
+          "lossless", lossless.stats.tokens_per_forward)
+    # The 1.3 the weights were meant to reach at the default threshold is not met (weights/README.md).
+    assert fast.stats.tokens_per_forward > 1.0, fast.stats.tokens_per_forward
+    assert looser.stats.tokens_per_forward > 1.3, looser.stats.tokens_per_forward
     assert lossless.tokens == ar.tokens
+    assert lossless.stats.tokens_per_forward > 1.15, lossless.stats.tokens_per_forward
