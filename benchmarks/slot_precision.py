@@ -39,12 +39,12 @@ def slot_records(em, examples, batch_size: int = 8):
     eos = em.tm.tokenizer.eos_token_id
     module = MarsLoss(em.tm.model)
     probs, preds, refs = [], [], []
+    dev = em.tm.device
     with torch.inference_mode():
         for ids, labels, lengths in batches(examples, batch_size, pad_id=eos, shuffle=False):
             labels = response_labels(labels, eos)
             L = ids.shape[1]
             inp, pos, mask = training_inputs(ids, labels, lengths, B, mask_id)
-            dev = em.tm.device
             hidden = module.hidden(
                 torch.from_numpy(inp).to(dev), torch.from_numpy(pos).to(dev), additive_mask(mask, em.tm.dtype, dev)
             )

@@ -198,7 +198,7 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
                 log(f"{final}: already complete, kept")
                 summary["splits"][split] = counts
                 continue
-            if counts.get("empty_replies_dropped", 0) or counts["records"] != asked:
+            if counts["records"] != asked:
                 raise DataError(
                     f"{final}: cannot be extended to --limit {len(records)}: empty replies were dropped from it, so "
                     "its lines no longer match the prompts (distil into a new --output)"

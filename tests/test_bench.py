@@ -97,14 +97,11 @@ def test_settings_drop_repeats_and_refuse_zero():
 
 
 def test_training_plot_joins_the_stages_of_a_run(tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "plot_training.py"
-    spec = importlib.util.spec_from_file_location("plot_training", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from tiny import load_script
+
+    mod = load_script("benchmarks/plot_training.py")
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("".join(json.dumps({"step": s, "noisy": 5.0, "clean": 1.0}) + "\n" for s in (1, 2, 3)))
     b.write_text("".join(json.dumps({"step": s, "noisy": 4.0, "clean": 0.9}) + "\n" for s in (1, 2)))

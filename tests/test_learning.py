@@ -5,7 +5,7 @@ import pytest
 from mars.backends.torch.model import TorchDecoder
 from mars.core.decoding import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
-from tiny import spell_records, train_spelling
+from tiny import load_script, spell_records, train_spelling
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +52,6 @@ def test_lossless_keeps_trained_drafts_and_equals_ar(trained, cache):
         assert kept > 0 and sum(map(len, out)) / forwards > 2.0, (kept, forwards)
 
 
-def _slot_precision():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "slot_precision.py"
-    spec = importlib.util.spec_from_file_location("slot_precision", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_slot_precision_reads_the_decoding_window(trained):
     """benchmarks/slot_precision.py's slots are the decoding window's: at each block start t, the
     model fed the true text before t plus B masks (plain causal attention) predicts the same
@@ -74,7 +63,7 @@ def test_slot_precision_reads_the_decoding_window(trained):
     from mars.evaluate import EvalModel, response_labels
 
     tm, mars, _ = trained
-    sp = _slot_precision()
+    sp = load_script("benchmarks/slot_precision.py")
     em = EvalModel("tiny", "torch", tm, TorchDecoder(tm))
     tok, B = tm.tokenizer, mars.block_size
     for rec in spell_records()[:3]:

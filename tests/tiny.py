@@ -123,3 +123,15 @@ def train_spelling(out_dir, *, steps: int = 150):
     result = Trainer(tm, mars, s, out_dir).train(examples, progress=False)
     model.eval()
     return tm, result
+
+
+def load_script(relpath: str):
+    """A script of the repository (e.g. "benchmarks/slot_precision.py") imported as a module."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -184,7 +184,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
 def check_init_adapter(path: Path, base_path: Path, opts: dict):
     """The MARS config of an adapter to start LoRA from, after checking it fits this run;
     `opts` takes the adapter's block size, rank and alpha (they are what will train)."""
-    from ..backends.paths import ModelError
+    from ..backends.paths import MASK_EMBEDDING_FILE, ModelError
     from ..convert.adapters import ConvertError, adapter_format, read_adapter
     from ..core.config import has_config, read_config
     from ..default_model import model_ref
@@ -201,8 +201,8 @@ def check_init_adapter(path: Path, base_path: Path, opts: dict):
     if not has_config(path):
         raise ModelError(f"{where}: no mars.json (not a MARS adapter: its mask row and block size are unknown)")
     mars = read_config(path)
-    if not (path / "mask_embedding.safetensors").is_file():
-        raise ModelError(f"{where}: no mask_embedding.safetensors (the trained mask-token row)")
+    if not (path / MASK_EMBEDDING_FILE).is_file():
+        raise ModelError(f"{where}: no {MASK_EMBEDDING_FILE} (the trained mask-token row)")
     if mars.base_model and mars.base_model != model_ref(base_path):
         raise ModelError(f"{where}: trained on {mars.base_model}, not on {model_ref(base_path)}; pass --model {mars.base_model}")
     explicit = click.get_current_context().get_parameter_source("block_size") == click.core.ParameterSource.COMMANDLINE

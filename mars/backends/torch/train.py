@@ -11,7 +11,7 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
-from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, loss_inputs
+from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs
 
 class Trainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
@@ -197,16 +197,12 @@ def _from_adapter(model, adapter: Path, base) -> tuple:
     import tempfile
 
     from peft import PeftModel
-    from safetensors.torch import load_file
 
     from ...convert.adapters import adapter_format, convert_adapter
-    from ..paths import MASK_EMBEDDING_FILE as ROW_FILE
-    from ..paths import MASK_EMBEDDING_KEY as ROW_KEY
 
     with tempfile.TemporaryDirectory(prefix="mars-init-") as tmp:
         source = adapter
         if adapter_format(adapter) == "mlx":
             source = convert_adapter(adapter, Path(tmp) / "peft", "hf", base=Path(base))
         model = PeftModel.from_pretrained(model, str(source), is_trainable=True)
-    row = load_file(str(adapter / ROW_FILE))[ROW_KEY]
-    return model, torch.nn.Parameter(row.detach().clone().float())
+    return model, torch.nn.Parameter(load_mask_embedding(adapter).float())
