@@ -119,6 +119,9 @@ def test_mlx_sampling_is_seeded_and_top_k_one_is_greedy(pair):
     greedy = generate(MlxDecoder(m), prompt, settings(threshold=1.0)).tokens
     top1 = generate(MlxDecoder(m), prompt, settings(threshold=1.0, sampling=Sampling(temperature=1.0, top_k=1, seed=0))).tokens
     assert top1 == greedy
+    for lossless in (False, True):  # a vanishing temperature is greedy, not a NaN distribution
+        tiny = Sampling(temperature=1e-69, seed=0)
+        assert generate(MlxDecoder(m), prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens == generate(MlxDecoder(m), prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
     s = settings(threshold=0.5, sampling=Sampling(temperature=1.5, top_p=0.9, seed=7))
     assert generate(MlxDecoder(m), prompt, s).tokens == generate(MlxDecoder(m), prompt, s).tokens
 

@@ -207,6 +207,10 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(tm, tok):
     greedy = generate(dec, prompt, settings(threshold=1.0)).tokens
     top1 = generate(dec, prompt, settings(threshold=1.0, sampling=Sampling(temperature=1.0, top_k=1, seed=0))).tokens
     assert top1 == greedy
+    # A vanishing temperature is greedy too, not a NaN distribution (1e-69 once overflowed to inf).
+    for lossless in (False, True):
+        tiny = Sampling(temperature=1e-69, seed=0)
+        assert generate(dec, prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens == generate(dec, prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
     a = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
     b = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
     assert a == b

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -101,7 +102,7 @@ def cli():
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
-@click.option("--init-adapter", type=click.Path(path_type=Path), default=None, help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha, block size and mask row are kept.")
+@click.option("--init-adapter", type=click.Path(path_type=Path), default=None, help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha and mask row are kept, and its block size unless --block-size names another.")
 @click.option("--fuse", is_flag=True, help="LoRA: write the adapter fused into a full model (mask-token row included) instead of an adapter.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
@@ -162,7 +163,10 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         if dtype == "auto" and opts["fine_tune_type"] == "full":
             dtype = "float32"  # trained weights stay float32; CUDA runs the forward under bfloat16 autocast
         tm = load(base_path, dtype=dtype, device=device, announce=say)
-    mars = init if init is not None else (tm.mars if has_config(base_path) else None)
+    if init is not None:
+        mars = dataclasses.replace(init, block_size=opts["block_size"])
+    else:
+        mars = tm.mars if has_config(base_path) else None
     if mars is not None and mars.block_size != opts["block_size"]:
         raise ConfigError(f"{base_path / 'mars.json'}: block_size {mars.block_size} differs from --block-size {opts['block_size']}")
     mars = ensure_mask_token(tm.model, tm.tokenizer, mars, block_size=opts["block_size"], exclude=tm.eos_ids, announce=say)
@@ -206,9 +210,14 @@ def check_init_adapter(path: Path, base_path: Path, opts: dict):
     if mars.base_model and mars.base_model != model_ref(base_path):
         raise ModelError(f"{where}: trained on {mars.base_model}, not on {model_ref(base_path)}; pass --model {mars.base_model}")
     explicit = click.get_current_context().get_parameter_source("block_size") == click.core.ParameterSource.COMMANDLINE
-    if explicit and opts["block_size"] != mars.block_size:
-        raise click.BadParameter(f"{opts['block_size']} differs from the adapter's block size {mars.block_size}", param_hint="--block-size")
-    opts["block_size"] = mars.block_size
+    if not explicit:
+        opts["block_size"] = mars.block_size
+    elif opts["block_size"] != mars.block_size:
+        # The masks do not depend on B: the j-th mask of a window predicts slot j whatever B is, so
+        # a block size change keeps what the slots both sizes share learnt (a smaller B trains
+        # those slots on more examples per token; a larger one starts the new slots from scratch).
+        click.echo(f"--init-adapter: its block size {mars.block_size} becomes {opts['block_size']}; the masks keep slots 1-"
+                   f"{min(mars.block_size, opts['block_size'])}", err=True)
     lora = read_adapter(path)
     opts["lora_rank"], opts["lora_alpha"] = lora.rank, lora.scale * lora.rank
     return mars
