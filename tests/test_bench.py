@@ -110,3 +110,22 @@ def test_training_plot_joins_the_stages_of_a_run(tmp_path):
     assert [r["noisy"] for r in rows] == [5.0] * 3 + [4.0] * 2
     mod.main(str(a), str(b), str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_train_step_benchmark_trims_the_unread_noisy_blocks(tiny, tmp_path):
+    """benchmarks/train_step.py times the same batches both ways; with long prompts the trimmed
+    layout feeds fewer tokens, and the script itself checks the losses agree."""
+    from tiny import load_script
+
+    data = tmp_path / "train.jsonl"
+    system = "You are a careful assistant who answers briefly and never repeats the question. " * 2
+    rows = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Say {w}."},
+                          {"role": "assistant", "content": f"{w} {w}, then {w} once more."}]}
+            for w in ("cat", "dog", "sun", "sea", "tea", "pen")]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ts = load_script("benchmarks/train_step.py")
+    out = tmp_path / "step.json"
+    rep = ts.main(["--model", str(tiny), "--data", str(data), "--batch-size", "2", "--batches", "2", "--json", str(out)])
+    assert len(rep["batches"]) == 2 and json.loads(out.read_text())["fed_ratio"] == rep["fed_ratio"]
+    assert 0.3 < rep["fed_ratio"] < 0.9, rep["fed_ratio"]
+    assert all(r["fed_trimmed"] < r["fed_full"] and r["seconds_full"] > 0 and r["seconds_trimmed"] > 0 for r in rep["batches"])

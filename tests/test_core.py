@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from mars.core.acceptance import accept_counts, confidence_from_logits, is_ar_mode, loosen
 from mars.core.config import ConfigError, MarsConfig, read_config, write_config
 from mars.core.loss import IGNORE, align
-from mars.core.masks import decode_mask, training_inputs, training_mask
+from mars.core.masks import decode_mask, noisy_start, training_inputs, training_mask
 from mars.core.tokens import NEW_MASK_TOKEN, choose_mask_token
 from tiny import make_tokenizer
 
@@ -64,6 +64,53 @@ def test_training_inputs_streams_and_positions():
     assert input_ids.tolist() == [[5, 6, 7, 99, 99, 99, 99, 99, 5, 6, 7, 8, 9, 10, 11, 12]]
     assert positions.tolist() == [list(range(8)) * 2]
     assert mask.shape == (1, 16, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 5), blocks=st.integers(1, 5), data=st.data())
+def test_trimmed_noisy_stream_is_the_full_layout_less_unread_blocks(B, blocks, data):
+    """Leaving out the noisy blocks before noisy_start keeps every kept query's keys, and the
+    alignment points at the same (stream, position) outputs as in the full layout."""
+    L = B * blocks
+    rows = data.draw(st.lists(st.tuples(st.integers(1, blocks), st.integers(0, L)), min_size=1, max_size=3))
+    lengths = [b * B for b, _ in rows]
+    labels = np.full((len(rows), L), IGNORE)
+    for r, (b, first) in enumerate(rows):
+        labels[r, min(first, b * B) : b * B] = 7
+    if not (labels[:, 1:] != IGNORE).any():
+        assert noisy_start(labels, B) == 0
+        return
+    ids = np.arange(L)[None].repeat(len(rows), 0)
+    start = noisy_start(labels, B)
+    usable = labels != IGNORE
+    usable[:, 0] = False
+    first = min(int(np.argmax(r)) for r in usable if r.any())
+    assert start % B == 0 and start <= first - 1 < start + B  # the block of the first prediction
+    full_ids, full_pos, full_mask = training_inputs(ids, labels, lengths, B, mask_id=99)
+    ids_t, pos_t, mask_t = training_inputs(ids, labels, lengths, B, mask_id=99, start=start)
+    keep = np.r_[start:L, L : 2 * L]
+    np.testing.assert_array_equal(ids_t, full_ids[:, keep])
+    np.testing.assert_array_equal(pos_t, full_pos[:, keep])
+    np.testing.assert_array_equal(mask_t, full_mask[:, keep][:, :, keep])
+    # No kept query that carries a loss attends a left-out key.
+    full, trimmed = align(labels), align(labels, start=start)
+    dropped = np.r_[0:start]
+    assert not full_mask[full.rows[:, None], full.noisy_index[:, None], dropped[None]].any()
+    np.testing.assert_array_equal(keep[trimmed.noisy_index], full.noisy_index)
+    np.testing.assert_array_equal(keep[trimmed.clean_index], full.clean_index)
+
+
+def test_noisy_start_examples():
+    labels = np.full((2, 12), IGNORE)
+    labels[0, 9:] = 1  # predicted from position 8: block 2 of B = 4
+    labels[1, 6:] = 1  # from position 5: block 1
+    assert noisy_start(labels, 4) == 4
+    assert noisy_start(labels[:1], 4) == 8
+    assert noisy_start(labels[:1], 3) == 6
+    labels[1, 1] = 1  # predicted from position 0
+    assert noisy_start(labels, 4) == 0
+    with pytest.raises(ValueError):
+        training_mask([8], 8, 4, start=2)
 
 
 def test_alignment_right_shift_and_row_mean():

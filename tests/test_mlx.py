@@ -61,6 +61,23 @@ def test_training_forward_and_loss_agree_across_backends(pair):
     assert float(mc) == pytest.approx(float(tc), abs=ATOL)
 
 
+def test_trimmed_noisy_stream_gives_the_same_losses_on_both_backends(pair):
+    m, t = pair
+    ids = np.array([list(range(10, 24)) + [2, 2], list(range(30, 42)) + [2] * 4])
+    labels = np.full(ids.shape, -100)
+    labels[0, 9:14] = ids[0, 9:14]
+    labels[1, 10:12] = ids[1, 10:12]
+    lengths = np.array([16, 12])
+    full, trimmed = (training_batch(ids, labels, lengths, 4, 3, trim=trim) for trim in (False, True))
+    assert trimmed["start"] == 8 and trimmed["input_ids"].shape[1] == 32 - 8
+    fn, fc = mars_losses(m.model, full)
+    tn, tc = mars_losses(m.model, trimmed)
+    assert float(tn) == pytest.approx(float(fn), rel=1e-5) and float(tc) == pytest.approx(float(fc), rel=1e-5)
+    with torch.no_grad():
+        torch_n, torch_c = MarsLoss(t.model)(**loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu"))
+    assert float(tn) == pytest.approx(float(torch_n), abs=ATOL) and float(tc) == pytest.approx(float(torch_c), abs=ATOL)
+
+
 @pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5])
 @pytest.mark.parametrize("cache", ["none", "window", "block"])
 def test_decoding_agrees_across_backends(pair, threshold, cache):

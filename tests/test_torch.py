@@ -117,6 +117,37 @@ def test_mars_loss_matches_a_direct_computation(tm, tok):
     assert float(noisy + alpha * clean) == pytest.approx(np.mean(per_row_noisy) + alpha * np.mean(per_row_clean), rel=1e-5)
 
 
+def long_prompt_batch(B=4):
+    """Two rows whose prompts fill the first two blocks: the noisy stream can start at 8."""
+    rows = [(list(range(10, 24)), 9), (list(range(30, 42)), 10)]
+    L = max(-(-len(r) // B) * B for r, _ in rows)
+    ids = np.full((len(rows), L), EOS)
+    labels = np.full((len(rows), L), IGNORE)
+    for i, (r, prompt_len) in enumerate(rows):
+        ids[i, : len(r)] = r
+        labels[i, prompt_len : len(r)] = r[prompt_len:]
+    return ids, labels, np.array([-(-len(r) // B) * B for r, _ in rows])
+
+
+def test_trimmed_noisy_stream_gives_the_same_losses_and_gradients(tm):
+    ids, labels, lengths = long_prompt_batch()
+    loss = MarsLoss(tm.model)
+    results = []
+    for trim in (False, True):
+        inputs = loss_inputs(ids, labels, lengths, 4, MASK, torch.float32, "cpu", trim=trim)
+        tm.model.zero_grad()
+        noisy, clean = loss(**inputs)
+        (noisy + clean).backward()
+        grads = [p.grad.clone() for p in tm.model.parameters() if p.grad is not None]
+        results.append((inputs["input_ids"].shape[1], float(noisy), float(clean), grads))
+    tm.model.zero_grad()
+    (n_full, *full), (n_trim, *trimmed) = results
+    assert (n_full, n_trim) == (2 * 16, 2 * 16 - 8)
+    assert trimmed[0] == pytest.approx(full[0], rel=1e-5) and trimmed[1] == pytest.approx(full[1], rel=1e-5)
+    for a, b in zip(full[2], trimmed[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 # -- decoding ----------------------------------------------------------------------------------
 
 

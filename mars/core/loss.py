@@ -27,8 +27,9 @@ class Alignment:
         return int(self.targets.size)
 
 
-def align(labels, normalize: str = "row") -> Alignment:
-    """Targets of a padded batch of labels (b, L).
+def align(labels, normalize: str = "row", start: int = 0) -> Alignment:
+    """Targets of a padded batch of labels (b, L); `start`: where the noisy stream begins
+    (see masks.noisy_start), so the noisy stream has L - start entries and the clean one follows.
 
     normalize="row": mean over each row's labelled tokens, then mean over rows (the
     reference's default). normalize="token": one mean over every labelled token of the batch.
@@ -49,8 +50,8 @@ def align(labels, normalize: str = "row") -> Alignment:
         raise ValueError(f"normalize must be 'row' or 'token', got {normalize!r}")
     return Alignment(
         rows=rows,
-        noisy_index=t - 1,
-        clean_index=length + t - 1,
+        noisy_index=t - 1 - start,
+        clean_index=length - start + t - 1,
         targets=labels[rows, t],
         weights=weights.astype(np.float32),
     )

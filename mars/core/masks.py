@@ -9,25 +9,45 @@ from __future__ import annotations
 import numpy as np
 
 
-def stream_positions(length: int) -> np.ndarray:
-    """Logical positions of the joined `noisy ++ clean` sequence: 0..L-1 twice."""
-    p = np.arange(length, dtype=np.int64)
-    return np.concatenate([p, p])
+def stream_positions(length: int, start: int = 0) -> np.ndarray:
+    """Logical positions of the joined `noisy ++ clean` sequence: start..L-1, then 0..L-1."""
+    return np.concatenate([np.arange(start, length, dtype=np.int64), np.arange(length, dtype=np.int64)])
 
 
-def training_mask(lengths, length: int, block_size: int) -> np.ndarray:
-    """The METHOD §3 rule for a padded batch: shape (batch, 2L, 2L).
+def noisy_start(labels, block_size: int, ignore: int = -100) -> int:
+    """Where the noisy stream may begin for a padded batch of labels (b, L): the start of the
+    block holding the position before the batch's first usable label (position 0 never is one).
 
-    `lengths[r]` is row r's own length (block-padded, <= L); the noisy stream is
-    [0, L) and the clean stream [L, 2L) in every row.
+    A noisy query attends only its own block and clean keys, and only queries that predict a
+    label carry loss; so blocks before this one (prompt only, in every row) are attended by no
+    query that counts. Leaving them out changes no loss and saves their compute: in chat data
+    with a system prompt they are a large part of the noisy stream.
+    """
+    usable = np.asarray(labels) != ignore
+    usable[:, 0] = False
+    has = usable.any(axis=1)
+    if not has.any():
+        return 0
+    first = usable.argmax(axis=1)[has]
+    return int(((first - 1) // block_size).min() * block_size)
+
+
+def training_mask(lengths, length: int, block_size: int, start: int = 0) -> np.ndarray:
+    """The METHOD §3 rule for a padded batch: shape (batch, 2L - start, 2L - start).
+
+    `lengths[r]` is row r's own length (block-padded, <= L); the noisy stream holds positions
+    [start, L) (`start` a multiple of B; 0 is the whole stream) and the clean stream follows
+    with [0, L), in every row.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if length % block_size:
         raise ValueError(f"padded length {length} is not a multiple of block size {block_size}")
     if lengths.size and (lengths.max() > length or lengths.min() < 1):
         raise ValueError(f"row lengths must lie in [1, {length}], got {lengths.tolist()}")
-    p = stream_positions(length)
-    clean = np.arange(2 * length) >= length
+    if start % block_size or not 0 <= start < length:
+        raise ValueError(f"noisy start {start} is not a block start below {length}")
+    p = stream_positions(length, start)
+    clean = np.arange(p.size) >= length - start
     blk = p // block_size
     pq, pk = p[:, None], p[None, :]
     cq, ck = clean[:, None], clean[None, :]
@@ -40,23 +60,24 @@ def training_mask(lengths, length: int, block_size: int) -> np.ndarray:
     real = p[None, :] < lengths[:, None]  # (batch, 2L)
     mask = rule[None] & real[:, :, None] & real[:, None, :]
     # A padding query attends only to itself, so every softmax row has one allowed key.
-    diag = np.arange(2 * length)
+    diag = np.arange(p.size)
     mask[:, diag, diag] |= ~real
     return mask
 
 
-def training_inputs(ids, labels, lengths, block_size: int, mask_id: int, ignore: int = -100):
-    """Model inputs for a MARS batch: (input_ids (b, 2L), positions (b, 2L), mask (b, 2L, 2L)).
+def training_inputs(ids, labels, lengths, block_size: int, mask_id: int, ignore: int = -100, start: int = 0):
+    """Model inputs for a MARS batch: (input_ids (b, S), positions (b, S), mask (b, S, S)) with
+    S = 2L - start (`start`: see `noisy_start`; 0 keeps the whole noisy stream).
 
     The noisy stream replaces every labelled position by MASK; the clean stream is the real ids.
     """
     ids = np.asarray(ids, dtype=np.int64)
     labels = np.asarray(labels, dtype=np.int64)
     batch, length = ids.shape
-    noisy = np.where(labels != ignore, mask_id, ids)
+    noisy = np.where(labels != ignore, mask_id, ids)[:, start:]
     input_ids = np.concatenate([noisy, ids], axis=1)
-    positions = np.broadcast_to(stream_positions(length), (batch, 2 * length)).copy()
-    return input_ids, positions, training_mask(lengths, length, block_size)
+    positions = np.broadcast_to(stream_positions(length, start), input_ids.shape).copy()
+    return input_ids, positions, training_mask(lengths, length, block_size, start)
 
 
 def decode_mask(key_valid: np.ndarray, query_len: int) -> np.ndarray:

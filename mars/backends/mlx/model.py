@@ -361,13 +361,14 @@ class MlxDecoder:
 def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1):
     """(noisy, clean) losses of a MARS batch (METHOD §4), from the arrays of `training_batch`."""
     inputs = batch["input_ids"]
-    length = inputs.shape[1] // 2
+    start = batch.get("start", 0)
+    length = (inputs.shape[1] + start) // 2
     embeddings = None
     if mask_row is not None:
         # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
         embeddings = embed_tokens(model)(inputs)
         embeddings = mx.where((inputs == mask_id)[..., None], mask_row.astype(embeddings.dtype), embeddings)
-    h = hidden_states(model, inputs, [(length, 0), (length, 0)], batch["mask"], embeddings=embeddings)
+    h = hidden_states(model, inputs, [(length - start, start), (length, 0)], batch["mask"], embeddings=embeddings)
     rows = mx.concatenate([batch["rows"], batch["rows"]])
     index = mx.concatenate([batch["noisy_index"], batch["clean_index"]])
     logits = head(model, h[rows, index]).astype(mx.float32)
@@ -378,14 +379,17 @@ def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1)
     return (ce[:n] * w).sum(), (ce[n:] * w).sum()
 
 
-def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row") -> dict:
-    """MLX arrays for `mars_losses` from a padded numpy batch; masks and alignment come from the core."""
+def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True) -> dict:
+    """MLX arrays for `mars_losses` from a padded numpy batch; masks and alignment come from the core.
+    trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same."""
     from ...core.loss import align
-    from ...core.masks import training_inputs
+    from ...core.masks import noisy_start, training_inputs
 
-    input_ids, _, mask = training_inputs(ids, labels, lengths, block_size, mask_id)
-    al = align(labels, normalize)
+    start = noisy_start(labels, block_size) if trim else 0
+    input_ids, _, mask = training_inputs(ids, labels, lengths, block_size, mask_id, start=start)
+    al = align(labels, normalize, start)
     return {
+        "start": start,  # where the noisy stream begins (a plain int: positions, not data)
         "input_ids": mx.array(input_ids.astype(np.int32)),
         "mask": mx.array(mask)[:, None],
         "rows": mx.array(al.rows.astype(np.int32)),

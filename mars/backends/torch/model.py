@@ -374,13 +374,15 @@ class MarsLoss(torch.nn.Module):
         return noisy, clean
 
 
-def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row"):
-    """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment)."""
+def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True):
+    """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment).
+    trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same."""
     from ...core.loss import align
-    from ...core.masks import training_inputs
+    from ...core.masks import noisy_start, training_inputs
 
-    input_ids, positions, mask = training_inputs(ids, labels, lengths, block_size, mask_id)
-    al: Alignment = align(labels, normalize)
+    start = noisy_start(labels, block_size) if trim else 0
+    input_ids, positions, mask = training_inputs(ids, labels, lengths, block_size, mask_id, start=start)
+    al: Alignment = align(labels, normalize, start)
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
