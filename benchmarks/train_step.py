@@ -25,7 +25,7 @@ def step_time(module, inputs) -> tuple[float, float, float]:
     (noisy + clean).backward()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - t0, float(noisy), float(clean)
+    return time.perf_counter() - t0, noisy.item(), clean.item()
 
 
 def main(argv=None) -> dict:
