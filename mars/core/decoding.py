@@ -44,6 +44,13 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def divisor(self) -> float:
+        """What the backends divide the (float32, top-shifted-to-0) logits by: the temperature,
+        floored at 1e-30, a normal float32 (1e-69 is 0.0 there and x / 0.0 is NaN); a vanishing
+        temperature then sends every logit but the top to -inf, the greedy limit."""
+        return max(self.temperature, 1e-30)
+
 
 @dataclass
 class DecodeSettings:

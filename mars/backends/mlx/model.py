@@ -235,15 +235,10 @@ def _sample(logits: mx.array, sampling: Sampling, key):
     return mx.random.categorical(_filtered(logits, sampling), axis=-1, key=key)
 
 
-TINY_TEMPERATURE = 1e-30  # a normal float32 (1e-69 is 0.0 there, and x / 0.0 is NaN)
-
-
 def _filtered(logits: mx.array, sampling: Sampling) -> mx.array:
     """Tempered, top-k and top-p filtered logits: the distribution sampling draws from."""
-    # In float32, top logit shifted to 0, temperature at least TINY_TEMPERATURE: a vanishing
-    # temperature then sends every other logit to -inf (the greedy limit) instead of making NaN.
     z = logits.astype(mx.float32)
-    z = (z - mx.max(z, axis=-1, keepdims=True)) / max(sampling.temperature, TINY_TEMPERATURE)
+    z = (z - mx.max(z, axis=-1, keepdims=True)) / sampling.divisor
     if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = mx.sort(z, axis=-1)[..., -sampling.top_k][..., None]
         z = mx.where(z < kth, -mx.inf, z)

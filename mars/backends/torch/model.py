@@ -319,15 +319,10 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Te
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-TINY_TEMPERATURE = 1e-30  # a normal float32 (1e-69 is 0.0 there, and x / 0.0 is NaN)
-
-
 def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """The distribution sampling draws from: tempered, then top-k and top-p filtered."""
-    # In float32, top logit shifted to 0, temperature at least TINY_TEMPERATURE: a vanishing
-    # temperature then sends every other logit to -inf (the greedy limit) instead of making NaN.
     z = logits.float()
-    z = (z - z.amax(-1, keepdim=True)) / max(sampling.temperature, TINY_TEMPERATURE)
+    z = (z - z.amax(-1, keepdim=True)) / sampling.divisor
     if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = z.topk(sampling.top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))
