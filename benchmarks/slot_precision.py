@@ -8,9 +8,12 @@ reports how far the output stays equal to AR; this reports why. At every block s
 a response (the contexts training sees), the window's slot 0 is the clean stream's prediction
 of token t and slot j >= 1 the j-th mask's prediction of token t + j; each is compared with
 the model's own AR (clean-stream) prediction of that token given the true text before it.
-The threshold table replays the acceptance rule (METHOD §5, probability metric) on those
-slots: tokens per step, the precision of the accepted extra tokens, the share of steps that
-accept a wrong one. Torch backend. Prints a table; --json writes the figures.
+The threshold table replays the acceptance rule (METHOD §5, the checkpoint's metric or
+--metric) on those slots: tokens per step, the precision of the accepted extra tokens, the
+share of steps that accept a wrong one. --compare-metrics replays all three metrics on a fine
+threshold grid and prints, for each, the most tokens per step whose share of steps with a
+wrong token stays within a budget: which metric buys more tokens at equal risk. Torch
+backend. Prints a table; --json writes the figures.
 """
 
 from __future__ import annotations
@@ -21,15 +24,23 @@ import sys
 
 import numpy as np
 
-DEFAULT_THRESHOLDS = (0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
+DEFAULT_THRESHOLDS = {
+    "probability": (0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5),
+    "margin": (0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4),
+    "entropy": (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5),
+}
+METRICS = tuple(DEFAULT_THRESHOLDS)
+ERROR_BUDGETS = (0.005, 0.01, 0.02, 0.05, 0.1)
 
 
-def slot_records(em, examples, batch_size: int = 8):
-    """(prob (n, B+1), pred (n, B+1), ar (n, B+1) with -1 where the slot's token is unlabelled)
-    over every labelled block start of `examples`."""
+def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
+    """({metric: confidence (n, B+1)}, pred (n, B+1), ar (n, B+1) with -1 where the slot's
+    token is unlabelled) over every labelled block start of `examples`. Confidences are the
+    decoder's own (greedy `slot_predictions`)."""
     import torch
 
-    from mars.backends.torch.model import MarsLoss, additive_mask
+    from mars.backends.torch.model import MarsLoss, additive_mask, slot_predictions
+    from mars.core.decoding import Sampling
     from mars.core.data import batches
     from mars.core.loss import IGNORE
     from mars.core.masks import training_inputs
@@ -38,7 +49,7 @@ def slot_records(em, examples, batch_size: int = 8):
     B, mask_id = em.block_size(), em.mask_id()
     eos = em.tm.tokenizer.eos_token_id
     module = MarsLoss(em.tm.model)
-    probs, preds, refs = [], [], []
+    confs, preds, refs = {m: [] for m in metrics}, [], []
     dev = em.tm.device
     with torch.inference_mode():
         for ids, labels, lengths in batches(examples, batch_size, pad_id=eos, shuffle=False):
@@ -59,19 +70,62 @@ def slot_records(em, examples, batch_size: int = 8):
                         j = t + s
                         valid.append(j < L and labels[r, j] != IGNORE)
                         ar_at.append(L + min(j, L - 1) - 1)
-                top = module.head(hidden[r, slot_at]).float().softmax(-1).max(-1)
+                logits = module.head(hidden[r, slot_at]).float()
                 ar = module.head(hidden[r, ar_at]).float().argmax(-1).cpu().numpy()
                 ar[~np.array(valid)] = -1
                 shape = (len(starts), B + 1)
-                probs.append(top.values.cpu().numpy().reshape(shape))
-                preds.append(top.indices.cpu().numpy().reshape(shape))
+                for m in metrics:
+                    ids, conf = slot_predictions(logits, m, Sampling())
+                    confs[m].append(conf.cpu().numpy().reshape(shape))
+                preds.append(ids.cpu().numpy().reshape(shape))
                 refs.append(ar.reshape(shape))
-    if not probs:
+    if not preds:
         raise ValueError("no labelled block start in the data")
-    return np.concatenate(probs), np.concatenate(preds), np.concatenate(refs)
+    return {m: np.concatenate(c) for m, c in confs.items()}, np.concatenate(preds), np.concatenate(refs)
 
 
-def summarise(prob, pred, ref, thresholds=DEFAULT_THRESHOLDS) -> dict:
+def replay(conf, pred, ref, metric: str, tau: float) -> dict:
+    """The acceptance rule on teacher-forced slots: tokens per step, precision of the accepted
+    extra tokens, share of steps that accepted a wrong one."""
+    from mars.core.acceptance import is_ar_mode, passes
+
+    B = conf.shape[1] - 1
+    valid = ref >= 0
+    right = (pred == ref) & valid
+    going = np.ones(len(conf), bool)
+    tokens = np.ones(len(conf))
+    good = np.zeros(len(conf))
+    wrong = np.zeros(len(conf), bool)
+    ar = is_ar_mode(metric, tau)
+    for s in range(1, B + 1):
+        going &= valid[:, s] & passes(conf[:, s], metric, tau) if not ar else np.zeros(len(conf), bool)
+        tokens += going
+        good += going & right[:, s]
+        wrong |= going & ~right[:, s]
+    extra = tokens.sum() - len(conf)
+    return {"threshold": tau, "tokens_per_step": float(tokens.mean()),
+            "precision": float(good.sum() / extra) if extra else None, "steps_with_error": float(wrong.mean())}
+
+
+def compare_metrics(confs: dict, pred, ref, budgets=ERROR_BUDGETS, grid: int = 200) -> dict:
+    """Per metric and error budget: the threshold (on a fine grid) that accepts the most tokens
+    per step while the share of steps with a wrong accepted token stays within the budget."""
+    out = {}
+    for m, conf in confs.items():
+        valid = conf[:, 1:][ref[:, 1:] >= 0]
+        grid_taus = np.unique(np.quantile(valid, np.linspace(0, 1, grid))) if valid.size else np.array([])
+        runs = [replay(conf, pred, ref, m, float(t)) for t in grid_taus]
+        best = []
+        for b in budgets:
+            fit = [r for r in runs if r["steps_with_error"] <= b]
+            top = max(fit, key=lambda r: r["tokens_per_step"], default=None)
+            best.append({"budget": b, **(top or {"threshold": None, "tokens_per_step": 1.0, "precision": None,
+                                                 "steps_with_error": 0.0})})
+        out[m] = best
+    return out
+
+
+def summarise(prob, pred, ref, thresholds=DEFAULT_THRESHOLDS["probability"], metric: str = "probability") -> dict:
     B = prob.shape[1] - 1
     valid = ref >= 0
     right = (pred == ref) & valid
@@ -83,21 +137,8 @@ def summarise(prob, pred, ref, thresholds=DEFAULT_THRESHOLDS) -> dict:
         if s:
             row["repeats_previous_slot"] = float((pred[v, s] == pred[v, s - 1]).mean()) if v.any() else None
         slots.append(row)
-    table = []
-    for tau in thresholds:
-        going = np.ones(len(prob), bool)
-        tokens = np.ones(len(prob))
-        good = np.zeros(len(prob))
-        wrong = np.zeros(len(prob), bool)
-        for s in range(1, B + 1):
-            going &= valid[:, s] & (prob[:, s] >= tau) if tau < 1.0 else np.zeros(len(prob), bool)
-            tokens += going
-            good += going & right[:, s]
-            wrong |= going & ~right[:, s]
-        extra = tokens.sum() - len(prob)
-        table.append({"threshold": tau, "tokens_per_step": float(tokens.mean()),
-                      "precision": float(good.sum() / extra) if extra else None, "steps_with_error": float(wrong.mean())})
-    return {"block_starts": int(len(prob)), "block_size": B, "slots": slots, "thresholds": table}
+    table = [replay(prob, pred, ref, metric, tau) for tau in thresholds]
+    return {"block_starts": int(len(prob)), "block_size": B, "metric": metric, "slots": slots, "thresholds": table}
 
 
 def format_report(rep: dict) -> str:
@@ -106,10 +147,17 @@ def format_report(rep: dict) -> str:
     for s in rep["slots"]:
         rp = s.get("repeats_previous_slot")
         lines.append(f"{s['slot']:>4} {s['n']:>7} {s['agree_with_ar']:>7.3f} {s['mean_confidence']:>7.3f} {'' if rp is None else f'{rp:.3f}':>8}")
-    lines.append(f"{'tau':>6} {'tok/step':>9} {'precision':>10} {'err steps':>10}")
+    lines.append(f"{'tau':>6} {'tok/step':>9} {'precision':>10} {'err steps':>10}   ({rep.get('metric', 'probability')})")
     for t in rep["thresholds"]:
         p = "-" if t["precision"] is None else f"{t['precision']:.4f}"
         lines.append(f"{t['threshold']:>6.2f} {t['tokens_per_step']:>9.3f} {p:>10} {t['steps_with_error']:>10.4f}")
+    if "metrics" in rep:
+        lines.append("most tokens/step within a share of steps with a wrong token (threshold in brackets)")
+        budgets = [b["budget"] for b in next(iter(rep["metrics"].values()))]
+        lines.append(f"{'metric':>12} " + " ".join(f"{f'<= {b:g}':>17}" for b in budgets))
+        for m, best in rep["metrics"].items():
+            cells = [f"{b['tokens_per_step']:.3f} ({'-' if b['threshold'] is None else format(b['threshold'], '.3g')})" for b in best]
+            lines.append(f"{m:>12} " + " ".join(f"{c:>17}" for c in cells))
     return "\n".join(lines)
 
 
@@ -118,7 +166,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--model", default=None, help="a MARS checkpoint (default: the embedded default with its weights)")
     ap.add_argument("--data", required=True, help="a chat/prompt-completion .jsonl file (e.g. data/distilled/valid.jsonl)")
     ap.add_argument("--limit", type=int, default=None, help="use the first N records")
-    ap.add_argument("--thresholds", default=",".join(map(str, DEFAULT_THRESHOLDS)))
+    ap.add_argument("--metric", choices=METRICS, default=None, help="confidence metric (default: the checkpoint's)")
+    ap.add_argument("--thresholds", default=None, help="comma-separated (default: a spread for the metric)")
+    ap.add_argument("--compare-metrics", action="store_true",
+                    help="also replay every metric on a fine grid: the most tokens/step within each error budget")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
@@ -130,7 +181,13 @@ def main(argv=None) -> dict:
     if em.mars is None:
         sys.exit(f"{args.model}: no mars.json; its masks were never trained")
     examples = load_examples(Path(args.data), em.tm.tokenizer, block_size=em.block_size())[: args.limit]
-    rep = summarise(*slot_records(em, examples), thresholds=[float(x) for x in args.thresholds.split(",")])
+    metric = args.metric or em.mars.metric
+    taus = [float(x) for x in args.thresholds.split(",")] if args.thresholds else DEFAULT_THRESHOLDS[metric]
+    metrics = METRICS if args.compare_metrics else (metric,)
+    confs, pred, ref = slot_records(em, examples, metrics=metrics)
+    rep = summarise(confs[metric], pred, ref, thresholds=taus, metric=metric)
+    if args.compare_metrics:
+        rep["metrics"] = compare_metrics(confs, pred, ref)
     rep["model"], rep["data"] = args.model or "default", args.data
     print(format_report(rep))
     if args.json:

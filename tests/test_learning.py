@@ -69,7 +69,8 @@ def test_slot_precision_reads_the_decoding_window(trained):
     for rec in spell_records()[:3]:
         ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
         ids, labels = pad_to_block(ids, labels, B, tok.eos_token_id, ended=True)
-        prob, pred, ref = sp.slot_records(em, [Example(ids, labels, "spell", False)])
+        confs, pred, ref = sp.slot_records(em, [Example(ids, labels, "spell", False)], metrics=sp.METRICS)
+        prob = confs["probability"]
         labels = response_labels(labels[None], tok.eos_token_id)[0]  # the reply's first EOS is its last label
         starts = [t for t in range(B, len(ids), B) if labels[t] != -100]
         assert len(starts) == len(prob) > 0
@@ -81,6 +82,10 @@ def test_slot_precision_reads_the_decoding_window(trained):
                 read = ref[k] >= 0  # slots whose token is labelled (past the reply's end: no mask was fed)
                 assert read[0]
                 np.testing.assert_allclose(prob[k][read], p.max(-1).values.numpy()[read], rtol=1e-4, atol=1e-5)
+                top2 = p.topk(2, -1).values.numpy()
+                np.testing.assert_allclose(confs["margin"][k][read], (top2[:, 0] - top2[:, 1])[read], rtol=1e-4, atol=1e-5)
+                entropy = -(p * p.clamp(min=1e-30).log()).sum(-1).numpy()
+                np.testing.assert_allclose(confs["entropy"][k][read], entropy[read], rtol=1e-3, atol=1e-4)
                 assert pred[k][read].tolist() == p.argmax(-1).numpy()[read].tolist()
                 for s in range(B + 1):
                     j = t + s
@@ -91,9 +96,24 @@ def test_slot_precision_reads_the_decoding_window(trained):
     for rec in spell_records():
         ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
         examples.append(Example(*pad_to_block(ids, labels, B, tok.eos_token_id, ended=True), "spell", False))
-    rep = sp.summarise(*sp.slot_records(em, examples), thresholds=[1.0, 0.9])
+    confs, pred, ref = sp.slot_records(em, examples, metrics=sp.METRICS)
+    rep = sp.summarise(confs["probability"], pred, ref, thresholds=[1.0, 0.9])
     assert all(s["agree_with_ar"] > 0.9 for s in rep["slots"]), rep["slots"]
     at1, at09 = rep["thresholds"]
     assert at1["tokens_per_step"] == 1.0 and at1["precision"] is None
     assert at09["tokens_per_step"] > 2.0 and at09["precision"] > 0.95, at09
-    assert "tok/step" in sp.format_report(rep)
+    # Each metric's direction: AR mode accepts nothing extra; the loosest setting accepts every slot.
+    B = mars.block_size
+    for m, (ar_tau, loose) in {"probability": (1.0, 0.0), "margin": (1.0, 0.0), "entropy": (0.0, 1e9)}.items():
+        assert sp.replay(confs[m], pred, ref, m, ar_tau)["tokens_per_step"] == 1.0
+        full = (ref[:, 1:] >= 0).cumprod(1).sum(1).mean() + 1
+        assert sp.replay(confs[m], pred, ref, m, loose)["tokens_per_step"] == pytest.approx(full)
+    # The budget table: more budget never buys fewer tokens, and every pick keeps within its budget.
+    rep["metrics"] = sp.compare_metrics(confs, pred, ref, budgets=(0.0, 0.05, 1.0))
+    for m, best in rep["metrics"].items():
+        assert [b["budget"] for b in best] == [0.0, 0.05, 1.0]
+        assert all(b["steps_with_error"] <= b["budget"] for b in best)
+        assert best[0]["tokens_per_step"] <= best[1]["tokens_per_step"] <= best[2]["tokens_per_step"]
+        assert best[2]["tokens_per_step"] > 2.0, (m, best)
+    text = sp.format_report(rep)
+    assert "tok/step" in text and "entropy" in text and "<= 0.05" in text
