@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Reproduce weights/: the MARS weights of the embedded default (SmolLM2-135M-Instruct).
 #   scripts/train_default.sh [WORK_DIR]     (default WORK_DIR: runs/default)
-# Three stages, as the shipped weights were made across three working sessions on 2 CPU cores:
+# Four stages, as the shipped weights were made across four working sessions on 2 CPU cores:
 #   1. self-distil the first 640 training prompts (and the valid ones) with the base model and
 #      MARS-train a LoRA adapter plus the mask-token row from scratch (130 steps);
 #   2. extend the distilled set to 1,664 training prompts and continue training that adapter
 #      (--init-adapter) at a lower learning rate;
 #   3. continue on the same data for 30 + 250 steps;
+#   4. extend the distilled set to all 3,040 training prompts and continue 240 steps;
 # then measure the result on the held-out test prompts. Every step resumes if rerun.
-# On 2 CPU cores: about 30 + 40 minutes of distillation, 13-20 seconds per training step,
+# On 2 CPU cores: about 30 + 40 + 45 minutes of distillation, 13-20 seconds per training step,
 # 20 minutes of evaluation (see weights/README.md for the figures of the shipped run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,8 +44,11 @@ train "$WORK/b4x" 160 7e-4 0.03 80 --init-adapter "$WORK/b4"
 # run was the B = 4 side of a pilot against B = 2, and the long run went on from it).
 train "$WORK/b4y" 30 5e-4 0.1 1000 --init-adapter "$WORK/b4x" --seed 1
 train "$WORK/b4z" 250 5e-4 0.03 125 --init-adapter "$WORK/b4y" --seed 2
+# Stage 4: all 3,040 training prompts, 240 more steps at 5e-4.
+distill 3040
+train "$WORK/b4w" 240 5e-4 0.03 120 --init-adapter "$WORK/b4z" --seed 3
 
-"$MARS" eval --model "$WORK/b4z" --baseline "$BASE" --data "$WORK/distilled" --split valid \
+"$MARS" eval --model "$WORK/b4w" --baseline "$BASE" --data "$WORK/distilled" --split valid \
     --prompts data/prompts/test.jsonl --limit 32 --max-tokens 128 \
     --threshold 1.0,0.95,0.9,0.85,0.8,0.7,0.6 --lossless \
     --output "$WORK/eval.json" --plot "$WORK/eval.png"
