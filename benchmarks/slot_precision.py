@@ -24,12 +24,13 @@ import sys
 
 import numpy as np
 
+from mars.core.acceptance import METRICS, is_ar_mode, passes
+
 DEFAULT_THRESHOLDS = {
     "probability": (0.99, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5),
     "margin": (0.98, 0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4),
     "entropy": (0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5),
 }
-METRICS = tuple(DEFAULT_THRESHOLDS)
 ERROR_BUDGETS = (0.005, 0.01, 0.02, 0.05, 0.1)
 
 
@@ -87,8 +88,6 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
 def replay(conf, pred, ref, metric: str, tau: float) -> dict:
     """The acceptance rule on teacher-forced slots: tokens per step, precision of the accepted
     extra tokens, share of steps that accepted a wrong one."""
-    from mars.core.acceptance import is_ar_mode, passes
-
     B = conf.shape[1] - 1
     valid = ref >= 0
     right = (pred == ref) & valid
@@ -96,9 +95,8 @@ def replay(conf, pred, ref, metric: str, tau: float) -> dict:
     tokens = np.ones(len(conf))
     good = np.zeros(len(conf))
     wrong = np.zeros(len(conf), bool)
-    ar = is_ar_mode(metric, tau)
-    for s in range(1, B + 1):
-        going &= valid[:, s] & passes(conf[:, s], metric, tau) if not ar else np.zeros(len(conf), bool)
+    for s in range(1, B + 1) if not is_ar_mode(metric, tau) else ():  # AR mode: slot 0 only, by rule
+        going &= valid[:, s] & passes(conf[:, s], metric, tau)
         tokens += going
         good += going & right[:, s]
         wrong |= going & ~right[:, s]
