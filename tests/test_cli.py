@@ -511,6 +511,32 @@ def test_threshold_below_one_needs_mars_json_or_force(tiny):
     assert "tokens/forward" in result.output
 
 
+def test_default_mode_lossless(tiny, data, tmp_path):
+    """A checkpoint whose mars.json says default_mode lossless decodes losslessly when given no
+    --threshold (output identical to AR), and at a threshold when given one."""
+    out = tmp_path / "out"
+    ok(invoke(*finetune_args(tiny, data, out, "--default-mode", "lossless", "--default-threshold", 0.5, kind="full")))
+    assert json.loads((out / "mars.json").read_text())["default_mode"] == "lossless"
+    common = ("generate", "--model", out, "--prompt", "Spell from c", "--prompt", "hi", "--max-tokens", 12, "--json", "--device", "cpu")
+    default = [json.loads(line) for line in ok(invoke(*common)).stdout.splitlines()]
+    ar = [json.loads(line) for line in ok(invoke(*common, "--threshold", 1.0)).stdout.splitlines()]
+    loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5)).stdout.splitlines()]
+    assert [r["mode"] for r in default] == ["lossless greedy"] * 2
+    assert [r["mode"] for r in ar] == ["threshold 1.0 (probability)"] * 2
+    assert [r["mode"] for r in loose] == ["threshold 0.5 (probability)"] * 2
+    assert [r["text"] for r in default] == [r["text"] for r in ar]
+    result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
+                       input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
+    said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
+    said = [line for line in said if line.startswith(("lossless", "threshold"))]
+    assert said[0].startswith("lossless greedy, B=4")
+    assert said[1:] == ["threshold 0.5 (probability)", "lossless greedy"]
+    assert len([line for line in result.output.splitlines() if "tokens/forward" in line]) == 3
+    bad = tmp_path / "bad"
+    one_line_error(invoke(*finetune_args(tiny, data, bad, "--default-mode", "fast")), "--default-mode")
+    assert not bad.exists()
+
+
 # --- 7. chat ------------------------------------------------------------------------------
 
 
@@ -520,7 +546,7 @@ def test_chat(full):
         "chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
         input="hello\n/threshold 0.5\nhi\n/quit\n",
     ))
-    assert "threshold = 0.5" in result.output
+    assert "threshold 0.5 (probability)" in result.output
     replies = [line for line in result.output.splitlines() if "tokens/forward" in line]
     assert len(replies) == 2, result.output
 

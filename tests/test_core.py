@@ -1,5 +1,6 @@
 """Backend-neutral core: the attention rule, alignment, acceptance, mars.json, mask-token choice."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -186,6 +187,15 @@ def test_mars_json_round_trip_and_validation(tmp_path):
     (tmp_path / "mars.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         read_config(tmp_path)
+    (tmp_path / "mars.json").write_text(json.dumps(dict(cfg.to_dict(), default_mode="fast")))
+    with pytest.raises(ConfigError, match="default_mode"):
+        read_config(tmp_path)
+    # default_mode is optional: a mars.json written before it existed means threshold mode
+    older = {k: v for k, v in cfg.to_dict().items() if k != "default_mode"}
+    (tmp_path / "mars.json").write_text(json.dumps(older))
+    assert read_config(tmp_path).default_mode == "threshold"
+    write_config(dataclasses.replace(cfg, default_mode="lossless"), tmp_path)
+    assert read_config(tmp_path).default_mode == "lossless"
 
 
 def test_mask_token_choice():

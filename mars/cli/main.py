@@ -101,6 +101,9 @@ def cli():
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
+@click.option("--default-mode", type=click.Choice(["threshold", "lossless"]), default="threshold", show_default=True,
+              help="How `mars generate` / `mars chat` decode this checkpoint when given neither --threshold nor --lossless "
+                   "(recorded in mars.json): at the default threshold, or lossless (output identical to AR).")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
 @click.option("--init-adapter", type=click.Path(path_type=Path), default=None, help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha and mask row are kept, and its block size unless --block-size names another.")
 @click.option("--fuse", is_flag=True, help="LoRA: write the adapter fused into a full model (mask-token row included) instead of an adapter.")
@@ -109,7 +112,7 @@ def cli():
 @click.option("--device", default="auto", show_default=True)
 @backend_option
 @friendly_errors
-def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, fuse, init_adapter, **opts):
+def finetune(model, data, output, backend, dtype, device, max_seq_length, on_long, resume, default_threshold, default_mode, fuse, init_adapter, **opts):
     """Fine-tune a model with the MARS objective (noisy + ar_weight x clean cross-entropy)."""
     from ..backends.base import resolve
     from ..backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
@@ -179,6 +182,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     )
     result = trainer.train(train.examples, valid.examples if valid else (), resume=resume, log=say)
     mars.default_threshold = default_threshold
+    mars.default_mode = default_mode
     trainer.save(tm.tokenizer, model_ref(base_path), fuse=fuse)
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
@@ -228,7 +232,7 @@ def check_init_adapter(path: Path, base_path: Path, opts: dict):
 
 
 def decode_options(f):
-    f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's, else 1.0.")(f)
+    f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
     f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
     f = click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")(f)
     f = click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)(f)
@@ -239,7 +243,8 @@ def decode_options(f):
     f = click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
     f = click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the block cache.")(f)
     f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
-    f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored.")(f)
+    f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
+                                                 "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.")(f)
     return f
 
 
@@ -263,6 +268,8 @@ class Session:
         mars = self.tm.mars
         metric = metric or (mars.metric if mars else "probability")
         if threshold is None:
+            # No threshold asked for: the checkpoint's default mode decides (mars.json).
+            lossless = lossless or (mars is not None and mars.default_mode == "lossless")
             threshold = mars.default_threshold if mars else (0.0 if metric == "entropy" else 1.0)
         if mars is None and not is_ar_mode(metric, threshold) and not lossless:
             if not force:
@@ -402,7 +409,8 @@ def _summary(settings, r: dict) -> str:
 def chat(model, adapter_path, dtype, device, system, backend, **decode):
     """Interactive chat that streams tokens as they are accepted.
 
-    Commands: /threshold 0.9 (change the threshold), /reset (forget the conversation), /quit.
+    Commands: /threshold 0.9 (decode at this threshold), /lossless (decode losslessly),
+    /reset (forget the conversation), /quit.
     """
     from ..core.decoding import generate as run
     from ..core.tokens import encode_prompt
@@ -411,7 +419,7 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
     settings = session.settings(**decode)
     tok = session.tm.tokenizer
     history = [{"role": "system", "content": system}] if system else []
-    click.echo(f"{mode(settings)}, B={settings.block_size}. /threshold X, /reset, /quit", err=True)
+    click.echo(f"{mode(settings)}, B={settings.block_size}. /threshold X, /lossless, /reset, /quit", err=True)
     while True:
         try:
             line = input(">> ")
@@ -436,9 +444,12 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
             if session.tm.mars is None and settings.threshold < 1.0 and not decode["force"]:
                 click.echo("this model has no mars.json: keeping threshold 1.0 (start with --force to override)", err=True)
                 settings.threshold = 1.0
-            if settings.lossless:
-                click.echo("lossless mode ignores the threshold (restart without --lossless to use it)", err=True)
-            click.echo(f"threshold = {settings.threshold}", err=True)
+            settings.lossless = False
+            click.echo(mode(settings), err=True)
+            continue
+        if line == "/lossless":
+            settings.lossless = True
+            click.echo(mode(settings), err=True)
             continue
         history.append({"role": "user", "content": line})
         ids = encode_prompt(tok, history)

@@ -12,6 +12,10 @@ from .files import atomic_write_text
 FILENAME = "mars.json"
 FORMAT = 1
 METRICS = ("probability", "entropy", "margin")
+# How `mars generate` / `mars chat` decode when given neither --threshold nor --lossless:
+# at `default_threshold`, or losslessly (the masks draft, the next forward verifies; output
+# exactly the checkpoint's greedy AR). Optional: files without it mean "threshold".
+MODES = ("threshold", "lossless")
 
 
 class ConfigError(ValueError):
@@ -27,6 +31,7 @@ class MarsConfig:
     base_model: str = ""
     metric: str = "probability"
     default_threshold: float = 1.0
+    default_mode: str = "threshold"
     # True when no unused special token existed and one was added (the embedding grew by a row).
     mask_token_added: bool = False
     format: int = FORMAT
@@ -49,6 +54,8 @@ class MarsConfig:
             bad("metric", f"must be one of {', '.join(METRICS)}, got {self.metric!r}")
         if not isinstance(self.default_threshold, (int, float)) or isinstance(self.default_threshold, bool):
             bad("default_threshold", f"must be a number, got {self.default_threshold!r}")
+        if self.default_mode not in MODES:
+            bad("default_mode", f"must be one of {', '.join(MODES)}, got {self.default_mode!r}")
         if not isinstance(self.mask_token_added, bool):
             bad("mask_token_added", f"must be true or false, got {self.mask_token_added!r}")
         return self
