@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
-from mars.core.decoding import DecodeSettings, Sampling, generate
+from mars.core.decoding import DecodeSettings, Sampling, WindowStrategy, _Row, feed_mask, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
 MASK, EOS = 3, 2
@@ -57,6 +57,65 @@ def test_greedy_lossless_equals_ar_for_every_batch_size(tm, tok, cache, B):
         for start in range(0, len(prompts), batch):
             out += generate(dec, prompts[start : start + batch], s).tokens
         assert out == ar, (cache, B, batch)
+
+
+@pytest.mark.parametrize("cache", ["none", "window"])
+@pytest.mark.parametrize("B,hedge", [(2, 1), (4, 0), (4, 1), (4, None), (3, 9)])
+def test_spare_groups_keep_the_output_of_ar(tm, tok, cache, B, hedge):
+    dec = TorchDecoder(tm)
+    prompts = prompts_of(tok, PROMPTS)
+    ar = generate(dec, prompts, settings(threshold=1.0, cache=cache, block_size=B)).tokens
+    for batch in (1, 3):
+        s = settings(lossless=True, cache=cache, block_size=B, hedge=hedge)
+        assert s.hedges == (B if hedge is None else min(hedge, B))
+        out = []
+        for start in range(0, len(prompts), batch):
+            out += generate(dec, prompts[start : start + batch], s).tokens
+        assert out == ar, (cache, B, hedge, batch)
+
+
+def check_spare_groups(dec, prompts, cached: bool) -> None:
+    """Spare group g (after the g-th draft) predicts what the masks of a plain window ending
+    at that draft predict: same ids, same probabilities, whatever the drafts after it are."""
+    B = 4
+    s = settings(lossless=True, cache="window" if cached else "none", block_size=B, hedge=B)
+    rows = [_Row(p, B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+    drafts = [[5, 6, 7, 8], [9, 10], []]  # arbitrary ids: group g exists where a row fed > g drafts
+    for r, d in zip(rows, drafts):
+        r.drafts = list(d)
+    strategy = WindowStrategy(s, cached=cached)
+    cache = dec.new_cache(len(rows)) if cached else None
+    if cached:  # commit all but each prompt's last token first, as the loop would have
+        head = [_Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+        warm = WindowStrategy(settings(threshold=1.0, cache="window", block_size=B), cached=True)
+        feed = warm.plan(head)
+        dec.step(cache, feed.ids, feed.positions, feed_mask(warm.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        warm.commit(dec, cache, head, feed, [len(h.seq) for h in head])
+        strategy.key_valid = warm.key_valid
+        for r, h in zip(rows, head):
+            r.cached = h.cached
+    feed = strategy.plan(rows)
+    assert feed.groups == B
+    ids, conf = dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read,
+                         metric="probability", sampling=Sampling())
+    spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
+    spare_conf = conf[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
+    checked = 0
+    for i, (p, d) in enumerate(zip(prompts, drafts)):
+        for g in range(len(d)):
+            window = p + d[:g] + [MASK] * B
+            n = len(window)
+            ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - B, n)[None],
+                                         metric="probability", sampling=Sampling())
+            assert spare_ids[i, g].tolist() == ref_ids[0].tolist(), (i, g)
+            np.testing.assert_allclose(spare_conf[i, g], ref_conf[0], atol=1e-5)
+            checked += 1
+    assert checked == 6
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_spare_group_sees_only_what_precedes_it(tm, tok, cached):
+    check_spare_groups(TorchDecoder(tm), prompts_of(tok, PROMPTS[:3]), cached)
 
 
 def test_lossless_ignores_the_threshold_and_reports_drafts(tm, tok):

@@ -189,9 +189,21 @@ def test_mlx_lossless_equals_ar_on_both_backends(pair, cache, B):
     m, t = pair
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
     ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0, cache=cache, block_size=B)).tokens
-    s = settings(lossless=True, cache=cache, block_size=B)
-    assert generate(MlxDecoder(m), prompts, s).tokens == ar
-    assert [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts] == ar
+    for hedge in (0, None):  # without and with spare mask groups (window and no cache)
+        s = settings(lossless=True, cache=cache, block_size=B, hedge=hedge)
+        out = generate(MlxDecoder(m), prompts, s)
+        assert out.tokens == ar
+        assert [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts] == ar
+        # the same drafts on both backends: the same forwards
+        assert out.stats.row_forwards == generate(TorchDecoder(t), prompts, s).stats.row_forwards
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_mlx_spare_groups_see_only_what_precedes_them(pair, cached):
+    from test_lossless import check_spare_groups
+
+    m, _ = pair
+    check_spare_groups(MlxDecoder(m), [encode_prompt(m.tokenizer, p) for p in PROMPTS[:3]], cached)
 
 
 def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path):

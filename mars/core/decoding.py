@@ -64,6 +64,13 @@ class DecodeSettings:
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
     sampling: Sampling = field(default_factory=Sampling)
     lossless: bool = False  # masks draft, the next forward verifies: output exactly AR's (METHOD §8)
+    # Lossless, greedy, window or no cache: also feed up to `hedge` spare groups of B masks, group
+    # g placed after the g-th draft (group 0 right after the last verified token) and attending
+    # only to what precedes it. When draft g + 1 is the first one rejected, the step still takes
+    # the AR token there, and group g's proposals (conditioned on verified tokens only) become the
+    # next drafts instead of none. Output stays AR's; only the drafts change. Each group costs B
+    # more fed tokens per step. None: B groups (after every draft); 0: no spare groups.
+    hedge: int | None = None
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -75,6 +82,17 @@ class DecodeSettings:
             raise ValueError(f"block cache size must be >= 1, got {self.block_cache}")
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
+        if self.hedge is not None and self.hedge < 0:
+            raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
+
+    @property
+    def hedges(self) -> int:
+        """Spare mask groups a window step feeds (see `hedge`): greedy lossless only (a sampled
+        draft's acceptance needs the distribution it was drawn from; spare groups would need
+        theirs kept too)."""
+        if not (self.lossless and self.sampling.greedy and self.cache != "block"):
+            return 0
+        return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
 
     @property
     def masks_per_step(self) -> int:
@@ -128,6 +146,10 @@ class Feed:
     drafts: np.ndarray | None = None
     n_drafts: np.ndarray | None = None
     kept: np.ndarray | None = None
+    # Lossless with spare groups: `groups` groups of masks are the last columns (read after the
+    # masks' reads), and `attend` (b, q, q) limits which fed columns each fed query may see.
+    groups: int = 0
+    attend: np.ndarray | None = None
 
 
 @dataclass
@@ -249,6 +271,43 @@ def _lossless_read(last: np.ndarray, n_drafts: np.ndarray, width_drafts: int, fi
     return np.concatenate([ar, mk], axis=1)
 
 
+def _add_groups(feed: Feed, groups: int, masks: int, mask_id: int, done: list[bool]) -> None:
+    """Append `groups` spare groups of `masks` masks to a lossless window feed (in place).
+
+    Group g of a row that fed more than g drafts sits, by position and by what it attends to,
+    right after its g-th draft (g = 0: after the last verified token): each of its masks sees
+    the fed columns up to that token and the group's masks before it, as the masks of a plain
+    window ending there would. Other rows' group columns are holes. The groups' reads follow
+    the masks' reads in `feed.read`."""
+    b, w0 = feed.ids.shape
+    width = w0 + groups * masks
+    n = feed.n_drafts
+    before = w0 - masks - 1 - n  # column of the last verified token fed (the drafts follow it)
+    ids = np.full((b, width), mask_id, dtype=np.int64)
+    ids[:, :w0] = feed.ids
+    valid = np.zeros((b, width), dtype=bool)
+    valid[:, :w0] = feed.valid
+    positions = np.zeros((b, width), dtype=np.int64)
+    positions[:, :w0] = feed.positions
+    attend = np.tril(np.ones((width, width), dtype=bool))
+    attend = np.broadcast_to(attend, (b, width, width)).copy()
+    attend[:, w0:, :] = False
+    rows = np.arange(b)
+    for g in range(groups):
+        cols = w0 + g * masks + np.arange(masks)
+        live = (g < n) & ~np.asarray(done, dtype=bool)
+        valid[:, cols] = live[:, None]
+        anchor = before + g  # the column the group follows
+        positions[:, cols] = np.where(live[:, None], feed.positions[rows, anchor][:, None] + 1 + np.arange(masks)[None, :], 0)
+        upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
+        attend[:, cols, :w0] = upto[:, None, :]
+        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((masks, masks), dtype=bool))[None]
+    group_read = w0 + np.arange(groups * masks)
+    feed.ids, feed.valid, feed.positions = ids, valid, positions
+    feed.read = np.concatenate([feed.read, np.broadcast_to(group_read, (b, group_read.size))], axis=1)
+    feed.groups, feed.attend = groups, attend
+
+
 def _positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
     """Consecutive positions over each row's valid slots, starting at first[r]; holes get 0."""
     pos = np.cumsum(valid, axis=1) - 1 + np.asarray(first, dtype=np.int64)[:, None]
@@ -284,7 +343,10 @@ class WindowStrategy:
         first_mask = np.full(len(rows), width - m)
         read = _lossless_read(first_mask - n - 1, n, padded.shape[1], first_mask, m, width)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
+        feed = Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
+        if s.hedges:
+            _add_groups(feed, s.hedges, m, s.mask_id, [r.done for r in rows])
+        return feed
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -299,7 +361,7 @@ class WindowStrategy:
         if not self.cached:
             return
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
-        fed_real = feed.ids.shape[1] - self.s.masks_per_step
+        fed_real = feed.ids.shape[1] - self.s.masks_per_step * (1 + feed.groups)
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(feed)[:, : old + fed_real].copy()
         if feed.kept is not None:  # rejected drafts were computed from wrong ids: make them holes
@@ -396,11 +458,15 @@ class BlockStrategy:
 
 def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[list[int]], list[list[int]]]:
     """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
-    a waiting row) and its masks' proposals. Sets `feed.kept`."""
+    a waiting row) and its next drafts: the masks' proposals if every draft passed, else those
+    of the spare group after the last kept draft if there is one, else none. Sets `feed.kept`."""
     width = feed.drafts.shape[1]
+    spare = None
     if s.sampling.greedy:
         ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=s.sampling)
-        ar, proposals = ids[:, : width + 1], ids[:, width + 1 :]
+        masks = s.masks_per_step
+        ar, proposals = ids[:, : width + 1], ids[:, width + 1 : width + 1 + masks]
+        spare = ids[:, width + 1 + masks :].reshape(len(ids), feed.groups, masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
         token = ar[np.arange(len(ar)), kept]
@@ -413,20 +479,29 @@ def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[l
     accepted = [
         [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])] if feed.limit[i] > 0 else [] for i in range(len(kept))
     ]
-    return accepted, [[int(t) for t in row] for row in proposals]
+    # The masks' proposals were conditioned on every draft: wrong once one failed.
+    nxt = []
+    for i in range(len(kept)):
+        if kept[i] == feed.n_drafts[i]:
+            nxt.append([int(t) for t in proposals[i]])
+        elif spare is not None and kept[i] < feed.groups:
+            nxt.append([int(t) for t in spare[i, kept[i]]])
+        else:
+            nxt.append([])
+    return accepted, nxt
 
 
-def _count_drafts(r: _Row, verified: int, kept: int, proposals: list[int]) -> None:
-    """Lossless bookkeeping: the masks' proposals become the next drafts only if every draft
-    passed (otherwise they were conditioned on a wrong token)."""
+def _count_drafts(r: _Row, verified: int, kept: int, drafts: list[int], masks: int) -> None:
+    """Lossless bookkeeping, per draft slot: drafts fed, verified and kept; `drafts` are the
+    next step's (see `_verify`)."""
     st = r.stats
     if not st.drafted_per_slot:
-        st.drafted_per_slot, st.verified_per_slot, st.kept_per_slot = ([0] * len(proposals) for _ in range(3))
+        st.drafted_per_slot, st.verified_per_slot, st.kept_per_slot = ([0] * masks for _ in range(3))
     for j in range(verified):
         st.verified_per_slot[j] += 1
     for j in range(kept):
         st.kept_per_slot[j] += 1
-    r.drafts = list(proposals) if kept == verified else []
+    r.drafts = list(drafts)
     for j in range(len(r.drafts)):
         st.drafted_per_slot[j] += 1
 
@@ -470,13 +545,26 @@ def generate(
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
 
 
+def feed_mask(keys: np.ndarray, feed: Feed) -> np.ndarray | None:
+    """The attention mask of a step: causal over the cache and the fed columns, with holes
+    (None when plain causal attention is exact), narrowed by `feed.attend` where spare mask
+    groups must see only what precedes them."""
+    q = feed.ids.shape[1]
+    if keys.all() and feed.attend is None:
+        return None
+    mask = decode_mask(keys, q)
+    if feed.attend is not None:
+        mask[:, :, -q:] &= feed.attend
+        mask[:, np.arange(q), mask.shape[2] - q + np.arange(q)] = True  # a hole still sees itself
+    return mask
+
+
 def _advance(backend, cache, strategy, rows: list[_Row], s: DecodeSettings, stats: DecodeStats) -> list[list[int]]:
     """One forward of the loop: the strategy lays out what every row feeds, the backend runs
     it, the acceptance rule (each row at its own threshold) decides what each row keeps, the
     rows grow and the strategy commits. Returns the tokens each row took (none if it waited)."""
     feed = strategy.plan(rows)
-    keys = strategy.keys(feed)
-    mask = None if keys.all() else decode_mask(keys, feed.ids.shape[1])
+    mask = feed_mask(strategy.keys(feed), feed)
     stats.forwards += 1
     stats.fed_tokens += feed.ids.size
     if s.lossless:
@@ -502,7 +590,7 @@ def _advance(backend, cache, strategy, rows: list[_Row], s: DecodeSettings, stat
             r.stats.waited += 1
             continue
         if s.lossless:
-            _count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i])
+            _count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i], s.masks_per_step)
             before[i] += int(feed.kept[i])
         for j, t in enumerate(new):
             if t in eos:

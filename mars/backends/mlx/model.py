@@ -81,6 +81,30 @@ def _rope(rope, x: mx.array, segments) -> mx.array:
     return mx.concatenate(parts, axis=2)
 
 
+def decode_segments(positions: np.ndarray) -> list:
+    """RoPE segments [(length, offsets (b,))] of a decoding step's positions (b, q).
+
+    A step's real slots carry consecutive positions per row (holes, position 0, are masked
+    out), so one offset per row usually covers the step. Lossless spare mask groups restart
+    their positions: a new segment begins wherever two neighbouring real slots of some row
+    are not consecutive."""
+    p = np.asarray(positions, dtype=np.int64)
+    prev, cur = p[:, :-1], p[:, 1:]
+    breaks = ((prev != 0) & (cur != 0) & (cur != prev + 1)).any(axis=0)
+    starts = [0] + [int(c) + 1 for c in np.nonzero(breaks)[0]]
+    ends = starts[1:] + [p.shape[1]]
+    segments = []
+    for s, e in zip(starts, ends):
+        # Each row's offset comes from its last real slot in the segment (position > 0; a row
+        # with none, or only a first token at position 0, gets offset 0). Holes get whatever
+        # position follows: they are attended by nobody and never read.
+        real = p[:, s:e] != 0
+        last = (e - 1 - s) - np.argmax(real[:, ::-1], axis=1)
+        offsets = np.where(real.any(axis=1), p[np.arange(len(p)), s + last] - last, 0)
+        segments.append((e - s, mx.array(offsets.astype(np.int32))))
+    return segments
+
+
 def _attention(attn, x: mx.array, mask, segments, cache) -> mx.array:
     b, q, _ = x.shape
     queries = attn.q_proj(x).reshape(b, q, attn.n_heads, -1)
@@ -300,12 +324,8 @@ class MlxDecoder:
 
     def _logits(self, cache, input_ids, positions, mask, read) -> mx.array:
         ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
-        # Every row's real slots carry consecutive positions (holes are masked out),
-        # so one RoPE offset per row gives each row its own positions.
-        q = input_ids.shape[1]
-        offsets = mx.array((positions[:, -1] - (q - 1)).astype(np.int32))
         attn = "causal" if mask is None else mx.array(mask)[:, None]
-        h = hidden_states(self.model, ids, [(q, offsets)], attn, cache)
+        h = hidden_states(self.model, ids, decode_segments(positions), attn, cache)
         idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
         return head(self.model, picked)
