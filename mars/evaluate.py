@@ -53,6 +53,7 @@ class EvalSettings:
     decode: bool = True
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (METHOD §8): one more row, exact by construction
+    hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
 
 
 @dataclass
@@ -261,17 +262,18 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
-    def run(threshold, lossless=False):
+    def run(threshold, lossless=False, hedge=None):
         s = DecodeSettings(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, block_size=B, threshold=threshold, metric=metric,
-                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, lossless=lossless)
-        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + ("lossless" if lossless else f"at threshold {threshold}"))
-        return decode_all(em, prompt_ids, s, settings.batch_size)
+                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, lossless=lossless,
+                           hedge=hedge)
+        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + (f"lossless ({s.hedges} spare groups)" if lossless else f"at threshold {threshold}"))
+        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.hedges}
 
     reference = run(ar)
     rows = []
-    modes = [(t, False) for t in [ar] + others] + ([(ar, True)] if settings.lossless else [])
-    for threshold, lossless in modes:
-        d = reference if threshold == ar and not lossless else run(threshold, lossless)
+    modes = [(t, False, None) for t in [ar] + others] + ([(ar, True, h) for h in settings.hedges] if settings.lossless else [])
+    for threshold, lossless, hedge in modes:
+        d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge)
         prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
         slots = np.zeros(B + 1)
@@ -289,7 +291,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             # The share of the AR output's tokens reproduced before the first divergence.
             "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
-            **({"drafts": d["drafts"]} if lossless else {}),
+            **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
@@ -380,6 +382,12 @@ def write_json(report: dict, path, *, outputs: bool = False) -> Path:
     return path
 
 
+def _mode_name(row: dict, fmt: str) -> str:
+    if row.get("mode") != "lossless":
+        return format(row["threshold"], fmt)
+    return "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
+
+
 def format_table(report: dict) -> str:
     lines = []
     if report.get("data"):
@@ -409,7 +417,7 @@ def format_table(report: dict) -> str:
             lines.append(f"  {'tau':>8} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
-                tau = "lossless" if r.get("mode") == "lossless" else f"{r['threshold']:.3g}"
+                tau = _mode_name(r, ".3g")
                 lines.append(
                     f"  {tau:>8} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
                     f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
@@ -440,7 +448,7 @@ def plot(report: dict, path, *, x: str = "exact") -> Path:
         (line,) = ax.plot(xs, ys, marker="o", label=f"{m['label']} (B={sw['block_size']})")
         points: dict = {}  # thresholds that land on the same point share one label
         for r, a, b in zip(rows, xs, ys):
-            name = "lossless" if r.get("mode") == "lossless" else f"{r['threshold']:g}"
+            name = _mode_name(r, "g")
             points.setdefault((round(a, 6), round(b, 6)), []).append(name)
         for (a, b), names in points.items():
             ax.annotate(", ".join(names), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8, color=line.get_color())

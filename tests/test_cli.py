@@ -525,6 +525,8 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     assert [r["mode"] for r in ar] == ["threshold 1.0 (probability)"] * 2
     assert [r["mode"] for r in loose] == ["threshold 0.5 (probability)"] * 2
     assert [r["text"] for r in default] == [r["text"] for r in ar]
+    plain = [json.loads(line) for line in ok(invoke(*common, "--hedge", 0)).stdout.splitlines()]
+    assert [r["text"] for r in plain] == [r["text"] for r in ar] and plain[0]["mode"] == "lossless greedy"
     result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
                        input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]

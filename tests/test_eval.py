@@ -242,3 +242,13 @@ def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
                "--max-tokens", 8, "--no-nll", "--lossless", "--plot", tmp_path / "p.png")
     assert r.exit_code == 0, r.output
     assert "lossless" in r.output
+    # one lossless row per --hedge value, each exact
+    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "1.0",
+               "--max-tokens", 8, "--no-nll", "--lossless", "--hedge", "0,2", "--output", tmp_path / "h.json")
+    assert r.exit_code == 0, r.output
+    assert "lossless/h0" in r.output and "lossless/h2" in r.output
+    rows = json.loads((tmp_path / "h.json").read_text())["models"][0]["sweep"]["thresholds"]
+    assert [(x["mode"], x.get("hedge")) for x in rows] == [("threshold", None), ("lossless", 0), ("lossless", 2)]
+    assert all(x["exact_match"] == 1.0 for x in rows)
+    bad = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--lossless", "--hedge", "two")
+    assert bad.exit_code != 0 and "'two' is not a whole number" in bad.output

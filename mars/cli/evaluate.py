@@ -24,6 +24,20 @@ def _thresholds(ctx, param, value):
     return tuple(out)
 
 
+def _hedges(ctx, param, value):
+    if not value:
+        return (None,)
+    out = []
+    for part in ",".join(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit():
+            raise click.BadParameter(f"{part!r} is not a whole number >= 0", param=param)
+        out.append(int(part))
+    return tuple(out) or (None,)
+
+
 @click.command("eval")
 @click.option("--model", "models", multiple=True, help="A model to evaluate (repeat for several: one line each in the plot). Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("--baseline", default=None, help="A model whose NLL the others are compared with (e.g. the plain SFT model).")
@@ -44,6 +58,8 @@ def _thresholds(ctx, param, value):
 @click.option("--no-decode", is_flag=True, help="Skip the threshold sweep.")
 @click.option("--force", is_flag=True, help="Sweep thresholds below 1 on models without mars.json too.")
 @click.option("--lossless", is_flag=True, help="Also decode in lossless mode (the masks draft, the next forward verifies).")
+@click.option("--hedge", "hedges", multiple=True, callback=_hedges,
+              help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block size.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON here.")
 @click.option("--outputs", "with_outputs", is_flag=True, help="Include the decoded token ids in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG: tokens/forward against agreement with AR.")
@@ -53,7 +69,7 @@ def _thresholds(ctx, param, value):
 @backend_option
 @friendly_errors
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
-                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, output, with_outputs, plot_path,
+                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, hedges, output, with_outputs, plot_path,
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
@@ -75,7 +91,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
     settings = ev.EvalSettings(
         thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
         batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,
-        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless,
+        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless, hedges=hedges,
     )
     quiet_libraries()
     say = lambda m: click.echo(m, err=True)

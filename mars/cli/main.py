@@ -245,6 +245,10 @@ def decode_options(f):
     f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
     f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
                                                  "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.")(f)
+    f = click.option("--hedge", type=click.IntRange(min=0), default=None,
+                     help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
+                          "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
+                          "Default: the block size; 0: none.")(f)
     return f
 
 
@@ -260,7 +264,7 @@ class Session:
         self.tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
         self.decoder = decoder(self.tm)
 
-    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False):
+    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False, hedge=None):
         from ..core.acceptance import is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
         from ..backends.base import mask_id_for
@@ -290,6 +294,7 @@ class Session:
             block_cache=block_cache,
             sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed),
             lossless=lossless,
+            hedge=hedge,
         )
 
 
