@@ -414,12 +414,13 @@ def format_table(report: dict) -> str:
         sw = m.get("sweep")
         if sw:
             lines.append(f"  sweep: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
-            lines.append(f"  {'tau':>8} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
+            w = max([8] + [len(_mode_name(r, ".3g")) for r in sw["thresholds"]])
+            lines.append(f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
                 tau = _mode_name(r, ".3g")
                 lines.append(
-                    f"  {tau:>8} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
+                    f"  {tau:>{w}} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
                     f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
                 )
             if sw.get("note"):

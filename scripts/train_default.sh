@@ -52,5 +52,5 @@ train "$WORK/b4w" 240 5e-4 0.03 120 --init-adapter "$WORK/b4z" --seed 3 --defaul
 
 "$MARS" eval --model "$WORK/b4w" --baseline "$BASE" --data "$WORK/distilled" --split valid \
     --prompts data/prompts/test.jsonl --limit 32 --max-tokens 128 \
-    --threshold 1.0,0.95,0.9,0.85,0.8,0.7,0.6 --lossless \
+    --threshold 1.0,0.95,0.9,0.85,0.8,0.7,0.6 --lossless --hedge 0,1,4 \
     --output "$WORK/eval.json" --plot "$WORK/eval.png"
