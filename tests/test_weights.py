@@ -58,7 +58,7 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
                                      eos_token_id=list(shipped.eos_ids), pad_token_id=shipped.eos_ids[0])
         assert out == ref[0, len(p) :].tolist()
     # What `mars generate` / `mars chat` run when given no --threshold: mars.json's default mode.
-    default = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, lossless=mars.default_mode == "lossless", **common))
+    default = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, lossless=mars.lossless_by_default, **common))
     at_threshold = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, **common))
     looser = generate(dec, prompts, DecodeSettings(threshold=0.6, **common))
     print("tokens/forward: default (lossless)", default.stats.tokens_per_forward, f"threshold {mars.default_threshold}",

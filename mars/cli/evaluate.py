@@ -9,14 +9,16 @@ import click
 from .main import backend_option, friendly_errors, quiet_libraries, read_prompts
 
 
+def _parts(value) -> list[str]:
+    """A repeated, comma-separated option's values, as strings."""
+    return [p.strip() for p in ",".join(value).split(",") if p.strip()]
+
+
 def _thresholds(ctx, param, value):
     if not value:
         return None
     out = []
-    for part in ",".join(value).split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in _parts(value):
         try:
             out.append(float(part))
         except ValueError:
@@ -25,17 +27,10 @@ def _thresholds(ctx, param, value):
 
 
 def _hedges(ctx, param, value):
-    if not value:
-        return (None,)
-    out = []
-    for part in ",".join(value).split(","):
-        part = part.strip()
-        if not part:
-            continue
+    for part in _parts(value):
         if not part.isdigit():
             raise click.BadParameter(f"{part!r} is not a whole number >= 0", param=param)
-        out.append(int(part))
-    return tuple(out) or (None,)
+    return tuple(int(p) for p in _parts(value)) or (None,)
 
 
 @click.command("eval")

@@ -14,6 +14,7 @@ from pathlib import Path
 import click
 
 from .. import __version__
+from ..core.config import MODES
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -101,7 +102,7 @@ def cli():
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
-@click.option("--default-mode", type=click.Choice(["threshold", "lossless"]), default="threshold", show_default=True,
+@click.option("--default-mode", type=click.Choice(MODES), default="threshold", show_default=True,
               help="How `mars generate` / `mars chat` decode this checkpoint when given neither --threshold nor --lossless "
                    "(recorded in mars.json): at the default threshold, or lossless (output identical to AR).")
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
@@ -273,7 +274,7 @@ class Session:
         metric = metric or (mars.metric if mars else "probability")
         if threshold is None:
             # No threshold asked for: the checkpoint's default mode decides (mars.json).
-            lossless = lossless or (mars is not None and mars.default_mode == "lossless")
+            lossless = lossless or (mars is not None and mars.lossless_by_default)
             threshold = mars.default_threshold if mars else (0.0 if metric == "entropy" else 1.0)
         if mars is None and not is_ar_mode(metric, threshold) and not lossless:
             if not force:

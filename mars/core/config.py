@@ -60,6 +60,11 @@ class MarsConfig:
             bad("mask_token_added", f"must be true or false, got {self.mask_token_added!r}")
         return self
 
+    @property
+    def lossless_by_default(self) -> bool:
+        """Whether a command given no threshold decodes this checkpoint losslessly."""
+        return self.default_mode == "lossless"
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -553,9 +553,8 @@ def feed_mask(keys: np.ndarray, feed: Feed) -> np.ndarray | None:
     if keys.all() and feed.attend is None:
         return None
     mask = decode_mask(keys, q)
-    if feed.attend is not None:
+    if feed.attend is not None:  # its diagonal is set, so a hole still sees itself
         mask[:, :, -q:] &= feed.attend
-        mask[:, np.arange(q), mask.shape[2] - q + np.arange(q)] = True  # a hole still sees itself
     return mask
 
 
