@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+from tqdm import tqdm
 
-from .core.acceptance import is_ar_mode
+from .core.acceptance import ar_threshold, check_threshold, is_ar_mode
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
 from .backends.base import mask_id_for
@@ -168,7 +169,9 @@ def _ours(decoder, settings: DecodeSettings):
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings) -> list[Config]:
-    ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s)), 1.0, "window")
+    metric = s.metric or (loaded.mars.metric if loaded.mars else "probability")
+    ar_tau = ar_threshold(metric)
+    ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
     name, ref = (mlx_reference if backend == "mlx" else torch_reference)(loaded, s.max_tokens)
     configs = [ar, Config(name, "reference", ref)]
     for tau in s.thresholds:
@@ -207,16 +210,23 @@ def _strip_eos(rows, eos):
     return [[t for t in row if t not in eos] for row in rows]
 
 
-def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None) -> dict:
-    """Time every configuration on `prompts` in batches of `batch`, interleaved; medians and ratios to AR."""
+def _no_tick(what: str) -> None:
+    pass
+
+
+def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None, tick=_no_tick) -> dict:
+    """Time every configuration on `prompts` in batches of `batch`, interleaved; medians and ratios to AR.
+    `tick(name)` is called after each pass (warm-up or timed), for a progress bar."""
     chunks = _chunks(prompts, batch)
     for c in configs:  # warm-up: one batch each
         c.run(chunks[0])
         c.walls, c.ratios, c.tokens = [], [], []
+        tick(f"batch {batch} warm-up {c.name}")
     for rep in range(s.repeats):
         speeds = {}
         for c in configs:
             wall, tokens, count, forwards, row_forwards = _timed_pass(c, chunks)
+            tick(f"batch {batch} round {rep + 1} {c.name}")
             c.walls.append(wall)
             speeds[c.name] = count / wall
             if rep == 0:
@@ -253,7 +263,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
     return {"runs": rows, "reference_check": check}
 
 
-def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int) -> list[dict]:
+def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick) -> list[dict]:
     """Median time of one cached forward of k new tokens on a prefilled cache of the first
     `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out)."""
     rows = [prompts[i % len(prompts)] for i in range(batch)]
@@ -284,10 +294,12 @@ def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int) ->
 
     for k in ks:  # warm-up
         one(k)
+        tick(f"batch {batch} forward cost k={k}")
     samples = {k: [] for k in ks}
     for _ in range(repeats):
         for k in ks:
             samples[k].append(one(k))
+            tick(f"batch {batch} forward cost k={k}")
     base = statistics.median(samples[ks[0]])
     return [
         {"batch_size": batch, "cache_length": int(width), "k": k, "median_s": statistics.median(samples[k]),
@@ -302,9 +314,12 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: BenchSettings, log=None) -> dict:
-    """Every configuration at every batch size, and the forward-cost curve; a JSON-ready dict."""
+def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: BenchSettings, log=None, progress: bool = False) -> dict:
+    """Every configuration at every batch size, and the forward-cost curve; a JSON-ready dict.
+    `progress` shows a progress bar (stderr) over every pass."""
     ar_settings = decode_settings(loaded, 1.0, "window", 16, s)
+    for t in s.thresholds:
+        check_threshold(ar_settings.metric, t)
     below = [t for t in s.thresholds if not is_ar_mode(ar_settings.metric, t)]
     if loaded.mars is None and below and not s.force:
         raise BenchError(
@@ -314,13 +329,20 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     configs = build_configs(loaded, decoder, backend, s)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []
-    for batch in s.batch_sizes:
-        result = bench_batch(configs, prompts, batch, s, eos, log)
-        runs += result["runs"]
-        checks.append(result["reference_check"])
     ks = tuple(s.forward_ks)
-    for batch in s.batch_sizes if ks else ():
-        curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, ar_settings.mask_id)
+    passes = len(s.batch_sizes) * (len(configs) * (1 + s.repeats) + len(ks) * (1 + s.forward_repeats))
+    with tqdm(total=passes, desc="bench", unit="pass", disable=not progress, leave=False) as bar:
+
+        def tick(what: str) -> None:
+            bar.set_postfix_str(what, refresh=False)
+            bar.update(1)
+
+        for batch in s.batch_sizes:
+            result = bench_batch(configs, prompts, batch, s, eos, log, tick)
+            runs += result["runs"]
+            checks.append(result["reference_check"])
+        for batch in s.batch_sizes if ks else ():
+            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, ar_settings.mask_id, tick)
     settings = asdict(s)
     settings.update(block_size=ar_settings.block_size, metric=ar_settings.metric)
     return {
@@ -339,7 +361,8 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
 
 
 def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=None, raw: bool = False,
-              settings: BenchSettings | None = None, threads: int | None = None, announce=print, log=None) -> dict:
+              settings: BenchSettings | None = None, threads: int | None = None, announce=print, log=None,
+              progress: bool = False) -> dict:
     """Load a model (None: the embedded default), encode the prompts (default: DEFAULT_PROMPTS) and run.
 
     `threads` sets torch's CPU threads: on a shared machine, fewer threads than cores avoids
@@ -355,7 +378,7 @@ def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=N
     loaded = load(model, adapter_path=adapter_path, announce=announce)
     texts = list(prompts) if prompts else DEFAULT_PROMPTS
     ids = [encode_prompt(loaded.tokenizer, p, chat=not raw) for p in texts]
-    return run_benchmark(loaded, Decoder(loaded), name, ids, settings or BenchSettings(), log)
+    return run_benchmark(loaded, Decoder(loaded), name, ids, settings or BenchSettings(), log, progress=progress)
 
 
 def format_table(report: dict) -> str:

@@ -10,6 +10,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+from .backends.paths import add_rope_keys
 from .core.files import atomic_dir
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
@@ -55,6 +56,10 @@ def default_model_dir(announce=print) -> Path:
     """The cached HF directory of the default model, converting the GGUF on first use."""
     target = cache_root() / "models" / DEFAULT_NAME
     if (target / "config.json").is_file():
+        try:  # a cache written before config.json carried mlx-lm's RoPE keys
+            add_rope_keys(target)
+        except (OSError, ValueError):
+            pass  # read-only (mars passes the keys to mlx-lm itself) or unreadable (loading says so)
         return target
     gguf = default_gguf()
     announce(f"converting the embedded default {DEFAULT_NAME} from {gguf.name} into {target} (once)")
@@ -70,6 +75,7 @@ def default_model_dir(announce=print) -> Path:
     def write(tmp: Path):
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        add_rope_keys(tmp)
 
     atomic_dir(target, write)
     return target

@@ -216,11 +216,6 @@ def common_prefix(a, b) -> int:
     return n
 
 
-def ar_threshold(metric: str) -> float:
-    """The threshold that is AR mode by rule for the metric (METHOD §5)."""
-    return 0.0 if metric == "entropy" else 1.0
-
-
 def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -> dict:
     """Decode every prompt in batches; tokens per row plus the summed statistics."""
     from .core.decoding import generate
@@ -245,7 +240,7 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
     """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
     output (threshold 1.0, or 0.0 for entropy), which is always run first."""
-    from .core.acceptance import is_ar_mode
+    from .core.acceptance import ar_threshold, is_ar_mode
     from .core.decoding import DecodeSettings
     from .core.tokens import encode_prompt
 
@@ -312,9 +307,15 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
     The baseline gets the NLL only; each model's NLL is compared with it.
     """
+    from .core.acceptance import check_threshold
+
     s = settings or EvalSettings()
     if data is None and prompts is None:
         raise DataError("nothing to evaluate: give a dataset or prompts")
+    if s.decode:  # every threshold in its metric's range before any work
+        for em in models:
+            for t in s.thresholds:
+                check_threshold(s.metric or (em.mars.metric if em.mars else "probability"), t)
     path = None
     if data is not None:
         path, split = eval_file(data, split)
@@ -425,7 +426,22 @@ def format_table(report: dict) -> str:
                 )
             if sw.get("note"):
                 lines.append(f"  note: {sw['note']}")
+    if any(m.get("sweep") for m in report["models"]):
+        lines += [f"  {name}: {meaning}" for name, meaning in SWEEP_COLUMNS]
     return "\n".join(lines)
+
+
+# What each column of the sweep table means (printed under it, and in the README).
+SWEEP_COLUMNS = (
+    ("tau", "the threshold (lossless/hN: lossless mode with N spare mask groups)"),
+    ("tok/fwd", "tokens per forward pass (1.0 is plain AR)"),
+    ("exact", "share of replies identical to the threshold-1.0 (AR) reply"),
+    ("prefix", "mean tokens before a reply first differs from AR's"),
+    ("pfrac", "that prefix as a fraction of the longer reply, averaged over replies"),
+    ("pshare", "all AR tokens reproduced before the first difference / all AR tokens"),
+    ("tokens", "tokens generated in all"),
+    ("sec", "wall time of the decoding, seconds"),
+)
 
 
 def plot(report: dict, path, *, x: str = "exact") -> Path:

@@ -16,39 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from mars.cli.main import cli
+from clitools import invoke, ok, one_line_error
 from tiny import save_model
 
 LETTERS = string.ascii_lowercase
 
 
 # --- helpers -------------------------------------------------------------------------
-
-
-def invoke(*args, input=None):
-    return CliRunner().invoke(cli, [str(a) for a in args], input=input)
-
-
-def ok(result):
-    assert result.exit_code == 0, f"exit {result.exit_code}: {result.output[-2000:]}\n{result.exception!r}"
-    return result
-
-
-def one_line_error(result, *needles):
-    """A known bad input: exit 1, no traceback, the last line is 'Error: ...' naming the problem."""
-    assert result.exit_code != 0, result.output[-2000:]
-    # A ClickException ends in SystemExit; anything else escaped the friendly-error net.
-    assert isinstance(result.exception, SystemExit), repr(result.exception)
-    assert "Traceback" not in result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert lines, "no output at all"
-    last = lines[-1]
-    assert last.startswith("Error:"), result.output[-2000:]
-    for needle in needles:
-        assert needle in last, f"{needle!r} not in {last!r}"
-    return last
 
 
 def write_jsonl(path: Path, records) -> Path:

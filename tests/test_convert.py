@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from mars.backends.paths import rope_overrides
 from mars.cli.main import cli
 from mars.convert import ConvertError, convert_adapter, convert_model, read_safetensors
 from mars.convert.tensors import Tensor, from_float32, to_float32, write_safetensors
@@ -85,7 +86,10 @@ def test_hf_mlx_hf_bit_exact_and_loadable(tmp_path, arch, dtype):
         assert (tmp_path / "mlx" / f).is_file()
     assert invoke(tmp_path / "mlx", "--to", "hf", "--output", tmp_path / "back").exit_code == 0
     same_tensors(tensors_of(src), tensors_of(tmp_path / "back"))
-    assert json.loads((src / "config.json").read_text()) == json.loads((tmp_path / "back/config.json").read_text())
+    # the same config, plus the RoPE keys mlx-lm reads beside transformers 5's rope_parameters
+    src_config = json.loads((src / "config.json").read_text())
+    assert {**src_config, **rope_overrides(src_config)} == json.loads((tmp_path / "back/config.json").read_text())
+    assert rope_overrides(src_config) and "rope_theta" in json.loads((tmp_path / "back/config.json").read_text())
     # real clients: mlx_lm on the MLX output and transformers on the HF output of that MLX model
     # mlx_lm reads the MLX output as it reads the HF source; transformers reads the HF output of
     # that MLX model like the source, and both agree across frameworks (in float32 arithmetic)
@@ -285,11 +289,11 @@ def test_bad_inputs(tmp_path):
 
     one_line_failure(invoke(tmp_path / "nope", "--to", "hf", "--output", out), out, "no such file")
     one_line_failure(invoke(src, "--to", "hf", "--output", out, "-q"), out, "--to mlx")
-    # an existing output survives a failed conversion untouched
+    # an existing output survives a failed conversion untouched, even one asked to replace it
     out.mkdir(parents=True)
     (out / "keep").write_text("x")
     with pytest.raises(ConvertError):
-        convert_model(tmp_path / "arch", out, "hf")
+        convert_model(tmp_path / "arch", out, "hf", overwrite=True)
     assert (out / "keep").read_text() == "x" and len(list(out.parent.iterdir())) == 1
 
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from ..core.config import has_config, read_config
+from ..core.files import atomic_write_text
 
 # The trained mask-token row beside an adapter: the same name in both backends' adapter directories.
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
@@ -61,6 +62,14 @@ def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLi
     return path, (Path(adapter) if adapter else None)
 
 
+def portable_ref(base_ref: str) -> str | None:
+    """How a model card or adapter config may name a base model: a reference that means the same
+    on another machine (a Hub id, the default's name), or None for a local path (mars.json keeps it)."""
+    if not base_ref or os.path.isabs(os.path.expanduser(base_ref)) or Path(base_ref).exists():
+        return None
+    return base_ref
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
@@ -79,3 +88,16 @@ def rope_overrides(config: dict) -> dict:
     if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
         out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
     return out
+
+
+def add_rope_keys(directory) -> bool:
+    """Give a written Hugging Face directory's config.json the RoPE keys mlx-lm reads
+    (`rope_overrides`), atomically; transformers reads the file as before. True if it changed."""
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    extra = rope_overrides(config)
+    if not extra:
+        return False
+    config.update(extra)
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return True

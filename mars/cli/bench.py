@@ -76,7 +76,7 @@ def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block
     quiet_libraries()
     try:
         report = benchmark(model, backend=backend, adapter_path=adapter_path, prompts=prompts, raw=raw,
-                           settings=settings, threads=threads, announce=say, log=say if verbose else None)
+                           settings=settings, threads=threads, announce=say, log=say if verbose else None, progress=not verbose)
     except BenchError as e:
         raise click.ClickException(str(e)) from None
     click.echo(format_table(report))

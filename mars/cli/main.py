@@ -15,6 +15,7 @@ import click
 
 from .. import __version__
 from ..core.config import MODES
+from .common import Finite
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -27,11 +28,14 @@ def friendly_errors(fn):
         from ..backends.base import BackendUnavailable
         from ..backends.paths import ModelError
         from ..convert import ConvertError
+        from ..core.acceptance import ThresholdError
         from ..core.config import ConfigError
         from ..core.data import DataError
+        from ..core.files import OutputError
         from ..default_model import DefaultModelError
 
-        known = (BackendUnavailable, ConfigError, ConvertError, DataError, DefaultModelError, FileNotFoundError, ModelError)
+        known = (BackendUnavailable, ConfigError, ConvertError, DataError, DefaultModelError, FileNotFoundError, ModelError,
+                 OutputError, ThresholdError)
         try:
             return fn(*args, **kwargs)
         except known as e:
@@ -84,24 +88,24 @@ def cli():
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="Directory with train.jsonl (valid.jsonl optional) or one .jsonl file.")
 @click.option("--output", "--adapter-path", "output", required=True, type=click.Path(path_type=Path), help="Where the MARS checkpoint goes (an adapter directory under LoRA).")
 @click.option("--fine-tune-type", type=click.Choice(["lora", "full"]), default="lora", show_default=True)
-@click.option("--block-size", type=int, default=4, show_default=True, help="B: masks per block.")
-@click.option("--ar-weight", type=float, default=1.0, show_default=True, help="alpha: weight of the clean-stream (AR) loss.")
+@click.option("--block-size", type=click.IntRange(min=1), default=4, show_default=True, help="B: masks per block.")
+@click.option("--ar-weight", type=Finite(min=0.0), default=1.0, show_default=True, help="alpha: weight of the clean-stream (AR) loss.")
 @click.option("--iters", type=click.IntRange(min=0), default=0, help="Optimizer steps (overrides --epochs).")
-@click.option("--epochs", type=float, default=1.0, show_default=True)
+@click.option("--epochs", type=Finite(min=0.0, min_open=True), default=1.0, show_default=True)
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--grad-accumulation-steps", "grad_accumulation", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--learning-rate", type=click.FloatRange(min=0.0), default=1e-4, show_default=True)
-@click.option("--warmup", type=float, default=0.03, show_default=True, help="Warmup as a fraction of the steps.")
-@click.option("--weight-decay", type=float, default=0.0, show_default=True)
+@click.option("--learning-rate", type=Finite(min=0.0), default=1e-4, show_default=True)
+@click.option("--warmup", type=Finite(0.0, 1.0), default=0.03, show_default=True, help="Warmup as a fraction of the steps.")
+@click.option("--weight-decay", type=Finite(min=0.0), default=0.0, show_default=True)
 @click.option("--max-seq-length", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True, help="What to do with a sequence over --max-seq-length.")
-@click.option("--lora-rank", type=int, default=8, show_default=True)
-@click.option("--lora-alpha", type=float, default=16.0, show_default=True)
-@click.option("--lora-dropout", type=float, default=0.0, show_default=True)
+@click.option("--lora-rank", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lora-alpha", type=Finite(min=0.0, min_open=True), default=16.0, show_default=True)
+@click.option("--lora-dropout", type=Finite(0.0, 1.0, max_open=True), default=0.0, show_default=True)
 @click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default="row", show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=100, show_default=True)
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=100, show_default=True, help="Checkpoint every N steps (for --resume).")
-@click.option("--default-threshold", type=float, default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
+@click.option("--default-threshold", type=Finite(), default=0.9, show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--default-mode", type=click.Choice(MODES), default="threshold", show_default=True,
               help="How `mars generate` / `mars chat` decode this checkpoint when given neither --threshold nor --lossless "
                    "(recorded in mars.json): at the default threshold, or lossless (output identical to AR).")
@@ -119,8 +123,10 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     from ..backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
     from ..core.config import ConfigError, has_config
     from ..core.data import find_split_file, load_split
+    from ..core.acceptance import check_threshold
+    from ..core.files import check_output
     from ..core.training import TrainSettings
-    from ..default_model import model_ref
+    from ..default_model import DEFAULT_REF, model_ref
 
     name = resolve(backend)
     quiet_libraries()
@@ -130,8 +136,9 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         raise click.BadParameter(f"must be at least one block (--block-size {opts['block_size']})", param_hint="--max-seq-length")
     if fuse and opts["fine_tune_type"] != "lora":
         raise click.BadParameter("only applies to --fine-tune-type lora", param_hint="--fuse")
-    if output.exists() and any(output.iterdir()) and not resume:
-        raise click.ClickException(f"{output}: exists and is not empty; pass --resume to continue it, or choose a new --output")
+    if not resume:
+        check_output(output, sources=(data, model, init_adapter) if model != DEFAULT_REF else (data, init_adapter),
+                     fix="pass --resume to continue it, or choose a new --output")
     if resume and not (output / "checkpoint").is_dir():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
@@ -140,6 +147,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         raise ModelError(f"{model}: is an adapter; fine-tune from its base model (or a fused model), or pass it as --init-adapter")
     check_model_path(base_path)
     init = check_init_adapter(init_adapter, base_path, opts) if init_adapter is not None else None
+    check_threshold(init.metric if init is not None else "probability", default_threshold, name="--default-threshold")
     tokenizer = load_tokenizer(base_path)
     read = functools.partial(
         load_split, tokenizer=tokenizer, block_size=opts["block_size"], max_seq_length=max_seq_length, on_long=on_long
@@ -237,8 +245,8 @@ def decode_options(f):
     f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
     f = click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")(f)
     f = click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)(f)
-    f = click.option("--temp", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")(f)
-    f = click.option("--top-p", type=click.FloatRange(0.0, 1.0, min_open=True), default=1.0, show_default=True)(f)
+    f = click.option("--temp", type=Finite(min=0.0), default=0.0, show_default=True, help="Sampling temperature; 0 is greedy.")(f)
+    f = click.option("--top-p", type=Finite(0.0, 1.0, min_open=True), default=1.0, show_default=True)(f)
     f = click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)(f)
     f = click.option("--seed", type=int, default=None)(f)
     f = click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
@@ -266,12 +274,16 @@ class Session:
         self.decoder = decoder(self.tm)
 
     def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False, hedge=None):
-        from ..core.acceptance import is_ar_mode
+        from ..core.acceptance import check_threshold, is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
         from ..backends.base import mask_id_for
 
         mars = self.tm.mars
         metric = metric or (mars.metric if mars else "probability")
+        if threshold is not None:
+            threshold = check_threshold(metric, threshold, name="--threshold")
+            if lossless:
+                warn("--threshold is ignored with --lossless (lossless output is AR's whatever the threshold)")
         if threshold is None:
             # No threshold asked for: the checkpoint's default mode decides (mars.json).
             lossless = lossless or (mars is not None and mars.lossless_by_default)
@@ -284,7 +296,7 @@ class Session:
                 )
             click.echo("WARNING: decoding a model without MARS training below threshold 1.0: expect wrong tokens", err=True)
         mask_id = mask_id_for(self.tm)
-        return DecodeSettings(
+        settings = DecodeSettings(
             mask_id=mask_id,
             eos_ids=self.tm.eos_ids,
             block_size=block_size or (mars.block_size if mars else 4),
@@ -297,6 +309,22 @@ class Session:
             lossless=lossless,
             hedge=hedge,
         )
+        if hedge is not None and hedge > 0 and not settings.hedges:
+            warn(f"--hedge is ignored here: {why_no_spare_groups(settings)}")
+        return settings
+
+
+def warn(message: str) -> None:
+    click.echo(f"note: {message}", err=True)
+
+
+def why_no_spare_groups(settings) -> str:
+    """Why a decoding run feeds no spare mask groups although some were asked for."""
+    if not settings.lossless:
+        return "spare mask groups are a lossless-mode feature (add --lossless, or drop --threshold on a lossless-default checkpoint)"
+    if settings.cache == "block":
+        return "the block cache (--cache block) runs without spare mask groups; use --cache window or none"
+    return "lossless sampling (--temp > 0) runs without spare mask groups; they apply to greedy decoding"
 
 
 def mode(settings) -> str:
@@ -416,7 +444,8 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
     """Interactive chat that streams tokens as they are accepted.
 
     Commands: /threshold 0.9 (decode at this threshold), /lossless (decode losslessly),
-    /reset (forget the conversation), /quit.
+    /reset (forget the conversation), /help, /quit. A message that starts with "/" is sent
+    by doubling it: "//etc/hosts is a file" sends "/etc/hosts is a file".
     """
     from ..core.decoding import generate as run
     from ..core.tokens import encode_prompt
@@ -425,7 +454,7 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
     settings = session.settings(**decode)
     tok = session.tm.tokenizer
     history = [{"role": "system", "content": system}] if system else []
-    click.echo(f"{mode(settings)}, B={settings.block_size}. /threshold X, /lossless, /reset, /quit", err=True)
+    click.echo(f"{mode(settings)}, B={settings.block_size}. /help lists the commands", err=True)
     while True:
         try:
             line = input(">> ")
@@ -435,28 +464,17 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
         line = line.strip()
         if not line:
             continue
-        if line in ("/quit", "/exit"):
-            return
-        if line == "/reset":
-            history = history[:1] if system else []
-            continue
-        if line.startswith("/threshold"):
-            parts = line.split()
-            try:
-                settings.threshold = float(parts[1])
-            except (IndexError, ValueError):
-                click.echo("usage: /threshold 0.9", err=True)
+        if line.startswith("/") and not line.startswith("//"):
+            command = line.split()[0]
+            if command in ("/quit", "/exit"):
+                return
+            if command == "/reset":
+                history = history[:1] if system else []
                 continue
-            if session.tm.mars is None and settings.threshold < 1.0 and not decode["force"]:
-                click.echo("this model has no mars.json: keeping threshold 1.0 (start with --force to override)", err=True)
-                settings.threshold = 1.0
-            settings.lossless = False
-            click.echo(mode(settings), err=True)
+            chat_command(line, settings, session, force=decode["force"])
             continue
-        if line == "/lossless":
-            settings.lossless = True
-            click.echo(mode(settings), err=True)
-            continue
+        if line.startswith("//"):
+            line = line[1:]
         history.append({"role": "user", "content": line})
         ids = encode_prompt(tok, history)
         out: list[int] = []
@@ -479,22 +497,68 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
         history.append({"role": "assistant", "content": shown})
 
 
+CHAT_HELP = """commands:
+  /threshold X   decode in threshold mode at X (1.0 is plain greedy AR)
+  /lossless      decode losslessly (the masks draft, the next forward verifies)
+  /reset         forget the conversation
+  /help          this list
+  /quit          leave (also /exit, Ctrl-D)
+a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
+
+
+def chat_command(line: str, settings, session, *, force: bool) -> None:
+    """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends text to the model."""
+    from ..core.acceptance import ThresholdError, check_threshold, is_ar_mode
+
+    parts = line.split()
+    command = parts[0]
+    if command == "/help":
+        click.echo(CHAT_HELP, err=True)
+    elif command == "/threshold":
+        if len(parts) != 2:
+            click.echo("usage: /threshold 0.9", err=True)
+            return
+        try:
+            threshold = check_threshold(settings.metric, float(parts[1]))
+        except ValueError as e:
+            why = str(e) if isinstance(e, ThresholdError) else f"{parts[1]!r} is not a number"
+            click.echo(f"{why}; keeping {mode(settings)}", err=True)
+            return
+        if session.tm.mars is None and not is_ar_mode(settings.metric, threshold) and not force:
+            click.echo("this model has no mars.json: keeping plain AR (start with --force to override)", err=True)
+            threshold = 0.0 if settings.metric == "entropy" else 1.0
+        settings.threshold = threshold
+        settings.lossless = False
+        click.echo(mode(settings), err=True)
+    elif command == "/lossless":
+        settings.lossless = True
+        click.echo(mode(settings), err=True)
+    else:
+        click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)
+
+
 @cli.command()
 @click.argument("src", type=click.Path(path_type=Path))
 @click.option("--to", "to", type=click.Choice(["hf", "mlx"]), required=True, help="Output format: Hugging Face (transformers / PEFT) or mlx-lm.")
-@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="The directory to write (replaced atomically).")
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="The directory to write (a new or empty one, unless --overwrite).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing --output (atomically, once the conversion has succeeded).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None, help="Cast float tensors (default: keep each tensor's type).")
 @click.option("-q", "--quantize", "quantize", is_flag=True, help="Quantize to mlx-lm affine layers (--to mlx).")
-@click.option("--q-bits", type=int, default=4, show_default=True)
-@click.option("--q-group-size", type=int, default=64, show_default=True)
+@click.option("--q-bits", type=click.Choice(["2", "3", "4", "5", "6", "8"]), default="4", show_default=True, help="Bits per weight (-q).")
+@click.option("--q-group-size", type=click.Choice(["32", "64", "128"]), default="64", show_default=True, help="Weights per scale and bias (-q).")
 @click.option("--adapter", "adapter", type=click.Path(path_type=Path), default=None, help="A LoRA adapter (PEFT or mlx-lm) to fuse into SRC; needs --fuse.")
 @click.option("--fuse", is_flag=True, help="Write SRC with --adapter fused in as one full model.")
 @click.option("--model", "base", type=click.Path(path_type=Path), default=None, help="Adapter SRC: the base model, to place a PEFT adapter's layers for mlx-lm.")
 @friendly_errors
-def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fuse, base):
-    """Convert a model (HF / mlx-lm directory, or .gguf) or a LoRA adapter (PEFT <-> mlx-lm) into --to's format."""
-    from ..convert import ConvertError, adapter_format, convert_adapter, convert_model
+def convert(src, to, output, overwrite, dtype, quantize, q_bits, q_group_size, adapter, fuse, base):
+    """Convert a model (HF / mlx-lm directory, or .gguf) or a LoRA adapter (PEFT <-> mlx-lm) into --to's format.
 
+    SRC and --model may also be default:SmolLM2-135M-Instruct, the embedded default model."""
+    from ..convert import ConvertError, adapter_format, convert_adapter, convert_model
+    from ..default_model import DEFAULT_REF, default_model_dir
+
+    say = lambda m: click.echo(m, err=True)  # noqa: E731
+    src, base = (default_model_dir(announce=say) if p is not None and str(p) == DEFAULT_REF else p for p in (src, base))
     if adapter is not None and not fuse:
         raise ConvertError("--adapter fuses an adapter into SRC; add --fuse (or give the adapter directory as SRC to convert it)")
     if fuse and adapter is None:
@@ -502,11 +566,11 @@ def convert(src, to, output, dtype, quantize, q_bits, q_group_size, adapter, fus
     if adapter_format(src) is not None:
         if quantize or dtype or fuse:
             raise ConvertError(f"{src}: an adapter converts as it is; --dtype, -q and --fuse apply to models")
-        out = convert_adapter(src, output, to, base=base)
+        out = convert_adapter(src, output, to, base=base, overwrite=overwrite)
     else:
         out = convert_model(
-            src, output, to, dtype=dtype, q_bits=q_bits if quantize else None, q_group_size=q_group_size,
-            adapter=adapter, announce=lambda m: click.echo(m, err=True),
+            src, output, to, dtype=dtype, q_bits=int(q_bits) if quantize else None, q_group_size=int(q_group_size),
+            adapter=adapter, overwrite=overwrite, announce=say,
         )
     click.echo(f"wrote {out}")
 

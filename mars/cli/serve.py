@@ -6,6 +6,9 @@ from pathlib import Path
 
 import click
 
+from ..core.config import MODES
+from .common import Finite
+
 
 @click.command("serve")
 @click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct with its MARS weights.")
@@ -16,10 +19,13 @@ import click
 @click.option("--policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
               help="fixed: each request's threshold, else --threshold; adaptive: the threshold loosens as load rises.")
 @click.option("--threshold", type=float, default=None, help="Threshold for requests that give none (fixed policy). Default: the checkpoint's, else 1.0.")
+@click.option("--default-mode", type=click.Choice(MODES), default=None,
+              help="How requests that give neither threshold nor lossless decode (fixed policy). "
+                   "Default: the checkpoint's mars.json default_mode, unless --threshold is given.")
 @click.option("--min-threshold", type=float, default=None, help="Adaptive range, low end (default: 0.7 for probability, 0.5 margin, 0.0 entropy).")
 @click.option("--max-threshold", type=float, default=None, help="Adaptive range, high end (default: 1.0; entropy: 1.0).")
 @click.option("--full-load", type=click.IntRange(min=1), default=None, help="Adaptive: the load (queued + in flight) that reaches the loose end. Default: --max-batch.")
-@click.option("--hold", type=click.FloatRange(min=0.0), default=2.0, show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
+@click.option("--hold", type=Finite(min=0.0), default=2.0, show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")
 @click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the batch's block cache.")
 @click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True, help="Requests decoded together.")
@@ -27,7 +33,7 @@ import click
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: the model's context length).")
 @click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True, help="The most max_tokens a request may ask for.")
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=512, show_default=True, help="max_tokens for a request that gives none.")
-@click.option("--temp", type=click.FloatRange(0.0, 2.0), default=0.0, show_default=True, help="Temperature for a request that gives none (0: greedy).")
+@click.option("--temp", type=Finite(0.0, 2.0), default=0.0, show_default=True, help="Temperature for a request that gives none (0: greedy).")
 @click.option("--admin-from-anywhere", is_flag=True, help="Let non-loopback clients use /admin/* (default: loopback only).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
@@ -36,7 +42,8 @@ import click
 def serve_command(**opts):
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
-    Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's)
+    Requests decode in the checkpoint's default mode (mars.json default_mode) unless --threshold
+    or --default-mode says otherwise. Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's)
     and, under --policy adaptive, "adaptive": false (keep the request's own threshold).
     GET /metrics for Prometheus; POST /admin/policy changes the policy live (loopback only).
     """
@@ -46,7 +53,7 @@ def serve_command(**opts):
     friendly_errors(_serve)(**opts)
 
 
-def _serve(model, adapter_path, served_model_name, host, port, policy, threshold, min_threshold, max_threshold, full_load,
+def _serve(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold, full_load,
            hold, block_size, block_cache, max_batch, max_queue, max_prompt_tokens, max_tokens_limit, default_max_tokens,
            temp, admin_from_anywhere, log_level, dtype, device, backend):
     try:
@@ -55,10 +62,17 @@ def _serve(model, adapter_path, served_model_name, host, port, policy, threshold
     except ImportError:
         raise click.ClickException("mars serve needs starlette and uvicorn: pip install 'mars-mtp[serve]'") from None
     from ..serve import EngineLimits, ServeLimits, build
+    from ..core.acceptance import check_threshold
     from ..serve.policy import PolicyError
     from .main import Session
 
     session = Session(model, adapter_path, dtype, device, backend)
+    metric = session.tm.mars.metric if session.tm.mars is not None else "probability"
+    for flag, value in (("--threshold", threshold), ("--min-threshold", min_threshold), ("--max-threshold", max_threshold)):
+        if value is not None:
+            check_threshold(metric, value, name=flag)
+    if default_mode == "lossless" and policy == "adaptive":
+        raise click.BadParameter("lossless requests have no threshold for the adaptive policy to turn; use --policy fixed", param_hint="--default-mode")
     name = served_model_name or (model if model is not None else "default")
     aliases = {Path(model).name} if model is not None else {"SmolLM2-135M-Instruct"}
     if served_model_name and model is not None:
@@ -70,7 +84,7 @@ def _serve(model, adapter_path, served_model_name, host, port, policy, threshold
             name=name,
             aliases=tuple(sorted(aliases)),
             block_size=block_size,
-            policy=dict(policy=policy, default_threshold=threshold, min_threshold=min_threshold, max_threshold=max_threshold,
+            policy=dict(policy=policy, default_mode=default_mode, default_threshold=threshold, min_threshold=min_threshold, max_threshold=max_threshold,
                         full_load=full_load, hold=hold),
             engine_limits=EngineLimits(max_batch=max_batch, max_queue=max_queue, block_cache=block_cache),
             serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
@@ -82,6 +96,8 @@ def _serve(model, adapter_path, served_model_name, host, port, policy, threshold
     described = engine.policy.describe()
     knob = (f"adaptive threshold {described['max_threshold']}..{described['min_threshold']} ({described['metric']}), "
             f"full at load {described['full_load']}" if described["policy"] == "adaptive"
+            else f"lossless by default (threshold {described['default_threshold']} ({described['metric']}) on request)"
+            if engine.policy.lossless_by_default
             else f"fixed threshold {described['default_threshold']} ({described['metric']})")
     untrained = "" if engine.model.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
     click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.model.block_size}, "

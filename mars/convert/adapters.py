@@ -18,12 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..backends.paths import MASK_EMBEDDING_FILE
-from ..core.files import atomic_dir
+from ..core.files import OutputError, atomic_dir, check_output
 from .tensors import ConvertError, Tensor, read_safetensors, write_safetensors
 
 PEFT_WEIGHTS, MLX_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapters.safetensors", "adapter_config.json"
 _PEFT_KEY = re.compile(r"^base_model\.model\.(.+)\.lora_([AB])\.weight$")
 _MLX_KEY = re.compile(r"^(.+)\.lora_([ab])$")
+
+
+def safe_output(output: Path, sources, overwrite: bool) -> None:
+    """Refuse an output that would overwrite a source or existing files (core.files.check_output), as a ConvertError."""
+    try:
+        check_output(output, sources=sources, overwrite=overwrite, fix="pass --overwrite to replace it, or choose a new --output")
+    except OutputError as e:
+        raise ConvertError(str(e)) from None
+
+
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -237,9 +247,21 @@ def _total_layers(base: Path | None) -> int | None:
     return None
 
 
-def convert_adapter(src, output, to: str, *, base=None) -> Path:
-    """A PEFT adapter directory -> mlx-lm (to='mlx') or mlx-lm -> PEFT (to='hf'), written atomically."""
+def _recorded_base(adapter: Path) -> Path | None:
+    """The local base model a MARS adapter's mars.json names, when it is on this machine."""
+    config = adapter / "mars.json"
+    try:
+        recorded = json.loads(config.read_text()).get("base_model") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return Path(recorded) if recorded and Path(recorded).is_dir() else None
+
+
+def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False) -> Path:
+    """A PEFT adapter directory -> mlx-lm (to='mlx') or mlx-lm -> PEFT (to='hf'), written atomically.
+    An existing non-empty `output` is refused unless `overwrite`; the source never is one."""
     src, output = Path(src), Path(output)
+    safe_output(output, (src,), overwrite)
     fmt = adapter_format(src)
     if fmt is None:
         raise ConvertError(f"{src}: not an adapter directory (no adapter_config.json, or it has a config.json)")
@@ -249,7 +271,7 @@ def convert_adapter(src, output, to: str, *, base=None) -> Path:
         raise ConvertError(f"{src}: already a {'PEFT' if fmt == 'peft' else 'mlx-lm'} adapter; choose --to {'mlx' if fmt == 'peft' else 'hf'}")
     lora = read_adapter(src)
     if fmt == "peft":
-        guess = base if base is not None else (Path(lora.base) if lora.base else None)
+        guess = base if base is not None else (Path(lora.base) if lora.base else _recorded_base(src))
         total = _total_layers(guess)
         lora_total = total
         _keys(lora, src)

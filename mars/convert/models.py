@@ -3,7 +3,7 @@
 For these architectures both sides use the same tensor names; the differences are that mlx-lm
 drops `lm_head.weight` under tied embeddings and `rotary_emb.inv_freq`, may store affine-quantized
 layers (`X.weight` packed uint32, `X.scales`, `X.biases`, config `quantization`), and reads RoPE
-settings from `rope_theta` rather than transformers 5's `rope_parameters`.
+settings from `rope_theta` rather than transformers 5's `rope_parameters`: every output carries both.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, rope_overrides
+from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
 from ..core.files import atomic_dir
-from .adapters import Lora, read_adapter
-from .quant import dequantize, quantize
+from .adapters import Lora, read_adapter, safe_output
+from .quant import BITS, GROUP_SIZES, dequantize, quantize
 from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -174,12 +174,7 @@ def output_config(config: dict, to: str, dtype: str | None, quant: dict | None) 
         for key in ("dtype", "torch_dtype"):
             if key in config or key == "dtype":
                 config[key] = dtype
-    if to == "mlx":
-        config.update(rope_overrides(config))
-    else:  # the rope_theta an MLX config carries beside rope_parameters only for mlx-lm
-        params = config.get("rope_parameters")
-        if isinstance(params, dict) and "rope_theta" in config and params.get("rope_theta") == config["rope_theta"]:
-            del config["rope_theta"]
+    config.update(rope_overrides(config))  # both layouts: mlx-lm reads either kind of directory
     if quant is not None:
         config["quantization"] = dict(quant)
         config["quantization_config"] = dict(quant)
@@ -190,18 +185,24 @@ def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
-def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None, announce=print) -> Path:
+def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None,
+                  overwrite: bool = False, announce=print) -> Path:
     """Convert a model directory (HF or mlx-lm, float or mlx-quantized) or a .gguf file into a
     Hugging Face (to='hf') or mlx-lm (to='mlx') directory at `output`, optionally fusing an adapter
     (PEFT or mlx-lm), casting float tensors (dtype 'float32'|'float16'|'bfloat16') and quantizing
-    (to='mlx', q_bits). Nothing is written unless the whole conversion succeeds."""
+    (to='mlx', q_bits). Nothing is written unless the whole conversion succeeds; an existing
+    non-empty `output` is refused unless `overwrite`, and the sources never are one."""
     src, output = Path(src), Path(output)
+    safe_output(output, (src, adapter), overwrite)
     if to not in ("hf", "mlx"):
         raise ConvertError(f"--to must be hf or mlx, got {to!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if q_bits is not None and to != "mlx":
         raise ConvertError("quantization (-q) writes mlx-lm layers; use --to mlx")
+    if q_bits is not None and (q_bits not in BITS or q_group_size not in GROUP_SIZES):
+        raise ConvertError(f"quantization takes {', '.join(map(str, BITS))} bits and groups of {', '.join(map(str, GROUP_SIZES))}, "
+                           f"got {q_bits} bits in groups of {q_group_size}")
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
     if src.is_file():
@@ -210,7 +211,8 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
         output.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.gguf.") as tmp:
             imported = import_gguf(src, Path(tmp) / "hf", announce=announce)
-            return convert_model(imported, output, to, dtype=dtype, q_bits=q_bits, q_group_size=q_group_size, adapter=adapter, announce=announce)
+            return convert_model(imported, output, to, dtype=dtype, q_bits=q_bits, q_group_size=q_group_size, adapter=adapter,
+                                 overwrite=overwrite, announce=announce)
     config = read_config(src)
     if not _has_tokenizer(src) and not (adapter is not None and _has_tokenizer(Path(adapter))):
         raise ConvertError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them in from the original model")
@@ -272,4 +274,5 @@ def import_gguf(gguf: Path, target: Path, announce=print) -> Path:
         del model.config.quantization_config
     model.save_pretrained(str(target))
     tokenizer.save_pretrained(str(target))
+    add_rope_keys(target)
     return target

@@ -7,6 +7,7 @@ import numpy as np
 from .tensors import ConvertError, Tensor, from_float32, to_float32
 
 BITS = (2, 3, 4, 5, 6, 8)  # the affine widths mlx packs; each value little-endian in a uint32 stream
+GROUP_SIZES = (32, 64, 128)  # the affine group sizes mlx quantizes with
 
 
 def unpack(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:

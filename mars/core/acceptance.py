@@ -6,15 +6,49 @@ arrays; the numpy versions here are the reference they are tested against.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 METRICS = ("probability", "entropy", "margin")
+# The thresholds that mean something for each metric, ends included: a probability or a margin
+# lies in [0, 1]; an entropy (in nats) is >= 0. AR mode is the strict end (1.0, or 0.0 for entropy).
+THRESHOLD_RANGES = {"probability": (0.0, 1.0), "margin": (0.0, 1.0), "entropy": (0.0, math.inf)}
+
+
+class ThresholdError(ValueError):
+    """A threshold outside its metric's range; the message is one line naming the value and the range."""
 
 
 def check_metric(metric: str) -> str:
     if metric not in METRICS:
         raise ValueError(f"unknown confidence metric {metric!r}; choose one of {', '.join(METRICS)}")
     return metric
+
+
+def threshold_range_text(metric: str) -> str:
+    low, high = THRESHOLD_RANGES[check_metric(metric)]
+    ar = "0" if metric == "entropy" else "1.0"
+    span = f"a number >= {low:g}" if math.isinf(high) else f"a number from {low:g} to {high:g}"
+    return f"{span} ({ar} is plain greedy AR)"
+
+
+def check_threshold(metric: str, threshold, name: str = "threshold") -> float:
+    """The one range check for a threshold: a finite number within its metric's range
+    (THRESHOLD_RANGES); returns it as a float, else raises ThresholdError."""
+    check_metric(metric)
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)):
+        raise ThresholdError(f"{name} must be a number, got {threshold!r}")
+    value = float(threshold)
+    low, high = THRESHOLD_RANGES[metric]
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ThresholdError(f"{name} {threshold!r} is out of range for the {metric} metric: use {threshold_range_text(metric)}")
+    return value
+
+
+def ar_threshold(metric: str) -> float:
+    """The threshold that is plain greedy AR for the metric: the strict end of its range."""
+    return 0.0 if check_metric(metric) == "entropy" else 1.0
 
 
 def is_ar_mode(metric: str, threshold: float) -> bool:

@@ -7,11 +7,11 @@ import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from .acceptance import METRICS, ThresholdError, check_threshold, threshold_range_text
 from .files import atomic_write_text
 
 FILENAME = "mars.json"
 FORMAT = 1
-METRICS = ("probability", "entropy", "margin")
 # How `mars generate` / `mars chat` decode when given neither --threshold nor --lossless:
 # at `default_threshold`, or losslessly (the masks draft, the next forward verifies; output
 # exactly the checkpoint's greedy AR). Optional: files without it mean "threshold".
@@ -52,8 +52,10 @@ class MarsConfig:
             bad("ar_weight", f"must be a number >= 0, got {self.ar_weight!r}")
         if self.metric not in METRICS:
             bad("metric", f"must be one of {', '.join(METRICS)}, got {self.metric!r}")
-        if not isinstance(self.default_threshold, (int, float)) or isinstance(self.default_threshold, bool):
-            bad("default_threshold", f"must be a number, got {self.default_threshold!r}")
+        try:
+            check_threshold(self.metric, self.default_threshold)
+        except ThresholdError:
+            bad("default_threshold", f"must be {threshold_range_text(self.metric)} for metric {self.metric}, got {self.default_threshold!r}")
         if self.default_mode not in MODES:
             bad("default_mode", f"must be one of {', '.join(MODES)}, got {self.default_mode!r}")
         if not isinstance(self.mask_token_added, bool):

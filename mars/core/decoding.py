@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from .acceptance import accept_counts, ar_mode_rows, check_metric, is_ar_mode
+from .acceptance import accept_counts, ar_mode_rows, check_metric, check_threshold, is_ar_mode
 from .masks import decode_mask
 
 STRATEGIES = ("none", "window", "block")
@@ -74,6 +74,7 @@ class DecodeSettings:
 
     def __post_init__(self):
         check_metric(self.metric)
+        self.threshold = check_threshold(self.metric, self.threshold)
         if self.cache not in STRATEGIES:
             raise ValueError(f"cache must be one of {', '.join(STRATEGIES)}, got {self.cache!r}")
         if self.block_size < 1:
@@ -664,7 +665,7 @@ class ContinuousBatch:
         row = _Row(
             prompt,
             s.block_size + 1,
-            threshold=s.threshold if threshold is None else threshold,
+            threshold=s.threshold if threshold is None else check_threshold(s.metric, threshold),
             max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         )
         if not self.rows:

@@ -14,9 +14,51 @@ def _umask() -> int:
     return mask
 
 
+class OutputError(ValueError):
+    """An output path that must not be written; the message names it and the fix."""
+
+
+def _within(inner: Path, outer: Path) -> bool:
+    return inner == outer or outer in inner.parents
+
+
+def check_output(output, *, sources=(), overwrite: bool = False, fix: str = "choose a new output directory") -> Path:
+    """Refuse an output directory that would destroy something: the current directory or one
+    above it, a source being read (or a directory holding one, or one inside one), or an
+    existing file or non-empty directory unless `overwrite`. `fix` ends the "exists" message."""
+    output = Path(output)
+    out = output.resolve()
+    cwd = Path.cwd().resolve()
+    if _within(cwd, out):
+        raise OutputError(f"{output}: is the current directory or holds it; name a new directory to write")
+    for source in sources:
+        if source is None:
+            continue
+        src = Path(source).resolve()
+        if _within(src, out) or _within(out, src):
+            where = "is" if out == src else ("holds" if _within(src, out) else "is inside")
+            raise OutputError(f"{output}: {where} the source {source}; write the output somewhere else")
+    if output.is_symlink() or output.exists():
+        if output.is_dir() and not output.is_symlink() and not any(output.iterdir()):
+            return output
+        if not overwrite:
+            what = "exists and is not empty" if output.is_dir() else "exists (a file)"
+            raise OutputError(f"{output}: {what}; {fix}")
+    return output
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def atomic_dir(target, write) -> Path:
-    """Call `write(tmp_dir)`, then swap `tmp_dir` in as `target` (replacing any old one)."""
-    target = Path(target)
+    """Call `write(tmp_dir)`, then swap `tmp_dir` in as `target` (replacing any old one, a
+    directory or a file; nothing of it is left behind)."""
+    given = Path(target)
+    target = Path(os.path.abspath(given))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp."))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; outputs are ordinary directories
@@ -28,11 +70,11 @@ def atomic_dir(target, write) -> Path:
             os.replace(target, old)
         os.replace(tmp, target)
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return target
+    return given
 
 
 def atomic_write_text(target, text: str) -> Path:

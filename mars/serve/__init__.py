@@ -20,14 +20,21 @@ def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size:
           admin_from_anywhere: bool = False):
     """(app, engine) for a loaded model (what a backend's `load` returned) and its decoder class.
 
-    `policy` holds PolicySettings fields; unset ones default from the checkpoint: the fixed
-    threshold is its mars.json default_threshold (else AR mode), the adaptive range runs from
-    AR mode to the metric's default loose end, and full load is the batch size."""
+    `policy` holds PolicySettings fields; unset ones default from the checkpoint: the default
+    mode is its mars.json default_mode (but "threshold" when a default threshold or the
+    adaptive policy is given), the fixed threshold is its mars.json default_threshold (else
+    AR mode), the adaptive range runs from AR mode to the metric's default loose end, and
+    full load is the batch size."""
     from .app import create_app
 
     model = ServedModel.from_loaded(loaded, decoder_cls, name, aliases=aliases, block_size=block_size)
     engine_limits = engine_limits or EngineLimits()
     given = dict(policy or {})
+    if given.get("default_mode") is None:
+        # The checkpoint's default mode, unless the server is given a threshold or a policy that turns it.
+        lossless = model.loaded.mars is not None and model.loaded.mars.lossless_by_default
+        told = given.get("default_threshold") is not None or given.get("policy", "fixed") != "fixed"
+        given["default_mode"] = "lossless" if lossless and not told else "threshold"
     if given.get("default_threshold") is None:
         checkpoint = model.checkpoint_threshold
         given["default_threshold"] = checkpoint if checkpoint is not None else ar_threshold(model.metric)

@@ -14,6 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..core.acceptance import ThresholdError, check_threshold
 from ..core.decoding import Sampling
 from ..core.tokens import encode_prompt
 
@@ -94,7 +95,7 @@ def _integer(body: dict, name: str, default, *, low=None, high=None, code=None):
     return value
 
 
-def _boolean(body: dict, name: str, default: bool) -> bool:
+def _boolean(body: dict, name: str, default: bool | None) -> bool | None:
     value = body.get(name)
     if value is None:
         return default
@@ -199,9 +200,16 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
     if options is not None and not isinstance(options, dict):
         raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
     include_usage = _boolean(options or {}, "include_usage", False)
-    lossless = _boolean(body, "lossless", False)
+    lossless = _boolean(body, "lossless", None)
     adaptive = _boolean(body, "adaptive", True)
     threshold = _number(body, "threshold", None)
+    if threshold is not None:
+        try:
+            check_threshold(policy.metric, threshold, name="'threshold'")
+        except ThresholdError as e:
+            raise _bad("threshold", str(e)) from None
+    if lossless is None:  # neither asked: the server's default mode (a threshold asks for threshold mode)
+        lossless = threshold is None and policy.lossless_by_default
     if threshold is not None and not lossless and not policy.allowed(threshold):
         raise _bad(
             "threshold",

@@ -31,7 +31,7 @@ from .policy import PolicyError
 log = logging.getLogger("mars.serve")
 
 RETRY_AFTER_SECONDS = 1
-ADMIN_FIELDS = ("policy", "default_threshold", "min_threshold", "max_threshold", "full_load", "hold")
+ADMIN_FIELDS = ("policy", "default_mode", "default_threshold", "min_threshold", "max_threshold", "full_load", "hold")
 
 
 class JobFailed(Exception):

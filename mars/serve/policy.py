@@ -9,7 +9,9 @@ range runs from 0.7 at low load to 1.0 at full load.
 
 Per request:
 - `lossless: true` has no threshold; no policy touches it.
-- fixed policy: the request's `threshold`, else the server default.
+- fixed policy: the request's `threshold`, else the server default: losslessly when
+  `default_mode` is "lossless" (by default, when the checkpoint's mars.json says so), else
+  at `default_threshold`.
 - adaptive policy: the request's `threshold`, when given, bounds its strictness: the row
   decodes at the looser of it and the threshold in force (so a request may ask for more
   speed than the load grants, never for less). `"adaptive": false` in the request pins it
@@ -24,16 +26,13 @@ import math
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from ..core.acceptance import check_metric, is_ar_mode
+from ..core.acceptance import ThresholdError, ar_threshold, check_metric, check_threshold, is_ar_mode
+from ..core.config import MODES
 
 POLICIES = ("fixed", "adaptive")
 LEVELS = 5  # the adaptive threshold moves between this many evenly spaced values
 # The loose end of the adaptive range when none is given, per metric.
 DEFAULT_LOOSE = {"probability": 0.7, "margin": 0.5, "entropy": 1.0}
-
-
-def ar_threshold(metric: str) -> float:
-    return 0.0 if metric == "entropy" else 1.0
 
 
 class PolicyError(ValueError):
@@ -48,6 +47,10 @@ class PolicySettings:
     max_threshold: float = 1.0
     full_load: int = 16  # load (queued + in flight) at which the adaptive threshold is loosest
     hold: float = 2.0  # seconds the load must stay lower before the threshold tightens
+    # How a request that names neither a threshold nor lossless decodes under the fixed policy:
+    # at default_threshold, or losslessly (a checkpoint's mars.json default_mode decides by default).
+    # The adaptive policy always turns the threshold.
+    default_mode: str = "threshold"
 
     @classmethod
     def for_metric(cls, metric: str, **given) -> "PolicySettings":
@@ -89,10 +92,15 @@ class ThresholdPolicy:
     def _check(self, s: PolicySettings) -> None:
         if s.policy not in POLICIES:
             raise PolicyError(f"policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
-        for name in ("default_threshold", "min_threshold", "max_threshold", "hold"):
-            value = getattr(s, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise PolicyError(f"{name} must be a finite number, got {value!r}")
+        if s.default_mode not in MODES:
+            raise PolicyError(f"default_mode must be one of {', '.join(MODES)}, got {s.default_mode!r}")
+        for name in ("default_threshold", "min_threshold", "max_threshold"):
+            try:
+                check_threshold(self.metric, getattr(s, name), name=name)
+            except ThresholdError as e:
+                raise PolicyError(str(e)) from None
+        if isinstance(s.hold, bool) or not isinstance(s.hold, (int, float)) or not math.isfinite(s.hold):
+            raise PolicyError(f"hold must be a finite number, got {s.hold!r}")
         if s.min_threshold > s.max_threshold:
             raise PolicyError(f"min_threshold {s.min_threshold} is above max_threshold {s.max_threshold}")
         if s.hold < 0:
@@ -165,6 +173,12 @@ class ThresholdPolicy:
             if requested is None:
                 return in_force
             return max(requested, in_force) if self.metric == "entropy" else min(requested, in_force)
+
+    @property
+    def lossless_by_default(self) -> bool:
+        """Whether a request that names neither a threshold nor lossless decodes losslessly."""
+        with self._lock:
+            return self.settings.policy == "fixed" and self.settings.default_mode == "lossless"
 
     def allowed(self, requested: float) -> bool:
         """A request may ask for any threshold on a MARS model, only AR mode on another."""

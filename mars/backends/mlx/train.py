@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ...core.training import (
     validation_losses,
     write_history,
 )
+from ..paths import portable_ref
 from .model import (
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
@@ -75,10 +77,26 @@ def lora_keys(model: nn.Module) -> list[str]:
     )
 
 
+def cpu_warning() -> str | None:
+    """A one-line warning when MLX computes on the CPU (Linux's build, or no Metal), where it
+    trains far slower than the torch backend; None on the GPU."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return None
+    why = "" if mx.metal.is_available() else " (no Metal)"
+    return f"warning: MLX is running on the CPU{why}: training is much slower here than --backend torch (about 37x on a 2-core CPU)"
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
 class MlxTrainer:
-    def __init__(self, loaded: MlxModel, mars: MarsConfig, settings: TrainSettings, output: Path):
+    def __init__(self, loaded: MlxModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, announce=_to_stderr):
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
+        slow = cpu_warning()
+        if slow and mx.distributed.init().rank() == 0:
+            announce(slow)
         self.loaded, self.mars, self.s, self.output = loaded, mars, settings, Path(output)
         model = loaded.model
         self.model = model
@@ -261,8 +279,9 @@ class MlxTrainer:
     def _adapter_config(self, base_ref: str) -> dict:
         """The fields mlx-lm's `lora` writes (and `load_adapters` reads) for a LoRA adapter."""
         s = self.s
+        named = portable_ref(base_ref)  # a local path stays in mars.json only
         return {
-            "model": base_ref,
+            **({"model": named} if named else {}),
             "fine_tune_type": "lora",
             "num_layers": self.num_layers,
             "lora_parameters": self.lora_parameters,

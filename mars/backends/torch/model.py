@@ -236,7 +236,10 @@ class TorchDecoder:
     def _rng(self, sampling: Sampling):
         if self.generator is None or self._seeded != sampling.seed:
             self.generator = torch.Generator(device=self.tm.device)
-            self.generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
+            if sampling.seed is None:
+                self.generator.seed()  # this generator only: torch.seed() would reseed the global one
+            else:
+                self.generator.manual_seed(sampling.seed)
             self._seeded = sampling.seed
         return self.generator
 

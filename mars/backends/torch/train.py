@@ -3,6 +3,7 @@ validation, atomic checkpoints, resume; multi-GPU through `accelerate launch`.""
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
+from ..paths import add_rope_keys, portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs
 
 class Trainer:
@@ -184,12 +186,33 @@ class Trainer:
             model.save_pretrained(str(d))
             if lora and not fuse:
                 save_file({MASK_EMBEDDING_KEY: row.cpu().contiguous()}, str(d / MASK_EMBEDDING_FILE))
+                _name_base(d, portable_ref(base_ref))
+            else:
+                add_rope_keys(d)
             tokenizer.save_pretrained(str(d))
             write_config(self.mars, d)
             write_history(self.history, d / TRAINING_LOG)
 
         atomic_dir(self.output, write)
         return self.output
+
+
+def _name_base(adapter: Path, base: str | None) -> None:
+    """Name the base in PEFT's adapter_config.json and model card (README.md) as `base`, or
+    not at all: PEFT writes the base's local path, which means nothing on another machine."""
+    from huggingface_hub import ModelCard
+
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    card_file = adapter / "README.md"
+    if card_file.is_file():
+        card = ModelCard.load(card_file)
+        card.data.base_model = base
+        tags = [t for t in card.data.tags or () if not t.startswith("base_model:")]
+        card.data.tags = sorted(tags + ([f"base_model:adapter:{base}"] if base else [])) or None
+        card.save(card_file)
 
 
 def _from_adapter(model, adapter: Path, base) -> tuple:
