@@ -89,6 +89,11 @@ class Config:
     row_forwards: int | None = None
 
 
+def metric_of(loaded, s: BenchSettings) -> str:
+    """The confidence metric: the one asked for, else the checkpoint's, else probability."""
+    return s.metric or (loaded.mars.metric if loaded.mars else "probability")
+
+
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     mars = loaded.mars
@@ -98,7 +103,7 @@ def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: B
         eos_ids=loaded.eos_ids,
         block_size=s.block_size or (mars.block_size if mars else 4),
         threshold=threshold,
-        metric=s.metric or (mars.metric if mars else "probability"),
+        metric=metric_of(loaded, s),
         max_tokens=s.max_tokens,
         cache=cache,
         block_cache=block_cache,
@@ -169,8 +174,7 @@ def _ours(decoder, settings: DecodeSettings):
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings) -> list[Config]:
-    metric = s.metric or (loaded.mars.metric if loaded.mars else "probability")
-    ar_tau = ar_threshold(metric)
+    ar_tau = ar_threshold(metric_of(loaded, s))
     ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
     name, ref = (mlx_reference if backend == "mlx" else torch_reference)(loaded, s.max_tokens)
     configs = [ar, Config(name, "reference", ref)]

@@ -1,10 +1,16 @@
-"""Driving the `mars` command in-process (click's CliRunner) and checking how it fails."""
+"""Driving the `mars` command in-process (click's CliRunner), checking how it fails, and the small JSONL datasets the CLI tests train on."""
 
 from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
 
 from click.testing import CliRunner
 
 from mars.cli.main import cli
+
+LETTERS = string.ascii_lowercase
 
 
 def invoke(*args, input=None):
@@ -29,3 +35,17 @@ def one_line_error(result, *needles):
     for needle in needles:
         assert needle in last, f"{needle!r} not in {last!r}"
     return last
+
+
+def write_jsonl(path: Path, records) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path
+
+
+def spell_records(n=20):
+    return [
+        {"prompt": f"Spell from {LETTERS[i % 14]}", "completion": " ".join(LETTERS[i % 14 : i % 14 + 12])}
+        for i in range(n)
+    ]
+

@@ -10,3 +10,24 @@ try:  # tiny models: one thread is as fast, and stays fast on a shared machine
     torch.set_num_threads(1)
 except ImportError:
     pass
+
+
+# Module fixtures shared by the CLI tests (a module may define its own of the same name).
+import pytest  # noqa: E402
+
+from clitools import spell_records, write_jsonl  # noqa: E402
+from tiny import save_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama base model directory."""
+    return save_model(tmp_path_factory.mktemp("tiny") / "base", "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A data directory with 20 "Spell from c" -> "c d e ..." training records."""
+    d = tmp_path_factory.mktemp("data") / "spell"
+    write_jsonl(d / "train.jsonl", spell_records())
+    return d

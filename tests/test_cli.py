@@ -10,33 +10,16 @@ import json
 import math
 import os
 import shutil
-import string
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from clitools import invoke, ok, one_line_error
-from tiny import save_model
-
-LETTERS = string.ascii_lowercase
+from clitools import LETTERS, invoke, ok, one_line_error, spell_records, write_jsonl
 
 
 # --- helpers -------------------------------------------------------------------------
-
-
-def write_jsonl(path: Path, records) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
-
-
-def spell_records(n=20):
-    return [
-        {"prompt": f"Spell from {LETTERS[i % 14]}", "completion": " ".join(LETTERS[i % 14 : i % 14 + 12])}
-        for i in range(n)
-    ]
 
 
 def read_log(out: Path) -> list[dict]:
@@ -74,18 +57,6 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_model(tmp_path_factory.mktemp("tiny") / "base", "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data") / "spell"
-    write_jsonl(d / "train.jsonl", spell_records())
-    return d
 
 
 @pytest.fixture(scope="module")

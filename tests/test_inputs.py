@@ -21,9 +21,6 @@ from mars.core.acceptance import THRESHOLD_RANGES, ThresholdError, check_thresho
 from mars.core.config import ConfigError, MarsConfig
 from mars.core.decoding import DecodeSettings
 from clitools import invoke, ok, one_line_error
-from tiny import save_model
-
-LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def tree(root: Path) -> dict:
@@ -35,20 +32,6 @@ def tree(root: Path) -> dict:
             st_ = p.lstat()
             out[str(p.relative_to(root))] = (p.is_dir(), st_.st_size, st_.st_mtime_ns)
     return out
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_model(tmp_path_factory.mktemp("tiny") / "base", "llama", seed=0)
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    d = tmp_path_factory.mktemp("data") / "spell"
-    d.mkdir()
-    records = [{"prompt": f"Spell from {LETTERS[i % 14]}", "completion": " ".join(LETTERS[i % 14 : i % 14 + 12])} for i in range(20)]
-    (d / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    return d
 
 
 @pytest.fixture(scope="module")

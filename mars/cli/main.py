@@ -126,7 +126,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     from ..core.acceptance import check_threshold
     from ..core.files import check_output
     from ..core.training import TrainSettings
-    from ..default_model import DEFAULT_REF, model_ref
+    from ..default_model import model_ref
 
     name = resolve(backend)
     quiet_libraries()
@@ -137,8 +137,7 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
     if fuse and opts["fine_tune_type"] != "lora":
         raise click.BadParameter("only applies to --fine-tune-type lora", param_hint="--fuse")
     if not resume:
-        check_output(output, sources=(data, model, init_adapter) if model != DEFAULT_REF else (data, init_adapter),
-                     fix="pass --resume to continue it, or choose a new --output")
+        check_output(output, sources=(data, model, init_adapter), fix="pass --resume to continue it, or choose a new --output")
     if resume and not (output / "checkpoint").is_dir():
         raise click.ClickException(f"{output}: no checkpoint to resume from")
 
@@ -274,7 +273,7 @@ class Session:
         self.decoder = decoder(self.tm)
 
     def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False, hedge=None):
-        from ..core.acceptance import check_threshold, is_ar_mode
+        from ..core.acceptance import ar_threshold, check_threshold, is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
         from ..backends.base import mask_id_for
 
@@ -287,7 +286,7 @@ class Session:
         if threshold is None:
             # No threshold asked for: the checkpoint's default mode decides (mars.json).
             lossless = lossless or (mars is not None and mars.lossless_by_default)
-            threshold = mars.default_threshold if mars else (0.0 if metric == "entropy" else 1.0)
+            threshold = mars.default_threshold if mars else ar_threshold(metric)
         if mars is None and not is_ar_mode(metric, threshold) and not lossless:
             if not force:
                 raise click.ClickException(
@@ -309,22 +308,13 @@ class Session:
             lossless=lossless,
             hedge=hedge,
         )
-        if hedge is not None and hedge > 0 and not settings.hedges:
-            warn(f"--hedge is ignored here: {why_no_spare_groups(settings)}")
+        if hedge is not None and hedge > 0 and settings.no_spare_groups:
+            warn(f"--hedge is ignored here: {settings.no_spare_groups}")
         return settings
 
 
 def warn(message: str) -> None:
     click.echo(f"note: {message}", err=True)
-
-
-def why_no_spare_groups(settings) -> str:
-    """Why a decoding run feeds no spare mask groups although some were asked for."""
-    if not settings.lossless:
-        return "spare mask groups are a lossless-mode feature (add --lossless, or drop --threshold on a lossless-default checkpoint)"
-    if settings.cache == "block":
-        return "the block cache (--cache block) runs without spare mask groups; use --cache window or none"
-    return "lossless sampling (--temp > 0) runs without spare mask groups; they apply to greedy decoding"
 
 
 def mode(settings) -> str:
@@ -374,6 +364,7 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
     """Generate replies; prints the text and tokens per forward."""
     import dataclasses
 
+    from ..core.acceptance import ar_threshold
     from ..core.tokens import encode_prompt
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
@@ -385,7 +376,7 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
     ids = [encode_prompt(tok, p, chat=not raw) for p in prompts]
     runs = [settings]
     if compare:
-        ar = dataclasses.replace(settings, threshold=0.0 if settings.metric == "entropy" else 1.0, lossless=False)
+        ar = dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False)
         runs = [ar, settings]
     results = [_decode_batches(session, ids, s, batch_size) for s in runs]
     for i, p in enumerate(prompts):
@@ -508,7 +499,7 @@ a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
 
 def chat_command(line: str, settings, session, *, force: bool) -> None:
     """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends text to the model."""
-    from ..core.acceptance import ThresholdError, check_threshold, is_ar_mode
+    from ..core.acceptance import ThresholdError, ar_threshold, check_threshold, is_ar_mode
 
     parts = line.split()
     command = parts[0]
@@ -526,7 +517,7 @@ def chat_command(line: str, settings, session, *, force: bool) -> None:
             return
         if session.tm.mars is None and not is_ar_mode(settings.metric, threshold) and not force:
             click.echo("this model has no mars.json: keeping plain AR (start with --force to override)", err=True)
-            threshold = 0.0 if settings.metric == "entropy" else 1.0
+            threshold = ar_threshold(settings.metric)
         settings.threshold = threshold
         settings.lossless = False
         click.echo(mode(settings), err=True)

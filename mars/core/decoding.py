@@ -87,11 +87,22 @@ class DecodeSettings:
             raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
 
     @property
+    def no_spare_groups(self) -> str | None:
+        """Why this run feeds no spare mask groups whatever `hedge` says, or None when it may:
+        greedy lossless with the window cache or none only (a sampled draft's acceptance needs
+        the distribution it was drawn from; spare groups would need theirs kept too)."""
+        if not self.lossless:
+            return "spare mask groups are a lossless-mode feature"
+        if not self.sampling.greedy:
+            return "lossless sampling runs without spare mask groups (they apply to greedy decoding)"
+        if self.cache == "block":
+            return "the block cache runs without spare mask groups (they need the window cache or none)"
+        return None
+
+    @property
     def hedges(self) -> int:
-        """Spare mask groups a window step feeds (see `hedge`): greedy lossless only (a sampled
-        draft's acceptance needs the distribution it was drawn from; spare groups would need
-        theirs kept too)."""
-        if not (self.lossless and self.sampling.greedy and self.cache != "block"):
+        """Spare mask groups a window step feeds (see `hedge` and `no_spare_groups`)."""
+        if self.no_spare_groups:
             return 0
         return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
 
