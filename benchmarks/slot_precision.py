@@ -8,7 +8,7 @@ reports how far the output stays equal to AR; this reports why. At every block s
 a response (the contexts training sees), the window's slot 0 is the clean stream's prediction
 of token t and slot j >= 1 the j-th mask's prediction of token t + j; each is compared with
 the model's own AR (clean-stream) prediction of that token given the true text before it.
-The threshold table replays the acceptance rule (METHOD §5, the checkpoint's metric or
+The threshold table replays the acceptance rule (docs/method.md §5, the checkpoint's metric or
 --metric) on those slots: tokens per step, the precision of the accepted extra tokens, the
 share of steps that accept a wrong one. --compare-metrics replays all three metrics on a fine
 threshold grid and prints, for each, the most tokens per step whose share of steps with a
@@ -67,7 +67,7 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
                 slot_at, ar_at, valid = [], [], []
                 for t in starts:
                     for s in range(B + 1):
-                        slot_at.append(L + t - 1 if s == 0 else t + s - 1)  # METHOD §4: output at i predicts p(i) + 1
+                        slot_at.append(L + t - 1 if s == 0 else t + s - 1)  # docs/method.md §4: output at i predicts p(i) + 1
                         j = t + s
                         valid.append(j < L and labels[r, j] != IGNORE)
                         ar_at.append(L + min(j, L - 1) - 1)

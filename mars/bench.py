@@ -1,4 +1,4 @@
-"""Decoding speed, measured side by side (DESIGN "Benchmarks").
+"""Decoding speed, measured side by side (docs/design.md, "Benchmarks").
 
 Every configuration decodes the same prompt set at each batch size: AR with KV cache
 through the project's own loop (threshold 1.0), what a user would run instead
@@ -54,13 +54,16 @@ class BenchSettings:
     forward_ks: tuple[int, ...] = tuple(range(1, 33))  # the cost curve; empty: skip it
     forward_repeats: int = 5
     force: bool = False  # allow thresholds < 1 on a model without mars.json
-    lossless: bool = False  # also time lossless decoding (METHOD §8), window and block caches
+    lossless: bool = False  # also time lossless decoding (docs/method.md §8), window and block caches
+    window: bool = True  # time threshold mode with the window cache
+    prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
+    ngram: int = 8  # lossless: n-gram drafts of the default (cost-aware) configuration
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
         for name in ("batch_sizes", "thresholds", "block_caches", "forward_ks"):
             setattr(self, name, tuple(dict.fromkeys(getattr(self, name))))
-        for name in ("batch_sizes", "block_caches", "forward_ks"):
+        for name in ("batch_sizes", "block_caches", "forward_ks"):  # block_caches may be empty: no block cache
             values = getattr(self, name)
             if any(v < 1 for v in values):
                 raise BenchError(f"{name.replace('_', ' ')} must be >= 1, got {list(values)}")
@@ -87,6 +90,7 @@ class Config:
     tokens: list[list[int]] = field(default_factory=list)
     forwards: int | None = None
     row_forwards: int | None = None
+    by_source: dict | None = None
 
 
 def metric_of(loaded, s: BenchSettings) -> str:
@@ -94,7 +98,8 @@ def metric_of(loaded, s: BenchSettings) -> str:
     return s.metric or (loaded.mars.metric if loaded.mars else "probability")
 
 
-def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False) -> DecodeSettings:
+def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
+                    hedge: int | None = None, ngram: int = 0) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     mars = loaded.mars
     mask_id = mask_id_for(loaded)
@@ -109,6 +114,8 @@ def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: B
         block_cache=block_cache,
         sampling=Sampling(),
         lossless=lossless,
+        hedge=hedge,
+        ngram=ngram,
     )
 
 
@@ -122,9 +129,13 @@ def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
     return out
 
 
-def torch_reference(loaded, max_tokens: int):
-    """`transformers` `generate`: greedy, the batch left-padded, the same max_new_tokens."""
+def torch_reference(loaded, max_tokens: int, lookup: int = 0):
+    """`transformers` `generate`: greedy, the batch left-padded, the same max_new_tokens;
+    with `lookup`, its prompt lookup decoding (that many draft tokens, batch 1 only). It runs
+    as its users run it: our packed linear layers are switched off for it."""
     import torch
+
+    from .backends.torch.packed import disabled
 
     eos = list(loaded.eos_ids)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else eos[0]
@@ -137,13 +148,21 @@ def torch_reference(loaded, max_tokens: int):
         for r, p in enumerate(prompts):
             ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
-        out = loaded.model.generate(
-            ids.to(loaded.device), attention_mask=attn.to(loaded.device), max_new_tokens=max_tokens,
-            do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=pad,
-        )
+        extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        with disabled():
+            out = loaded.model.generate(
+                ids.to(loaded.device), attention_mask=attn.to(loaded.device), max_new_tokens=max_tokens,
+                do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=pad, **extra,
+            )
         new = out[:, width:].tolist()
         return [_until_eos(row, set(eos), max_tokens) for row in new], None
 
+    def one_by_one(prompts):  # prompt lookup decodes one row at a time
+        out = [run([p])[0][0] for p in prompts]
+        return out, None
+
+    if lookup:
+        return f"transformers lookup {lookup}", one_by_one
     return "transformers.generate", run
 
 
@@ -165,27 +184,41 @@ def mlx_reference(loaded, max_tokens: int):
     return "mlx_lm.generate", run
 
 
-def _ours(decoder, settings: DecodeSettings):
+def _ours(decoder, settings: DecodeSettings, cost=None):
     def run(prompts):
-        result = generate(decoder, prompts, settings)
+        result = generate(decoder, prompts, settings, cost=cost)
         return result.tokens, result.stats
 
     return run
 
 
-def build_configs(loaded, decoder, backend: str, s: BenchSettings) -> list[Config]:
+def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
+    """`cost`: the decoder's per-forward cost curve; the default lossless configuration
+    (what `mars generate --lossless` runs) chooses its feed from it."""
+    from .core.cost import FeedPolicy
+
     ar_tau = ar_threshold(metric_of(loaded, s))
     ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
     name, ref = (mlx_reference if backend == "mlx" else torch_reference)(loaded, s.max_tokens)
     configs = [ar, Config(name, "reference", ref)]
+    if backend == "torch" and s.prompt_lookup:  # one prompt at a time, whatever the batch size
+        name, ref = torch_reference(loaded, s.max_tokens, lookup=s.prompt_lookup)
+        configs.append(Config(name, "reference", ref))
     for tau in s.thresholds:
-        window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s))
-        configs.append(Config(f"mars-window t={tau:g}", "mars", window, tau, "window"))
+        if s.window:
+            window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s))
+            configs.append(Config(f"mars-window t={tau:g}", "mars", window, tau, "window"))
         for bc in s.block_caches:
             run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s))
             configs.append(Config(f"mars-block{bc} t={tau:g}", "mars", run, tau, "block", bc))
     if s.lossless:
-        configs.append(Config("lossless-window", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True)), None, "window"))
+        if s.window:
+            auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram)
+            policy = FeedPolicy(cost, auto.block_size, auto.hedges) if cost is not None else None
+            configs.append(Config("lossless (default)", "lossless", _ours(decoder, auto, policy), None, "window"))
+            fixed = decode_settings(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
+            configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))
+            configs.append(Config("lossless hedge 0", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
         for bc in s.block_caches:
             run = _ours(decoder, decode_settings(loaded, 1.0, "block", bc, s, True))
             configs.append(Config(f"lossless-block{bc}", "lossless", run, None, "block", bc))
@@ -197,7 +230,8 @@ def _chunks(prompts, size):
 
 
 def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, int | None, int | None]:
-    tokens, forwards, row_forwards = [], 0, 0
+    """Decode every chunk; also leaves in `config.by_source` where a lossless pass's tokens came from."""
+    tokens, forwards, row_forwards, sources = [], 0, 0, {}
     t0 = time.perf_counter()
     for chunk in chunks:
         out, stats = config.run(chunk)
@@ -205,9 +239,23 @@ def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, in
         if stats is not None:
             forwards += stats.forwards
             row_forwards += stats.row_forwards
+            for k, v in stats.by_source().items():
+                sources[k] = sources.get(k, 0) + v
     wall = time.perf_counter() - t0
+    config.by_source = sources or None
     own = config.kind != "reference"
     return wall, tokens, sum(len(t) for t in tokens), forwards if own else None, row_forwards if own else None
+
+
+def _prefix_kept(rows, ar_rows) -> float:
+    """Share of AR's tokens a configuration reproduced before its first difference, over all rows."""
+    kept = 0
+    for row, ar in zip(rows, ar_rows):
+        n = 0
+        while n < min(len(row), len(ar)) and row[n] == ar[n]:
+            n += 1
+        kept += n
+    return round(kept / max(1, sum(len(a) for a in ar_rows)), 4)
 
 
 def _strip_eos(rows, eos):
@@ -260,6 +308,10 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
             "wall_s_runs": c.walls,
             "tokens_per_s": count / wall,
             "ratio_to_ar": 1.0 if c is ar else statistics.median(c.ratios),
+            "ratio_min": min(c.ratios),
+            "ratio_max": max(c.ratios),
+            "tokens_by_source": c.by_source,
+            "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
             "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
         })
     mismatched = [i for i, (a, b) in enumerate(zip(ar_rows, _strip_eos(ref.tokens, eos))) if a != b]
@@ -330,7 +382,12 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
             "this model has no mars.json (never MARS-trained): thresholds below 1.0 decode untrained mask guesses; "
             "use --threshold 1.0, or --force to time them anyway"
         )
-    configs = build_configs(loaded, decoder, backend, s)
+    cost = None
+    if s.lossless and s.window:
+        from .backends.base import cost_curve
+
+        cost = cost_curve(loaded, decoder)
+    configs = build_configs(loaded, decoder, backend, s, cost)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []
     ks = tuple(s.forward_ks)
@@ -395,13 +452,13 @@ def format_table(report: dict) -> str:
     lines = [
         head,
         "",
-        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'=AR':>5}",
+        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'min-max':>11} {'=AR':>5}",
     ]
     for r in report["runs"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] is not None else "-"
         lines.append(
             f"{r['batch_size']:>5}  {r['name']:<24} {r['tokens']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
-            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['rows_equal_to_ar']:>5.2f}"
+            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['rows_equal_to_ar']:>5.2f}"
         )
     if report["forward_cost"]:
         lines += ["", "one cached forward of k new tokens (median ms; x the first k)"]

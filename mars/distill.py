@@ -11,7 +11,7 @@ previous one (a multi-turn conversation whose every reply is the model's own).
 Output: the same split files in the mlx-lm chat shape, one record per prompt, in prompt order:
 `{"messages": [..., {"role": "assistant", "content": reply}], "finish": "eos" | "length"}`.
 "finish": "length" marks a reply cut by --max-tokens; training labels neither its EOS nor its
-padding (METHOD §2). Work is written batch by batch to `<split>.jsonl.partial` and renamed when
+padding (docs/method.md §2). Work is written batch by batch to `<split>.jsonl.partial` and renamed when
 the split is complete, so an interrupted run resumes where it stopped.
 """
 

@@ -4,10 +4,10 @@ Two measurements per model, on one dataset or prompt file:
 
 1. NLL: the mean clean-stream loss per response token (the model's ordinary next-token
    loss) and, for a MARS checkpoint (with mars.json), the noisy-stream loss, computed with
-   the training loss code (METHOD §4) and aggregated as one token-weighted mean over the
+   the training loss code (docs/method.md §4) and aggregated as one token-weighted mean over the
    whole split. Padding after a response's EOS carries no loss here (training counts it):
    every response token, its EOS included, counts once.
-2. A threshold sweep with the decoding loop (METHOD §5): per threshold, tokens per forward,
+2. A threshold sweep with the decoding loop (docs/method.md §5): per threshold, tokens per forward,
    the acceptance rate of each window slot, and agreement with the same model's AR output
    (threshold 1.0): exact-match rate and mean matching-prefix length.
 
@@ -52,7 +52,7 @@ class EvalSettings:
     force: bool = False  # sweep below AR mode on a model without mars.json
     decode: bool = True
     nll: bool = True
-    lossless: bool = False  # also decode in lossless mode (METHOD §8): one more row, exact by construction
+    lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
 
 

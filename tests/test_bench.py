@@ -19,10 +19,10 @@ def tiny(tmp_path_factory):
     return save_model(tmp_path_factory.mktemp("bench") / "model", "llama", seed=1)
 
 
-def check_report(report, reference):
+def check_report(report, reference, extra=()):
     assert report["ar_matches_reference"] is True
     assert [c["batch_size"] for c in report["reference_check"]] == [1, 2]
-    expected = {"ar-kv-cache", reference, "mars-window t=0.9", "mars-block4 t=0.9", "mars-block8 t=0.9"}
+    expected = {"ar-kv-cache", reference, "mars-window t=0.9", "mars-block4 t=0.9", "mars-block8 t=0.9", *extra}
     for batch in (1, 2):
         runs = {r["name"]: r for r in report["runs"] if r["batch_size"] == batch}
         assert set(runs) == expected
@@ -33,6 +33,9 @@ def check_report(report, reference):
         for r in runs.values():
             assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio_to_ar"] > 0 and r["tokens"] > 0
             assert len(r["wall_s_runs"]) == 1
+            assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"]
+        for name in extra:  # transformers prompt lookup: greedy, so AR's tokens
+            assert runs[name]["rows_equal_to_ar"] == 1.0
     curve = report["forward_cost"]
     assert [(p["batch_size"], p["k"]) for p in curve] == [(b, k) for b in (1, 2) for k in (1, 2, 3, 4)]
     assert all(p["median_s"] > 0 for p in curve)
@@ -45,7 +48,7 @@ def check_report(report, reference):
 def test_torch_bench_reports_every_configuration(tiny):
     report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
     assert report["backend"] == "torch" and report["prompts"] == 4
-    check_report(report, "transformers.generate")
+    check_report(report, "transformers.generate", extra=("transformers lookup 10",))
 
 
 def test_mlx_bench_reports_every_configuration(tiny):
@@ -53,6 +56,22 @@ def test_mlx_bench_reports_every_configuration(tiny):
     report = benchmark(str(tiny), backend="mlx", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
     assert report["backend"] == "mlx"
     check_report(report, "mlx_lm.generate")
+
+
+def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the cost curve is measured and kept here
+    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0,), block_caches=(4,), repeats=2, forward_ks=(), max_tokens=12,
+                             lossless=True, prompt_lookup=0)
+    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None)
+    runs = {r["name"]: r for r in report["runs"]}
+    assert {"lossless (default)", "lossless hedge 4", "lossless hedge 0", "lossless-block4"} <= set(runs)
+    for name in ("lossless (default)", "lossless hedge 4", "lossless hedge 0", "lossless-block4"):
+        assert runs[name]["rows_equal_to_ar"] == 1.0 and runs[name]["tokens"] == runs["ar-kv-cache"]["tokens"]
+        assert len(runs[name]["wall_s_runs"]) == 2
+        assert runs[name]["ar_prefix_kept"] == 1.0
+        assert sum(runs[name]["tokens_by_source"].values()) == runs[name]["tokens"]
+    assert runs["ar-kv-cache"]["tokens_by_source"] is None  # AR has no drafts to report
+    assert list((tmp_path / "cost").glob("*.json"))  # the curve was kept for the next run
 
 
 def test_thresholds_below_one_need_force_without_mars_json(tiny):

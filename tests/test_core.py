@@ -17,7 +17,7 @@ from tiny import make_tokenizer
 
 
 def brute_force_mask(lengths, L, B):
-    """METHOD §3 transcribed literally, one (row, query, key) at a time."""
+    """docs/method.md §3 transcribed literally, one (row, query, key) at a time."""
     out = np.zeros((len(lengths), 2 * L, 2 * L), dtype=bool)
     for r, n in enumerate(lengths):
         for q in range(2 * L):

@@ -1,4 +1,4 @@
-"""Lossless mode (METHOD §8): the masks draft, the next forward verifies.
+"""Lossless mode (docs/method.md §8): the masks draft, the next forward verifies.
 
 Greedy: the output equals threshold-1.0 (plain greedy AR) output token for token, for every
 cache strategy, block size and batch size. Sampling: the distribution of the first tokens

@@ -226,3 +226,19 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path):
         verified += res.stats.draft_totals()["verified_per_slot"][0]
     assert 0 < kept < verified
     assert chi_square_p(counts, expected, n) > 1e-3
+
+
+@pytest.mark.parametrize("curve", [{1: 1.0, 64: 1.0}, {1: 1.0, 64: 64.0}, {1: 1.0, 4: 1.2, 16: 2.0}])
+def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curve):
+    from mars.core.cost import CostCurve
+
+    m, t = pair
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    ar = generate(MlxDecoder(m), prompts, settings(threshold=1.0)).tokens
+    s = settings(lossless=True, ngram=6)
+    for dec in (MlxDecoder(m), TorchDecoder(t)):
+        for batch in (1, 3):
+            out = []
+            for start in range(0, len(prompts), batch):
+                out += generate(dec, prompts[start : start + batch], s, cost=CostCurve(dict(curve), refresh=0.0)).tokens
+            assert out == ar, (type(dec).__name__, batch)

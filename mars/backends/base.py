@@ -60,3 +60,31 @@ def mask_id_for(loaded) -> int:
     if mask_id >= loaded.vocab_rows:  # it would have to be added: use a token that exists
         mask_id = loaded.tokenizer.unk_token_id or 0
     return mask_id
+
+
+def cost_curve(loaded, decoder, *, announce=None):
+    """The decoder's per-forward cost curve (mars.core.cost): measured once per model,
+    device, dtype, thread count and backend version and kept under the cache directory
+    (`MARS_HOME`, default ~/.cache/mars/cost), then loaded. The decoding loop refreshes
+    its copy from the forwards it times."""
+    import hashlib
+    import json
+
+    from ..core.cost import CostCurve, calibrate
+    from ..default_model import cache_root
+
+    key = {"model": str(getattr(loaded, "path", "")), **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "cost" / f"{digest}.json"
+    curve = CostCurve.load(path)
+    if curve is not None:
+        return curve
+    if announce:
+        announce("measuring what a forward costs on this device (once; kept under the cache directory)")
+    mask_id = mask_id_for(loaded)
+    curve = calibrate(decoder, [mask_id] * 64, filler=mask_id)
+    try:
+        curve.save(path, key=key)
+    except OSError:
+        pass  # a read-only cache: measure again next time
+    return curve

@@ -29,7 +29,7 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--raw", is_flag=True, help="Feed the prompts as plain text, without the chat template.")
 @click.option("--batch-sizes", default="1,4,8", show_default=True, help="Comma-separated batch sizes.")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help="A MARS threshold to time (repeat for several). Default: 0.9.")
-@click.option("--block-cache", "block_caches", default="4,8,16,32", show_default=True, help="Comma-separated B_cache values for the block cache.")
+@click.option("--block-cache", "block_caches", default="4,8,16,32", show_default=True, help="Comma-separated B_cache values for the block cache; 0 skips the block cache.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's).")
 @click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
@@ -39,6 +39,9 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
 @click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
 @click.option("--lossless", is_flag=True, help="Also time lossless decoding (window and each --block-cache).")
+@click.option("--window/--no-window", default=True, show_default=True, help="Time MARS with the window cache (threshold and lossless).")
+@click.option("--prompt-lookup", type=click.IntRange(min=0), default=10, show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
+@click.option("--ngram", type=click.IntRange(min=0), default=8, show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
 @click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
@@ -51,7 +54,7 @@ def bench_command(**opts):
 
 
 def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-           max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, threads, verbose, backend):
+           max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, threads, verbose, backend):
     from ..bench import BenchError, BenchSettings, benchmark, format_table
     from .main import quiet_libraries, read_prompts
 
@@ -60,7 +63,7 @@ def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block
         settings = BenchSettings(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"),
             thresholds=tuple(thresholds) or (0.9,),
-            block_caches=_ints(block_caches, "--block-cache"),
+            block_caches=() if block_caches.strip() == "0" else _ints(block_caches, "--block-cache"),
             max_tokens=max_tokens,
             repeats=repeats,
             block_size=block_size,
@@ -69,6 +72,9 @@ def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block
             forward_repeats=forward_repeats,
             force=force,
             lossless=lossless,
+            window=window,
+            prompt_lookup=prompt_lookup,
+            ngram=ngram,
         )
     except BenchError as e:
         raise click.UsageError(str(e)) from None

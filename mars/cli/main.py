@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -239,6 +240,9 @@ def check_init_adapter(path: Path, base_path: Path, opts: dict):
 # generate / chat
 
 
+DEFAULT_NGRAM = 8  # most n-gram drafts a lossless step feeds
+
+
 def decode_options(f):
     f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
     f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
@@ -256,7 +260,11 @@ def decode_options(f):
     f = click.option("--hedge", type=click.IntRange(min=0), default=None,
                      help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
                           "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
-                          "Default: the block size; 0: none.")(f)
+                          "Default: chosen per step from what a forward costs on this device (at most the block size); "
+                          "giving N fixes it (0: none).")(f)
+    f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
+                     help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
+                          "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
     return f
 
 
@@ -271,8 +279,27 @@ class Session:
         say = lambda m: click.echo(m, err=True)  # noqa: E731
         self.tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
         self.decoder = decoder(self.tm)
+        self._cost = None
+        self._policies = {}
 
-    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False, hedge=None):
+    def cost_for(self, settings):
+        """The per-forward cost curve when `settings` chooses its feed per step (greedy
+        lossless with the window cache or none, `--hedge` not given), else None."""
+        from ..backends.base import cost_curve
+
+        if not (settings.lossless and settings.sampling.greedy and settings.cache != "block" and settings.hedge is None):
+            return None
+        from ..core.cost import FeedPolicy
+
+        if self._cost is None:
+            self._cost = cost_curve(self.tm, self.decoder, announce=lambda m: click.echo(m, err=True))
+        key = (settings.block_size, settings.hedges)
+        if key not in self._policies:  # one per block size: it keeps what it learns across calls
+            self._policies[key] = FeedPolicy(self._cost, *key)
+        return self._policies[key]
+
+    def settings(self, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force, lossless=False, hedge=None,
+                 ngram=DEFAULT_NGRAM):
         from ..core.acceptance import ar_threshold, check_threshold, is_ar_mode
         from ..core.decoding import DecodeSettings, Sampling
         from ..backends.base import mask_id_for
@@ -307,6 +334,7 @@ class Session:
             sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed),
             lossless=lossless,
             hedge=hedge,
+            ngram=ngram,
         )
         if hedge is not None and hedge > 0 and settings.no_spare_groups:
             warn(f"--hedge is ignored here: {settings.no_spare_groups}")
@@ -357,10 +385,12 @@ def read_prompts(path: Path) -> list:
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
 @click.option("--compare", is_flag=True, help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="--compare: timed rounds, AR and the mode interleaved; the speed ratio is their median.")
 @decode_options
 @backend_option
 @friendly_errors
-def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, backend, **decode):
+def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
     """Generate replies; prints the text and tokens per forward."""
     import dataclasses
 
@@ -378,7 +408,15 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
     if compare:
         ar = dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False)
         runs = [ar, settings]
+    for s in runs:
+        session.cost_for(s)  # measured (once per device) before anything is timed
     results = [_decode_batches(session, ids, s, batch_size) for s in runs]
+    ratios = []
+    if compare:
+        # Rounds interleave AR and the mode, so drift on a busy machine hits both alike.
+        for n in range(rounds):
+            timed = results if n == 0 else [_decode_batches(session, ids, s, batch_size) for s in runs]
+            ratios.append((timed[1]["tokens_total"] / timed[1]["seconds"]) / max(1e-9, timed[0]["tokens_total"] / timed[0]["seconds"]))
     for i, p in enumerate(prompts):
         texts = [tok.decode(r["tokens"][i], skip_special_tokens=True) for r in results]
         if as_json:
@@ -396,8 +434,8 @@ def generate(model, adapter_path, dtype, device, prompt_texts, prompt_file, batc
     lines = [_summary(s, r) for s, r in zip(runs, results)]
     if compare:
         same = sum(a == b for a, b in zip(results[0]["tokens"], results[1]["tokens"]))
-        speed = (results[1]["tokens_total"] / results[1]["seconds"]) / max(1e-9, results[0]["tokens_total"] / results[0]["seconds"])
-        lines.append(f"{same}/{len(prompts)} replies identical to AR; {speed:.2f}x AR's tokens/s")
+        spread = f" (median of {rounds} interleaved rounds, {min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else " (one round)"
+        lines.append(f"{same}/{len(prompts)} replies identical to AR; {statistics.median(ratios):.2f}x AR's tokens/s{spread}")
     for line in lines:
         click.echo(line, err=as_json)
 
@@ -408,7 +446,7 @@ def _decode_batches(session, ids, settings, batch_size) -> dict:
     tokens, finish, rows = [], [], []
     t0 = time.perf_counter()
     for start in range(0, len(ids), batch_size):
-        result = run(session.decoder, ids[start : start + batch_size], settings)
+        result = run(session.decoder, ids[start : start + batch_size], settings, cost=session.cost_for(settings))
         tokens += result.tokens
         finish += result.finish
         rows += result.stats.rows
@@ -419,10 +457,23 @@ def _decode_batches(session, ids, settings, batch_size) -> dict:
 
 def _summary(settings, r: dict) -> str:
     n, f, sec = r["tokens_total"], r["forwards"], r["seconds"]
-    return (
+    line = (
         f"{mode(settings)}, B={settings.block_size}, cache={settings.cache}: {n} tokens, {f} forwards, "
         f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
     )
+    return line + sources_text(r["rows"])
+
+
+def sources_text(rows) -> str:
+    """Lossless: where the tokens came from (drafts kept, by source; one AR token a step)."""
+    total: dict[str, int] = {}
+    for row in rows:
+        for k, v in row.by_source.items():
+            total[k] = total.get(k, 0) + v
+    if not total:
+        return ""
+    names = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "ar": "AR"}
+    return "; tokens from " + ", ".join(f"{names[k]} {total[k]}" for k in names if total.get(k))
 
 
 @cli.command()
@@ -480,7 +531,7 @@ def chat(model, adapter_path, dtype, device, system, backend, **decode):
             shown = text
 
         t0 = time.perf_counter()
-        result = run(session.decoder, [ids], settings, on_tokens=stream)
+        result = run(session.decoder, [ids], settings, on_tokens=stream, cost=session.cost_for(settings))
         dt = time.perf_counter() - t0
         st = result.stats.rows[0]
         click.echo("")

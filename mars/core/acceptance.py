@@ -1,4 +1,4 @@
-"""Confidence metrics and left-to-right prefix acceptance (METHOD §5).
+"""Confidence metrics and left-to-right prefix acceptance (docs/method.md §5).
 
 Backends compute confidences on the device and hand back small (batch, slots)
 arrays; the numpy versions here are the reference they are tested against.

@@ -1,4 +1,4 @@
-"""MarsConfig and `mars.json` (METHOD §7): what makes a model directory a MARS checkpoint."""
+"""MarsConfig and `mars.json` (docs/method.md §7): what makes a model directory a MARS checkpoint."""
 
 from __future__ import annotations
 

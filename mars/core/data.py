@@ -2,7 +2,7 @@
 
 Backend-neutral on purpose (standard library and numpy only): the tokenizer is any
 object with the Hugging Face tokenizer interface, so the MLX side can share this.
-See METHOD.md sections 2 and 4 for why padding and labels look the way they do.
+See docs/method.md sections 2 and 4 for why padding and labels look the way they do.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ SHAPES = {
 SHAPE_HINT = '{"messages": [...]}, {"prompt": ..., "completion": ...} or {"text": ...}'
 # Optional on chat shapes: how the response ended. "length" marks a reply cut by a generation
 # limit (as `mars distill` writes them): it did not end, so neither its EOS nor its block
-# padding is labelled (METHOD §2).
+# padding is labelled (docs/method.md §2).
 OPTIONAL = {"messages": ("finish",), "prompt": ("finish",), "text": ()}
 FINISH = ("eos", "length")
 
@@ -215,7 +215,7 @@ def encode_record(record, tokenizer, *, eos_id: int, where: str = "record") -> t
         ids = _ids(tokenizer(record["text"]))
         if not ids or ids[-1] != eos_id:  # some tokenizers append EOS themselves
             ids.append(eos_id)
-        # METHOD §4: position 0 has no predecessor, so it can never carry a label.
+        # docs/method.md §4: position 0 has no predecessor, so it can never carry a label.
         return ids, [IGNORE] + ids[1:]
 
     if getattr(tokenizer, "chat_template", None) is None:
@@ -256,7 +256,7 @@ def record_ended(record) -> bool:
 
 
 def pad_to_block(ids, labels, block_size: int, eos_id: int, *, ended: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Pad with eos_id to a multiple of block_size (METHOD §2).
+    """Pad with eos_id to a multiple of block_size (docs/method.md §2).
 
     The padding is labelled EOS only when the response really ended; a response cut by the
     length limit did not, and labelling its padding would teach the model to stop mid-thought.

@@ -1,11 +1,11 @@
-"""The decoding loop (METHOD §5-6): one loop, small strategies that say what to feed and commit.
+"""The decoding loop (docs/method.md §5-6): one loop, small strategies that say what to feed and commit.
 
 Per step the strategy lays out what every row feeds on top of its committed cache,
 the backend runs one forward and returns per-slot (id, confidence) on the host,
 the acceptance rule decides how many leading slots each row keeps, and the
 strategy commits: it tells the backend how far to crop the cache.
 
-Lossless mode (METHOD §8) runs on the same strategies: each row also feeds, as real ids,
+Lossless mode (docs/method.md §8) runs on the same strategies: each row also feeds, as real ids,
 the drafts its masks proposed last step, right after its uncommitted tokens and before
 its masks. The outputs before the drafts are the AR predictions for them, so a draft is
 kept while it equals that prediction (greedy) or passes the speculative-sampling test
@@ -22,12 +22,15 @@ at any step, and each decoding at its own threshold.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from . import ngram
 from .acceptance import accept_counts, ar_mode_rows, check_metric, check_threshold, is_ar_mode
+from .cost import CostCurve, DraftStats, FeedPolicy
 from .masks import decode_mask
 
 STRATEGIES = ("none", "window", "block")
@@ -63,7 +66,7 @@ class DecodeSettings:
     cache: str = "window"  # none | window | block
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
     sampling: Sampling = field(default_factory=Sampling)
-    lossless: bool = False  # masks draft, the next forward verifies: output exactly AR's (METHOD §8)
+    lossless: bool = False  # masks draft, the next forward verifies: output exactly AR's (docs/method.md §8)
     # Lossless, greedy, window or no cache: also feed up to `hedge` spare groups of B masks, group
     # g placed after the g-th draft (group 0 right after the last verified token) and attending
     # only to what precedes it. When draft g + 1 is the first one rejected, the step still takes
@@ -71,6 +74,10 @@ class DecodeSettings:
     # next drafts instead of none. Output stays AR's; only the drafts change. Each group costs B
     # more fed tokens per step. None: B groups (after every draft); 0: no spare groups.
     hedge: int | None = None
+    # Lossless, greedy, window or no cache: also draft from n-gram lookup in the prompt and output
+    # (mars.core.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
+    # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
+    ngram: int = 0
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -85,6 +92,8 @@ class DecodeSettings:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
         if self.hedge is not None and self.hedge < 0:
             raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
+        if self.ngram < 0:
+            raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
 
     @property
     def no_spare_groups(self) -> str | None:
@@ -162,6 +171,7 @@ class Feed:
     # masks' reads), and `attend` (b, q, q) limits which fed columns each fed query may see.
     groups: int = 0
     attend: np.ndarray | None = None
+    masks: int = 0  # masks fed per (live) row, spare groups not counted
 
 
 @dataclass
@@ -174,6 +184,9 @@ class RowStats:
     drafted_per_slot: list[int] = field(default_factory=list)
     verified_per_slot: list[int] = field(default_factory=list)
     kept_per_slot: list[int] = field(default_factory=list)
+    # Lossless mode: tokens taken, by where they came from: drafts of the masks, of the spare
+    # groups or of n-gram lookup (kept by verification), and the AR token every step takes.
+    by_source: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -185,6 +198,7 @@ class DecodeStats:
     rows: list[RowStats]
     forwards: int = 0  # batch forwards run
     fed_tokens: int = 0  # token slots fed, holes included (the compute spent)
+    drafting: Drafting | None = field(default=None, repr=False)  # greedy lossless window decoding
 
     @property
     def accepted(self) -> int:
@@ -196,7 +210,7 @@ class DecodeStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """Accepted tokens / counted forwards, summed over rows (METHOD §5, Counting)."""
+        """Accepted tokens / counted forwards, summed over rows (docs/method.md §5, Counting)."""
         return self.accepted / self.row_forwards if self.row_forwards else 0.0
 
     def to_dict(self) -> dict:
@@ -217,6 +231,7 @@ class DecodeStats:
                         if r.drafted_per_slot
                         else {}
                     ),
+                    **({"by_source": dict(r.by_source)} if r.by_source else {}),
                 }
                 for r in self.rows
             ],
@@ -229,6 +244,14 @@ class DecodeStats:
             return [int(x) for x in np.sum(per, axis=0)] if per else []
 
         return {"drafted_per_slot": total("drafted_per_slot"), "verified_per_slot": total("verified_per_slot"), "kept_per_slot": total("kept_per_slot")}
+
+    def by_source(self) -> dict[str, int]:
+        """Lossless mode: tokens taken per source (masks, spare, ngram, ar), summed over rows."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            for k, v in r.by_source.items():
+                out[k] = out.get(k, 0) + v
+        return out
 
 
 @dataclass
@@ -248,6 +271,7 @@ class _Row:
         self.done = False
         self.finish = ""
         self.drafts: list[int] = []  # lossless: the masks' last proposals, verified next step
+        self.source = "masks"  # where `drafts` came from: masks | spare | ngram
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 
     @property
@@ -277,10 +301,11 @@ def _pad_drafts(drafts: list[list[int]], mask_id: int) -> tuple[np.ndarray, np.n
 
 def _lossless_read(last: np.ndarray, n_drafts: np.ndarray, width_drafts: int, first_mask: np.ndarray, masks: int, width: int):
     """1 + D AR reads (the output at the last real token, then at each draft; padded by
-    repeating a row's last one), then the masks' reads."""
+    repeating a row's last one), then the masks' reads. A row that feeds nothing (finished,
+    still in the batch) reads column 0: its reads are ignored but must exist."""
     ar = last[:, None] + np.minimum(np.arange(width_drafts + 1)[None, :], n_drafts[:, None])
     mk = np.minimum(first_mask[:, None] + np.arange(masks)[None, :], width - 1)
-    return np.concatenate([ar, mk], axis=1)
+    return np.clip(np.concatenate([ar, mk], axis=1), 0, width - 1)
 
 
 def _add_groups(feed: Feed, groups: int, masks: int, mask_id: int, done: list[bool]) -> None:
@@ -327,7 +352,7 @@ def _positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
 
 
 class WindowStrategy:
-    """Sliding window (METHOD §5-6): feed what is not yet cached, then B masks.
+    """Sliding window (docs/method.md §5-6): feed what is not yet cached, then B masks.
 
     With `cached=False` nothing is kept: every step feeds the whole sequence.
     With `cached=True` the cache keeps committed tokens only; mask entries are cropped.
@@ -337,9 +362,12 @@ class WindowStrategy:
         self.s = settings
         self.cached = cached
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
+        # Per step, a cost-aware loop may narrow these (FeedPolicy); lossless output stays AR's.
+        self.masks = settings.masks_per_step
+        self.groups = settings.hedges
 
     def plan(self, rows: list[_Row]) -> Feed:
-        s, m = self.s, self.s.masks_per_step
+        s, m = self.s, self.masks
         # Lossless: as many drafts as leave room for the AR token after them.
         drafts = [[] if r.done else r.drafts[: r.max_tokens - len(r.out) - 1] for r in rows]
         parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
@@ -350,14 +378,16 @@ class WindowStrategy:
         if not s.lossless:
             read = np.tile(np.arange(width - m - 1, width), (len(rows), 1))
             limit = [0 if r.done else min(m + 1, r.max_tokens - len(r.out)) for r in rows]
-            return Feed(ids, positions, valid, read, np.asarray(limit))
+            return Feed(ids, positions, valid, read, np.asarray(limit), masks=m)
         padded, n = _pad_drafts(drafts, s.mask_id)
         first_mask = np.full(len(rows), width - m)
         read = _lossless_read(first_mask - n - 1, n, padded.shape[1], first_mask, m, width)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        feed = Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
-        if s.hedges:
-            _add_groups(feed, s.hedges, m, s.mask_id, [r.done for r in rows])
+        feed = Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n, masks=m)
+        # A group follows a draft: no more groups than the most drafts any row feeds.
+        groups = min(self.groups, int(n.max(initial=0))) if m else 0
+        if groups:
+            _add_groups(feed, groups, m, s.mask_id, [r.done for r in rows])
         return feed
 
     def keep_rows(self, keep: list[int]) -> None:
@@ -373,19 +403,24 @@ class WindowStrategy:
         if not self.cached:
             return
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
-        fed_real = feed.ids.shape[1] - self.s.masks_per_step * (1 + feed.groups)
+        fed_real = feed.ids.shape[1] - feed.masks * (1 + feed.groups)
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(feed)[:, : old + fed_real].copy()
         if feed.kept is not None:  # rejected drafts were computed from wrong ids: make them holes
             for r, (n, k) in enumerate(zip(feed.n_drafts, feed.kept)):
                 self.key_valid[r, old + fed_real - n + k : old + fed_real] = False
+            # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
+            # row attends leaves the cache at once (at batch 1, every rejected draft).
+            live = self.key_valid[:, old:].any(axis=0)
+            end = old + (int(np.flatnonzero(live)[-1]) + 1 if live.any() else 0)
+            self.key_valid = self.key_valid[:, :end]
         backend.crop(cache, self.key_valid.shape[1])
         for r, b in zip(rows, before):
             r.cached = b
 
 
 class BlockStrategy:
-    """Block-level cache for batches (METHOD §6).
+    """Block-level cache for batches (docs/method.md §6).
 
     Rows stay aligned on blocks of B_cache generated tokens. Inside a block every
     step feeds the block's slots (filled ones real, the rest masks) on the
@@ -428,11 +463,11 @@ class BlockStrategy:
             padded, n = _pad_drafts(drafts, s.mask_id)
             read = _lossless_read(last, n, padded.shape[1], last + n + 1, self.masks, ids.shape[1])
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
-            return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n)
+            return Feed(ids, positions, valid, read, limit, drafts=padded, n_drafts=n, masks=self.masks)
         slots = self.masks + 1
         read = np.clip(last[:, None] + np.arange(slots)[None, :], 0, ids.shape[1] - 1)
         limit = [0 if w else min(slots, k) for w, k in zip(waiting, room)]
-        return Feed(ids, positions, valid, read, np.asarray(limit))
+        return Feed(ids, positions, valid, read, np.asarray(limit), masks=self.masks)
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -476,7 +511,7 @@ def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[l
     spare = None
     if s.sampling.greedy:
         ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=s.sampling)
-        masks = s.masks_per_step
+        masks = feed.masks
         ar, proposals = ids[:, : width + 1], ids[:, width + 1 : width + 1 + masks]
         spare = ids[:, width + 1 + masks :].reshape(len(ids), feed.groups, masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
@@ -495,20 +530,27 @@ def _verify(backend, cache, feed: Feed, mask, s: DecodeSettings) -> tuple[list[l
     nxt = []
     for i in range(len(kept)):
         if kept[i] == feed.n_drafts[i]:
-            nxt.append([int(t) for t in proposals[i]])
+            nxt.append(("masks", [int(t) for t in proposals[i]]))
         elif spare is not None and kept[i] < feed.groups:
-            nxt.append([int(t) for t in spare[i, kept[i]]])
+            nxt.append(("spare", [int(t) for t in spare[i, kept[i]]]))
         else:
-            nxt.append([])
+            nxt.append(("masks", []))
     return accepted, nxt
 
 
-def _count_drafts(r: _Row, verified: int, kept: int, drafts: list[int], masks: int) -> None:
-    """Lossless bookkeeping, per draft slot: drafts fed, verified and kept; `drafts` are the
-    next step's (see `_verify`)."""
+def _count_drafts(r: _Row, verified: int, kept: int, nxt: tuple[str, list[int]], masks: int) -> None:
+    """Lossless bookkeeping, per draft slot: drafts fed, verified and kept, and the tokens
+    taken per source; `nxt` (source, drafts) are the next step's (see `_verify`)."""
     st = r.stats
-    if not st.drafted_per_slot:
-        st.drafted_per_slot, st.verified_per_slot, st.kept_per_slot = ([0] * masks for _ in range(3))
+    source, drafts = nxt
+    width = max(masks, verified, len(drafts))
+    for counts in ("drafted_per_slot", "verified_per_slot", "kept_per_slot"):
+        row = getattr(st, counts)
+        row.extend([0] * (width - len(row)))
+    if kept:
+        st.by_source[r.source] = st.by_source.get(r.source, 0) + kept
+    st.by_source["ar"] = st.by_source.get("ar", 0) + 1
+    r.source = source
     for j in range(verified):
         st.verified_per_slot[j] += 1
     for j in range(kept):
@@ -516,6 +558,67 @@ def _count_drafts(r: _Row, verified: int, kept: int, drafts: list[int], masks: i
     r.drafts = list(drafts)
     for j in range(len(r.drafts)):
         st.drafted_per_slot[j] += 1
+
+
+class Drafting:
+    """Greedy lossless window decoding: which drafts each row feeds, and how wide a step is.
+
+    Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
+    groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
+    lookup on, a row drafts from lookup instead of the masks when lookup is expected to
+    keep more (`DraftStats`, per source and slot), and a row with no drafts takes lookup's
+    if it pays. After the forward: the acceptance statistics and the cost curve learn."""
+
+    def __init__(self, settings: DecodeSettings, cost: CostCurve | FeedPolicy | None):
+        self.s = settings
+        if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.hedges):
+            cost = cost.curve  # another block size or hedge cap: start a policy for it
+        if isinstance(cost, CostCurve):
+            cost = FeedPolicy(cost, settings.block_size, settings.hedges)
+        self.policy = cost
+        self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
+
+    def before_step(self, strategy: WindowStrategy, rows: list[_Row]) -> None:
+        live = [r for r in rows if not r.done]
+        batch = max(1, len(live))
+        if self.policy is not None:
+            strategy.masks, strategy.groups = self.policy.choose(batch=batch)
+        m = strategy.masks
+        for r in live:
+            options = [(r.source, r.drafts[: max(m, 1)])] if r.drafts else []
+            if self.s.ngram:
+                found = ngram.lookup(r.seq, max_drafts=self.s.ngram)
+                if found:
+                    options.append(("ngram", found))
+            r.source, r.drafts = self._pick(options, m, strategy.groups, batch)
+
+    def _pick(self, options, masks: int, groups: int, batch: int) -> tuple[str, list[int]]:
+        """The drafts a row feeds: without a cost curve, the option expected to keep the most
+        drafts; with one, the option and length that maximise expected tokens per second of
+        this step ((1 + expected kept) / cost of the step's width)."""
+        st, best, best_score = self.stats, ("masks", []), None
+        for source, drafts in options:
+            lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
+            for d in lengths:
+                kept = st.expected_kept(source, d)
+                if self.policy is None:
+                    score = kept
+                else:
+                    width = 1 + d + masks + min(groups, d) * masks
+                    score = (1 + kept) / self.policy.curve.seconds(batch * width)
+                if best_score is None or score > best_score:
+                    best, best_score = (source, drafts[:d]), score
+        if self.policy is not None and best_score is not None:
+            if 1.0 / self.policy.curve.seconds(batch * (1 + masks)) >= best_score:
+                return "masks", []  # no drafts pays better
+        return best
+
+    def after_step(self, feed: Feed, rows: list[_Row], seconds: float) -> None:
+        for i, r in enumerate(rows):
+            if feed.limit[i] > 0 and feed.n_drafts[i]:
+                self.stats.record(r.source, int(feed.n_drafts[i]), int(feed.kept[i]))
+        if self.policy is not None:
+            self.policy.curve.observe(int(feed.ids.size), seconds)
 
 
 def _strategy(settings: DecodeSettings):
@@ -529,8 +632,14 @@ def generate(
     prompts: list[list[int]],
     settings: DecodeSettings,
     on_tokens: Callable[[int, list[int]], None] | None = None,
+    cost: CostCurve | FeedPolicy | None = None,
 ) -> DecodeResult:
-    """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted."""
+    """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
+
+    `cost`, the backend's per-forward cost curve (mars.core.cost), or a `FeedPolicy` built on
+    one (which keeps its acceptance statistics from call to call): greedy lossless decoding
+    with the window cache (or none) then chooses per step how many masks and spare groups
+    to feed (`block_size` and `hedge` become caps). The output is the same either way."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     s = settings
@@ -541,6 +650,8 @@ def generate(
     if s.cache == "none":
         cache = None
     stats = DecodeStats(rows=[r.stats for r in rows])
+    if s.lossless and s.sampling.greedy and isinstance(strategy, WindowStrategy):
+        stats.drafting = Drafting(s, cost)
 
     live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)
     everyone = rows
@@ -574,12 +685,18 @@ def _advance(backend, cache, strategy, rows: list[_Row], s: DecodeSettings, stat
     """One forward of the loop: the strategy lays out what every row feeds, the backend runs
     it, the acceptance rule (each row at its own threshold) decides what each row keeps, the
     rows grow and the strategy commits. Returns the tokens each row took (none if it waited)."""
+    drafting = stats.drafting
+    if drafting is not None:
+        drafting.before_step(strategy, rows)
     feed = strategy.plan(rows)
     mask = feed_mask(strategy.keys(feed), feed)
     stats.forwards += 1
     stats.fed_tokens += feed.ids.size
     if s.lossless:
+        t0 = time.perf_counter()
         accepted, proposals = _verify(backend, cache, feed, mask, s)
+        if drafting is not None:
+            drafting.after_step(feed, rows, time.perf_counter() - t0)
     else:
         thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
         # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
@@ -612,8 +729,10 @@ def _advance(backend, cache, strategy, rows: list[_Row], s: DecodeSettings, stat
         r.seq.extend(new)
         r.stats.forwards += 1
         r.stats.accepted += len(new)
+        per_slot = r.stats.accepted_per_slot
+        per_slot.extend([0] * (len(new) - len(per_slot)))  # n-gram drafts may outnumber the masks
         for j in range(len(new)):
-            r.stats.accepted_per_slot[j] += 1
+            per_slot[j] += 1
         if not r.done and len(r.out) >= r.max_tokens:
             r.done, r.finish = True, "length"
     strategy.commit(backend, cache, rows, feed, before)
@@ -633,7 +752,7 @@ def _compact(backend, cache, strategy, rows: list[_Row], live: list[int]) -> lis
 
 
 class ContinuousBatch:
-    """Block-cache decoding (METHOD §6) for a server: rows join at block boundaries and leave
+    """Block-cache decoding (docs/method.md §6) for a server: rows join at block boundaries and leave
     whenever they finish or are removed.
 
     Each row decodes at its own threshold (which the caller may change between steps) and

@@ -1,4 +1,4 @@
-"""Logit alignment for the MARS loss (METHOD §4), as index arrays the backends gather with.
+"""Logit alignment for the MARS loss (docs/method.md §4), as index arrays the backends gather with.
 
 The output at sequence index i predicts the label at logical position p(i) + 1, in
 both streams. For target position t (1 <= t < L, labelled), the clean prediction is

@@ -1,4 +1,4 @@
-"""Attention masks: the MARS training rule (METHOD §3) and the decoding masks (METHOD §5-6).
+"""Attention masks: the MARS training rule (docs/method.md §3) and the decoding masks (docs/method.md §5-6).
 
 Masks are boolean arrays, True where a query may attend a key. Backends turn them
 into whatever their attention wants (additive float masks, usually).
@@ -33,7 +33,7 @@ def noisy_start(labels, block_size: int, ignore: int = -100) -> int:
 
 
 def training_mask(lengths, length: int, block_size: int, start: int = 0) -> np.ndarray:
-    """The METHOD §3 rule for a padded batch: shape (batch, 2L - start, 2L - start).
+    """The docs/method.md §3 rule for a padded batch: shape (batch, 2L - start, 2L - start).
 
     `lengths[r]` is row r's own length (block-padded, <= L); the noisy stream holds positions
     [start, L) (`start` a multiple of B; 0 is the whole stream) and the clean stream follows

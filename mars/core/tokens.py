@@ -1,4 +1,4 @@
-"""Tokenizer-level choices shared by the backends: the mask token (METHOD §1) and prompt encoding."""
+"""Tokenizer-level choices shared by the backends: the mask token (docs/method.md §1) and prompt encoding."""
 
 from __future__ import annotations
 

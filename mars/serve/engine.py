@@ -3,7 +3,7 @@
 HTTP handlers (on the asyncio loop) submit a `Job` and read its tokens from the job's
 `Outbox`; the engine thread never waits on a handler. Requests join the batch at its next
 block boundary when there is room (`max_batch` rows) and leave it the step they finish or
-are cancelled, on `mars.core.decoding.ContinuousBatch` (the block-level cache of METHOD §6). Rows that
+are cancelled, on `mars.core.decoding.ContinuousBatch` (the block-level cache of docs/method.md §6). Rows that
 sample differently cannot share a forward (a backend step samples every row alike), so
 the engine keeps one batch per kind of decoding, each with its own decoder and cache,
 and runs them in turn: all greedy requests share one batch whatever their thresholds.
@@ -110,7 +110,7 @@ class Outbox:
         with self._lock:
             if tokens:
                 self._tokens.extend(tokens)
-                self._forwards += 1  # a forward counts for a row when it produced a token (METHOD §5)
+                self._forwards += 1  # a forward counts for a row when it produced a token (docs/method.md §5)
             if threshold is not None:
                 self.threshold = threshold if self.threshold is None else self._looser(self.threshold, threshold)
             if finish is not None and self.finish is None:  # the first word on how it ended stands

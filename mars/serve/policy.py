@@ -1,6 +1,6 @@
-"""Which threshold each row decodes at: fixed, or turned by load (METHOD §8).
+"""Which threshold each row decodes at: fixed, or turned by load (docs/method.md §8).
 
-The threshold's direction follows the metric (METHOD §5): the strict end is AR mode's side
+The threshold's direction follows the metric (docs/method.md §5): the strict end is AR mode's side
 (high tau for probability and margin, low for entropy), the loose end the other. With
 `--min-threshold 0.7 --max-threshold 1.0` and the probability metric, the adaptive policy
 decodes at 1.0 (plain greedy AR) when one request is in flight and at 0.7 when the load

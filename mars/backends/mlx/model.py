@@ -2,7 +2,7 @@
 
 mlx-lm's stock forward takes RoPE positions from a scalar cache offset and builds its
 own causal mask. MARS needs more: the training sequence repeats positions 0..L-1 for
-its two streams under the METHOD §3 mask, and batched decoding has holes and per-row
+its two streams under the docs/method.md §3 mask, and batched decoding has holes and per-row
 positions. So this module reuses mlx-lm's modules and weights (projections, norms,
 RoPE, MLP, KV caches) and drives them itself, for the architectures listed below.
 """
@@ -278,7 +278,7 @@ def _filtered(logits: mx.array, sampling: Sampling) -> mx.array:
 
 
 class MlxDecoder:
-    """The decoding step of METHOD §5 for the core loop, on mlx-lm KV caches (trim, never copy)."""
+    """The decoding step of docs/method.md §5 for the core loop, on mlx-lm KV caches (trim, never copy)."""
 
     def __init__(self, loaded: MlxModel):
         self.loaded = loaded
@@ -286,6 +286,12 @@ class MlxDecoder:
         self._key = None
         self._seed = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
+
+    def cost_key(self) -> dict:
+        """What a forward's cost depends on besides the model: the cost curve's cache key."""
+        import mlx.core as mx
+
+        return {"backend": "mlx", "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", "")}
 
     def new_cache(self, batch: int):
         from mlx_lm.models.cache import KVCache
@@ -374,7 +380,7 @@ class MlxDecoder:
 
 
 def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1):
-    """(noisy, clean) losses of a MARS batch (METHOD §4), from the arrays of `training_batch`."""
+    """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `training_batch`."""
     inputs = batch["input_ids"]
     start = batch.get("start", 0)
     length = (inputs.shape[1] + start) // 2

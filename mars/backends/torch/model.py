@@ -13,6 +13,7 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import choose_mask_token, eos_ids
+from . import packed
 from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
@@ -194,15 +195,33 @@ def load(
 
 
 class TorchDecoder:
-    """The decoding step of METHOD §5 for the core loop (mars.core.decoding.StepBackend)."""
+    """The decoding step of docs/method.md §5 for the core loop (mars.core.decoding.StepBackend).
 
-    def __init__(self, tm: TorchModel):
+    `pack` (default: on the CPU where oneDNN is available): the linear layers also keep
+    their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
+    a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards are
+    unchanged. The packed copies double the weights' memory."""
+
+    def __init__(self, tm: TorchModel, pack: bool | None = None):
+        from .attention import use_grouped_sdpa
+        from .packed import can_pack, pack_linears
+
         self.tm = tm
         self.body = tm.body
         self.head = tm.head
         self.generator = None
         self._seeded = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
+        if pack is None:
+            pack = can_pack(tm.device, tm.dtype)
+        self.packed = pack_linears(tm.model) if pack else 0
+        # CPU: masked multi-token forwards share key heads instead of copying them (same results).
+        self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
+
+    def cost_key(self) -> dict:
+        """What a forward's cost depends on besides the model: the cost curve's cache key."""
+        return {"backend": "torch", "device": str(self.tm.device), "dtype": str(self.tm.dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads(), "packed": bool(self.packed), "grouped": self.grouped, "torch": torch.__version__}
 
     def new_cache(self, batch: int):
         from transformers import DynamicCache
@@ -248,11 +267,12 @@ class TorchDecoder:
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
-        out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
-        hidden = out.last_hidden_state
-        idx = torch.from_numpy(np.ascontiguousarray(read)).to(dev)
-        picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.head(picked).float()
+        with packed.active():
+            out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
+            hidden = out.last_hidden_state
+            idx = torch.from_numpy(np.ascontiguousarray(read)).to(dev)
+            picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
+            return self.head(picked).float()
 
     @torch.inference_mode()
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
@@ -341,7 +361,7 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 
 
 class MarsLoss(torch.nn.Module):
-    """The MARS objective (METHOD §4) around a causal LM; a module so DDP/accelerate can wrap it."""
+    """The MARS objective (docs/method.md §4) around a causal LM; a module so DDP/accelerate can wrap it."""
 
     def __init__(self, model: torch.nn.Module, mask_row: torch.nn.Parameter | None = None, mask_id: int = -1):
         super().__init__()

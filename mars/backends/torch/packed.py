@@ -1,0 +1,105 @@
+"""Linear layers with their weights packed once, for multi-token forwards on the CPU.
+
+On the CPU a forward of k > 1 new tokens runs every linear layer as a small matrix
+product. The BLAS behind `F.linear` re-arranges (packs) the whole weight matrix for
+such a product on every call, so a forward of 4 to 12 tokens costs 1.5-2.5x a
+one-token forward whose weights are only read once. oneDNN can pack a weight once, in
+advance, for any number of rows; a packed product then reads the weight as a one-token
+forward does. `pack_linears` keeps each weight as it is and adds its packed copy
+(the weights take twice the memory); a layer then runs:
+
+- up to 3 rows (a one-token forward, plain AR, among them): `F.linear`, exactly
+  today's path;
+- more rows: the packed product (oneDNN), unless the weight changed since it was
+  packed (training), then `F.linear` again.
+
+The packs are used only inside `active()`, which the torch decoder enters for its steps:
+anything else that runs the same model (training, `model.generate`) computes as before.
+
+A packed product sums in another order than `F.linear`'s, so its outputs can differ in
+the last bits, as `F.linear`'s own k-row and one-row products already do. Lossless
+decoding compares the argmax of a multi-token forward with the draft, so the text it
+produces is the model's greedy AR text up to such near-ties; the exactness tests and
+`mars bench` (its `=AR` column) check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+
+import torch
+import torch.nn.functional as F
+
+PACKED_DTYPES = (torch.float32, torch.bfloat16)
+# Below this many rows `F.linear` is as fast or faster (measured on a 2-core x86 CPU: 2 and
+# 3 rows cost 1.0-1.2x one row with `F.linear`, 1.25x packed).
+MIN_ROWS = 4
+# Packed layers use their packs only inside `active()` (the decoder's steps), so a model
+# shared with other code (training, a library's own generate) computes as it always did.
+_enabled = False
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN packing is a CPU feature of x86/arm builds with mkldnn."""
+    if device.type != "cpu" or dtype not in PACKED_DTYPES:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows < MIN_ROWS or not _enabled or self.weight._version != self._mars_version or self.weight.requires_grad and torch.is_grad_enabled():
+        return F.linear(x, self.weight, self.bias)
+    y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), self._mars_packed, self.bias, "none", [None], "")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def pack_linears(module: torch.nn.Module) -> int:
+    """Pack every `nn.Linear` inside `module` (in place); returns how many were packed.
+    Layers already packed are re-packed (their weights may have changed)."""
+    count = 0
+    for layer in module.modules():
+        if not isinstance(layer, torch.nn.Linear) or layer.weight.dtype not in PACKED_DTYPES:
+            continue
+        with torch.no_grad():
+            try:
+                packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None)
+            except RuntimeError:
+                continue
+        layer._mars_packed = packed
+        layer._mars_version = layer.weight._version
+        layer.forward = types.MethodType(_packed_forward, layer)
+        count += 1
+    return count
+
+
+@contextlib.contextmanager
+def _switched(on: bool):
+    global _enabled
+    before, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def active():
+    """Packed layers use their packs inside this block (the decoder's forwards)."""
+    return _switched(True)
+
+
+def disabled():
+    """Packed layers run plain `F.linear` inside this block, even within `active()`."""
+    return _switched(False)
+
+
+def unpack_linears(module: torch.nn.Module) -> None:
+    """Undo `pack_linears`: every layer runs `F.linear` again and the packed copies are freed."""
+    for layer in module.modules():
+        if "_mars_packed" in layer.__dict__:
+            del layer.forward
+            del layer._mars_packed
+            del layer._mars_version

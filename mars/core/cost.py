@@ -1,0 +1,250 @@
+"""Cost-aware feeding for lossless decoding: what a forward costs, and how wide to feed.
+
+A lossless step feeds the token(s) not yet cached, the drafts to verify, `m` masks that
+propose the next drafts, and optionally spare mask groups. Its output is AR's whatever
+is fed; only the speed changes. Feeding more tokens pays when the forward's cost grows
+slowly with width (a GPU, Apple silicon, packed CPU weights) and loses when it grows
+fast. So the loop keeps:
+
+- a `CostCurve`: seconds of one forward against the tokens it feeds (batch x width),
+  measured once per device, dtype and model (`calibrate`, cached by the caller) and
+  refreshed from the forwards the loop actually times;
+- `DraftStats`: per draft source (the masks, the spare groups, n-gram lookup) and per
+  draft slot j, how often slot j was reached (every draft before it kept) and kept;
+
+and `FeedPolicy.choose` picks, per step, the masks and spare groups that maximise the
+expected tokens per second of a steady state (a three-state chain: a step has mask
+drafts, spare-group drafts or none), AR's own feed (no masks) included. When nothing
+pays, it feeds what AR feeds, so decoding is never meaningfully slower than AR.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
+SOURCES = ("masks", "spare", "ngram")
+
+
+class CostCurve:
+    """Seconds of one forward as a function of the tokens it feeds (rows x width), on a
+    prefilled cache. Between measured points it interpolates; past the last it extends
+    the last slope; it is made non-decreasing (a wider forward never counts as cheaper)."""
+
+    def __init__(self, points: dict[int, float], *, refresh: float = 0.1):
+        if not points or any(k < 1 or not s > 0 for k, s in points.items()):
+            raise ValueError(f"a cost curve needs positive times at token counts >= 1, got {points}")
+        self.points = {int(k): float(s) for k, s in sorted(points.items())}
+        self.refresh = refresh  # weight of a newly timed forward in the running estimate
+
+    def seconds(self, tokens: int) -> float:
+        ks = np.fromiter(self.points, dtype=np.float64)
+        ss = np.maximum.accumulate(np.fromiter(self.points.values(), dtype=np.float64))
+        t = float(max(tokens, 1))
+        if t <= ks[-1]:
+            return float(np.interp(t, ks, ss))
+        slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
+        return float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))
+
+    def relative(self, tokens: int) -> float:
+        """Cost of a forward of `tokens` in units of a one-token forward."""
+        return self.seconds(tokens) / self.seconds(1)
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Fold in a forward the loop timed (a running average per token count)."""
+        if seconds <= 0 or self.refresh <= 0:
+            return
+        old = self.points.get(tokens)
+        self.points[tokens] = seconds if old is None else (1 - self.refresh) * old + self.refresh * seconds
+        if old is None:
+            self.points = dict(sorted(self.points.items()))
+
+    def to_dict(self) -> dict:
+        return {"tokens": list(self.points), "seconds": list(self.points.values())}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostCurve:
+        return cls(dict(zip(d["tokens"], d["seconds"])))
+
+    def save(self, path: Path, **meta) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({**meta, **self.to_dict()}, indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> CostCurve | None:
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1) -> dict[int, float]:
+    """Median seconds of one cached forward of k new tokens (per k in `widths`) on a cache
+    prefilled with `prompt` (`batch` copies), cropped back after each; greedy, no metric
+    (a lossless step's cost). The widths are interleaved so drift hits them alike."""
+    from .decoding import Sampling
+
+    greedy = Sampling()
+    n = len(prompt)
+    ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
+    cache = backend.new_cache(batch)
+    backend.step(cache, ids, np.tile(np.arange(n), (batch, 1)), None, np.full((batch, 1), n - 1), metric=None, sampling=greedy)
+    samples: dict[int, list[float]] = {k: [] for k in widths}
+    for rep in range(repeats + 1):  # the first round warms up
+        for k in widths:
+            new = np.full((batch, k), filler, dtype=np.int64)
+            pos = np.tile(n + np.arange(k), (batch, 1))
+            read = np.tile(np.arange(k), (batch, 1))
+            t0 = time.perf_counter()
+            backend.step(cache, new, pos, None, read, metric=None, sampling=greedy)
+            seconds = time.perf_counter() - t0
+            backend.crop(cache, n)
+            if rep:
+                samples[k].append(seconds)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = 3, filler: int = 0) -> CostCurve:
+    """A cost curve for `backend` measured now (a few seconds on a small model)."""
+    return CostCurve(time_forwards(backend, prompt, widths, repeats=repeats, filler=filler))
+
+
+@dataclass
+class DraftStats:
+    """Per draft source and slot j: steps where slot j was fed and every draft before it
+    was kept (`reached`), and where it was kept too. `rate(source, j)` is the estimated
+    chance that slot j is kept once reached, with a prior of `prior_mean` worth
+    `prior_weight` observations."""
+
+    slots: int
+    prior_mean: float = 0.5
+    prior_weight: float = 2.0
+    reached: dict[str, list[int]] = field(default_factory=dict)
+    kept: dict[str, list[int]] = field(default_factory=dict)
+
+    def _lists(self, source: str, width: int):
+        for table in (self.reached, self.kept):
+            row = table.setdefault(source, [])
+            if len(row) < width:
+                row.extend([0] * (width - len(row)))
+        return self.reached[source], self.kept[source]
+
+    def record(self, source: str, fed: int, kept: int) -> None:
+        if fed <= 0:
+            return
+        reached, kept_ = self._lists(source, fed)
+        for j in range(min(kept + 1, fed)):
+            reached[j] += 1
+        for j in range(kept):
+            kept_[j] += 1
+
+    def rate(self, source: str, j: int) -> float:
+        reached, kept = self._lists(source, j + 1)
+        return (kept[j] + self.prior_mean * self.prior_weight) / (reached[j] + self.prior_weight)
+
+    def rates(self, source: str, n: int) -> list[float]:
+        return [self.rate(source, j) for j in range(n)]
+
+    def expected_kept(self, source: str, n: int) -> float:
+        """Expected drafts kept out of the first n of this source."""
+        return float(np.sum(np.cumprod(self.rates(source, n)))) if n else 0.0
+
+
+def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int) -> tuple[float, float, float]:
+    """A lossless step feeding `masks` masks and `groups` spare groups forever: the
+    stationary mix of steps with mask drafts (M), spare-group drafts (S) and none (N).
+    Returns (tokens per step, mean fed width, fraction of steps with drafts).
+
+    From a step with d = masks drafts of keep rates r, exactly g are kept with chance
+    prod(r[:g]) (1 - r[g]); all kept -> M (the masks' proposals), g < groups -> S (group
+    g's proposals), else N. From N the masks' proposals make the next step M."""
+    if masks == 0:
+        return 1.0, 1.0, 0.0
+
+    def outcome(rates):
+        reach = np.concatenate([[1.0], np.cumprod(rates[:masks])])  # reach[g]: first g kept
+        exact = reach[:-1] * (1 - np.asarray(rates[:masks]))  # exactly g kept, g < masks
+        to_m = reach[-1]
+        to_s = float(exact[:groups].sum())
+        return float(reach[1:].sum()), to_m, to_s, 1.0 - to_m - to_s
+
+    km, mm, ms, mn = outcome(mask_rates)
+    ks, sm, ss, sn = outcome(spare_rates)
+    # Stationary distribution of the chain over (M, S, N).
+    p = np.array([[mm, ms, mn], [sm, ss, sn], [1.0, 0.0, 0.0]])
+    a = np.vstack([p.T - np.eye(3), np.ones(3)])
+    pi = np.linalg.lstsq(a, np.array([0, 0, 0, 1.0]), rcond=None)[0].clip(min=0)
+    pi = pi / pi.sum()
+    tokens = pi[0] * (1 + km) + pi[1] * (1 + ks) + pi[2] * 1.0
+    width_drafts = 1 + masks + masks + groups * masks
+    width = (pi[0] + pi[1]) * width_drafts + pi[2] * (1 + masks)
+    return float(tokens), float(width), float(pi[0] + pi[1])
+
+
+class FeedPolicy:
+    """Per step, the masks and spare groups a lossless window step feeds (see the module
+    docstring); `max_masks` is the checkpoint's block size B, `max_groups` the spare-group
+    cap. Keep one policy per loaded model to carry what it learned across calls.
+
+    AR's feed teaches nothing about the masks, so after `explore` AR steps in a row the
+    policy feeds the best other choice for two steps (one proposes drafts, the next
+    verifies them): estimates that went too low can recover."""
+
+    def __init__(self, curve: CostCurve, max_masks: int, max_groups: int, *, stats: DraftStats | None = None, explore: int = 32):
+        self.curve = curve
+        self.max_masks = max_masks
+        self.max_groups = max_groups
+        self.stats = stats or DraftStats(slots=max_masks)
+        self.explore = explore
+        self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
+        self._ar_run = 0
+        self._probe = 0
+
+    def candidates(self):
+        yield 0, 0
+        for m in range(1, self.max_masks + 1):
+            for g in range(0, min(m, self.max_groups) + 1):
+                yield m, g
+
+    def rate(self, masks: int, groups: int, batch: int = 1) -> float:
+        """Expected tokens per second (per row) of feeding this forever."""
+        s = self.stats
+        tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups)
+        return tokens / self.curve.seconds(max(1, round(batch * width)))
+
+    def choose(self, batch: int = 1) -> tuple[int, int]:
+        ranked = sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
+        best = ranked[0]
+        if best == (0, 0) and self.max_masks:
+            if not self._probe:
+                self._ar_run += 1
+                if self._ar_run > self.explore:
+                    self._ar_run, self._probe = 0, 2
+            if self._probe:
+                self._probe -= 1
+                best = ranked[1]
+        else:
+            self._ar_run = 0
+        self.choices[best] = self.choices.get(best, 0) + 1
+        return best
+
+    def fits(self, max_masks: int, max_groups: int) -> bool:
+        return (self.max_masks, self.max_groups) == (max_masks, max_groups)
+
+    def worth_feeding(self, source: str, available: int, base_width: int, batch: int = 1) -> int:
+        """How many of `available` drafts from `source` (say n-gram lookup) to add to a step
+        of `base_width` columns: the count that maximises (1 + expected kept) / cost."""
+        best, best_rate = 0, 1.0 / self.curve.seconds(batch * base_width)
+        for d in range(1, available + 1):
+            r = (1 + self.stats.expected_kept(source, d)) / self.curve.seconds(batch * (base_width + d))
+            if r > best_rate:
+                best, best_rate = d, r
+        return best

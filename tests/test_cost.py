@@ -1,0 +1,288 @@
+"""Cost-aware lossless decoding (mars.core.cost), n-gram drafts (mars.core.ngram) and the
+cache width of lossless window decoding.
+
+The feed-width tests run the real decoding loop on a fake backend: an "oracle" text where
+the token at position p is a fixed function of p, masks that guess right for the first
+`good` masks of a run, and a cost curve given by the test (not timed). A flat curve must
+make the loop feed wide, a steep one like AR, with the output the oracle's either way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mars.backends.torch.model import TorchDecoder, TorchModel
+from mars.core import ngram
+from mars.core.cost import CostCurve, DraftStats, FeedPolicy, steady_state
+from mars.core.decoding import DecodeSettings, generate
+from tiny import PROMPTS, make_model, make_tokenizer
+
+MASK, EOS = 3, 2
+
+
+def oracle(p: int, period: int = 0) -> int:
+    """The fake model's text: the token at position p (never EOS or MASK)."""
+    return 10 + ((p % period) if period else (p * 7 + p // 5) % 40)
+
+
+class OracleBackend:
+    """A StepBackend over the oracle text: a real token's output is the oracle's next token
+    (what greedy AR would take); mask j of a run of masks is right for j < good, else wrong.
+    The cache is only its width, so tests can check what the loop keeps."""
+
+    def __init__(self, good: int, period: int = 0):
+        self.good, self.period = good, period
+        self.widths: list[int] = []  # cache width after every crop
+
+    def new_cache(self, batch):
+        return {"width": 0}
+
+    def crop(self, cache, length):
+        cache["width"] = min(cache["width"], length)
+        self.widths.append(cache["width"])
+
+    def keep_rows(self, cache, rows):
+        pass
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        if cache is not None:
+            cache["width"] += input_ids.shape[1]
+        b, q = input_ids.shape
+        assert read.min() >= 0 and read.max() < q, f"read {read.tolist()} outside the {q} fed columns"  # as a real gather
+        out = np.zeros((b, q), dtype=np.int64)
+        for r in range(b):
+            run = 0
+            for c in range(q):
+                nxt = oracle(int(positions[r, c]) + 1, self.period)
+                if input_ids[r, c] == MASK:
+                    out[r, c] = nxt if run < self.good else 11 + (nxt - 9) % 40
+                    run += 1
+                else:
+                    out[r, c] = nxt
+                    run = 0
+        ids = np.take_along_axis(out, read, axis=1)
+        return ids, np.ones(ids.shape)
+
+
+def settings(**kw):
+    base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=40, lossless=True)
+    base.update(kw)
+    return DecodeSettings(**base)
+
+
+PROMPT = [oracle(p) for p in range(6)]
+ORACLE_REPLY = [oracle(p) for p in range(6, 46)]
+
+
+def fixed(points: dict) -> CostCurve:
+    return CostCurve(points, refresh=0.0)  # a given curve: the loop's own timings do not move it
+
+
+FLAT = {1: 1.0, 64: 1.0}
+STEEP = {1: 1.0, 64: 64.0}  # cost grows with every fed token
+
+
+# -- the cost curve and the steady-state model ----------------------------------------------------
+
+
+def test_cost_curve_interpolates_extrapolates_and_never_falls():
+    c = CostCurve({1: 1.0, 4: 2.0, 8: 1.5, 16: 4.0}, refresh=0.5)
+    assert c.seconds(1) == 1.0 and c.seconds(2) == pytest.approx(4 / 3)
+    assert c.seconds(8) == 2.0  # a noisy dip is flattened: wider is never cheaper
+    assert c.seconds(32) == pytest.approx(4.0 + (4.0 - 2.0) / 8 * 16)
+    c.observe(16, 2.0)
+    assert c.points[16] == pytest.approx(3.0)
+    c.observe(3, 1.2)
+    assert 3 in c.points and list(c.points) == sorted(c.points)
+    assert CostCurve.from_dict(c.to_dict()).points == c.points
+    with pytest.raises(ValueError):
+        CostCurve({1: 0.0})
+
+
+def test_steady_state_by_hand():
+    # One mask, no spare groups, keep rate a: M -> M with a, M -> N otherwise, N -> M.
+    # pi_M = 1 / (2 - a); tokens = pi_M (1 + a) + pi_N.
+    a = 0.5
+    tokens, width, drafting = steady_state([a], [a], masks=1, groups=0)
+    pi_m = 1 / (2 - a)
+    assert tokens == pytest.approx(pi_m * (1 + a) + (1 - pi_m))
+    assert width == pytest.approx(pi_m * 3 + (1 - pi_m) * 2)
+    assert drafting == pytest.approx(pi_m)
+    # Spare groups for every draft: a step always has drafts.
+    _, _, drafting = steady_state([0.5] * 4, [0.5] * 4, masks=4, groups=4)
+    assert drafting == pytest.approx(1.0)
+    assert steady_state([0.9] * 4, [0.9] * 4, masks=0, groups=0) == (1.0, 1.0, 0.0)
+
+
+def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
+    stats = DraftStats(slots=4)
+    for _ in range(50):  # the masks' drafts: all kept half the time, one kept otherwise
+        stats.record("masks", 4, 4)
+        stats.record("masks", 4, 1)
+        stats.record("spare", 4, 2)
+    assert FeedPolicy(fixed(FLAT), 4, 4, stats=stats).choose() == (4, 4)
+    assert FeedPolicy(fixed(STEEP), 4, 4, stats=stats).choose() == (0, 0)
+    # A curve like a packed CPU's: wide feeds cost a little more, masks that are often
+    # right pay, but not every spare group.
+    m, g = FeedPolicy(fixed({1: 1.0, 4: 1.25, 8: 1.4, 16: 1.85, 32: 2.7}), 4, 4, stats=stats).choose()
+    assert m >= 2 and g < 4
+
+
+def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
+    policy = FeedPolicy(fixed(STEEP), 4, 4, explore=5)
+    picks = [policy.choose() for _ in range(14)]
+    assert picks[:5] == [(0, 0)] * 5
+    assert picks[5] != (0, 0) and picks[6] != (0, 0)  # two steps: one proposes, one verifies
+    assert picks[7:12] == [(0, 0)] * 5 and picks[12] != (0, 0)
+
+
+# -- the loop on the fake backend -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("good", [0, 2, 4])
+def test_a_flat_curve_feeds_wide_a_steep_one_like_ar_output_unchanged(good):
+    flat = generate(OracleBackend(good), [PROMPT], settings(), cost=fixed(FLAT))
+    steep = generate(OracleBackend(good), [PROMPT], settings(), cost=FeedPolicy(fixed(STEEP), 4, 4, explore=10**6))
+    fixed_feed = generate(OracleBackend(good), [PROMPT], settings())
+    for result in (flat, steep, fixed_feed):
+        assert result.tokens == [ORACLE_REPLY]
+    steep_choices = steep.stats.drafting.policy.choices
+    assert set(steep_choices) == {(0, 0)}
+    # Like AR: after the prompt, one token fed and one taken per forward.
+    assert steep.stats.forwards == len(ORACLE_REPLY)
+    assert steep.stats.fed_tokens == len(PROMPT) + len(ORACLE_REPLY) - 1
+    flat_choices = flat.stats.drafting.policy.choices
+    assert max(flat_choices, key=flat_choices.get)[0] >= 1
+    if good:
+        assert flat.stats.forwards < len(ORACLE_REPLY) // 2
+        assert flat.stats.tokens_per_forward > 2
+
+
+def test_the_default_feed_is_unchanged_without_a_cost_curve():
+    result = generate(OracleBackend(4), [PROMPT], settings(hedge=0))
+    assert result.stats.drafting.policy is None
+    # Perfect masks: the first step takes one token, every later one B drafts and one AR token.
+    assert result.stats.forwards == 1 + -(-(len(ORACLE_REPLY) - 1) // 5)
+
+
+# -- n-gram drafts --------------------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_latest_match():
+    assert ngram.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], max_drafts=3) == [7, 8, 1]
+    assert ngram.lookup([5, 6, 1, 2, 4, 2], max_drafts=2) == [4, 2]  # only the 1-gram "2" matches
+    assert ngram.lookup([1, 2, 3], max_drafts=4) == []
+    assert ngram.lookup([4, 4], max_drafts=4) == [4]
+    assert ngram.lookup([1, 2, 1, 2], max_drafts=0) == []
+
+
+@pytest.mark.parametrize("cost", [None, fixed({1: 1.0, 64: 4.0})])
+def test_ngram_drafts_keep_the_output_and_report_their_source(cost):
+    period = 5
+    prompt = [oracle(p, period) for p in range(12)]
+    reply = [oracle(p, period) for p in range(12, 52)]
+    plain = generate(OracleBackend(0, period), [prompt], settings(hedge=0), cost=cost)
+    looked = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), cost=cost)
+    assert plain.tokens == looked.tokens == [reply]
+    sources = looked.stats.by_source()
+    assert sources.get("ngram", 0) > len(reply) // 2  # the text repeats: lookup drafts it
+    assert sources.get("masks", 0) == 0  # these masks are always wrong
+    assert sum(sources.values()) == len(reply)
+    assert looked.stats.forwards < plain.stats.forwards // 2
+    assert looked.stats.to_dict()["rows"][0]["by_source"] == sources
+
+
+# -- the cache keeps committed tokens only --------------------------------------------------------
+
+
+@pytest.mark.parametrize("good,hedge", [(2, 0), (2, None), (0, None), (4, 0)])
+def test_rejected_drafts_leave_the_cache_at_once(good, hedge):
+    """After each step the cache holds the prompt and every output token but the last (the
+    AR token, fed next step): no rejected draft and no mask stays."""
+    backend = OracleBackend(good)
+    out, seen = 0, []
+
+    def check(row, new):
+        nonlocal out
+        out += len(new)
+        seen.append((backend.widths[-1], len(PROMPT) + out - 1))
+
+    result = generate(backend, [PROMPT], settings(hedge=hedge), on_tokens=check)
+    assert len(seen) == result.stats.forwards
+    assert all(w == committed for w, committed in seen), seen[:5]
+
+
+def test_torch_cache_width_equals_the_committed_length_every_step():
+    tok = make_tokenizer()
+    tm = TorchModel(make_model("llama", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+
+    class Recording(TorchDecoder):
+        def new_cache(self, batch):
+            self.cache = super().new_cache(batch)
+            return self.cache
+
+    dec = Recording(tm)
+    rejected = 0
+    for text in PROMPTS[:3]:
+        prompt = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)["input_ids"]
+        out, seen = [], []
+
+        def check(row, new):
+            out.extend(new)
+            seen.append((dec.cache.get_seq_length(), len(prompt) + len(out) - 1))
+
+        result = generate(dec, [prompt], settings(max_tokens=24), on_tokens=check)
+        totals = result.stats.draft_totals()
+        rejected += sum(totals["verified_per_slot"]) - sum(totals["kept_per_slot"])
+        assert seen and all(w == committed for w, committed in seen), seen
+    assert rejected > 0  # the untrained masks' drafts were rejected, and left the cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("cache", ["window", "none"])
+@pytest.mark.parametrize("curve", [FLAT, STEEP, {1: 1.0, 4: 1.2, 8: 1.5, 32: 3.0}])
+def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, cache, curve):
+    tok = make_tokenizer()
+    tm = TorchModel(make_model(arch, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+    dec = TorchDecoder(tm)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+    ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, cache=cache, max_tokens=24)).tokens
+    policy = FeedPolicy(fixed(curve), 4, 4, explore=3)  # one policy across calls, probing often
+    for batch in (1, 3, 8):
+        out = []
+        for start in range(0, len(prompts), batch):
+            s = settings(cache=cache, max_tokens=24, ngram=5)
+            out += generate(dec, prompts[start : start + batch], s, cost=policy).tokens
+        assert out == ar, (arch, cache, batch)
+    assert len(policy.choices) > 1  # the feed changed from step to step (probes included)
+
+
+class EndsAt(OracleBackend):
+    """The oracle text, except that the token at position `end` is EOS: a row whose prompt
+    is shorter than `end` finishes there, longer ones never meet it."""
+
+    def __init__(self, good: int, end: int):
+        super().__init__(good)
+        self.end = end
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        ids, conf = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
+        at = np.take_along_axis(positions, read, axis=1) + 1
+        return np.where(at == self.end, EOS, ids), conf
+
+
+@pytest.mark.parametrize("good", [0, 2, 4])
+def test_block_lossless_with_a_finished_row_still_in_the_batch(good):
+    """A row that finished stays in the batch while finished rows are under a quarter of
+    it; its reads must stay inside the fed columns when a new block starts (they once
+    pointed at column -1 and the step failed)."""
+    short = [oracle(p) for p in range(4)]
+    long_prompts = [[oracle(p) for p in range(20 + 2 * i)] for i in range(5)]
+    prompts = [short] + long_prompts
+    s = settings(cache="block", block_cache=4, max_tokens=24)
+    result = generate(EndsAt(good, 7), prompts, s)
+    assert result.finish[0] == "eos" and result.tokens[0] == [oracle(4), oracle(5), oracle(6), EOS]
+    for i, p in enumerate(long_prompts, 1):
+        assert result.tokens[i] == [oracle(q) for q in range(len(p), len(p) + 24)]
