@@ -54,6 +54,8 @@ class EvalSettings:
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
+    humaneval: int = 0  # also sweep the first N HumanEval problems and report pass@1 per mode (mars.humaneval)
+    humaneval_timeout: float = 10.0  # seconds each problem's tests may run
 
 
 @dataclass
@@ -310,8 +312,8 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     from .core.acceptance import check_threshold
 
     s = settings or EvalSettings()
-    if data is None and prompts is None:
-        raise DataError("nothing to evaluate: give a dataset or prompts")
+    if data is None and prompts is None and not s.humaneval:
+        raise DataError("nothing to evaluate: give a dataset, prompts or humaneval problems")
     if s.decode:  # every threshold in its metric's range before any work
         for em in models:
             for t in s.thresholds:
@@ -319,7 +321,7 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     path = None
     if data is not None:
         path, split = eval_file(data, split)
-    if prompts is None and s.decode:
+    if prompts is None and s.decode and path is not None:
         prompts = dataset_prompts(path)
     if prompts is not None and s.limit is not None:
         prompts = prompts[: s.limit]
@@ -349,12 +351,33 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
                         f"the baseline tokenizes the responses into {base['tokens']} tokens, this model into "
                         f"{entry['nll']['tokens']}: per-token NLLs are not directly comparable"
                     )
-        if s.decode:
+        if s.decode and (prompts is not None or path is not None):
             if not prompts:
                 raise DataError(f"{path}: no prompts to decode (text records have none; pass a prompt file)")
             entry["sweep"] = sweep(em, prompts, s, announce=announce)
+        if s.humaneval:
+            entry["humaneval"] = humaneval_sweep(em, s, announce=announce)
         report["models"].append(entry)
     return report
+
+
+def humaneval_sweep(em: EvalModel, s: EvalSettings, *, announce=lambda m: None) -> dict:
+    """The sweep on the first `s.humaneval` HumanEval problems, with pass@1 per mode: each
+    reply's code runs against the problem's tests in its own Python process (mars.humaneval)."""
+    import dataclasses
+
+    from . import humaneval
+
+    problems = humaneval.load_problems(s.humaneval)
+    result = sweep(em, [humaneval.messages(p) for p in problems], dataclasses.replace(s, limit=None), announce=announce)
+    tok = em.tm.tokenizer
+    for row in result["thresholds"]:
+        replies = [tok.decode(o, skip_special_tokens=True) for o in row["outputs"]]
+        announce(f"{em.label}: running the tests of {len(problems)} HumanEval problems ({_mode_name(row, '.3g')})")
+        row["passed"] = humaneval.pass_count(problems, replies, timeout=s.humaneval_timeout)
+        row["pass_at_1"] = row["passed"] / len(problems)
+    result["problems"] = [p["task_id"] for p in problems]
+    return result
 
 
 def _settings_dict(s: EvalSettings) -> dict:
@@ -373,8 +396,9 @@ def write_json(report: dict, path, *, outputs: bool = False) -> Path:
             return r
         r = json.loads(json.dumps(r))
         for m in r["models"]:
-            for row in m.get("sweep", {}).get("thresholds", []):
-                row.pop("outputs", None)
+            for key in ("sweep", "humaneval"):
+                for row in m.get(key, {}).get("thresholds", []):
+                    row.pop("outputs", None)
         return r
 
     path = Path(path)
@@ -412,21 +436,25 @@ def format_table(report: dict) -> str:
             lines.append(nll_line("NLL", n, extra))
             if n.get("baseline_note"):
                 lines.append(f"  note: {n['baseline_note']}")
-        sw = m.get("sweep")
-        if sw:
-            lines.append(f"  sweep: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
+        for key, title in (("sweep", "sweep"), ("humaneval", "HumanEval")):
+            sw = m.get(key)
+            if not sw:
+                continue
+            lines.append(f"  {title}: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
             w = max([8] + [len(_mode_name(r, ".3g")) for r in sw["thresholds"]])
-            lines.append(f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}  slot acceptance 0..B")
+            p1 = f" {'pass@1':>7}" if key == "humaneval" else ""
+            lines.append(f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}{p1}  slot acceptance 0..B")
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
                 tau = _mode_name(r, ".3g")
+                passed = f" {r['passed']:>3d}/{len(sw['problems']):<3d}" if key == "humaneval" else ""
                 lines.append(
                     f"  {tau:>{w}} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
-                    f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}  {slots}"
+                    f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}{passed}  {slots}"
                 )
             if sw.get("note"):
                 lines.append(f"  note: {sw['note']}")
-    if any(m.get("sweep") for m in report["models"]):
+    if any(m.get("sweep") or m.get("humaneval") for m in report["models"]):
         lines += [f"  {name}: {meaning}" for name, meaning in SWEEP_COLUMNS]
     return "\n".join(lines)
 
@@ -441,6 +469,7 @@ SWEEP_COLUMNS = (
     ("pshare", "all AR tokens reproduced before the first difference / all AR tokens"),
     ("tokens", "tokens generated in all"),
     ("sec", "wall time of the decoding, seconds"),
+    ("pass@1", "HumanEval: problems whose reply passed the problem's tests (run in a separate process)"),
 )
 
 

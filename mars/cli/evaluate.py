@@ -55,6 +55,9 @@ def _hedges(ctx, param, value):
 @click.option("--lossless", is_flag=True, help="Also decode in lossless mode (the masks draft, the next forward verifies).")
 @click.option("--hedge", "hedges", multiple=True, callback=_hedges,
               help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block size.")
+@click.option("--humaneval", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Also decode the first N HumanEval problems in every mode and report pass@1 (needs pip install 'mars-mtp[eval]'); "
+                   "each reply's code runs in its own Python process with a timeout.")
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the report as JSON here.")
 @click.option("--outputs", "with_outputs", is_flag=True, help="Include the decoded token ids in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG: tokens/forward against agreement with AR.")
@@ -64,13 +67,13 @@ def _hedges(ctx, param, value):
 @backend_option
 @friendly_errors
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
-                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, hedges, output, with_outputs, plot_path,
+                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, hedges, humaneval, output, with_outputs, plot_path,
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
 
-    if data is None and prompt_file is None:
-        raise click.UsageError("give --data (a dataset) or --prompts FILE")
+    if data is None and prompt_file is None and not humaneval:
+        raise click.UsageError("give --data (a dataset), --prompts FILE or --humaneval N")
     if no_nll and no_decode:
         raise click.UsageError("--no-nll and --no-decode leave nothing to do")
     if prompt_file is not None and not prompt_file.is_file():
@@ -86,8 +89,15 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
     settings = ev.EvalSettings(
         thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
         batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,
-        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless, hedges=hedges,
+        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless, hedges=hedges, humaneval=humaneval,
     )
+    if humaneval:
+        from ..humaneval import HumanEvalUnavailable, load_problems
+
+        try:
+            load_problems(1)  # fails before any model loads
+        except HumanEvalUnavailable as e:
+            raise click.ClickException(str(e)) from None
     quiet_libraries()
     say = lambda m: click.echo(m, err=True)
     load = lambda m: ev.load_model(m, backend, dtype=dtype, device=device, announce=say)

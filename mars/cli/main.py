@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from .. import __version__
-from ..core.config import MODES
+from ..core.config import GATED_FUSE_REFUSED, GATES, MODES
 from .common import Finite
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -113,6 +113,14 @@ def cli():
 @click.option("--resume", is_flag=True, help="Continue from the checkpoint in --output.")
 @click.option("--init-adapter", type=click.Path(path_type=Path), default=None, help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha and mask row are kept, and its block size unless --block-size names another.")
 @click.option("--fuse", is_flag=True, help="LoRA: write the adapter fused into a full model (mask-token row included) instead of an adapter.")
+@click.option("--objective", type=click.Choice(["ce", "distill"]), default="ce", show_default=True,
+              help="The masks' target: ce = the label (the paper's recipe); distill = the model's own clean-stream distribution "
+                   "at the same position (stop-gradient; with --gate masks, exactly the base model's).")
+@click.option("--distill-temperature", type=Finite(min=0.0, min_open=True), default=1.0, show_default=True, help="--objective distill: softmax temperature of teacher and student.")
+@click.option("--distill-mix", type=Finite(0.0, 1.0), default=1.0, show_default=True, help="--objective distill: weight of the KL term; the rest is the label's cross-entropy.")
+@click.option("--gate", type=click.Choice(GATES), default="none", show_default=True,
+              help="LoRA: masks = the adapter's deltas act at mask positions only, so every real token runs the base weights "
+                   "and threshold 1.0 / lossless output is exactly the base model's (recorded in mars.json; cannot be fused).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True)
@@ -137,6 +145,10 @@ def finetune(model, data, output, backend, dtype, device, max_seq_length, on_lon
         raise click.BadParameter(f"must be at least one block (--block-size {opts['block_size']})", param_hint="--max-seq-length")
     if fuse and opts["fine_tune_type"] != "lora":
         raise click.BadParameter("only applies to --fine-tune-type lora", param_hint="--fuse")
+    if opts["gate"] != "none" and opts["fine_tune_type"] != "lora":
+        raise click.BadParameter("gates LoRA deltas; it needs --fine-tune-type lora", param_hint="--gate")
+    if fuse and opts["gate"] == "masks":
+        raise click.BadParameter(GATED_FUSE_REFUSED, param_hint="--fuse")
     if not resume:
         check_output(output, sources=(data, model, init_adapter), fix="pass --resume to continue it, or choose a new --output")
     if resume and not (output / "checkpoint").is_dir():

@@ -185,6 +185,15 @@ def _has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
+def refuse_gated(adapter: Path) -> None:
+    """A gated adapter (mars.json gate: masks) cannot be fused: see core.config.GATED_FUSE_REFUSED."""
+    from ..core.config import GATED_FUSE_REFUSED, has_config
+    from ..core.config import read_config as read_mars
+
+    if adapter.is_dir() and has_config(adapter) and read_mars(adapter).gate == "masks":
+        raise ConvertError(f"{adapter}: {GATED_FUSE_REFUSED}")
+
+
 def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None,
                   overwrite: bool = False, announce=print) -> Path:
     """Convert a model directory (HF or mlx-lm, float or mlx-quantized) or a .gguf file into a
@@ -221,6 +230,7 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
     lora = None
     if adapter is not None:
         adapter = Path(adapter)
+        refuse_gated(adapter)
         lora = read_adapter(adapter)
         fuse(tensors, config, lora, adapter)
     if dtype is not None:

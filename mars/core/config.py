@@ -16,6 +16,13 @@ FORMAT = 1
 # at `default_threshold`, or losslessly (the masks draft, the next forward verifies; output
 # exactly the checkpoint's greedy AR). Optional: files without it mean "threshold".
 MODES = ("threshold", "lossless")
+# Where a LoRA adapter's deltas act: everywhere (the paper's recipe), or at mask positions
+# only, so every real token runs the base weights and the model's own output is the base's.
+GATES = ("none", "masks")
+GATED_FUSE_REFUSED = (
+    "a gated adapter (gate: masks) acts only at mask positions; fused into the base weights it would act on "
+    "every token and change the model's own output. Use it as an adapter, or train with --gate none to fuse"
+)
 
 
 class ConfigError(ValueError):
@@ -32,6 +39,7 @@ class MarsConfig:
     metric: str = "probability"
     default_threshold: float = 1.0
     default_mode: str = "threshold"
+    gate: str = "none"  # none | masks (GATES): a gated adapter's deltas act at mask positions only
     # True when no unused special token existed and one was added (the embedding grew by a row).
     mask_token_added: bool = False
     format: int = FORMAT
@@ -58,6 +66,8 @@ class MarsConfig:
             bad("default_threshold", f"must be {threshold_range_text(self.metric)} for metric {self.metric}, got {self.default_threshold!r}")
         if self.default_mode not in MODES:
             bad("default_mode", f"must be one of {', '.join(MODES)}, got {self.default_mode!r}")
+        if self.gate not in GATES:
+            bad("gate", f"must be one of {', '.join(GATES)}, got {self.gate!r}")
         if not isinstance(self.mask_token_added, bool):
             bad("mask_token_added", f"must be true or false, got {self.mask_token_added!r}")
         return self

@@ -35,6 +35,13 @@ class TrainSettings:
     normalize: str = "row"
     max_grad_norm: float = 1.0
     init_adapter: str = ""  # LoRA: start from this MARS adapter (its rank, scale, targets and mask row)
+    gate: str = "none"  # LoRA: none, or masks (the deltas act at mask positions only; core.config.GATES)
+    # The noisy stream's target: "ce", the label; "distill", the model's own clean-stream
+    # distribution at the same position (stop-gradient teacher) at `distill_temperature`,
+    # mixed with the label's cross-entropy as (1 - distill_mix) CE + distill_mix KL.
+    objective: str = "ce"
+    distill_temperature: float = 1.0
+    distill_mix: float = 1.0
 
 
 def lr_lambda(total: int, warmup: int):

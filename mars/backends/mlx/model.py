@@ -36,6 +36,7 @@ class MlxModel:
     mars: MarsConfig | None
     path: str
     generation_eos: tuple[int, ...] = ()  # config.json's eos_token_id list, as mlx-lm reads it
+    gate: object = None  # a gated adapter's MlxMaskGate
 
     @property
     def vocab_rows(self) -> int:
@@ -226,9 +227,14 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         row_file = adapter / MASK_EMBEDDING_FILE
         if row_file.is_file() and mars is not None:
             set_mask_row(model, mars.mask_token_id, mx.load(str(row_file))[MASK_EMBEDDING_KEY])
+    gate = None
+    if adapter is not None and mars is not None and mars.gate == "masks":
+        from .gate import MlxMaskGate
+
+        gate = MlxMaskGate(model, mars.mask_token_id)
     model.eval()
     generation_eos = tuple(sorted(int(i) for i in getattr(wrapper, "eos_token_ids", ()) or ()))
-    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), generation_eos=generation_eos)
+    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), generation_eos=generation_eos, gate=gate)
 
 
 # -- decoding --------------------------------------------------------------------------------
@@ -331,6 +337,8 @@ class MlxDecoder:
     def _logits(self, cache, input_ids, positions, mask, read) -> mx.array:
         ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
         attn = "causal" if mask is None else mx.array(mask)[:, None]
+        if self.loaded.gate is not None:
+            self.loaded.gate.set(ids)
         h = hidden_states(self.model, ids, decode_segments(positions), attn, cache)
         idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
@@ -379,9 +387,21 @@ class MlxDecoder:
 # -- training forward ------------------------------------------------------------------------
 
 
-def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1):
-    """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `training_batch`."""
+def distill_kl(student: mx.array, teacher: mx.array, temperature: float) -> mx.array:
+    """Per row: T^2 KL(softmax(teacher / T) || softmax(student / T)), the teacher held fixed."""
+    t = temperature
+    teacher = mx.stop_gradient(teacher)
+    log_p = teacher / t - mx.logsumexp(teacher / t, axis=-1, keepdims=True)
+    log_q = student / t - mx.logsumexp(student / t, axis=-1, keepdims=True)
+    return (mx.exp(log_p) * (log_p - log_q)).sum(-1) * t * t
+
+
+def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1, gate=None, distill=None):
+    """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `training_batch`;
+    `gate`: a gated adapter's MlxMaskGate (the deltas act at mask positions only)."""
     inputs = batch["input_ids"]
+    if gate is not None:
+        gate.set(inputs)
     start = batch.get("start", 0)
     length = (inputs.shape[1] + start) // 2
     embeddings = None
@@ -397,7 +417,12 @@ def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1)
     ce = nn.losses.cross_entropy(logits, targets, reduction="none")
     n = batch["targets"].shape[0]
     w = batch["weights"]
-    return (ce[:n] * w).sum(), (ce[n:] * w).sum()
+    per_token = ce[:n]
+    if distill is not None:  # (temperature, mix): the noisy stream learns the clean stream's distribution
+        temperature, mix = distill
+        kl = distill_kl(logits[:n], logits[n:], temperature)
+        per_token = kl if mix >= 1.0 else (1.0 - mix) * per_token + mix * kl
+    return (per_token * w).sum(), (ce[n:] * w).sum()
 
 
 def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True) -> dict:

@@ -143,6 +143,13 @@ class MlxTrainer:
             model.unfreeze()
         else:
             raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+        self.gate = None
+        if settings.gate == "masks":
+            from .gate import MlxMaskGate
+
+            if settings.fine_tune_type != "lora":
+                raise ValueError("--gate masks gates LoRA deltas; it needs --fine-tune-type lora")
+            self.gate = MlxMaskGate(model, mars.mask_token_id)
         model.train()
         self.net = _Trainable(model, mask_row)
         mx.eval(self.net.parameters())
@@ -163,7 +170,8 @@ class MlxTrainer:
         return training_batch(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize)
 
     def _losses(self, arrays: dict):
-        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id)
+        distill = (self.s.distill_temperature, self.s.distill_mix) if self.s.objective == "distill" else None
+        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id, gate=self.gate, distill=distill)
 
     def _loss(self, arrays: dict):
         noisy, clean = self._losses(arrays)
@@ -332,8 +340,13 @@ class MlxTrainer:
         trained mask-token row; full fine-tuning, or LoRA with fuse=True: a whole mlx-lm model."""
         from mlx_lm.utils import save_config
 
+        from ...core.config import GATED_FUSE_REFUSED
+
+        if fuse and self.s.gate == "masks":
+            raise ValueError(GATED_FUSE_REFUSED)
         self.mars.base_model = base_ref
         self.mars.ar_weight = self.s.ar_weight
+        self.mars.gate = self.s.gate if self.s.fine_tune_type == "lora" else "none"
         self.net.eval()
         if mx.distributed.init().rank() != 0:
             return self.output

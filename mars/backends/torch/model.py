@@ -78,6 +78,7 @@ class TorchModel:
     path: str
     device: torch.device
     dtype: torch.dtype
+    gate: object = None  # a gated adapter's MaskGate (the adapter then stays unmerged)
 
     @property
     def body(self) -> torch.nn.Module:
@@ -183,15 +184,21 @@ def load(
 
         if not (adapter / "adapter_config.json").is_file():
             raise ModelError(f"{adapter}: no adapter_config.json (not a PEFT adapter directory)")
+        gated = mars is not None and mars.gate == "masks"
         model = PeftModel.from_pretrained(model, str(adapter), is_trainable=not merge)
-        if merge:
+        if merge and not gated:  # a gated adapter cannot be merged: it acts at mask positions only
             model = model.merge_and_unload()
         row = load_mask_embedding(adapter)
         if row is not None and mars is not None:
             with torch.no_grad():
                 model.get_input_embeddings().weight[mars.mask_token_id] = row.to(dt)
     model.eval()
-    return TorchModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), device=dev, dtype=dt)
+    gate = None
+    if adapter is not None and mars is not None and mars.gate == "masks":
+        from .gate import MaskGate
+
+        gate = MaskGate(model, mars.mask_token_id)
+    return TorchModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), device=dev, dtype=dt, gate=gate)
 
 
 class TorchDecoder:
@@ -267,6 +274,8 @@ class TorchDecoder:
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
+        if self.tm.gate is not None:
+            self.tm.gate.set(ids)
         with packed.active():
             out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
             hidden = out.last_hidden_state
@@ -363,14 +372,51 @@ def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
 class MarsLoss(torch.nn.Module):
     """The MARS objective (docs/method.md §4) around a causal LM; a module so DDP/accelerate can wrap it."""
 
-    def __init__(self, model: torch.nn.Module, mask_row: torch.nn.Parameter | None = None, mask_id: int = -1):
+    def __init__(self, model: torch.nn.Module, mask_row: torch.nn.Parameter | None = None, mask_id: int = -1, gate=None,
+                 distill: tuple[float, float] | None = None):
         super().__init__()
         self.model = model
         self.mask_row = mask_row
         self.mask_id = mask_id
+        self.gate = gate  # gated LoRA: the deltas act at mask positions only
+        self.distill = distill  # (temperature, mix): the noisy stream learns the clean stream's distribution
+        self.split = True  # gated: the clean stream in a pass of its own, without gradients (gated_hidden)
         self.body, self.head = body_and_head(model)
 
+    def embed(self, input_ids):
+        embeds = self.body.get_input_embeddings()(input_ids)
+        if self.mask_row is None:
+            return embeds
+        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
+        is_mask = (input_ids == self.mask_id)[..., None]
+        return torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
+
+    def gated_hidden(self, input_ids, positions, attn):
+        """The hidden states of a gated adapter's batch in two passes. The clean stream runs
+        the base weights alone (the gate is 0 on every real token) and no loss term trains
+        anything through it, so it runs without gradients, its keys kept in a cache; then
+        the noisy stream runs with gradients on top of that cache, under its rows of the
+        same mask. The same numbers as one joint forward, without the clean stream's backward."""
+        from transformers import DynamicCache
+
+        clean = int(positions[0, -1]) + 1  # the clean stream's positions are 0 .. L-1
+        n = input_ids.shape[1] - clean
+        cache = DynamicCache(config=self.model.config)
+        with torch.no_grad():
+            self.gate.set(input_ids[:, n:])
+            out_c = self.body(inputs_embeds=self.embed(input_ids[:, n:]), position_ids=positions[:, n:],
+                              attention_mask=attn[:, :, n:, n:], cache=cache, use_cache=True)
+        self.gate.set(input_ids[:, :n])
+        mask = torch.cat([attn[:, :, :n, n:], attn[:, :, :n, :n]], dim=-1)  # keys: the cached clean stream, then the noisy
+        out_n = self.body(inputs_embeds=self.embed(input_ids[:, :n]), position_ids=positions[:, :n], attention_mask=mask,
+                          cache=cache, use_cache=True)
+        return torch.cat([out_n.last_hidden_state, out_c.last_hidden_state], dim=1)
+
     def hidden(self, input_ids, positions, attn):
+        if self.gate is not None and self.split:
+            return self.gated_hidden(input_ids, positions, attn)
+        if self.gate is not None:
+            self.gate.set(input_ids)
         if self.mask_row is None:
             out = self.body(input_ids=input_ids, position_ids=positions, attention_mask=attn, use_cache=False)
         else:
@@ -387,9 +433,25 @@ class MarsLoss(torch.nn.Module):
         logits = self.head(hidden[torch.cat([rows, rows]), index]).float()
         ce = F.cross_entropy(logits, torch.cat([targets, targets]), reduction="none")
         n = targets.shape[0]
-        noisy = (ce[:n] * weights).sum()
+        per_token = ce[:n]
+        if self.distill is not None:
+            per_token = mix_distill(per_token, logits[:n], logits[n:], *self.distill)
+        noisy = (per_token * weights).sum()
         clean = (ce[n:] * weights).sum()
         return noisy, clean
+
+
+def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Per row: T^2 KL(softmax(teacher / T) || softmax(student / T)), the teacher detached."""
+    t = temperature
+    p = torch.softmax(teacher.detach() / t, dim=-1)
+    return (p * (torch.log_softmax(teacher.detach() / t, dim=-1) - torch.log_softmax(student / t, dim=-1))).sum(-1) * t * t
+
+
+def mix_distill(ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float, mix: float) -> torch.Tensor:
+    """(1 - mix) CE(label) + mix KL(clean stream || noisy stream), per noisy token."""
+    kl = distill_kl(student, teacher, temperature)
+    return kl if mix >= 1.0 else (1.0 - mix) * ce + mix * kl
 
 
 def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True):

@@ -62,9 +62,17 @@ class Trainer:
             model.get_input_embeddings().padding_idx = None
         else:
             raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+        self.gate = None
+        if settings.gate == "masks":
+            from .gate import GateError, MaskGate
+
+            if settings.fine_tune_type != "lora":
+                raise GateError("--gate masks gates LoRA deltas; it needs --fine-tune-type lora")
+            self.gate = MaskGate(model, mars.mask_token_id)
         model.train()
         self.model = model
-        self.loss = MarsLoss(model, mask_row, mars.mask_token_id)
+        distill = (settings.distill_temperature, settings.distill_mix) if settings.objective == "distill" else None
+        self.loss = MarsLoss(model, mask_row, mars.mask_token_id, gate=self.gate, distill=distill)
         params = [p for p in self.loss.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
         self.opt = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=settings.weight_decay)
@@ -169,8 +177,14 @@ class Trainer:
         LoRA writes a PEFT adapter plus the mask-token row; with `fuse`, one full model instead."""
         from safetensors.torch import save_file
 
+        from ...core.config import GATED_FUSE_REFUSED
+        from .gate import GateError
+
+        if fuse and self.s.gate == "masks":
+            raise GateError(GATED_FUSE_REFUSED)
         self.mars.base_model = base_ref
         self.mars.ar_weight = self.s.ar_weight
+        self.mars.gate = self.s.gate if self.s.fine_tune_type == "lora" else "none"
         model = self.acc.unwrap_model(self.loss_module).model
         model.eval()
         if not self.acc.is_main_process:

@@ -1,0 +1,264 @@
+"""Gated LoRA adapters (`--gate masks`): the deltas act at mask positions only, so every
+real token runs the base weights, on both backends; such an adapter cannot be fused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from clitools import invoke, ok, one_line_error
+from mars.backends.torch.model import TorchDecoder
+from mars.backends.torch.model import load as torch_load
+from mars.core.decoding import DecodeSettings, generate
+from mars.core.tokens import encode_prompt
+
+PROMPTS = ["Spell from c", "Spell from k", "hello there"]
+QUIET = dict(announce=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def gated(tiny, data, tmp_path_factory):
+    """A gated LoRA adapter trained by `mars finetune` (torch) on the tiny base."""
+    out = tmp_path_factory.mktemp("gated") / "adapter"
+    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 80,
+              "--learning-rate", 1e-2, "--lora-rank", 8, "--backend", "torch", "--default-mode", "lossless"))
+    return out
+
+
+def real_token_logits(tm, ids, mask_id):
+    """Logits at every position, without the mask token's own column: with tied embeddings
+    the trained mask row is also that token's output row (docs/method.md §7)."""
+    with torch.no_grad():
+        logits = tm.model(input_ids=torch.tensor([ids])).logits
+    return torch.cat([logits[..., :mask_id], logits[..., mask_id + 1 :]], dim=-1)
+
+
+def without(a: np.ndarray, column: int) -> np.ndarray:
+    return np.delete(a, column, axis=-1)
+
+
+def test_gated_training_leaves_every_real_token_output_equal_to_the_base(tiny, gated):
+    assert json.loads((gated / "mars.json").read_text())["gate"] == "masks"
+    base = torch_load(tiny, **QUIET)
+    tm = torch_load(gated, **QUIET)
+    assert tm.gate is not None
+    mask = tm.mars.mask_token_id
+    for p in PROMPTS:
+        ids = encode_prompt(tm.tokenizer, p)
+        tm.gate.set(torch.tensor([ids]))
+        torch.testing.assert_close(real_token_logits(tm, ids, mask), real_token_logits(base, ids, mask), atol=1e-5, rtol=0)
+        # ... while at mask positions the adapter acts: the masks' outputs moved.
+        with_masks = ids + [mask] * 4
+        tm.gate.set(torch.tensor([with_masks]))
+        diff = (real_token_logits(tm, with_masks, mask) - real_token_logits(base, with_masks, mask))[0].abs()
+        assert diff[: len(ids)].max() <= 1e-5 and diff[len(ids):].max() > 1e-3
+
+
+def test_a_gated_adapter_decodes_as_the_base_at_threshold_1_and_losslessly(tiny, gated):
+    base = torch_load(tiny, **QUIET)
+    tm = torch_load(gated, **QUIET)
+    prompts = [encode_prompt(tm.tokenizer, p) for p in PROMPTS]
+    settings = dict(mask_id=tm.mars.mask_token_id, eos_ids=tm.eos_ids, max_tokens=16)
+    plain = generate(TorchDecoder(base), prompts, DecodeSettings(**settings, threshold=1.0)).tokens
+    assert generate(TorchDecoder(tm), prompts, DecodeSettings(**settings, threshold=1.0)).tokens == plain
+    lossless = generate(TorchDecoder(tm), prompts, DecodeSettings(**settings, lossless=True))
+    assert lossless.tokens == plain
+    assert lossless.stats.draft_totals()["kept_per_slot"][0] > 0  # the masks drafted something that was kept
+
+
+def test_a_gated_adapter_cannot_be_fused(tiny, data, gated, tmp_path):
+    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "f", "--gate", "masks", "--fuse",
+                          "--iters", 1, "--backend", "torch"), "gated adapter")
+    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "g", "--gate", "masks",
+                          "--fine-tune-type", "full", "--iters", 1, "--backend", "torch"), "--gate")
+    one_line_error(invoke("convert", tiny, "--adapter", gated, "--fuse", "--to", "hf", "--output", tmp_path / "fused"), "gated adapter")
+    assert not (tmp_path / "f").exists() and not (tmp_path / "fused").exists()
+
+
+def test_a_gated_adapter_loads_and_decodes_alike_on_mlx(tiny, gated, tmp_path):
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+
+    from mars.backends.mlx.model import MlxDecoder, head, hidden_states
+    from mars.backends.mlx.model import load as mlx_load
+
+    ok(invoke("convert", gated, "--to", "mlx", "--output", tmp_path / "mlx-adapter", "--model", tiny))
+    assert json.loads((tmp_path / "mlx-adapter" / "mars.json").read_text())["gate"] == "masks"
+    m = mlx_load(tmp_path / "mlx-adapter", **QUIET)
+    base = mlx_load(tiny, **QUIET)
+    tm = torch_load(gated, **QUIET)
+    assert m.gate is not None
+    for p in PROMPTS:
+        ids = encode_prompt(m.tokenizer, p)
+        x = mx.array([ids])
+        m.gate.set(x)
+        ours = np.array(head(m.model, hidden_states(m.model, x, [(len(ids), 0)], "causal")).astype(mx.float32))
+        plain = np.array(head(base.model, hidden_states(base.model, x, [(len(ids), 0)], "causal")).astype(mx.float32))
+        mask = m.mars.mask_token_id
+        np.testing.assert_allclose(without(ours, mask), without(plain, mask), atol=1e-5, rtol=0)
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    s = DecodeSettings(mask_id=m.mars.mask_token_id, eos_ids=m.eos_ids, max_tokens=16, lossless=True)
+    assert generate(MlxDecoder(m), prompts, s).tokens == generate(TorchDecoder(tm), prompts, s).tokens
+
+
+def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path):
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+
+    from mars.backends.mlx.model import head, hidden_states
+    from mars.backends.mlx.model import load as mlx_load
+
+    out = tmp_path / "mlx-gated"
+    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 20,
+              "--learning-rate", 5e-3, "--lora-rank", 4, "--backend", "mlx"))
+    m = mlx_load(out, **QUIET)
+    base = mlx_load(tiny, **QUIET)
+    mask = m.mars.mask_token_id
+    for p in PROMPTS:
+        ids = encode_prompt(m.tokenizer, p)
+        for fed, real in ((ids, True), (ids + [mask] * 4, False)):
+            x = mx.array([fed])
+            m.gate.set(x)
+            ours = np.array(head(m.model, hidden_states(m.model, x, [(len(fed), 0)], "causal")).astype(mx.float32))
+            plain = np.array(head(base.model, hidden_states(base.model, x, [(len(fed), 0)], "causal")).astype(mx.float32))
+            ours, plain = without(ours, mask), without(plain, mask)
+            if real:
+                np.testing.assert_allclose(ours, plain, atol=1e-5, rtol=0)
+            else:
+                np.testing.assert_allclose(ours[0, : len(ids)], plain[0, : len(ids)], atol=1e-5, rtol=0)
+                assert np.abs(ours[0, len(ids):] - plain[0, len(ids):]).max() > 1e-3
+
+
+# -- the distillation objective -------------------------------------------------------------------
+
+
+def _batch(tok):
+    from mars.core.data import encode_record, pad_to_block
+
+    rows = [encode_record({"prompt": "Spell from c", "completion": "c d e f g"}, tok, eos_id=tok.eos_token_id),
+            encode_record({"prompt": "hi", "completion": "hello there, friend"}, tok, eos_id=tok.eos_token_id)]
+    rows = [pad_to_block(i, lab, 4, tok.eos_token_id, ended=True) for i, lab in rows]
+    width = max(len(i) for i, _ in rows)
+    ids = np.full((2, width), tok.eos_token_id)
+    labels = np.full((2, width), -100)
+    for r, (i, lab) in enumerate(rows):
+        ids[r, : len(i)], labels[r, : len(lab)] = i, lab
+    return ids, labels, np.array([len(i) for i, _ in rows])
+
+
+@pytest.mark.parametrize("temperature,mix", [(1.0, 1.0), (2.0, 1.0), (0.5, 0.3)])
+def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
+    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=2).eval()
+    ids, labels, lengths = _batch(tok)
+    inputs = loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu")
+    with torch.no_grad():
+        noisy, clean = MarsLoss(model, mask_id=3, distill=(temperature, mix))(**inputs)
+        ce_noisy, ce_clean = MarsLoss(model, mask_id=3)(**inputs)
+        # By hand: the logits at the noisy and the clean positions of each label, from a plain forward.
+        from mars.backends.torch.model import body_and_head
+
+        body, head = body_and_head(model)
+        h = body(input_ids=inputs["input_ids"], position_ids=inputs["positions"], attention_mask=inputs["attn"]).last_hidden_state
+        student = head(h[inputs["rows"], inputs["noisy_index"]]).double()
+        teacher = head(h[inputs["rows"], inputs["clean_index"]]).double()
+        p = torch.softmax(teacher / temperature, -1)
+        kl = (p * (p.log() - torch.log_softmax(student / temperature, -1))).sum(-1) * temperature**2
+        ce = torch.nn.functional.cross_entropy(student, inputs["targets"], reduction="none")
+        want = (((1 - mix) * ce + mix * kl) * inputs["weights"].double()).sum()
+    assert clean == pytest.approx(float(ce_clean), rel=1e-6)  # the AR term is untouched
+    assert float(noisy) == pytest.approx(float(want), rel=1e-4)
+    assert float(noisy) != pytest.approx(float(ce_noisy), rel=1e-3)
+
+
+def test_distill_loss_agrees_across_backends():
+    pytest.importorskip("mlx_lm")
+    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.model import mars_losses, training_batch
+    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from tiny import make_tokenizer, save_model
+
+    import tempfile
+    from pathlib import Path
+
+    tok = make_tokenizer()
+    ids, labels, lengths = _batch(tok)
+    with tempfile.TemporaryDirectory() as d:
+        path = save_model(Path(d) / "m", "qwen2", seed=4)
+        m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
+        with torch.no_grad():
+            ours = MarsLoss(t.model, mask_id=3, distill=(1.5, 0.6))(**loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu"))
+        theirs = mars_losses(m.model, training_batch(ids, labels, lengths, 4, 3), mask_id=3, distill=(1.5, 0.6))
+    for a, b in zip(ours, theirs):
+        assert float(a) == pytest.approx(float(b), rel=1e-4)
+
+
+def test_finetune_with_distill_and_gate_runs_on_both_backends(tiny, data, tmp_path):
+    for backend in ("torch", "mlx"):
+        if backend == "mlx":
+            pytest.importorskip("mlx_lm")
+        out = tmp_path / backend
+        ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--objective", "distill",
+                  "--distill-temperature", 2, "--iters", 3, "--backend", backend))
+        assert json.loads((out / "mars.json").read_text())["gate"] == "masks"
+
+
+def test_the_gated_split_forward_gives_the_joint_forwards_losses_and_gradients(tiny):
+    """Gated training runs the clean stream without gradients in a pass of its own: the
+    losses and the LoRA and mask-row gradients equal one joint forward's."""
+    from peft import LoraConfig, get_peft_model
+
+    from mars.backends.torch.gate import MaskGate
+    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from tiny import make_tokenizer
+
+    tok = make_tokenizer()
+    base = torch_load(tiny, **QUIET)
+    torch.manual_seed(0)
+    model = get_peft_model(base.model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)  # fresh LoRA B is zero: make the deltas real
+    row = torch.nn.Parameter(torch.randn(model.get_input_embeddings().weight.shape[1]) * 0.1)
+    loss = MarsLoss(model, row, 3, gate=MaskGate(model, 3), distill=(1.5, 0.5))
+    inputs = loss_inputs(*_batch(tok), 4, 3, torch.float32, "cpu")
+    results = []
+    for split in (False, True):
+        loss.split = split
+        model.zero_grad()
+        row.grad = None
+        noisy, clean = loss(**inputs)
+        (noisy + clean).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+        results.append((noisy.item(), clean.item(), grads, row.grad.clone()))
+    (n0, c0, g0, r0), (n1, c1, g1, r1) = results
+    assert n1 == pytest.approx(n0, rel=1e-5) and c1 == pytest.approx(c0, rel=1e-5)
+    assert g0.keys() == g1.keys() and g0
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(r1, r0, atol=1e-5, rtol=1e-4)
+
+
+def test_mars_serve_decodes_a_gated_adapter_as_the_base(tiny, gated):
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    from test_serve import live
+
+    base = torch_load(tiny, **QUIET)
+    tm = torch_load(gated, **QUIET)
+    with live(tm, name="gated") as server:
+        client = server.client()
+        for text in PROMPTS:
+            want = generate(TorchDecoder(base), [encode_prompt(base.tokenizer, text)],
+                            DecodeSettings(mask_id=tm.mars.mask_token_id, eos_ids=base.eos_ids, max_tokens=12, threshold=1.0))
+            reply = base.tokenizer.decode(want.tokens[0], skip_special_tokens=True)
+            for extra in ({"threshold": 1.0}, {"lossless": True}, {}):  # {}: the checkpoint's default mode, lossless
+                r = client.chat.completions.create(model="gated", messages=[{"role": "user", "content": text}], max_tokens=12,
+                                                   temperature=0, extra_body=extra)
+                assert r.choices[0].message.content == reply, (text, extra)
