@@ -162,11 +162,19 @@ def test_threshold_one_is_greedy_ar(tm, tok, cache):
 @pytest.mark.parametrize("threshold", [1.0, 0.9, 0.5, 0.1])
 def test_cached_window_equals_uncached(tm, tok, threshold):
     dec = TorchDecoder(tm)
+    masks_taken = 0
     for prompt in prompts_of(tok, PROMPTS):
         plain = generate(dec, [prompt], settings(threshold=threshold, cache="none"))
         cached = generate(dec, [prompt], settings(threshold=threshold, cache="window"))
         assert cached.tokens == plain.tokens
         assert cached.stats.forwards == plain.stats.forwards
+        masks_taken += sum(cached.stats.rows[0].accepted_per_slot[1:])
+    # At 0.5 and 0.1 the comparison covers accepted mask slots, not only plain AR steps (this
+    # untrained model's masks never reach 0.9; 1.0 takes none by rule).
+    if threshold <= 0.5:
+        assert masks_taken > 0
+    elif threshold == 1.0:
+        assert masks_taken == 0
 
 
 @pytest.mark.parametrize("cache", ["none", "window", "block"])
@@ -176,6 +184,8 @@ def test_batch_rows_equal_single_rows(tm, tok, cache, threshold):
     prompts = prompts_of(tok, PROMPTS)
     s = settings(threshold=threshold, cache=cache)
     batch = generate(dec, prompts, s)
+    # Below 1.0 the rows compared took mask slots, not only plain AR steps.
+    assert (sum(sum(r.accepted_per_slot[1:]) for r in batch.stats.rows) > 0) == (threshold < 1.0)
     for i, prompt in enumerate(prompts):
         alone = generate(dec, [prompt], s)
         assert batch.tokens[i] == alone.tokens[0]
@@ -191,9 +201,16 @@ def test_low_threshold_accepts_several_tokens_and_counts_them(tm, tok):
     row = res.stats.rows[0]
     assert row.accepted == len(res.tokens[0])
     assert row.forwards == res.stats.forwards
+    # Every forward but the last takes all B + 1 slots (the last may stop at EOS or the limit):
+    # checked whether the reply ran to the limit or ended on EOS, so the test cannot pass idly.
+    assert row.forwards >= 2
+    assert all(n >= row.forwards - 1 for n in row.accepted_per_slot)
+    assert row.accepted >= 5 * (row.forwards - 1) + 1
     if res.finish[0] == "length":
         assert len(res.tokens[0]) == 20  # never overshoots max_tokens
         assert row.forwards == 4  # 5 + 5 + 5 + 5
+    else:
+        assert res.finish[0] == "eos"
     assert row.accepted_per_slot[0] == row.forwards
 
 
@@ -203,6 +220,10 @@ def test_block_cache_counts_waiting_apart(tm, tok):
     for r, out in zip(res.stats.rows, res.tokens):
         assert r.accepted == len(out)
         assert r.forwards + r.waited <= res.stats.forwards
+    # Waiting is counted: some row filled its block before the others and waited, and the row
+    # that finished last was in every forward, each one either taking tokens or waiting.
+    assert sum(r.waited for r in res.stats.rows) > 0
+    assert max(r.forwards + r.waited for r in res.stats.rows) == res.stats.forwards
 
 
 def test_eos_stops_and_drops_what_follows(tok):
