@@ -478,10 +478,9 @@ def _summary(settings, r: dict) -> str:
 
 def sources_text(rows) -> str:
     """Lossless: where the tokens came from (drafts kept, by source; one AR token a step)."""
-    total: dict[str, int] = {}
-    for row in rows:
-        for k, v in row.by_source.items():
-            total[k] = total.get(k, 0) + v
+    from ..core.decoding import DecodeStats
+
+    total = DecodeStats(rows=list(rows)).by_source()
     if not total:
         return ""
     names = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "ar": "AR"}

@@ -42,19 +42,18 @@ class CostCurve:
             raise ValueError(f"a cost curve needs positive times at token counts >= 1, got {points}")
         self.points = {int(k): float(s) for k, s in sorted(points.items())}
         self.refresh = refresh  # weight of a newly timed forward in the running estimate
+        self._arrays = None  # (token counts, non-decreasing seconds), rebuilt after `observe`
 
     def seconds(self, tokens: int) -> float:
-        ks = np.fromiter(self.points, dtype=np.float64)
-        ss = np.maximum.accumulate(np.fromiter(self.points.values(), dtype=np.float64))
+        if self._arrays is None:
+            ks = np.fromiter(self.points, dtype=np.float64)
+            self._arrays = ks, np.maximum.accumulate(np.fromiter(self.points.values(), dtype=np.float64))
+        ks, ss = self._arrays
         t = float(max(tokens, 1))
         if t <= ks[-1]:
             return float(np.interp(t, ks, ss))
         slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
         return float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))
-
-    def relative(self, tokens: int) -> float:
-        """Cost of a forward of `tokens` in units of a one-token forward."""
-        return self.seconds(tokens) / self.seconds(1)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in a forward the loop timed (a running average per token count)."""
@@ -64,6 +63,7 @@ class CostCurve:
         self.points[tokens] = seconds if old is None else (1 - self.refresh) * old + self.refresh * seconds
         if old is None:
             self.points = dict(sorted(self.points.items()))
+        self._arrays = None
 
     def to_dict(self) -> dict:
         return {"tokens": list(self.points), "seconds": list(self.points.values())}
@@ -238,13 +238,3 @@ class FeedPolicy:
 
     def fits(self, max_masks: int, max_groups: int) -> bool:
         return (self.max_masks, self.max_groups) == (max_masks, max_groups)
-
-    def worth_feeding(self, source: str, available: int, base_width: int, batch: int = 1) -> int:
-        """How many of `available` drafts from `source` (say n-gram lookup) to add to a step
-        of `base_width` columns: the count that maximises (1 + expected kept) / cost."""
-        best, best_rate = 0, 1.0 / self.curve.seconds(batch * base_width)
-        for d in range(1, available + 1):
-            r = (1 + self.stats.expected_kept(source, d)) / self.curve.seconds(batch * (base_width + d))
-            if r > best_rate:
-                best, best_rate = d, r
-        return best

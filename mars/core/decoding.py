@@ -596,7 +596,9 @@ class Drafting:
         """The drafts a row feeds: without a cost curve, the option expected to keep the most
         drafts; with one, the option and length that maximise expected tokens per second of
         this step ((1 + expected kept) / cost of the step's width)."""
-        st, best, best_score = self.stats, ("masks", []), None
+        st, best = self.stats, ("masks", [])
+        # Feeding no drafts is the option to beat.
+        best_score = 1.0 / self.policy.curve.seconds(batch * (1 + masks)) if self.policy is not None else 0.0
         for source, drafts in options:
             lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
             for d in lengths:
@@ -606,11 +608,8 @@ class Drafting:
                 else:
                     width = 1 + d + masks + min(groups, d) * masks
                     score = (1 + kept) / self.policy.curve.seconds(batch * width)
-                if best_score is None or score > best_score:
+                if score > best_score:
                     best, best_score = (source, drafts[:d]), score
-        if self.policy is not None and best_score is not None:
-            if 1.0 / self.policy.curve.seconds(batch * (1 + masks)) >= best_score:
-                return "masks", []  # no drafts pays better
         return best
 
     def after_step(self, feed: Feed, rows: list[_Row], seconds: float) -> None:
