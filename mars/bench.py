@@ -20,11 +20,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from .core.acceptance import ar_threshold, check_threshold, is_ar_mode
+from .backends import base
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
-from .backends.base import mask_id_for
-from .core.tokens import encode_prompt
+from .core.policy import DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -49,15 +48,15 @@ class BenchSettings:
     block_caches: tuple[int, ...] = (4, 8, 16, 32)
     max_tokens: int = 64
     repeats: int = 3
-    block_size: int | None = None  # default: the checkpoint's, else 4
-    metric: str | None = None  # default: the checkpoint's, else probability
+    block_size: int | None = None  # default: the checkpoint's (mars.core.policy.block_size_for)
+    metric: str | None = None  # default: the checkpoint's (mars.core.policy.metric_for)
     forward_ks: tuple[int, ...] = tuple(range(1, 33))  # the cost curve; empty: skip it
     forward_repeats: int = 5
     force: bool = False  # allow thresholds < 1 on a model without mars.json
     lossless: bool = False  # also time lossless decoding (docs/method.md §8), window and block caches
     window: bool = True  # time threshold mode with the window cache
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
-    ngram: int = 8  # lossless: n-gram drafts of the default (cost-aware) configuration
+    ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -94,29 +93,15 @@ class Config:
 
 
 def metric_of(loaded, s: BenchSettings) -> str:
-    """The confidence metric: the one asked for, else the checkpoint's, else probability."""
-    return s.metric or (loaded.mars.metric if loaded.mars else "probability")
+    """The confidence metric: the one asked for, else the checkpoint's."""
+    return metric_for(loaded.mars, s.metric)
 
 
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
                     hedge: int | None = None, ngram: int = 0) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
-    mars = loaded.mars
-    mask_id = mask_id_for(loaded)
-    return DecodeSettings(
-        mask_id=mask_id,
-        eos_ids=loaded.eos_ids,
-        block_size=s.block_size or (mars.block_size if mars else 4),
-        threshold=threshold,
-        metric=metric_of(loaded, s),
-        max_tokens=s.max_tokens,
-        cache=cache,
-        block_cache=block_cache,
-        sampling=Sampling(),
-        lossless=lossless,
-        hedge=hedge,
-        ngram=ngram,
-    )
+    return base.decode_settings(loaded, threshold=threshold, lossless=lossless, metric=s.metric, block_size=s.block_size, force=s.force,
+                                max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram)
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -373,20 +358,17 @@ def _torch_threads() -> int:
 def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: BenchSettings, log=None, progress: bool = False) -> dict:
     """Every configuration at every batch size, and the forward-cost curve; a JSON-ready dict.
     `progress` shows a progress bar (stderr) over every pass."""
-    ar_settings = decode_settings(loaded, 1.0, "window", 16, s)
+    metric, block_size = metric_of(loaded, s), block_size_for(loaded.mars, s.block_size)
     for t in s.thresholds:
-        check_threshold(ar_settings.metric, t)
-    below = [t for t in s.thresholds if not is_ar_mode(ar_settings.metric, t)]
-    if loaded.mars is None and below and not s.force:
-        raise BenchError(
-            "this model has no mars.json (never MARS-trained): thresholds below 1.0 decode untrained mask guesses; "
-            "use --threshold 1.0, or --force to time them anyway"
-        )
+        check_threshold(metric, t)
+    try:
+        for t in s.thresholds:
+            check_may_decode(loaded.mars is not None, metric, t, force=s.force)
+    except UntrainedModelError as e:
+        raise BenchError(str(e)) from e
     cost = None
     if s.lossless and s.window:
-        from .backends.base import cost_curve
-
-        cost = cost_curve(loaded, decoder)
+        cost = base.cost_curve(loaded, decoder)
     configs = build_configs(loaded, decoder, backend, s, cost)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []
@@ -403,13 +385,13 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
             runs += result["runs"]
             checks.append(result["reference_check"])
         for batch in s.batch_sizes if ks else ():
-            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, ar_settings.mask_id, tick)
+            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, base.mask_id_for(loaded), tick)
     settings = asdict(s)
-    settings.update(block_size=ar_settings.block_size, metric=ar_settings.metric)
+    settings.update(block_size=block_size, metric=metric)
     return {
         "backend": backend,
         "model": getattr(loaded, "path", None),
-        "device": str(getattr(loaded, "device", "mlx")),
+        "device": str(loaded.device),
         "torch_threads": _torch_threads() if backend == "torch" else None,
         "mars_checkpoint": loaded.mars is not None,
         "prompts": len(prompts),
@@ -428,18 +410,16 @@ def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=N
 
     `threads` sets torch's CPU threads: on a shared machine, fewer threads than cores avoids
     the oversubscription that makes every timing noisy."""
-    from .backends.base import loader, resolve
+    from .session import Session
 
-    name = resolve(backend)
+    name = base.resolve(backend)
     if threads and name == "torch":
         import torch
 
         torch.set_num_threads(threads)
-    load, Decoder = loader(name)
-    loaded = load(model, adapter_path=adapter_path, announce=announce)
-    texts = list(prompts) if prompts else DEFAULT_PROMPTS
-    ids = [encode_prompt(loaded.tokenizer, p, chat=not raw) for p in texts]
-    return run_benchmark(loaded, Decoder(loaded), name, ids, settings or BenchSettings(), log, progress=progress)
+    session = Session(model, adapter_path, backend=name, announce=announce)
+    ids = session.encode(list(prompts) if prompts else DEFAULT_PROMPTS, chat=not raw)
+    return run_benchmark(session.loaded, session.decoder, name, ids, settings or BenchSettings(), log, progress=progress)
 
 
 def format_table(report: dict) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .core.data import DataError
 from .core.files import atomic_write_text
+from .prompts import json_lines, prompt_of, split_files
 
 SPLIT_ORDER = ("valid", "test", "train")  # small splits first: a partial run still has them
 PARTIAL = ".partial"
@@ -50,33 +51,24 @@ def _fail(where: str, what: str, fix: str) -> DataError:
 def read_prompt_file(path: Path) -> list[PromptRecord]:
     """Prompt records of one .jsonl file, validated; errors name the file, line and field."""
     records = []
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _fail(where, f"malformed JSON: {e.msg} at column {e.colno}", "each line must be one JSON object") from None
-            if not isinstance(rec, dict):
-                raise _fail(where, "expected a JSON object", 'write {"messages": [...]} or {"prompt": "..."}')
-            if isinstance(rec.get("prompt"), str):
-                messages = [{"role": "user", "content": rec["prompt"]}]
-            elif isinstance(rec.get("messages"), list) and rec["messages"]:
-                messages = list(rec["messages"])
-                if messages[-1].get("role") == "assistant":  # a finished example: distill its last reply anew
-                    messages = messages[:-1]
-                if not messages or any(not isinstance(m, dict) or not isinstance(m.get("content"), str) for m in messages):
-                    raise _fail(where, "'messages' must be objects with string 'role' and 'content'", 'write [{"role": "user", "content": "..."}]')
-                if messages[-1].get("role") != "user":
-                    raise _fail(where, f"the last message has role {messages[-1].get('role')!r}", "end the prompt with a user turn")
-            else:
-                raise _fail(where, "no 'prompt' string or non-empty 'messages' array", 'write {"messages": [...]} or {"prompt": "..."}')
-            follow = rec.get("follow_ups", [])
-            if not isinstance(follow, list) or not all(isinstance(t, str) and t.strip() for t in follow):
-                raise _fail(where, "'follow_ups' must be an array of non-empty strings", "remove it, or list the later user turns")
-            records.append(PromptRecord(messages, list(follow)))
+    for where, rec in json_lines(path):
+        if not isinstance(rec, dict):
+            raise _fail(where, "expected a JSON object", 'write {"messages": [...]} or {"prompt": "..."}')
+        prompt = prompt_of(rec)  # a finished example's last reply is distilled anew
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif prompt is not None and rec["messages"]:
+            messages = list(prompt)
+            if not messages or any(not isinstance(m, dict) or not isinstance(m.get("content"), str) for m in messages):
+                raise _fail(where, "'messages' must be objects with string 'role' and 'content'", 'write [{"role": "user", "content": "..."}]')
+            if messages[-1].get("role") != "user":
+                raise _fail(where, f"the last message has role {messages[-1].get('role')!r}", "end the prompt with a user turn")
+        else:
+            raise _fail(where, "no 'prompt' string or non-empty 'messages' array", 'write {"messages": [...]} or {"prompt": "..."}')
+        follow = rec.get("follow_ups", [])
+        if not isinstance(follow, list) or not all(isinstance(t, str) and t.strip() for t in follow):
+            raise _fail(where, "'follow_ups' must be an array of non-empty strings", "remove it, or list the later user turns")
+        records.append(PromptRecord(messages, list(follow)))
     if not records:
         raise DataError(f"{path}: no prompts")
     return records
@@ -84,17 +76,10 @@ def read_prompt_file(path: Path) -> list[PromptRecord]:
 
 def prompt_files(prompts) -> list[tuple[str, Path]]:
     """(split, file) pairs: a single .jsonl is the 'train' split; a directory gives its split files."""
-    prompts = Path(prompts)
-    if not prompts.exists():
-        raise DataError(f"{prompts}: no such file or directory (--prompts takes a .jsonl file or a directory of train/valid/test .jsonl)")
-    if prompts.is_file():
-        if prompts.suffix != ".jsonl":
-            raise DataError(f"{prompts}: not a .jsonl file")
-        return [("train", prompts)]
-    found = [(s, prompts / f"{s}.jsonl") for s in SPLIT_ORDER if (prompts / f"{s}.jsonl").is_file()]
+    found = split_files(prompts, SPLIT_ORDER, takes="--prompts takes a .jsonl file or a directory of train/valid/test .jsonl")
     if not found:
         raise DataError(f"{prompts}: no train.jsonl, valid.jsonl or test.jsonl")
-    return found
+    return [(split or "train", path) for split, path in found]
 
 
 def _done_lines(partial: Path) -> int:
@@ -112,13 +97,12 @@ class Distiller:
     """Greedy replies from a loaded model, batched on the KV-cached decoding loop."""
 
     def __init__(self, loaded, decoder, settings: DistillSettings):
-        from .backends.base import mask_id_for
-        from .core.decoding import DecodeSettings
+        from .backends.base import decode_settings
+        from .core.policy import ar_threshold, metric_for
 
         self.tm, self.decoder, self.s = loaded, decoder, settings
-        self.decode = DecodeSettings(
-            mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, threshold=1.0, max_tokens=settings.max_tokens, cache="window"
-        )
+        ar = ar_threshold(metric_for(loaded.mars))  # plain greedy AR
+        self.decode = decode_settings(loaded, threshold=ar, max_tokens=settings.max_tokens, cache="window")
         self.generated = 0
 
     def replies(self, conversations: list[list]) -> list[tuple[str, str]]:

@@ -11,28 +11,23 @@ Two measurements per model, on one dataset or prompt file:
    the acceptance rate of each window slot, and agreement with the same model's AR output
    (threshold 1.0): exact-match rate and mean matching-prefix length.
 
-Backend-neutral: the models come from `mars.backends.base.loader`; only `nll` touches a
-framework, through each backend's loss function.
+Backend-neutral: the models are opened as a mars.session.Session, and `nll` reaches the
+framework only through the backend contract (mars.backends.base.losses).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .core.data import (
-    IGNORE,
-    DataError,
-    batches,
-    find_split_file,
-    load_split,
-    read_jsonl,
-)
+from .backends import base
+from .core.data import IGNORE, DataError, batches, load_split, read_jsonl
+from .core.policy import block_size_for, metric_for
+from .prompts import prompt_of, split_files
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
 
@@ -72,23 +67,19 @@ class EvalModel:
         return self.tm.mars
 
     def block_size(self, override: int | None = None) -> int:
-        return override or (self.mars.block_size if self.mars else 4)
+        return block_size_for(self.mars, override)
 
     def mask_id(self) -> int:
-        """The checkpoint's mask token; for a plain model, the token the CLI would pick."""
-        from .backends.base import mask_id_for
-
-        return mask_id_for(self.tm)
+        """The checkpoint's mask token; for a plain model, the token fine-tuning would pick."""
+        return base.mask_id_for(self.tm)
 
 
 def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None) -> EvalModel:
     """Load `model` (a path, or None for the embedded default) with the resolved backend."""
-    from .backends.base import loader, resolve
+    from .session import Session
 
-    name = resolve(backend)
-    load, decoder_cls = loader(name)
-    tm = load(model, dtype=dtype, device=device, announce=announce)
-    return EvalModel(label=label or (str(model) if model is not None else "default"), backend=name, tm=tm, decoder=decoder_cls(tm))
+    s = Session(model, backend=backend, dtype=dtype, device=device, announce=announce)
+    return EvalModel(label=label or (str(model) if model is not None else "default"), backend=s.backend, tm=s.loaded, decoder=s.decoder)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -97,17 +88,11 @@ def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=
 def eval_file(data, split: str | None = None) -> tuple[Path, str]:
     """(file, split name): a single .jsonl file as it is, else DIR/<split>.jsonl; without a split,
     test.jsonl, falling back to valid.jsonl."""
-    data = Path(data)
-    if not data.exists():
-        raise DataError(f"{data}: no such file or directory (--data takes a directory with test.jsonl or valid.jsonl, or one .jsonl file)")
-    if data.is_file():
-        if data.suffix != ".jsonl":
-            raise DataError(f"{data}: is not a .jsonl file (pass a .jsonl file or a data directory)")
-        return data, data.stem
-    for name in [split] if split else ["test", "valid"]:
-        path = find_split_file(data, name)
-        if path is not None:
-            return path, name
+    found = split_files(data, [split] if split else ["test", "valid"],
+                        takes="--data takes a directory with test.jsonl or valid.jsonl, or one .jsonl file")
+    if found:
+        name, path = found[0]
+        return path, name or path.stem
     wanted = f"{split}.jsonl" if split else "test.jsonl or valid.jsonl"
     hint = "" if split else "; pass --split train to evaluate on the training data"
     raise DataError(f"{data}: no {wanted}{hint}")
@@ -122,13 +107,7 @@ def load_examples(path: Path, tokenizer, *, block_size: int, max_seq_length: int
 def dataset_prompts(path: Path) -> list:
     """The prompts of a dataset's records: messages without the final assistant turn, or the
     'prompt' field; `text` records have no prompt and are skipped."""
-    prompts = []
-    for _, record in read_jsonl(path):
-        if "messages" in record:
-            prompts.append(record["messages"][:-1])
-        elif "prompt" in record:
-            prompts.append(record["prompt"])
-    return prompts
+    return [p for p in (prompt_of(record) for _, record in read_jsonl(path)) if p is not None]
 
 
 def response_labels(labels: np.ndarray, eos_id: int) -> np.ndarray:
@@ -157,7 +136,7 @@ def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: i
     pad_id = eos_id
     clean_sum = noisy_sum = 0.0
     count = 0
-    step = _torch_losses(em) if em.backend == "torch" else _mlx_losses(em)
+    step = base.losses(em.tm)
     for ids, labels, lengths in batches(examples, batch_size, pad_id=pad_id, shuffle=False):
         labels = response_labels(labels, eos_id)
         n = int((labels[:, 1:] != IGNORE).sum())
@@ -177,35 +156,6 @@ def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: i
     return out
 
 
-def _torch_losses(em: EvalModel):
-    import torch
-
-    from .backends.torch.model import MarsLoss, loss_inputs
-
-    module = MarsLoss(em.tm.model)
-
-    @torch.inference_mode()
-    def step(ids, labels, lengths, B, mask_id):
-        inputs = loss_inputs(ids, labels, lengths, B, mask_id, em.tm.dtype, em.tm.device, normalize="token")
-        noisy, clean = module(**inputs)
-        return float(noisy), float(clean)
-
-    return step
-
-
-def _mlx_losses(em: EvalModel):
-    import mlx.core as mx
-
-    from .backends.mlx.model import mars_losses, training_batch
-
-    def step(ids, labels, lengths, B, mask_id):
-        noisy, clean = mars_losses(em.tm.model, training_batch(ids, labels, lengths, B, mask_id, normalize="token"))
-        mx.eval(noisy, clean)
-        return float(noisy.item()), float(clean.item())
-
-    return step
-
-
 # -- decoding sweep -----------------------------------------------------------------------------
 
 
@@ -220,49 +170,43 @@ def common_prefix(a, b) -> int:
 
 def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -> dict:
     """Decode every prompt in batches; tokens per row plus the summed statistics."""
-    from .core.decoding import generate
+    from .session import decode_batches
 
-    outputs, accepted, forwards, per_slot = [], 0, 0, np.zeros(settings.masks_per_step + 1, dtype=np.int64)
+    decoded = decode_batches(em.decoder, prompt_ids, settings, batch_size)
+    total = decoded.total
+    per_slot = np.zeros(settings.masks_per_step + 1, dtype=np.int64)
+    for row in total.rows:
+        per_slot += np.asarray(row.accepted_per_slot, dtype=np.int64)
     drafts: dict = {}
-    t0 = time.perf_counter()
-    for start in range(0, len(prompt_ids), batch_size):
-        result = generate(em.decoder, prompt_ids[start : start + batch_size], settings)
-        outputs.extend(result.tokens)
-        for name, counts in result.stats.draft_totals().items():
+    for stats in decoded.stats:  # each batch's draft slots, padded to the longest
+        for name, counts in stats.draft_totals().items():
             old = drafts.get(name, [])
             drafts[name] = [a + b for a, b in zip(old + [0] * (len(counts) - len(old)), counts + [0] * (len(old) - len(counts)))]
-        for row in result.stats.rows:
-            accepted += row.accepted
-            forwards += row.forwards
-            per_slot += np.asarray(row.accepted_per_slot, dtype=np.int64)
-    return {"outputs": outputs, "accepted": accepted, "forwards": forwards, "per_slot": per_slot, "drafts": drafts,
-            "seconds": time.perf_counter() - t0}
+    return {"outputs": decoded.tokens, "accepted": total.accepted, "forwards": total.row_forwards, "per_slot": per_slot,
+            "drafts": drafts, "seconds": decoded.seconds}
 
 
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
     """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
     output (threshold 1.0, or 0.0 for entropy), which is always run first."""
-    from .core.acceptance import ar_threshold, is_ar_mode
-    from .core.decoding import DecodeSettings
+    from .core.policy import ar_threshold, is_ar_mode, may_decode
     from .core.tokens import encode_prompt
 
-    metric = settings.metric or (em.mars.metric if em.mars else "probability")
+    metric = metric_for(em.mars, settings.metric)
     B = em.block_size(settings.block_size)
     ar = ar_threshold(metric)
     thresholds = list(dict.fromkeys(float(t) for t in settings.thresholds))
     others = [t for t in thresholds if not is_ar_mode(metric, t)]
-    skipped = []
-    if em.mars is None and not settings.force:
-        skipped, others = others, []
+    skipped = [] if settings.force else [t for t in others if not may_decode(em.mars is not None, metric, t)]
+    others = [t for t in others if t not in skipped]
     tok = em.tm.tokenizer
     prompt_ids = [encode_prompt(tok, p) for p in prompts]
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
     def run(threshold, lossless=False, hedge=None):
-        s = DecodeSettings(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, block_size=B, threshold=threshold, metric=metric,
-                           max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, lossless=lossless,
-                           hedge=hedge)
+        s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
+                                 max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge)
         announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + (f"lossless ({s.hedges} spare groups)" if lossless else f"at threshold {threshold}"))
         return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.hedges}
 
@@ -309,7 +253,7 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
     The baseline gets the NLL only; each model's NLL is compared with it.
     """
-    from .core.acceptance import check_threshold
+    from .core.policy import check_threshold
 
     s = settings or EvalSettings()
     if data is None and prompts is None and not s.humaneval:
@@ -317,7 +261,7 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     if s.decode:  # every threshold in its metric's range before any work
         for em in models:
             for t in s.thresholds:
-                check_threshold(s.metric or (em.mars.metric if em.mars else "probability"), t)
+                check_threshold(metric_for(em.mars, s.metric), t)
     path = None
     if data is not None:
         path, split = eval_file(data, split)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny import make_model, make_tokenizer  # noqa: E402
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load  # noqa: E402
-from mars.backends.torch.train import Trainer  # noqa: E402
+from mars.backends.torch.train import TorchTrainer  # noqa: E402
 from mars.core.training import TrainSettings  # noqa: E402
 from mars.core.data import Example, encode_record, pad_to_block  # noqa: E402
 from mars.core.decoding import DecodeSettings, generate  # noqa: E402
@@ -86,7 +86,7 @@ def training_check(device):
         out = Path(d) / "out"
         s = TrainSettings(fine_tune_type="lora", iters=60, batch_size=8, learning_rate=3e-3, steps_per_save=30)
         t0 = time.perf_counter()
-        trainer = Trainer(tm, mars, s, out)
+        trainer = TorchTrainer(tm, mars, s, out)
         result = trainer.train(examples, progress=False)
         seconds = time.perf_counter() - t0
         trainer.save(tok, str(base))
@@ -113,7 +113,7 @@ def full_autocast_check(device):
     examples = say_examples(tok)
     with tempfile.TemporaryDirectory() as d:
         s = TrainSettings(fine_tune_type="full", iters=150, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
-        trainer = Trainer(tm, mars, s, Path(d) / "out")
+        trainer = TorchTrainer(tm, mars, s, Path(d) / "out")
         h = trainer.train(examples, progress=False)["history"]
     model.eval()
     prompts = [encode_prompt(tok, f"Say {c}") for c in "abcdefghijklmnopqrst"]

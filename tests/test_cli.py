@@ -379,7 +379,7 @@ def test_resume_matches_an_uninterrupted_run(tiny, data, tmp_path, monkeypatch):
 
     # Interrupt a second run right after its checkpoint at step 6 (the second save, which replaces the first).
     out = tmp_path / "resumed"
-    original = train_mod.Trainer.save_checkpoint
+    original = train_mod.TorchTrainer.save_checkpoint
     saved_at = []
 
     def save_then_stop(self):
@@ -392,12 +392,12 @@ def test_resume_matches_an_uninterrupted_run(tiny, data, tmp_path, monkeypatch):
         if self.step == 6:
             raise Interrupted
 
-    monkeypatch.setattr(train_mod.Trainer, "save_checkpoint", save_then_stop)
+    monkeypatch.setattr(train_mod.TorchTrainer, "save_checkpoint", save_then_stop)
     result = invoke(*finetune_args(tiny, data, out, *args, iters=9))
     assert isinstance(result.exception, Interrupted), (result.exception, result.output[-2000:])
     assert saved_at == [3, 6]
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint"]
-    monkeypatch.setattr(train_mod.Trainer, "save_checkpoint", original)
+    monkeypatch.setattr(train_mod.TorchTrainer, "save_checkpoint", original)
 
     result = ok(invoke(*finetune_args(tiny, data, out, "--resume", *args, iters=9)))
     assert "resumed from" in result.output and "at step 6/9" in result.output

@@ -11,7 +11,7 @@ import torch
 from tiny import make_tokenizer
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load
-from mars.backends.torch.train import Trainer
+from mars.backends.torch.train import TorchTrainer
 from mars.core.data import Example, encode_record, pad_to_block
 from mars.core.decoding import DecodeSettings, Sampling, generate
 from mars.core.training import TrainSettings
@@ -83,7 +83,7 @@ def torch_trainer(base: Path, out: Path, kind: str) -> tuple:
     tm = load(base, **QUIET)
     mars = ensure_mask_token(tm.model, tm.tokenizer, None, block_size=4, **QUIET)
     s = TrainSettings(fine_tune_type=kind, iters=1, batch_size=2, learning_rate=1e-3, steps_per_save=10**9)
-    trainer = Trainer(tm, mars, s, out)
+    trainer = TorchTrainer(tm, mars, s, out)
     trainer.train(examples_of(tm.tokenizer), progress=False, log=lambda m: None)
     return trainer, tm
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
-from mars.core.decoding import DecodeSettings, Sampling, WindowStrategy, _Row, feed_mask, generate
+from mars.core.decoding import DecodeSettings, Row, Sampling, WindowStrategy, feed_mask, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
 MASK, EOS = 3, 2
@@ -70,7 +70,7 @@ def test_spare_groups_keep_the_output_of_ar(tm, tok, cache, B, hedge):
     ar = generate(dec, prompts, settings(threshold=1.0, cache=cache, block_size=B)).tokens
     for batch in (1, 3):
         s = settings(lossless=True, cache=cache, block_size=B, hedge=hedge)
-        assert s.hedges == (B if hedge is None else min(hedge, B))
+        assert s.spare_groups == (B if hedge is None else min(hedge, B))
         out = []
         for start in range(0, len(prompts), batch):
             out += generate(dec, prompts[start : start + batch], s).tokens
@@ -82,23 +82,20 @@ def check_spare_groups(dec, prompts, cached: bool) -> None:
     at that draft predict: same ids, same probabilities, whatever the drafts after it are."""
     B = 4
     s = settings(lossless=True, cache="window" if cached else "none", block_size=B, hedge=B)
-    rows = [_Row(p, B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+    rows = [Row(p, B + 1, threshold=1.0, max_tokens=24) for p in prompts]
     drafts = [[5, 6, 7, 8], [9, 10], []]  # arbitrary ids: group g exists where a row fed > g drafts
     for r, d in zip(rows, drafts):
         r.drafts = list(d)
     strategy = WindowStrategy(s, cached=cached)
     cache = dec.new_cache(len(rows)) if cached else None
     if cached:  # commit all but each prompt's last token first, as the loop would have
-        head = [_Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
-        warm = WindowStrategy(settings(threshold=1.0, cache="window", block_size=B), cached=True)
-        feed = warm.plan(head)
-        dec.step(cache, feed.ids, feed.positions, feed_mask(warm.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
-        warm.commit(dec, cache, head, feed, [len(h.seq) for h in head])
-        strategy.key_valid = warm.key_valid
-        for r, h in zip(rows, head):
-            r.cached = h.cached
+        head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+        feed = strategy.plan(head)  # no drafts yet: the heads and B masks, which the commit crops
+        dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        # The rows start with the heads: committing records on them what the cache now holds.
+        strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
     feed = strategy.plan(rows)
-    assert feed.groups == B
+    assert feed.spare_groups == B
     ids, conf = dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read,
                          metric="probability", sampling=Sampling())
     spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)

@@ -242,7 +242,7 @@ def test_same_history_as_the_torch_trainer(tmp_path):
     pytest.importorskip("accelerate")
     from mars.backends.torch.model import ensure_mask_token as torch_mask_token
     from mars.backends.torch.model import load as torch_load
-    from mars.backends.torch.train import Trainer
+    from mars.backends.torch.train import TorchTrainer
 
     base = save_model(tmp_path / "base", "llama", seed=3, hidden=32)
     kw = {
@@ -261,7 +261,7 @@ def test_same_history_as_the_torch_trainer(tmp_path):
     # The tiny config sets pad_token_id = EOS (nn.Embedding(padding_idx=EOS)); the torch trainer
     # must still train the EOS row, as MLX does, or the two part after the first step.
     assert tm.model.model.embed_tokens.padding_idx == 2
-    theirs = Trainer(tm, mars, TrainSettings(block_size=4, steps_per_save=10**9, **kw), tmp_path / "torch")
+    theirs = TorchTrainer(tm, mars, TrainSettings(block_size=4, steps_per_save=10**9, **kw), tmp_path / "torch")
     want = theirs.train(train, valid, progress=False)["history"]
 
     assert [sorted(h) for h in got] == [sorted(h) for h in want]

@@ -158,8 +158,7 @@ def staggered(decoder, prompts, s, *, thresholds=None, keep_keys=None, every=3, 
         if gone in batch.rows and len(gone.out) >= cancel[1]:
             batch.leave([gone])
         batch.step()
-        kv = batch.strategy.key_valid
-        widest = max(widest, 0 if kv is None else kv.shape[1])
+        widest = max(widest, batch.cache_width)
         step += 1
     return {i: r.out for i, r in rows.items()}, widest
 
@@ -214,7 +213,7 @@ def test_a_row_alone_after_the_others_left_before_its_first_step(tm, tok):
     assert batch.can_join and len(first.out) == s.block_cache
     second = batch.join(prompts[1])  # at the boundary
     batch.leave([first])  # the only row with cache entries goes: the cache starts afresh
-    assert batch.strategy.key_valid is None
+    assert batch.cache_width == 0
     third = batch.join(prompts[2])
     while batch.rows:
         batch.step()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchModel, ensure_mask_token
-from mars.backends.torch.train import Trainer
+from mars.backends.torch.train import TorchTrainer
 from mars.core.training import TrainSettings, lr_lambda
 from mars.core.data import Example, encode_record, pad_to_block
 from tiny import make_model, make_tokenizer
@@ -28,7 +28,7 @@ def setup(tmp_path, **kw):
         ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
         examples.append(Example(ids, labels, "x", False))
     settings = TrainSettings(fine_tune_type="full", learning_rate=1e-2, warmup=0.0, steps_per_save=10**9, **kw)
-    return Trainer(tm, mars, settings, tmp_path / "out"), examples, model
+    return TorchTrainer(tm, mars, settings, tmp_path / "out"), examples, model
 
 
 def test_accumulating_two_half_batches_equals_one_whole_batch(tmp_path, monkeypatch):
@@ -68,7 +68,7 @@ def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
         ids, labels = encode_record(rec, tm.tokenizer, eos_id=tm.tokenizer.eos_token_id)
         examples.append(Example(*pad_to_block(ids, labels, 4, tm.tokenizer.eos_token_id, ended=True), "x", False))
     s = TrainSettings(fine_tune_type="lora", iters=8, batch_size=4, learning_rate=1e-2, warmup=0.0, steps_per_save=10**9)
-    trainer = Trainer(tm, mars, s, tmp_path / "adapter")
+    trainer = TorchTrainer(tm, mars, s, tmp_path / "adapter")
     trainer.train(examples, progress=False)
     trainer.save(tm.tokenizer, str(base))
     trainer.output = tmp_path / "fused"

@@ -106,7 +106,7 @@ def train_spelling(out_dir, *, steps: int = 150):
     import torch
 
     from mars.backends.torch.model import TorchModel, ensure_mask_token
-    from mars.backends.torch.train import Trainer
+    from mars.backends.torch.train import TorchTrainer
     from mars.core.data import Example, encode_record, pad_to_block
     from mars.core.training import TrainSettings
 
@@ -120,7 +120,7 @@ def train_spelling(out_dir, *, steps: int = 150):
         ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
         examples.append(Example(ids, labels, "spell", False))
     s = TrainSettings(fine_tune_type="full", block_size=4, iters=steps, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
-    result = Trainer(tm, mars, s, out_dir).train(examples, progress=False)
+    result = TorchTrainer(tm, mars, s, out_dir).train(examples, progress=False)
     model.eval()
     return tm, result
 

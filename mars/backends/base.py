@@ -1,10 +1,23 @@
-"""The contract between the backend-neutral core and a framework backend.
+"""The contract between the backend-neutral code and a framework backend (torch, MLX).
 
-The decoding loop (mars.core.decoding) drives a backend through `StepBackend`:
-`new_cache`, `crop`, `step`. Loading, training and saving are per-backend modules
-with the same shape: `load(model, adapter_path=..., dtype=...)` returning a loaded
-model with `.tokenizer`, `.mars` (MarsConfig or None) and `.eos_ids`; a
-`decoder(loaded)` that implements `StepBackend`; and `finetune(...)`.
+Everything outside `mars/backends` reaches a backend through the functions here, never by
+importing `mars.backends.torch` or `mars.backends.mlx` itself:
+
+- `resolve(name)`: "auto", "torch" or "mlx" -> an installed backend's name;
+- `load(name, model, adapter_path=..., dtype=..., device=..., announce=...)`: the loaded
+  model, with `.model`, `.tokenizer`, `.mars` (MarsConfig or None), `.eos_ids`, `.path`,
+  `.vocab_rows`, `.context_length` (the position limit, or None), `.device` and `.backend`
+  (its backend's name);
+- `decoder(loaded)` / `decoder_class(name)`: the decoding step, a StepBackend (defined with
+  the loop in mars.core.decoding: `new_cache`, `crop`, `keep_rows`, `step`, `speculate`,
+  `cost_key`, and `keep_keys(cache, columns)` for the server's batch); `loader(name)` gives
+  `(load, decoder class)` together;
+- `trainer(name)`: the trainer class, `Trainer(loaded, mars, TrainSettings, output)` with
+  `.trainable`, `.train(train, valid, resume=..., log=...)` and `.save(tokenizer, base_ref,
+  fuse=...)`; `ensure_mask_token(loaded, mars, ...)` readies the mask token before training;
+- `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
+- `context_length(loaded)`, `mask_id_for(loaded)`, `decode_settings(loaded, ...)` (the
+  decoding policy of mars.core.policy for a loaded model) and `cost_curve(loaded, decoder)`.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ from __future__ import annotations
 import importlib
 import platform
 
+from ..core import policy
 from ..core.decoding import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
 
 BACKENDS = ("torch", "mlx")
@@ -38,20 +52,69 @@ def resolve(name: str = "auto") -> str:
     return name
 
 
+def _model_module(name: str):
+    if name == "mlx":
+        from .mlx import model
+    else:
+        from .torch import model
+    return model
+
+
+def load(name: str, model=None, *, adapter_path=None, dtype=None, device=None, announce=print):
+    """Load `model` (HF or mlx-lm directory, .gguf file, MARS adapter directory, None: the
+    embedded default) with the resolved backend `name`. MLX ignores dtype and device."""
+    return _model_module(name).load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
+
+
+def decoder_class(name: str):
+    """The backend's StepBackend class: `cls(loaded)` decodes with a loaded model."""
+    module = _model_module(name)
+    return module.MlxDecoder if name == "mlx" else module.TorchDecoder
+
+
+def decoder(loaded):
+    """A decoding step (StepBackend) over a loaded model's weights."""
+    return decoder_class(loaded.backend)(loaded)
+
+
 def loader(name: str):
     """(load, decoder class) of a resolved backend."""
+    return _model_module(name).load, decoder_class(name)
+
+
+def trainer(name: str):
+    """The backend's trainer class."""
     if name == "mlx":
-        from .mlx.model import MlxDecoder, load
+        from .mlx.train import MlxTrainer
 
-        return load, MlxDecoder
-    from .torch.model import TorchDecoder, load
+        return MlxTrainer
+    from .torch.train import TorchTrainer
 
-    return load, TorchDecoder
+    return TorchTrainer
+
+
+def ensure_mask_token(loaded, mars, *, block_size: int = policy.DEFAULT_BLOCK_SIZE, announce=print):
+    """The MarsConfig to train with: `mars`, or for None the mask token chosen for the model
+    (mars.core.tokens.mask_config); the token and the embedding row it needs are made to exist."""
+    return _model_module(loaded.backend).ensure_mask_token(
+        loaded.model, loaded.tokenizer, mars, block_size=block_size, exclude=loaded.eos_ids, announce=announce
+    )
+
+
+def losses(loaded):
+    """`step(ids, labels, lengths, block_size, mask_id) -> (noisy, clean)`: mean losses per
+    labelled token of a padded batch, from the training forward and loss, without gradients."""
+    return _model_module(loaded.backend).losses(loaded)
+
+
+def context_length(loaded) -> int | None:
+    """The model's position limit, when its config states one."""
+    return loaded.context_length
 
 
 def mask_id_for(loaded) -> int:
     """The mask token a loaded model decodes with: its checkpoint's, or for a plain model
-    (decoded below threshold 1 only under --force) the token fine-tuning would pick."""
+    (decoded below AR mode only when forced) the token fine-tuning would pick."""
     from ..core.tokens import choose_mask_token
 
     if loaded.mars is not None:
@@ -60,6 +123,12 @@ def mask_id_for(loaded) -> int:
     if mask_id >= loaded.vocab_rows:  # it would have to be added: use a token that exists
         mask_id = loaded.tokenizer.unk_token_id or 0
     return mask_id
+
+
+def decode_settings(loaded, **asked):
+    """mars.core.policy.decode_settings for a loaded model: its checkpoint, mask token and EOS
+    ids, plus what was asked (threshold, lossless, metric, block size, force, other fields)."""
+    return policy.decode_settings(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 
 
 def cost_curve(loaded, decoder, *, announce=None):

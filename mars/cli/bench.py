@@ -7,6 +7,11 @@ from pathlib import Path
 
 import click
 
+from ..bench import BenchSettings
+from .common import METRIC_CHOICE, backend_option, defaults, error_line, friendly_errors, model_path_options, quiet_libraries, say
+
+B = defaults(BenchSettings)
+
 
 def _ints(text: str, option: str) -> tuple[int, ...]:
     """`1,4,8` or `1-32` (or a mix) -> (1, 4, 8)."""
@@ -23,46 +28,39 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 
 
 @click.command("bench")
-@click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.")
-@click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")
+@model_path_options
 @click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A prompt file (JSONL or one per line). Default: 8 built-in prompts.")
 @click.option("--raw", is_flag=True, help="Feed the prompts as plain text, without the chat template.")
-@click.option("--batch-sizes", default="1,4,8", show_default=True, help="Comma-separated batch sizes.")
-@click.option("--threshold", "thresholds", type=float, multiple=True, help="A MARS threshold to time (repeat for several). Default: 0.9.")
-@click.option("--block-cache", "block_caches", default="4,8,16,32", show_default=True, help="Comma-separated B_cache values for the block cache; 0 skips the block cache.")
+@click.option("--batch-sizes", default=",".join(map(str, B["batch_sizes"])), show_default=True, help="Comma-separated batch sizes.")
+@click.option("--threshold", "thresholds", type=float, multiple=True, help=f"A MARS threshold to time (repeat for several). Default: {B['thresholds'][0]}.")
+@click.option("--block-cache", "block_caches", default=",".join(map(str, B["block_caches"])), show_default=True, help="Comma-separated B_cache values for the block cache; 0 skips the block cache.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's).")
-@click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="Timed rounds after the warm-up; medians are reported.")
-@click.option("--forward-k", "forward_ks", default="1-32", show_default=True, help="New-token counts k of the per-forward cost curve (e.g. 1-32 or 1,2,4,8); 0 skips it.")
-@click.option("--forward-repeats", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's).")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=B["max_tokens"], show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=B["repeats"], show_default=True, help="Timed rounds after the warm-up; medians are reported.")
+@click.option("--forward-k", "forward_ks", default=f"{B['forward_ks'][0]}-{B['forward_ks'][-1]}", show_default=True, help="New-token counts k of the per-forward cost curve (e.g. 1-32 or 1,2,4,8); 0 skips it.")
+@click.option("--forward-repeats", type=click.IntRange(min=1), default=B["forward_repeats"], show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
 @click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
 @click.option("--lossless", is_flag=True, help="Also time lossless decoding (window and each --block-cache).")
-@click.option("--window/--no-window", default=True, show_default=True, help="Time MARS with the window cache (threshold and lossless).")
-@click.option("--prompt-lookup", type=click.IntRange(min=0), default=10, show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
-@click.option("--ngram", type=click.IntRange(min=0), default=8, show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
+@click.option("--window/--no-window", default=B["window"], show_default=True, help="Time MARS with the window cache (threshold and lossless).")
+@click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
+@click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
-@click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
-def bench_command(**opts):
+@backend_option
+@friendly_errors
+def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
+                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, threads, verbose,
+                  backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
-    # Imported here, not at the top, so mars.cli.main can import this module wherever it likes.
-    from .main import friendly_errors
+    from ..bench import BenchError, benchmark, format_table
+    from ..prompts import read_prompts
 
-    friendly_errors(_bench)(**opts)
-
-
-def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-           max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, threads, verbose, backend):
-    from ..bench import BenchError, BenchSettings, benchmark, format_table
-    from .main import quiet_libraries, read_prompts
-
-    say = lambda m: click.echo(m, err=True)  # noqa: E731
     try:
         settings = BenchSettings(
             batch_sizes=_ints(batch_sizes, "--batch-sizes"),
-            thresholds=tuple(thresholds) or (0.9,),
+            thresholds=tuple(thresholds) or B["thresholds"],
             block_caches=() if block_caches.strip() == "0" else _ints(block_caches, "--block-cache"),
             max_tokens=max_tokens,
             repeats=repeats,
@@ -84,7 +82,7 @@ def _bench(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block
         report = benchmark(model, backend=backend, adapter_path=adapter_path, prompts=prompts, raw=raw,
                            settings=settings, threads=threads, announce=say, log=say if verbose else None, progress=not verbose)
     except BenchError as e:
-        raise click.ClickException(str(e)) from None
+        raise click.ClickException(error_line(e)) from None
     click.echo(format_table(report))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

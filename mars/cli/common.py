@@ -1,10 +1,26 @@
-"""Click pieces every `mars` subcommand may use (no import of the command modules)."""
+"""Click pieces the `mars` subcommands share (no import of the command modules): option types
+and groups, error handling, opening a model, and decode settings from the decoding options."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import math
+import os
+import warnings
+from pathlib import Path
 
 import click
+
+from ..core.acceptance import METRICS
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+METRIC_CHOICE = click.Choice(METRICS)
+DTYPE_CHOICE = click.Choice(["auto", "float32", "float16", "bfloat16"])
+CACHE_CHOICE = click.Choice(["window", "block", "none"])
+FORCE_HINT = "--force decodes anyway"
 
 
 class Finite(click.FloatRange):
@@ -15,3 +31,152 @@ class Finite(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return number
+
+
+def defaults(source) -> dict:
+    """The defaults of a settings dataclass's fields, or of a function's keyword arguments: where
+    the options take their defaults from, so that each is written once."""
+    if dataclasses.is_dataclass(source):
+        return {f.name: f.default for f in dataclasses.fields(source) if f.default is not dataclasses.MISSING}
+    return {name: p.default for name, p in inspect.signature(source).parameters.items() if p.default is not inspect.Parameter.empty}
+
+
+def say(message: str) -> None:
+    """Progress and notes go to stderr, so stdout holds only the results."""
+    click.echo(message, err=True)
+
+
+def warn(message: str) -> None:
+    click.echo(f"note: {message}", err=True)
+
+
+def error_line(error: Exception) -> str:
+    """An error as one line; refusing to decode an untrained model below AR mode adds how to insist."""
+    from ..core.policy import UntrainedModelError
+
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    untrained = isinstance(error, UntrainedModelError) or isinstance(error.__cause__, UntrainedModelError)
+    return f"{text}; {FORCE_HINT}" if untrained else text
+
+
+def friendly_errors(fn):
+    """Known bad input becomes a one-line error and exit status 1, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ..backends.base import BackendUnavailable
+        from ..backends.paths import ModelError
+        from ..convert import ConvertError
+        from ..core.config import ConfigError
+        from ..core.data import DataError
+        from ..core.files import OutputError
+        from ..core.policy import ThresholdError, UntrainedModelError
+        from ..default_model import DefaultModelError
+
+        known = (BackendUnavailable, ConfigError, ConvertError, DataError, DefaultModelError, FileNotFoundError, ModelError,
+                 OutputError, ThresholdError, UntrainedModelError)
+        try:
+            return fn(*args, **kwargs)
+        except known as e:
+            raise click.ClickException(error_line(e)) from None
+
+    return wrapper
+
+
+def backend_option(f):
+    return click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True,
+                        help="auto: MLX on Apple silicon, torch elsewhere.")(f)
+
+
+def device_options(f):
+    f = click.option("--dtype", type=DTYPE_CHOICE, default="auto", show_default=True)(f)
+    return click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")(f)
+
+
+def model_options(f):
+    return model_path_options(device_options(f))
+
+
+def model_path_options(f):
+    f = click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")(f)
+    f = click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.")(f)
+    return f
+
+
+def quiet_libraries() -> None:
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def open_session(model, adapter_path, dtype, device, backend):
+    """The model loaded for decoding (mars.session.Session), notes on stderr."""
+    from ..session import Session
+
+    quiet_libraries()
+    return Session(model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say)
+
+
+# -- decoding options (generate, chat) ---------------------------------------------------------------
+
+
+def decode_options(f):
+    from ..core.decoding import DecodeSettings, Sampling
+    from ..core.policy import DEFAULT_NGRAM
+
+    d, s = defaults(DecodeSettings), defaults(Sampling)
+    f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
+    f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
+    f = click.option("--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's).")(f)
+    f = click.option("--max-tokens", type=click.IntRange(min=1), default=d["max_tokens"], show_default=True)(f)
+    f = click.option("--temp", type=Finite(min=0.0), default=s["temperature"], show_default=True, help="Sampling temperature; 0 is greedy.")(f)
+    f = click.option("--top-p", type=Finite(0.0, 1.0, min_open=True), default=s["top_p"], show_default=True)(f)
+    f = click.option("--top-k", type=click.IntRange(min=0), default=s["top_k"], show_default=True)(f)
+    f = click.option("--seed", type=int, default=None)(f)
+    f = click.option("--cache", type=CACHE_CHOICE, default=d["cache"], show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
+    f = click.option("--block-cache", type=click.IntRange(min=1), default=d["block_cache"], show_default=True, help="B_cache: slots per block of the block cache.")(f)
+    f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
+    f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
+                                                 "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.")(f)
+    f = click.option("--hedge", type=click.IntRange(min=0), default=None,
+                     help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
+                          "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
+                          "Default: chosen per step from what a forward costs on this device (at most the block size); "
+                          "giving N fixes it (0: none).")(f)
+    f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
+                     help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
+                          "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
+    return f
+
+
+def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
+                    lossless, hedge, ngram):
+    """The DecodeSettings the decoding options ask for on the session's model, with a note for
+    each option that has no effect."""
+    from ..core.decoding import Sampling
+    from ..core.policy import check_threshold, metric_for
+
+    if threshold is not None:
+        check_threshold(metric_for(session.mars, metric), threshold, name="--threshold")
+        if lossless:
+            warn("--threshold is ignored with --lossless (lossless output is AR's whatever the threshold)")
+    settings = session.settings(
+        threshold=threshold, lossless=lossless, metric=metric, block_size=block_size, force=force,
+        warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
+        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram,
+    )
+    if hedge is not None and hedge > 0 and settings.no_spare_groups:
+        warn(f"--hedge is ignored here: {settings.no_spare_groups}")
+    return settings
+
+
+def describe(settings) -> str:
+    """How a run decodes, for the summary lines."""
+    if settings.lossless:
+        return "lossless" + (f" sampling (temp {settings.sampling.temperature:g})" if not settings.sampling.greedy else " greedy")
+    return f"threshold {settings.threshold} ({settings.metric})"

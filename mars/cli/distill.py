@@ -7,7 +7,10 @@ from pathlib import Path
 
 import click
 
-from .main import backend_option, friendly_errors, model_options, quiet_libraries
+from ..distill import DistillSettings
+from .common import backend_option, defaults, friendly_errors, model_options, open_session, say
+
+D = defaults(DistillSettings)
 
 
 @click.command("distill")
@@ -15,8 +18,8 @@ from .main import backend_option, friendly_errors, model_options, quiet_librarie
 @click.option("--prompts", "prompts", required=True, type=click.Path(path_type=Path),
               help="A .jsonl prompt file, or a directory of train/valid/test .jsonl ({\"messages\"} or {\"prompt\"}, optional \"follow_ups\").")
 @click.option("--output", required=True, type=click.Path(file_okay=False, path_type=Path), help="The data directory to write (mlx-lm chat JSONL).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True, help="Reply length cap; cut replies are marked \"finish\": \"length\".")
-@click.option("--batch-size", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=D["max_tokens"], show_default=True, help="Reply length cap; cut replies are marked \"finish\": \"length\".")
+@click.option("--batch-size", type=click.IntRange(min=1), default=D["batch_size"], show_default=True)
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many prompts per split; rerun with a larger one to extend a finished output.")
 @backend_option
 @friendly_errors
@@ -25,20 +28,16 @@ def distill_command(model, adapter_path, dtype, device, prompts, output, max_tok
 
     Resumable: rerun the same command after an interruption and it continues.
     """
-    from ..backends.base import loader, resolve
     from ..backends.paths import resolve_model_path
     from ..default_model import model_ref
-    from ..distill import DistillSettings, distill, prompt_files, read_prompt_file
+    from ..distill import distill, prompt_files, read_prompt_file
 
     for _, path in prompt_files(prompts):  # bad prompts fail before the model loads
         read_prompt_file(path)
-    load, decoder_cls = loader(resolve(backend))
-    quiet_libraries()
-    say = lambda m: click.echo(m, err=True)  # noqa: E731
-    tm = load(model, adapter_path=adapter_path, dtype=dtype, device=device, announce=say)
+    session = open_session(model, adapter_path, dtype, device, backend)
     base, adapter = resolve_model_path(model, adapter_path)
     ref = model_ref(base) + (f" + {adapter.resolve()}" if adapter is not None else "")
     settings = DistillSettings(max_tokens=max_tokens, batch_size=batch_size, limit=limit)
-    summary = distill(tm, decoder_cls(tm), prompts, output, settings, model_ref=ref, log=say)
+    summary = distill(session.loaded, session.decoder, prompts, output, settings, model_ref=ref, log=say)
     click.echo(json.dumps(summary["splits"]))
     click.echo(f"{summary['generated_tokens']} tokens in {summary['seconds']}s -> {output}")

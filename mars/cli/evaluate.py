@@ -6,7 +6,10 @@ from pathlib import Path
 
 import click
 
-from .main import backend_option, friendly_errors, quiet_libraries, read_prompts
+from ..evaluate import DEFAULT_THRESHOLDS, EvalSettings
+from .common import CACHE_CHOICE, METRIC_CHOICE, backend_option, defaults, device_options, friendly_errors, quiet_libraries, say
+
+E = defaults(EvalSettings)
 
 
 def _parts(value) -> list[str]:
@@ -39,16 +42,16 @@ def _hedges(ctx, param, value):
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="A data directory (test.jsonl, else valid.jsonl) or one .jsonl file.")
 @click.option("--split", default=None, help="The split of --data to use (default: test, falling back to valid).")
 @click.option("--prompts", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Decode these prompts instead of the dataset's: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
-@click.option("--threshold", "thresholds", multiple=True, callback=_thresholds, help="Thresholds to sweep (repeat, or comma-separated). Default: 1.0,0.95,0.9,0.8,0.7,0.5.")
-@click.option("--metric", type=click.Choice(["probability", "entropy", "margin"]), default=None, help="Confidence metric (default: the checkpoint's).")
+@click.option("--threshold", "thresholds", multiple=True, callback=_thresholds, help=f"Thresholds to sweep (repeat, or comma-separated). Default: {','.join(map(str, DEFAULT_THRESHOLDS))}.")
+@click.option("--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's).")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: each checkpoint's block size).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=128, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
-@click.option("--cache", type=click.Choice(["window", "block", "none"]), default="window", show_default=True)
-@click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache of --cache block.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=E["max_tokens"], show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=E["batch_size"], show_default=True)
+@click.option("--cache", type=CACHE_CHOICE, default=E["cache"], show_default=True)
+@click.option("--block-cache", type=click.IntRange(min=1), default=E["block_cache"], show_default=True, help="B_cache of --cache block.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Decode at most N prompts.")
 @click.option("--max-seq-length", type=click.IntRange(min=1), default=2048, show_default=True)
-@click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default="error", show_default=True)
+@click.option("--on-long", type=click.Choice(["error", "truncate", "skip"]), default=E["on_long"], show_default=True)
 @click.option("--no-nll", is_flag=True, help="Skip the NLL measurement.")
 @click.option("--no-decode", is_flag=True, help="Skip the threshold sweep.")
 @click.option("--force", is_flag=True, help="Sweep thresholds below 1 on models without mars.json too.")
@@ -62,8 +65,7 @@ def _hedges(ctx, param, value):
 @click.option("--outputs", "with_outputs", is_flag=True, help="Include the decoded token ids in the JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write a PNG: tokens/forward against agreement with AR.")
 @click.option("--plot-x", type=click.Choice(["exact", "prefix"]), default="exact", show_default=True, help="The plot's x axis: exact-match rate or mean prefix fraction.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@device_options
 @backend_option
 @friendly_errors
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
@@ -71,6 +73,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
+    from ..prompts import read_prompts
 
     if data is None and prompt_file is None and not humaneval:
         raise click.UsageError("give --data (a dataset), --prompts FILE or --humaneval N")
@@ -99,7 +102,6 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
         except HumanEvalUnavailable as e:
             raise click.ClickException(str(e)) from None
     quiet_libraries()
-    say = lambda m: click.echo(m, err=True)
     load = lambda m: ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
     loaded = [load(m) for m in (models or [None])]
     base = load(baseline) if baseline is not None else None

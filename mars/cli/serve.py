@@ -7,7 +7,17 @@ from pathlib import Path
 import click
 
 from ..core.config import MODES
-from .common import Finite
+from .common import Finite, backend_option, defaults, device_options, friendly_errors, open_session
+
+
+def _serve_defaults() -> dict:
+    """The server's settings dataclasses' defaults (mars.serve imports no web framework)."""
+    from ..serve import EngineLimits, PolicySettings, ServeLimits
+
+    return {**defaults(EngineLimits), **defaults(ServeLimits), **defaults(PolicySettings)}
+
+
+S = _serve_defaults()
 
 
 @click.command("serve")
@@ -25,21 +35,23 @@ from .common import Finite
 @click.option("--min-threshold", type=float, default=None, help="Adaptive range, low end (default: 0.7 for probability, 0.5 margin, 0.0 entropy).")
 @click.option("--max-threshold", type=float, default=None, help="Adaptive range, high end (default: 1.0; entropy: 1.0).")
 @click.option("--full-load", type=click.IntRange(min=1), default=None, help="Adaptive: the load (queued + in flight) that reaches the loose end. Default: --max-batch.")
-@click.option("--hold", type=Finite(min=0.0), default=2.0, show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
+@click.option("--hold", type=Finite(min=0.0), default=S["hold"], show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")
-@click.option("--block-cache", type=click.IntRange(min=1), default=16, show_default=True, help="B_cache: slots per block of the batch's block cache.")
-@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True, help="Requests decoded together.")
-@click.option("--max-queue", type=click.IntRange(min=0), default=64, show_default=True, help="Requests waiting for a row; past it: 429 with Retry-After.")
+@click.option("--block-cache", type=click.IntRange(min=1), default=S["block_cache"], show_default=True, help="B_cache: slots per block of the batch's block cache.")
+@click.option("--max-batch", type=click.IntRange(min=1), default=S["max_batch"], show_default=True, help="Requests decoded together.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=S["max_queue"], show_default=True, help="Requests waiting for a row; past it: 429 with Retry-After.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: the model's context length).")
-@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=4096, show_default=True, help="The most max_tokens a request may ask for.")
-@click.option("--default-max-tokens", type=click.IntRange(min=1), default=512, show_default=True, help="max_tokens for a request that gives none.")
-@click.option("--temp", type=Finite(0.0, 2.0), default=0.0, show_default=True, help="Temperature for a request that gives none (0: greedy).")
+@click.option("--max-tokens-limit", type=click.IntRange(min=1), default=S["max_tokens_limit"], show_default=True, help="The most max_tokens a request may ask for.")
+@click.option("--default-max-tokens", type=click.IntRange(min=1), default=S["default_max_tokens"], show_default=True, help="max_tokens for a request that gives none.")
+@click.option("--temp", type=Finite(0.0, 2.0), default=S["temperature"], show_default=True, help="Temperature for a request that gives none (0: greedy).")
 @click.option("--admin-from-anywhere", is_flag=True, help="Let non-loopback clients use /admin/* (default: loopback only).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")
-@click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True, help="auto: MLX on Apple silicon, torch elsewhere.")
-def serve_command(**opts):
+@device_options
+@backend_option
+@friendly_errors
+def serve_command(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold,
+                  full_load, hold, block_size, block_cache, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
+                  default_max_tokens, temp, admin_from_anywhere, log_level, dtype, device, backend):
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
     Requests decode in the checkpoint's default mode (mars.json default_mode) unless --threshold
@@ -47,27 +59,17 @@ def serve_command(**opts):
     and, under --policy adaptive, "adaptive": false (keep the request's own threshold).
     GET /metrics for Prometheus; POST /admin/policy changes the policy live (loopback only).
     """
-    # Imported here, not at the top, so mars.cli.main can import this module wherever it likes.
-    from .main import friendly_errors
-
-    friendly_errors(_serve)(**opts)
-
-
-def _serve(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold, full_load,
-           hold, block_size, block_cache, max_batch, max_queue, max_prompt_tokens, max_tokens_limit, default_max_tokens,
-           temp, admin_from_anywhere, log_level, dtype, device, backend):
     try:
         import starlette  # noqa: F401
         import uvicorn
     except ImportError:
         raise click.ClickException("mars serve needs starlette and uvicorn: pip install 'mars-mtp[serve]'") from None
+    from ..core.policy import check_threshold, metric_for
     from ..serve import EngineLimits, ServeLimits, build
-    from ..core.acceptance import check_threshold
     from ..serve.policy import PolicyError
-    from .main import Session
 
-    session = Session(model, adapter_path, dtype, device, backend)
-    metric = session.tm.mars.metric if session.tm.mars is not None else "probability"
+    session = open_session(model, adapter_path, dtype, device, backend)
+    metric = metric_for(session.mars)
     for flag, value in (("--threshold", threshold), ("--min-threshold", min_threshold), ("--max-threshold", max_threshold)):
         if value is not None:
             check_threshold(metric, value, name=flag)
@@ -79,7 +81,7 @@ def _serve(model, adapter_path, served_model_name, host, port, policy, threshold
         aliases.add(model)
     try:
         app, engine = build(
-            session.tm,
+            session.loaded,
             type(session.decoder),
             name=name,
             aliases=tuple(sorted(aliases)),

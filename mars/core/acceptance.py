@@ -62,6 +62,16 @@ def loosen(metric: str, threshold: float, amount: float) -> float:
     return threshold + amount if check_metric(metric) == "entropy" else threshold - amount
 
 
+def looser(metric: str, a: float, b: float) -> float:
+    """The looser of two thresholds: the one that accepts more tokens."""
+    return max(a, b) if check_metric(metric) == "entropy" else min(a, b)
+
+
+def strict_and_loose(metric: str, low: float, high: float) -> tuple[float, float]:
+    """The ends of the threshold range [low, high] as (strict end, loose end)."""
+    return (low, high) if check_metric(metric) == "entropy" else (high, low)
+
+
 def passes(confidence: np.ndarray, metric: str, threshold: float) -> np.ndarray:
     if check_metric(metric) == "entropy":
         return confidence <= threshold

@@ -84,6 +84,31 @@ def _need_str(value, name: str, where: str) -> str:
 
 def check_record(record, where: str) -> str:
     """Validate one record's shape; return the shape name ('messages', 'prompt' or 'text')."""
+    shape = _record_shape(record, where)
+    if "finish" in record and record["finish"] not in FINISH:
+        raise _fail(
+            where,
+            f"'finish' must be \"eos\" or \"length\", got {json.dumps(record['finish'])}",
+            '"length" marks a response cut by a length limit; remove the field otherwise',
+        )
+    if shape == "text":
+        if not _need_str(record["text"], "'text'", where).strip():
+            raise _fail(where, "empty 'text'", "remove the line or give it some text")
+    elif shape == "prompt":
+        _need_str(record["prompt"], "'prompt'", where)
+        if not _need_str(record["completion"], "'completion'", where).strip():
+            raise _fail(
+                where,
+                "empty 'completion'",
+                "every example needs a response to learn; remove the line",
+            )
+    else:
+        _check_messages(record["messages"], where)
+    return shape
+
+
+def _record_shape(record, where: str) -> str:
+    """The record's shape, once it is an object with exactly the fields that shape allows."""
     if not isinstance(record, dict):
         raise _fail(
             where,
@@ -111,59 +136,43 @@ def check_record(record, where: str) -> str:
         if key not in record:
             fields = " and ".join(repr(k) for k in allowed)
             raise _fail(where, f"missing field {key!r}", f"this record shape needs {fields}")
+    return shape
 
-    if "finish" in record and record["finish"] not in FINISH:
+
+def _check_messages(messages, where: str) -> None:
+    """A non-empty array of {"role", "content"} string objects ending in a non-empty assistant reply."""
+    if not isinstance(messages, list) or not messages:
+        got = "an empty array" if messages == [] else _json_type(messages)
         raise _fail(
             where,
-            f"'finish' must be \"eos\" or \"length\", got {json.dumps(record['finish'])}",
-            '"length" marks a response cut by a length limit; remove the field otherwise',
+            f"'messages' must be a non-empty array, got {got}",
+            'write [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]',
         )
-    if shape == "text":
-        if not _need_str(record["text"], "'text'", where).strip():
-            raise _fail(where, "empty 'text'", "remove the line or give it some text")
-    elif shape == "prompt":
-        _need_str(record["prompt"], "'prompt'", where)
-        if not _need_str(record["completion"], "'completion'", where).strip():
+    for i, message in enumerate(messages):
+        name = f"messages[{i}]"
+        if not isinstance(message, dict):
             raise _fail(
                 where,
-                "empty 'completion'",
-                "every example needs a response to learn; remove the line",
+                f"{name} must be an object, got {_json_type(message)}",
+                'write {"role": ..., "content": ...}',
             )
-    else:
-        messages = record["messages"]
-        if not isinstance(messages, list) or not messages:
-            got = "an empty array" if messages == [] else _json_type(messages)
-            raise _fail(
-                where,
-                f"'messages' must be a non-empty array, got {got}",
-                'write [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]',
-            )
-        for i, message in enumerate(messages):
-            name = f"messages[{i}]"
-            if not isinstance(message, dict):
-                raise _fail(
-                    where,
-                    f"{name} must be an object, got {_json_type(message)}",
-                    'write {"role": ..., "content": ...}',
-                )
-            for key in ("role", "content"):
-                if key not in message:
-                    raise _fail(where, f"{name} has no {key!r}", 'write {"role": ..., "content": ...}')
-                _need_str(message[key], f"{name}.{key}", where)
-        last = messages[-1]
-        if last["role"] != "assistant":
-            raise _fail(
-                where,
-                f"the last message has role {last['role']!r}, not 'assistant'",
-                "the last message is the response to learn; end the conversation with an assistant message",
-            )
-        if not last["content"].strip():
-            raise _fail(
-                where,
-                "empty final assistant message",
-                "every example needs a response to learn; remove the line",
-            )
-    return shape
+        for key in ("role", "content"):
+            if key not in message:
+                raise _fail(where, f"{name} has no {key!r}", 'write {"role": ..., "content": ...}')
+            _need_str(message[key], f"{name}.{key}", where)
+    last = messages[-1]
+    if last["role"] != "assistant":
+        raise _fail(
+            where,
+            f"the last message has role {last['role']!r}, not 'assistant'",
+            "the last message is the response to learn; end the conversation with an assistant message",
+        )
+    if not last["content"].strip():
+        raise _fail(
+            where,
+            "empty final assistant message",
+            "every example needs a response to learn; remove the line",
+        )
 
 
 def read_jsonl(path) -> list[tuple[int, dict]]:
@@ -288,36 +297,14 @@ def load_split(
     eos_id: int | None = None,
 ) -> SplitData:
     """Read, validate and encode a whole split; raises DataError rather than return a partial one."""
-    if on_long not in ON_LONG:
-        raise ValueError(f"on_long must be one of {ON_LONG}, got {on_long!r}")
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    # Rows are padded to whole blocks, so the usable limit is the largest whole number of blocks.
-    limit = max_seq_length // block_size * block_size
-    if limit < block_size:
-        raise ValueError(f"--max-seq-length {max_seq_length} is shorter than one block ({block_size} tokens)")
+    limit = _usable_length(on_long, block_size, max_seq_length)
     if eos_id is None:
         eos_id = tokenizer.eos_token_id
         if eos_id is None:
             raise ValueError("the tokenizer has no eos token; pass eos_id explicitly")
-
     path = find_split_file(path_or_dir, split)
     if path is None:
-        data = Path(path_or_dir)
-        if not data.exists():
-            raise DataError(
-                f"{data}: no such file or directory (--data takes a directory with train.jsonl and valid.jsonl, or one .jsonl file)",
-            )
-        if data.is_file():
-            what = "is not a .jsonl file"
-            if data.suffix == ".jsonl":
-                what = f"is a single file, which only has a train split, not {split!r}"
-            raise DataError(f"{data}: {what} (pass a directory with {split}.jsonl)")
-        expected = ", ".join(f"{s}.jsonl" for s in SPLITS)
-        raise DataError(
-            f"{data}: no {split}.jsonl (a data directory holds {expected}; train.jsonl is required)",
-        )
-
+        raise _no_split_file(Path(path_or_dir), split)
     records = read_jsonl(path)
     if not records:
         raise DataError(f"{path}: no records (the {split} split is empty; add at least one JSON line)")
@@ -326,28 +313,11 @@ def load_split(
     for lineno, record in records:
         where = f"{path}:{lineno}"
         ids, labels = encode_record(record, tokenizer, eos_id=eos_id, where=where)
-        padded = len(ids) + (-len(ids) % block_size)
-        truncated = padded > limit
-        if truncated:
-            if on_long == "error":
-                count = f"{len(ids)} tokens"
-                if padded != len(ids):
-                    count += f" ({padded} padded to --block-size {block_size})"
-                raise _fail(
-                    where,
-                    f"{count} exceed --max-seq-length {max_seq_length}",
-                    "it is neither truncated nor skipped by default: raise --max-seq-length, or pass --on-long truncate|skip",
-                )
-            if on_long == "skip":
-                skipped += 1
-                continue
-            ids, labels = ids[:limit], labels[:limit]
-            if all(label == IGNORE for label in labels):
-                raise _fail(
-                    where,
-                    f"the prompt alone fills --max-seq-length {max_seq_length}, so truncation leaves nothing to learn",
-                    "raise --max-seq-length, shorten the prompt, or pass --on-long skip",
-                )
+        fitted = _fit_length(ids, labels, where, block_size=block_size, limit=limit, max_seq_length=max_seq_length, on_long=on_long)
+        if fitted is None:
+            skipped += 1
+            continue
+        ids, labels, truncated = fitted
         ended = not truncated and record_ended(record)
         ids, labels = pad_to_block(ids, labels, block_size, eos_id, ended=ended)
         examples.append(Example(ids=ids, labels=labels, source=where, truncated=truncated))
@@ -356,6 +326,64 @@ def load_split(
             f"{path}: all {skipped} examples exceed --max-seq-length {max_seq_length} and were skipped (raise --max-seq-length, or pass --on-long truncate)",
         )
     return SplitData(examples=examples, skipped=skipped, path=path)
+
+
+def _usable_length(on_long: str, block_size: int, max_seq_length: int) -> int:
+    """The longest row a split may hold: rows are padded to whole blocks, so the largest
+    whole number of blocks within max_seq_length."""
+    if on_long not in ON_LONG:
+        raise ValueError(f"on_long must be one of {ON_LONG}, got {on_long!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    limit = max_seq_length // block_size * block_size
+    if limit < block_size:
+        raise ValueError(f"--max-seq-length {max_seq_length} is shorter than one block ({block_size} tokens)")
+    return limit
+
+
+def _no_split_file(data: Path, split: str) -> DataError:
+    """Why `data` holds no file for `split`."""
+    if not data.exists():
+        return DataError(
+            f"{data}: no such file or directory (--data takes a directory with train.jsonl and valid.jsonl, or one .jsonl file)",
+        )
+    if data.is_file():
+        what = "is not a .jsonl file"
+        if data.suffix == ".jsonl":
+            what = f"is a single file, which only has a train split, not {split!r}"
+        return DataError(f"{data}: {what} (pass a directory with {split}.jsonl)")
+    expected = ", ".join(f"{s}.jsonl" for s in SPLITS)
+    return DataError(
+        f"{data}: no {split}.jsonl (a data directory holds {expected}; train.jsonl is required)",
+    )
+
+
+def _fit_length(ids, labels, where: str, *, block_size: int, limit: int, max_seq_length: int, on_long: str):
+    """(ids, labels, truncated) of one encoded example within `limit` once padded, or None
+    when `on_long` skips it; raises when it is too long and `on_long` is "error" or when
+    truncation leaves no label."""
+    padded = len(ids) + (-len(ids) % block_size)
+    if padded <= limit:
+        return ids, labels, False
+    if on_long == "error":
+        count = f"{len(ids)} tokens"
+        if padded != len(ids):
+            count += f" ({padded} padded to --block-size {block_size})"
+        raise _fail(
+            where,
+            f"{count} exceed --max-seq-length {max_seq_length}",
+            "it is neither truncated nor skipped by default: raise --max-seq-length, or pass --on-long truncate|skip",
+        )
+    if on_long == "skip":
+        return None
+    ids, labels = ids[:limit], labels[:limit]
+    if all(label == IGNORE for label in labels):
+        raise _fail(
+            where,
+            f"the prompt alone fills --max-seq-length {max_seq_length}, so truncation leaves nothing to learn",
+            "raise --max-seq-length, shorten the prompt, or pass --on-long skip",
+        )
+    return ids, labels, True
 
 
 def batches(

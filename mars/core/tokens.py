@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from .config import MarsConfig
+
 NEW_MASK_TOKEN = "<|mars_mask|>"
 
 
@@ -40,6 +42,27 @@ def choose_mask_token(tokenizer, exclude=()) -> tuple[str, int, bool]:
         _, token_id, text = min(candidates)
         return text, int(token_id), False
     return NEW_MASK_TOKEN, len(tokenizer), True
+
+
+def mask_config(tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(), announce=print) -> MarsConfig:
+    """The MarsConfig whose mask token is in `tokenizer`: a checkpoint's own (a token it added is
+    added back to a tokenizer without it), or for a model without one the `choose_mask_token`
+    choice, added to the tokenizer when it is new, and said through `announce`.
+
+    The backend then grows its embedding to `mask_token_id + 1` rows where it has fewer; a new
+    input row starts as the mean embedding, a neutral "unknown token"."""
+    if mars is not None:
+        if mars.mask_token_added and mars.mask_token_id >= len(tokenizer):
+            tokenizer.add_special_tokens({"additional_special_tokens": [mars.mask_token]})
+        return mars
+    token, token_id, added = choose_mask_token(tokenizer, exclude=exclude)
+    if added:
+        tokenizer.add_special_tokens({"additional_special_tokens": [token]})
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        announce(f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)")
+    else:
+        announce(f"mask token: reusing unused special token {token} (id {token_id})")
+    return MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
 
 
 def encode_prompt(tokenizer, prompt, *, chat: bool = True) -> list[int]:

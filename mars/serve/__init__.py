@@ -10,9 +10,10 @@ Needs the `serve` extra (starlette, uvicorn); mars.core stays free of it.
 
 from __future__ import annotations
 
+from ..core.policy import checkpoint_mode
 from .api import ServeLimits
 from .engine import Engine, EngineLimits, ServedModel
-from .policy import PolicySettings, ThresholdPolicy, ar_threshold
+from .policy import PolicySettings, ThresholdPolicy
 
 
 def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size: int | None = None,
@@ -30,14 +31,11 @@ def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size:
     model = ServedModel.from_loaded(loaded, decoder_cls, name, aliases=aliases, block_size=block_size)
     engine_limits = engine_limits or EngineLimits()
     given = dict(policy or {})
+    # The checkpoint's default mode, unless the server is given a threshold or a policy that turns it.
+    threshold, lossless = checkpoint_mode(loaded.mars, model.metric, given.get("default_threshold"))
     if given.get("default_mode") is None:
-        # The checkpoint's default mode, unless the server is given a threshold or a policy that turns it.
-        lossless = model.loaded.mars is not None and model.loaded.mars.lossless_by_default
-        told = given.get("default_threshold") is not None or given.get("policy", "fixed") != "fixed"
-        given["default_mode"] = "lossless" if lossless and not told else "threshold"
-    if given.get("default_threshold") is None:
-        checkpoint = model.checkpoint_threshold
-        given["default_threshold"] = checkpoint if checkpoint is not None else ar_threshold(model.metric)
+        given["default_mode"] = "lossless" if lossless and given.get("policy", "fixed") == "fixed" else "threshold"
+    given["default_threshold"] = threshold
     if given.get("full_load") is None:
         given["full_load"] = engine_limits.max_batch
     threshold_policy = ThresholdPolicy(model.metric, PolicySettings.for_metric(model.metric, **given), trained=model.trained)

@@ -14,8 +14,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.acceptance import ThresholdError, check_threshold
 from ..core.decoding import Sampling
+from ..core.policy import ThresholdError, UntrainedModelError, check_threshold
 from ..core.tokens import encode_prompt
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -210,13 +210,11 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
             raise _bad("threshold", str(e)) from None
     if lossless is None:  # neither asked: the server's default mode (a threshold asks for threshold mode)
         lossless = threshold is None and policy.lossless_by_default
-    if threshold is not None and not lossless and not policy.allowed(threshold):
-        raise _bad(
-            "threshold",
-            f"'threshold' {threshold}: this model has no mars.json (never MARS-trained), so its mask guesses are "
-            "confidently wrong; only threshold 1.0 (plain AR) or 'lossless': true is allowed",
-            "model_not_mars_trained",
-        )
+    if threshold is not None and not lossless:
+        try:
+            policy.check(threshold)
+        except UntrainedModelError as e:
+            raise _bad("threshold", f"'threshold' {threshold}: {e}", "model_not_mars_trained") from None
     stop = _stop(body)
     ceiling = limits.max_tokens_limit
     max_tokens = _integer(body, "max_tokens", None, low=1, high=ceiling, code="max_tokens_limit")

@@ -12,6 +12,7 @@ and runs them in turn: all greedy requests share one batch whatever their thresh
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+from ..backends import base
 from ..core.decoding import ContinuousBatch, DecodeSettings, Sampling
+from ..core.policy import block_size_for, looser, metric_for
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -41,7 +44,7 @@ class ServedModel:
     """A loaded model and what serving it needs, backend-neutral."""
 
     name: str
-    loaded: Any  # what a backend's `load` returned: .tokenizer, .mars, .eos_ids, .vocab_rows
+    loaded: Any  # what a backend's `load` returned (mars.backends.base)
     make_decoder: Callable[[], Any]  # a new StepBackend over the same weights (one per batch)
     mask_id: int
     block_size: int
@@ -50,16 +53,13 @@ class ServedModel:
 
     @classmethod
     def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None):
-        from ..backends.base import mask_id_for
-
-        mars = loaded.mars
         return cls(
             name=name,
             loaded=loaded,
             make_decoder=lambda: decoder_cls(loaded),
-            mask_id=mask_id_for(loaded),
-            block_size=block_size or (mars.block_size if mars else 4),
-            metric=metric or (mars.metric if mars else "probability"),
+            mask_id=base.mask_id_for(loaded),
+            block_size=block_size_for(loaded.mars, block_size),
+            metric=metric_for(loaded.mars, metric),
             aliases=tuple(a for a in aliases if a and a != name),
         )
 
@@ -73,18 +73,9 @@ class ServedModel:
         return self.loaded.mars is not None
 
     @property
-    def checkpoint_threshold(self) -> float | None:
-        return self.loaded.mars.default_threshold if self.loaded.mars is not None else None
-
-    @property
     def context_length(self) -> int | None:
         """The model's position limit, when its config states one."""
-        model = getattr(self.loaded, "model", None)
-        for config in (getattr(model, "config", None), getattr(model, "args", None)):
-            value = getattr(config, "max_position_embeddings", None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
+        return base.context_length(self.loaded)
 
 
 class Outbox:
@@ -96,7 +87,7 @@ class Outbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, looser: Callable[[float, float], float] = min):
         self._loop = loop
-        self._looser = looser  # min for probability and margin, max for entropy
+        self._looser = looser  # of two thresholds, the looser (mars.core.policy.looser)
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
         self._wake_due = False
@@ -219,7 +210,7 @@ class Engine:
         return self._thread is not None and self._thread.is_alive() and self.failed is None
 
     def new_outbox(self, loop) -> Outbox:
-        return Outbox(loop, looser=max if self.policy.metric == "entropy" else min)
+        return Outbox(loop, looser=functools.partial(looser, self.policy.metric))
 
     def submit(self, job: Job) -> None:
         with self._cond:

@@ -17,7 +17,8 @@ Per request:
   speed than the load grants, never for less). `"adaptive": false` in the request pins it
   to its own threshold (else the server default).
 
-A model without mars.json was never trained to fill masks: only AR mode is allowed.
+A model without mars.json was never trained to fill masks: only AR mode (or lossless decoding)
+is allowed (mars.core.policy).
 """
 
 from __future__ import annotations
@@ -26,8 +27,18 @@ import math
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from ..core.acceptance import ThresholdError, ar_threshold, check_metric, check_threshold, is_ar_mode
 from ..core.config import MODES
+from ..core.policy import (
+    ThresholdError,
+    UntrainedModelError,
+    ar_threshold,
+    check_may_decode,
+    check_metric,
+    check_threshold,
+    looser,
+    may_decode,
+    strict_and_loose,
+)
 
 POLICIES = ("fixed", "adaptive")
 LEVELS = 5  # the adaptive threshold moves between this many evenly spaced values
@@ -107,14 +118,12 @@ class ThresholdPolicy:
             raise PolicyError(f"hold must be >= 0 seconds, got {s.hold}")
         if isinstance(s.full_load, bool) or not isinstance(s.full_load, int) or s.full_load < 1:
             raise PolicyError(f"full_load must be an integer >= 1, got {s.full_load!r}")
-        if not self.trained:
-            if s.policy == "adaptive":
-                raise PolicyError("the adaptive policy needs a MARS-trained model (this one has no mars.json); use the fixed policy")
-            if not is_ar_mode(self.metric, s.default_threshold):
-                raise PolicyError(
-                    f"default_threshold {s.default_threshold}: this model has no mars.json (never MARS-trained); "
-                    f"only {ar_threshold(self.metric)} (plain AR) or lossless decoding is allowed"
-                )
+        if not self.trained and s.policy == "adaptive":
+            raise PolicyError("the adaptive policy needs a MARS-trained model (this one has no mars.json); use the fixed policy")
+        try:
+            check_may_decode(self.trained, self.metric, s.default_threshold)
+        except UntrainedModelError as e:
+            raise PolicyError(f"default_threshold {s.default_threshold}: {e}") from None
 
     def describe(self) -> dict:
         with self._lock:
@@ -122,14 +131,10 @@ class ThresholdPolicy:
 
     # -- the threshold ------------------------------------------------------------------------
 
-    def _ends(self) -> tuple[float, float]:
-        s = self.settings
-        return (s.min_threshold, s.max_threshold) if self.metric == "entropy" else (s.max_threshold, s.min_threshold)
-
     def _in_force(self) -> float:
         if self.settings.policy == "fixed":
             return float(self.settings.default_threshold)
-        strict, loose = self._ends()
+        strict, loose = strict_and_loose(self.metric, self.settings.min_threshold, self.settings.max_threshold)
         return round(strict + (loose - strict) * self._level / (LEVELS - 1), 6)
 
     @property
@@ -172,7 +177,7 @@ class ThresholdPolicy:
             in_force = self._in_force()
             if requested is None:
                 return in_force
-            return max(requested, in_force) if self.metric == "entropy" else min(requested, in_force)
+            return looser(self.metric, requested, in_force)
 
     @property
     def lossless_by_default(self) -> bool:
@@ -182,4 +187,8 @@ class ThresholdPolicy:
 
     def allowed(self, requested: float) -> bool:
         """A request may ask for any threshold on a MARS model, only AR mode on another."""
-        return self.trained or is_ar_mode(self.metric, requested)
+        return may_decode(self.trained, self.metric, requested)
+
+    def check(self, requested: float) -> None:
+        """Raise UntrainedModelError where `allowed` says no."""
+        check_may_decode(self.trained, self.metric, requested)

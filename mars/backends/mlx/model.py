@@ -19,7 +19,7 @@ import numpy as np
 
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
-from ...core.tokens import choose_mask_token, eos_ids
+from ...core.tokens import eos_ids, mask_config
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path, rope_overrides
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -37,10 +37,18 @@ class MlxModel:
     path: str
     generation_eos: tuple[int, ...] = ()  # config.json's eos_token_id list, as mlx-lm reads it
     gate: object = None  # a gated adapter's MlxMaskGate
+    backend = "mlx"  # the mars.backends module that loaded it
+    device = "mlx"
 
     @property
     def vocab_rows(self) -> int:
         return self.model.args.vocab_size
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's position limit, when its config states one."""
+        value = getattr(self.model.args, "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -140,20 +148,11 @@ def _hf_tokenizer(wrapper):
     return getattr(wrapper, "_tokenizer", wrapper)
 
 
-def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, exclude=(), announce=print):
-    """The same mask-token choice as the torch backend (never an id in `exclude`, e.g. the
-    model's EOS ids); grows the embedding when a token is added."""
-    if mars is None:
-        token, token_id, added = choose_mask_token(tokenizer, exclude=eos_ids(tokenizer, list(exclude)))
-        if added:
-            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            announce(f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)")
-        else:
-            announce(f"mask token: reusing unused special token {token} (id {token_id})")
-        mars = MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
-    elif mars.mask_token_added and mars.mask_token_id >= len(tokenizer):
-        tokenizer.add_special_tokens({"additional_special_tokens": [mars.mask_token]})
+def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(),
+                      announce=print):
+    """The same mask-token choice as the torch backend (mars.core.tokens.mask_config; never an id
+    in `exclude`, e.g. the model's EOS ids); grows the embedding when a token is added."""
+    mars = mask_config(tokenizer, mars, block_size=block_size, exclude=eos_ids(tokenizer, list(exclude)), announce=announce)
     emb = embed_tokens(model)
     rows = emb.weight.shape[0]
     if mars.mask_token_id >= rows:
@@ -161,7 +160,7 @@ def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, b
             raise MlxModelError("a quantized model cannot grow its embedding for a new mask token; use a float model")
         grown = mx.concatenate([emb.weight, mx.broadcast_to(emb.weight.mean(0, keepdims=True), (mars.mask_token_id + 1 - rows, emb.weight.shape[1]))])
         emb.weight = grown
-        if not model.args.tie_word_embeddings:
+        if not model.args.tie_word_embeddings:  # an untied output head's new row starts at zero
             w = model.lm_head.weight
             model.lm_head.weight = mx.concatenate([w, mx.zeros((grown.shape[0] - w.shape[0], w.shape[1]), dtype=w.dtype)])
     return mars
@@ -444,3 +443,15 @@ def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normaliz
         "targets": mx.array(al.targets.astype(np.int32)),
         "weights": mx.array(al.weights),
     }
+
+
+def losses(loaded: MlxModel):
+    """`step(ids, labels, lengths, block_size, mask_id) -> (noisy, clean)`: the mean losses per
+    labelled token of a padded batch, through the training forward and loss (mars eval's NLL)."""
+
+    def step(ids, labels, lengths, block_size, mask_id):
+        noisy, clean = mars_losses(loaded.model, training_batch(ids, labels, lengths, block_size, mask_id, normalize="token"))
+        mx.eval(noisy, clean)
+        return float(noisy.item()), float(clean.item())
+
+    return step

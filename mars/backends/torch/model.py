@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.loss import Alignment
-from ...core.tokens import choose_mask_token, eos_ids
+from ...core.tokens import eos_ids, mask_config
 from . import packed
 from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
@@ -79,6 +79,7 @@ class TorchModel:
     device: torch.device
     dtype: torch.dtype
     gate: object = None  # a gated adapter's MaskGate (the adapter then stays unmerged)
+    backend = "torch"  # the mars.backends module that loaded it
 
     @property
     def body(self) -> torch.nn.Module:
@@ -96,6 +97,12 @@ class TorchModel:
     def eos_ids(self) -> tuple[int, ...]:
         gen = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         return eos_ids(self.tokenizer, gen)
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's position limit, when its config states one."""
+        value = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        return value if isinstance(value, int) and value > 0 else None
 
 
 def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
@@ -121,29 +128,17 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = 4, exclude=(), announce=print):
-    """Return a MarsConfig whose mask token exists in `tokenizer` and `model` (adding one if needed)."""
-    if mars is not None:
-        token, token_id, added = mars.mask_token, mars.mask_token_id, mars.mask_token_added
-        if added and token_id >= len(tokenizer):
-            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
-    else:
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        token, token_id, added = choose_mask_token(tokenizer, exclude=set(eos_ids(tokenizer, gen_eos)) | set(exclude))
-        if added:
-            tokenizer.add_special_tokens({"additional_special_tokens": [token]})
-            token_id = tokenizer.convert_tokens_to_ids(token)
-            announce(
-                f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} "
-                "(the embedding grows by one row)"
-            )
-        else:
-            announce(f"mask token: reusing unused special token {token} (id {token_id})")
-        mars = MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
+def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(), announce=print):
+    """Return a MarsConfig whose mask token exists in `tokenizer` and `model` (the choice is
+    mars.core.tokens.mask_config's; a token it adds grows the embedding by one row)."""
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    exclude = set(eos_ids(tokenizer, gen_eos)) | set(exclude)
+    mars = mask_config(tokenizer, mars, block_size=block_size, exclude=exclude, announce=announce)
     emb = model.get_input_embeddings()
-    if token_id >= emb.weight.shape[0]:
+    if mars.mask_token_id >= emb.weight.shape[0]:
         old = emb.weight.shape[0]
-        model.resize_token_embeddings(token_id + 1, mean_resizing=False)
+        # An untied output head's new row is left as transformers initialises it.
+        model.resize_token_embeddings(mars.mask_token_id + 1, mean_resizing=False)
         with torch.no_grad():
             # A new row starts as the mean embedding: a neutral "unknown token".
             model.get_input_embeddings().weight[old:] = model.get_input_embeddings().weight[:old].mean(0)
@@ -477,3 +472,18 @@ def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, devi
         targets=t(al.targets),
         weights=t(al.weights),
     )
+
+
+def losses(tm: TorchModel):
+    """`step(ids, labels, lengths, block_size, mask_id) -> (noisy, clean)`: the mean losses per
+    labelled token of a padded batch, through the training forward and loss without gradients
+    (mars eval's NLL)."""
+    module = MarsLoss(tm.model)
+
+    @torch.inference_mode()
+    def step(ids, labels, lengths, block_size, mask_id):
+        inputs = loss_inputs(ids, labels, lengths, block_size, mask_id, tm.dtype, tm.device, normalize="token")
+        noisy, clean = module(**inputs)
+        return float(noisy), float(clean)
+
+    return step

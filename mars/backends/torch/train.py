@@ -15,7 +15,7 @@ from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettin
 from ..paths import add_rope_keys, portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs
 
-class Trainer:
+class TorchTrainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
         from accelerate import Accelerator, PartialState
 

@@ -1,0 +1,196 @@
+"""`mars generate` and `mars chat`: decode prompts, or a conversation, with a speed knob."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .common import backend_option, decode_options, decode_settings, describe, friendly_errors, model_options, open_session
+
+
+@click.command("generate")
+@model_options
+@click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeat for several).")
+@click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A file of prompts: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
+@click.option("--compare", is_flag=True, help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="--compare: timed rounds, AR and the mode interleaved; the speed ratio is their median.")
+@decode_options
+@backend_option
+@friendly_errors
+def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
+    """Generate replies; prints the text and tokens per forward."""
+    from ..core.policy import ar_threshold
+    from ..prompts import read_prompts
+
+    prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
+    if not prompts:
+        raise click.UsageError("give --prompt TEXT or --prompts FILE")
+    session = open_session(model, adapter_path, dtype, device, backend)
+    settings = decode_settings(session, **decode)
+    tok = session.tokenizer
+    ids = session.encode(prompts, chat=not raw)
+    runs = [settings]
+    if compare:
+        runs = [dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False), settings]
+    for s in runs:
+        session.cost_for(s)  # measured (once per device) before anything is timed
+    results = [session.decode(ids, s, batch_size) for s in runs]
+    ratios = []
+    if compare:
+        # Rounds interleave AR and the mode, so drift on a busy machine hits both alike.
+        for n in range(rounds):
+            timed = results if n == 0 else [session.decode(ids, s, batch_size) for s in runs]
+            ratios.append((timed[1].total.accepted / timed[1].seconds) / max(1e-9, timed[0].total.accepted / timed[0].seconds))
+    rows = [r.total.rows for r in results]
+    for i, p in enumerate(prompts):
+        texts = [tok.decode(r.tokens[i], skip_special_tokens=True) for r in results]
+        if as_json:
+            for s, r, text, run_rows in zip(runs, results, texts, rows):
+                row = run_rows[i]
+                click.echo(json.dumps({"prompt": p, "mode": describe(s), "text": text, "tokens": len(r.tokens[i]), "finish": r.finish[i],
+                                       "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3)}))
+            continue
+        click.echo(f"--- [{i}] {p if isinstance(p, str) else p[-1]['content']}")
+        if compare:
+            click.echo(f"[{describe(runs[0])}]")
+            click.echo(texts[0])
+            click.echo(f"[{describe(runs[1])}]" + ("  (same text)" if texts[1] == texts[0] else ""))
+        click.echo(texts[-1])
+    lines = [summary(s, r) for s, r in zip(runs, results)]
+    if compare:
+        same = sum(a == b for a, b in zip(results[0].tokens, results[1].tokens))
+        spread = f" (median of {rounds} interleaved rounds, {min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else " (one round)"
+        lines.append(f"{same}/{len(prompts)} replies identical to AR; {statistics.median(ratios):.2f}x AR's tokens/s{spread}")
+    for line in lines:
+        click.echo(line, err=as_json)
+
+
+SOURCES = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "ar": "AR"}
+
+
+def summary(settings, r) -> str:
+    """One run's totals; lossless runs add where the tokens came from (drafts kept, by source;
+    one AR token a step)."""
+    total = r.total
+    n, f, sec = total.accepted, total.row_forwards, r.seconds
+    line = (
+        f"{describe(settings)}, B={settings.block_size}, cache={settings.cache}: {n} tokens, {f} forwards, "
+        f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
+    )
+    sources = total.by_source()
+    if sources:
+        line += "; tokens from " + ", ".join(f"{SOURCES[k]} {sources[k]}" for k in SOURCES if sources.get(k))
+    return line
+
+
+@click.command("chat")
+@model_options
+@click.option("--system", default=None, help="A system message.")
+@decode_options
+@backend_option
+@friendly_errors
+def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
+    """Interactive chat that streams tokens as they are accepted.
+
+    Commands: /threshold 0.9 (decode at this threshold), /lossless (decode losslessly),
+    /reset (forget the conversation), /help, /quit. A message that starts with "/" is sent
+    by doubling it: "//etc/hosts is a file" sends "/etc/hosts is a file".
+    """
+    from ..core.tokens import encode_prompt
+
+    session = open_session(model, adapter_path, dtype, device, backend)
+    settings = decode_settings(session, **decode)
+    tok = session.tokenizer
+    history = [{"role": "system", "content": system}] if system else []
+    click.echo(f"{describe(settings)}, B={settings.block_size}. /help lists the commands", err=True)
+    while True:
+        try:
+            line = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            click.echo("")
+            return
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/") and not line.startswith("//"):
+            command = line.split()[0]
+            if command in ("/quit", "/exit"):
+                return
+            if command == "/reset":
+                history = history[:1] if system else []
+                continue
+            chat_command_line(line, settings, session, force=decode["force"])
+            continue
+        if line.startswith("//"):
+            line = line[1:]
+        history.append({"role": "user", "content": line})
+        out: list[int] = []
+        shown = ""
+
+        def stream(row, new):
+            nonlocal shown
+            out.extend(new)
+            text = tok.decode(out, skip_special_tokens=True)
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+
+        t0 = time.perf_counter()
+        result = session.generate([encode_prompt(tok, history)], settings, on_tokens=stream)
+        dt = time.perf_counter() - t0
+        st = result.stats.rows[0]
+        click.echo("")
+        click.echo(f"[{st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
+        history.append({"role": "assistant", "content": shown})
+
+
+CHAT_HELP = """commands:
+  /threshold X   decode in threshold mode at X (1.0 is plain greedy AR)
+  /lossless      decode losslessly (the masks draft, the next forward verifies)
+  /reset         forget the conversation
+  /help          this list
+  /quit          leave (also /exit, Ctrl-D)
+a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
+
+
+def chat_command_line(line: str, settings, session, *, force: bool) -> None:
+    """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends text to the model."""
+    from ..core.policy import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
+
+    parts = line.split()
+    command = parts[0]
+    if command == "/help":
+        click.echo(CHAT_HELP, err=True)
+    elif command == "/threshold":
+        if len(parts) != 2:
+            click.echo("usage: /threshold 0.9", err=True)
+            return
+        try:
+            threshold = check_threshold(settings.metric, float(parts[1]))
+        except ValueError as e:
+            why = str(e) if isinstance(e, ThresholdError) else f"{parts[1]!r} is not a number"
+            click.echo(f"{why}; keeping {describe(settings)}", err=True)
+            return
+        try:
+            check_may_decode(session.mars is not None, settings.metric, threshold, force=force)
+        except UntrainedModelError as e:
+            click.echo(f"{e}; keeping plain AR (start with --force to override)", err=True)
+            threshold = ar_threshold(settings.metric)
+        settings.threshold = threshold
+        settings.lossless = False
+        click.echo(describe(settings), err=True)
+    elif command == "/lossless":
+        settings.lossless = True
+        click.echo(describe(settings), err=True)
+    else:
+        click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)

@@ -1,0 +1,70 @@
+"""Greedy lossless window decoding's drafts (docs/method.md §9): which drafts each row
+feeds, and how many masks and spare groups a step feeds."""
+
+from __future__ import annotations
+
+from . import ngram
+from .cost import CostCurve, DraftStats, FeedPolicy
+from .decode_types import DecodeSettings, Row
+from .feed import Feed, lossless_width
+from .strategies import WindowStrategy
+
+
+class Drafting:
+    """Greedy lossless window decoding: which drafts each row feeds, and how wide a step is.
+
+    Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
+    groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
+    lookup on, a row drafts from lookup instead of the masks when lookup is expected to
+    keep more (`DraftStats`, per source and slot), and a row with no drafts takes lookup's
+    if it pays. After the forward: the acceptance statistics and the cost curve learn."""
+
+    def __init__(self, settings: DecodeSettings, cost: CostCurve | FeedPolicy | None):
+        self.s = settings
+        if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.spare_groups):
+            cost = cost.curve  # another block size or spare-group cap: start a policy for it
+        if isinstance(cost, CostCurve):
+            cost = FeedPolicy(cost, settings.block_size, settings.spare_groups)
+        self.policy = cost
+        self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
+
+    def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
+        live = [r for r in rows if not r.done]
+        batch = max(1, len(live))
+        if self.policy is not None:
+            strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
+        m = strategy.masks
+        for r in live:
+            options = [(r.source, r.drafts[: max(m, 1)])] if r.drafts else []
+            if self.s.ngram:
+                found = ngram.lookup(r.seq, max_drafts=self.s.ngram)
+                if found:
+                    options.append(("ngram", found))
+            r.source, r.drafts = self._pick(options, m, strategy.spare_groups, batch)
+
+    def _pick(self, options, masks: int, spare_groups: int, batch: int) -> tuple[str, list[int]]:
+        """The drafts a row feeds: without a cost curve, the option expected to keep the most
+        drafts; with one, the option and length that maximise expected tokens per second of
+        this step ((1 + expected kept) / cost of the step's width)."""
+        st, best = self.stats, ("masks", [])
+        # Feeding no drafts is the option to beat.
+        best_score = 1.0 / self.policy.curve.seconds(batch * lossless_width(0, masks, spare_groups)) if self.policy is not None else 0.0
+        for source, drafts in options:
+            lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
+            for d in lengths:
+                kept = st.expected_kept(source, d)
+                if self.policy is None:
+                    score = kept
+                else:
+                    score = (1 + kept) / self.policy.curve.seconds(batch * lossless_width(d, masks, spare_groups))
+                if score > best_score:
+                    best, best_score = (source, drafts[:d]), score
+        return best
+
+    def after_step(self, feed: Feed, rows: list[Row], seconds: float) -> None:
+        for i, r in enumerate(rows):
+            if feed.limit[i] > 0 and feed.n_drafts[i]:
+                self.stats.record(r.source, int(feed.n_drafts[i]), int(feed.kept[i]))
+        if self.policy is not None:
+            self.policy.curve.observe(int(feed.ids.size), seconds)
+

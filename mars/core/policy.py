@@ -1,0 +1,112 @@
+"""The decoding policy: what a model decodes at when nothing is asked, and what it may decode at
+(docs/method.md §5, §7). `mars generate`, `mars chat`, the server, eval, bench and distill all
+take their decode settings from `decode_settings` here.
+
+- A checkpoint's defaults: a model without mars.json decodes with MarsConfig's block size and
+  metric (`block_size_for`, `metric_for`).
+- The checkpoint's default mode: given no threshold, a run decodes at mars.json's
+  default_threshold, or losslessly when its default_mode says so; a plain model in AR mode
+  (`checkpoint_mode`).
+- A model without mars.json was never trained to fill masks, and its guesses are confidently
+  wrong: it may decode only in AR mode or losslessly, unless forced (`may_decode`,
+  `check_may_decode`, which raises UntrainedModelError with one message for every caller).
+
+The threshold rules themselves (range, AR mode, which direction loosens) live in
+acceptance.py and are re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .acceptance import (
+    METRICS,
+    ThresholdError,
+    ar_threshold,
+    check_metric,
+    check_threshold,
+    is_ar_mode,
+    loosen,
+    looser,
+    strict_and_loose,
+)
+from .config import MarsConfig
+from .decoding import DecodeSettings
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
+    "ar_threshold", "block_size_for", "check_may_decode", "check_metric", "check_threshold", "checkpoint_mode",
+    "decode_settings", "is_ar_mode", "loosen", "looser", "may_decode", "metric_for", "strict_and_loose",
+]
+
+# What a model without mars.json decodes with: a checkpoint's defaults (MarsConfig's fields).
+DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size
+DEFAULT_METRIC: str = MarsConfig.metric
+# The most n-gram drafts a step of the default lossless configuration feeds (mars.core.ngram).
+DEFAULT_NGRAM = 8
+
+
+class UntrainedModelError(ValueError):
+    """Decoding below AR mode asked of a model without mars.json; one line, naming no option."""
+
+
+def metric_for(mars: MarsConfig | None, metric: str | None = None) -> str:
+    """The confidence metric: the one asked for, else the checkpoint's, else the default."""
+    return check_metric(metric or (mars.metric if mars is not None else DEFAULT_METRIC))
+
+
+def block_size_for(mars: MarsConfig | None, block_size: int | None = None) -> int:
+    """Masks per step: the number asked for, else the checkpoint's, else the default."""
+    return block_size or (mars.block_size if mars is not None else DEFAULT_BLOCK_SIZE)
+
+
+def checkpoint_mode(mars: MarsConfig | None, metric: str, threshold: float | None = None, lossless: bool = False) -> tuple[float, bool]:
+    """(threshold, lossless) of a run: the threshold asked for; else the checkpoint's default
+    mode (mars.json default_threshold, and lossless when its default_mode is lossless); a model
+    without mars.json, AR mode."""
+    if threshold is not None:
+        return threshold, lossless
+    if mars is None:
+        return ar_threshold(metric), lossless
+    return mars.default_threshold, lossless or mars.lossless_by_default
+
+
+def may_decode(trained: bool, metric: str, threshold: float, *, lossless: bool = False) -> bool:
+    """Whether a model may decode at `threshold`: a MARS-trained one (with mars.json) always; any
+    model in AR mode or losslessly (the output is then AR's whatever the masks guess)."""
+    return trained or lossless or is_ar_mode(metric, threshold)
+
+
+def untrained_message(metric: str) -> str:
+    return (
+        "this model has no mars.json (never MARS-trained), so its mask guesses are confidently wrong: "
+        f"it decodes only at threshold {ar_threshold(metric)} (plain AR) or losslessly"
+    )
+
+
+def check_may_decode(trained: bool, metric: str, threshold: float, *, lossless: bool = False, force: bool = False,
+                     warn: Callable[[str], None] | None = None) -> None:
+    """Raise UntrainedModelError where `may_decode` says no, unless `force`; forced, `warn`
+    (when given) hears what to expect."""
+    if may_decode(trained, metric, threshold, lossless=lossless):
+        return
+    if not force:
+        raise UntrainedModelError(untrained_message(metric))
+    if warn is not None:
+        warn(f"decoding a model without MARS training below threshold {ar_threshold(metric)}: expect wrong tokens")
+
+
+def decode_settings(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool = False,
+                    metric: str | None = None, block_size: int | None = None, force: bool = False,
+                    warn: Callable[[str], None] | None = None, **fields) -> DecodeSettings:
+    """Decode settings from a checkpoint (`mars`, None for a model without mars.json) plus what
+    was asked: the metric and block size default to the checkpoint's, the checkpoint's default
+    mode applies when no threshold is given, and a model without mars.json is held to AR mode
+    or lossless decoding unless `force`. `fields`: the other DecodeSettings fields."""
+    metric = metric_for(mars, metric)
+    if threshold is not None:
+        threshold = check_threshold(metric, threshold)
+    threshold, lossless = checkpoint_mode(mars, metric, threshold, lossless)
+    check_may_decode(mars is not None, metric, threshold, lossless=lossless, force=force, warn=warn)
+    return DecodeSettings(mask_id=mask_id, eos_ids=eos_ids, block_size=block_size_for(mars, block_size), threshold=threshold,
+                          metric=metric, lossless=lossless, **fields)

@@ -1,0 +1,102 @@
+"""A model opened for decoding: what `mars generate`, `mars chat`, `mars serve`, `mars distill`,
+eval and bench share.
+
+`Session` loads a model through the backend contract (mars.backends.base), makes its
+decoder, takes decode settings from its checkpoint plus what was asked (the decoding policy,
+mars.core.policy), keeps the per-forward cost curve and the cost-aware feed policies of its
+lossless runs, and decodes prompts in batches (`decode_batches`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .backends import base
+from .core.decoding import DecodeSettings, DecodeStats, generate
+from .core.tokens import encode_prompt
+
+
+@dataclass
+class Decoded:
+    """Prompts decoded in batches: tokens and finish per prompt, each batch's statistics, wall time."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    finish: list[str] = field(default_factory=list)
+    stats: list[DecodeStats] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> DecodeStats:
+        """The batches' statistics as one: every prompt's RowStats in prompt order, forwards and
+        fed tokens summed."""
+        return DecodeStats(rows=[row for s in self.stats for row in s.rows], forwards=sum(s.forwards for s in self.stats),
+                           fed_tokens=sum(s.fed_tokens for s in self.stats))
+
+
+def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *, cost=None) -> Decoded:
+    """Decode every prompt (token ids) in batches of `batch_size`."""
+    out = Decoded()
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), batch_size):
+        result = generate(decoder, ids[start : start + batch_size], settings, cost=cost)
+        out.tokens += result.tokens
+        out.finish += result.finish
+        out.stats.append(result.stats)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+class Session:
+    """A loaded model (`loaded`: what the backend's load returned), its decoder, and what its
+    decoding keeps between calls."""
+
+    def __init__(self, model=None, adapter_path=None, *, backend: str = "auto", dtype=None, device=None, announce=print):
+        self.backend = base.resolve(backend)
+        self.announce = announce
+        self.loaded = base.load(self.backend, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
+        self.decoder = base.decoder(self.loaded)
+        self._cost = None
+        self._policies: dict = {}
+
+    @property
+    def mars(self):
+        """The checkpoint's MarsConfig, None for a model without mars.json."""
+        return self.loaded.mars
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    def settings(self, **asked) -> DecodeSettings:
+        """Decode settings from the checkpoint plus `asked` (mars.core.policy.decode_settings)."""
+        return base.decode_settings(self.loaded, **asked)
+
+    def cost_for(self, settings: DecodeSettings):
+        """The cost-aware feed policy when `settings` chooses its feed per step (greedy lossless
+        with the window cache or none, no fixed `hedge`), else None. The per-forward cost curve
+        is measured once per device (mars.backends.base.cost_curve); each block size keeps one
+        policy, which learns across calls."""
+        if not (settings.lossless and settings.sampling.greedy and settings.cache != "block" and settings.hedge is None):
+            return None
+        from .core.cost import FeedPolicy
+
+        if self._cost is None:
+            self._cost = base.cost_curve(self.loaded, self.decoder, announce=self.announce)
+        key = (settings.block_size, settings.hedges)
+        if key not in self._policies:
+            self._policies[key] = FeedPolicy(self._cost, *key)
+        return self._policies[key]
+
+    def encode(self, prompts, *, chat: bool = True) -> list[list[int]]:
+        """Token ids of each prompt (a string or chat messages), through the chat template unless `chat` is False."""
+        return [encode_prompt(self.tokenizer, p, chat=chat) for p in prompts]
+
+    def decode(self, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8) -> Decoded:
+        """Decode prompts (token ids) in batches, with the cost-aware feed where `settings` takes it."""
+        return decode_batches(self.decoder, ids, settings, batch_size, cost=self.cost_for(settings))
+
+    def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
+        """One batch through the decoding loop (mars.core.decoding.generate), with the cost-aware
+        feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
+        return generate(self.decoder, ids, settings, cost=self.cost_for(settings), **kwargs)

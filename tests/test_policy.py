@@ -1,0 +1,182 @@
+"""The decoding policy (mars.core.policy), the prompt reader (mars.prompts), the backend
+contract (mars.backends.base) and the library entry points (mars.session, mars.finetune)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mars.core.config import MarsConfig
+from mars.core.data import DataError
+from mars.core.policy import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_METRIC,
+    UntrainedModelError,
+    ar_threshold,
+    block_size_for,
+    check_may_decode,
+    checkpoint_mode,
+    decode_settings,
+    looser,
+    may_decode,
+    metric_for,
+    strict_and_loose,
+)
+from mars.prompts import prompt_of, read_prompts, split_files
+from tiny import save_model
+
+CKPT = MarsConfig(block_size=3, mask_token="<unused0>", mask_token_id=3, metric="margin", default_threshold=0.8)
+LOSSLESS = MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless")
+
+
+def settings(mars, **asked):
+    return decode_settings(mars, mask_id=3, eos_ids=(2,), **asked)
+
+
+# -- the policy ------------------------------------------------------------------------------------
+
+
+def test_checkpoint_defaults():
+    assert (DEFAULT_BLOCK_SIZE, DEFAULT_METRIC) == (MarsConfig().block_size, MarsConfig().metric) == (4, "probability")
+    assert block_size_for(None) == 4 and block_size_for(CKPT) == 3 and block_size_for(CKPT, 7) == 7
+    assert metric_for(None) == "probability" and metric_for(CKPT) == "margin" and metric_for(CKPT, "entropy") == "entropy"
+
+
+def test_the_checkpoints_default_mode_applies_only_without_a_threshold():
+    assert checkpoint_mode(None, "probability") == (1.0, False)
+    assert checkpoint_mode(None, "entropy") == (0.0, False)
+    assert checkpoint_mode(CKPT, "margin") == (0.8, False)
+    assert checkpoint_mode(LOSSLESS, "probability") == (0.9, True)
+    assert checkpoint_mode(LOSSLESS, "probability", 0.5) == (0.5, False)
+    s = settings(LOSSLESS)
+    assert s.lossless and s.threshold == 0.9 and s.block_size == 4
+    s = settings(LOSSLESS, threshold=0.5, max_tokens=7)
+    assert not s.lossless and s.threshold == 0.5 and s.max_tokens == 7
+    s = settings(CKPT)
+    assert (s.metric, s.threshold, s.block_size, s.lossless) == ("margin", 0.8, 3, False)
+
+
+def test_a_model_without_mars_json_decodes_only_as_ar_or_losslessly():
+    for metric in ("probability", "margin", "entropy"):
+        ar = ar_threshold(metric)
+        assert may_decode(False, metric, ar) and may_decode(False, metric, 0.5, lossless=True) and may_decode(True, metric, 0.5)
+        assert not may_decode(False, metric, 0.5 if metric != "entropy" else 1.5)
+    with pytest.raises(UntrainedModelError) as e:
+        settings(None, threshold=0.5)
+    message = str(e.value)
+    assert "mars.json" in message and "\n" not in message and "--" not in message  # one line, naming no option
+    with pytest.raises(UntrainedModelError) as again:
+        check_may_decode(False, "probability", 0.7)
+    assert str(again.value) == message  # one message whoever asks
+    heard = []
+    s = settings(None, threshold=0.5, force=True, warn=heard.append)
+    assert s.threshold == 0.5 and len(heard) == 1
+    assert settings(None, threshold=0.5, lossless=True).lossless
+    assert settings(None).threshold == 1.0
+
+
+def test_the_looser_direction_follows_the_metric():
+    assert looser("probability", 0.9, 0.7) == 0.7 and looser("margin", 0.2, 0.5) == 0.2
+    assert looser("entropy", 0.5, 1.5) == 1.5
+    assert strict_and_loose("probability", 0.7, 1.0) == (1.0, 0.7)
+    assert strict_and_loose("entropy", 0.0, 1.0) == (0.0, 1.0)
+
+
+# -- prompts ---------------------------------------------------------------------------------------
+
+
+def test_one_prompt_reader(tmp_path):
+    text = tmp_path / "p.txt"
+    text.write_text("\ufeffhello\n\n  \nworld\n")
+    assert read_prompts(text) == ["hello", "world"]
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in ({"prompt": "a"}, {"messages": chat}, {"messages": chat[:1]})) + "\n")
+    assert read_prompts(jsonl) == ["a", chat[:1], chat[:1]]
+    assert prompt_of({"text": "x"}) is None and prompt_of(["x"]) is None
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DataError, match="bad.jsonl:2: malformed JSON"):
+        read_prompts(bad)
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(DataError, match="bad.jsonl:1: expected"):
+        read_prompts(bad)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="no prompts"):
+        read_prompts(empty)
+
+
+def test_split_files(tmp_path):
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.jsonl").write_text("{}\n")
+    assert split_files(tmp_path, ("valid", "test", "train"), takes="x") == [("test", tmp_path / "test.jsonl"), ("train", tmp_path / "train.jsonl")]
+    assert split_files(tmp_path / "test.jsonl", ("train",), takes="x") == [(None, tmp_path / "test.jsonl")]
+    with pytest.raises(DataError, match="no such file or directory"):
+        split_files(tmp_path / "nowhere", ("train",), takes="x")
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(DataError, match="not a .jsonl file"):
+        split_files(tmp_path / "a.txt", ("train",), takes="x")
+
+
+# -- the backend contract and the library entry points -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return save_model(tmp_path_factory.mktemp("plain") / "base", "llama", seed=0)
+
+
+@pytest.mark.parametrize("name", ["torch", "mlx"])
+def test_the_backend_contract(plain, name):
+    import numpy as np
+
+    from mars.backends import base
+    from mars.core.data import Example, batches, encode_record, pad_to_block
+
+    if name == "mlx":
+        pytest.importorskip("mlx_lm")
+    quiet = lambda m: None  # noqa: E731
+    loaded = base.load(name, plain, device="cpu", announce=quiet)
+    assert loaded.backend == name and base.context_length(loaded) == 512 and loaded.mars is None
+    decoder = base.decoder(loaded)
+    assert isinstance(decoder, base.decoder_class(name))
+    assert base.loader(name)[1] is type(decoder)
+    assert base.trainer(name).__name__ == {"torch": "TorchTrainer", "mlx": "MlxTrainer"}[name]
+    mars = base.ensure_mask_token(loaded, None, block_size=2, announce=quiet)
+    assert mars.mask_token_id == 3 and mars.block_size == 2 and not mars.mask_token_added
+    ids, labels = encode_record({"prompt": "ab", "completion": "cd"}, loaded.tokenizer, eos_id=loaded.tokenizer.eos_token_id)
+    ids, labels = pad_to_block(ids, labels, 2, loaded.tokenizer.eos_token_id, ended=True)
+    (batch_ids, batch_labels, lengths), = batches([Example(ids, labels, "x", False)], 1, pad_id=2, shuffle=False)
+    noisy, clean = base.losses(loaded)(batch_ids, batch_labels, lengths, 2, mars.mask_token_id)
+    assert np.isfinite(noisy) and np.isfinite(clean)
+    s = base.decode_settings(loaded, max_tokens=3)
+    assert s.threshold == 1.0 and s.mask_id == base.mask_id_for(loaded) and s.eos_ids == loaded.eos_ids
+
+
+def test_session_decodes_in_batches(plain):
+    from mars.session import Session
+
+    session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
+    s = session.settings(max_tokens=4)
+    ids = session.encode(["hi", "there", "you"])
+    decoded = session.decode(ids, s, batch_size=2)
+    assert len(decoded.tokens) == len(decoded.finish) == 3 and len(decoded.stats) == 2
+    assert decoded.total.accepted == sum(len(t) for t in decoded.tokens)
+    assert decoded.tokens == [session.generate([i], s).tokens[0] for i in ids]
+    with pytest.raises(UntrainedModelError):
+        session.settings(threshold=0.5)
+    assert session.cost_for(s) is None  # threshold mode feeds as asked
+
+
+def test_finetune_library_entry_point(plain, data, tmp_path):
+    from mars.finetune import FinetuneError, finetune
+
+    quiet = lambda m: None  # noqa: E731
+    with pytest.raises(FinetuneError) as e:
+        finetune(data, tmp_path / "x", model=plain, fuse=True, fine_tune_type="full", announce=quiet)
+    assert e.value.setting == "fuse"
+    result = finetune(data, tmp_path / "out", model=plain, backend="torch", device="cpu", iters=2, batch_size=4, announce=quiet)
+    assert result["steps"] == 2 and (tmp_path / "out" / "mars.json").is_file()
+    assert json.loads((tmp_path / "out" / "mars.json").read_text())["default_threshold"] == 0.9
