@@ -199,7 +199,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     if s.lossless:
         if s.window:
             auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram)
-            policy = FeedPolicy(cost, auto.block_size, auto.hedges) if cost is not None else None
+            policy = FeedPolicy(cost, auto.block_size, auto.spare_groups) if cost is not None else None
             configs.append(Config("lossless (default)", "lossless", _ours(decoder, auto, policy), None, "window"))
             fixed = decode_settings(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
             configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))

@@ -207,8 +207,8 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     def run(threshold, lossless=False, hedge=None):
         s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
                                  max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge)
-        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + (f"lossless ({s.hedges} spare groups)" if lossless else f"at threshold {threshold}"))
-        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.hedges}
+        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + (f"lossless ({s.spare_groups} spare groups)" if lossless else f"at threshold {threshold}"))
+        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups}
 
     reference = run(ar)
     rows = []

@@ -83,7 +83,7 @@ class Session:
 
         if self._cost is None:
             self._cost = base.cost_curve(self.loaded, self.decoder, announce=self.announce)
-        key = (settings.block_size, settings.hedges)
+        key = (settings.block_size, settings.spare_groups)
         if key not in self._policies:
             self._policies[key] = FeedPolicy(self._cost, *key)
         return self._policies[key]

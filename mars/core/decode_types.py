@@ -97,11 +97,6 @@ class DecodeSettings:
         return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
 
     @property
-    def hedges(self) -> int:
-        """The same number as `spare_groups`, under the name of the `hedge` option."""
-        return self.spare_groups
-
-    @property
     def masks_per_step(self) -> int:
         # In AR mode the masks could never be accepted: feed none (a one-slot window).
         # Lossless mode ignores the threshold: its masks only draft.
