@@ -26,6 +26,7 @@ import numpy as np
 
 from .backends import base
 from .core.data import IGNORE, DataError, batches, load_split, read_jsonl
+from .core.decode_types import sum_ragged
 from .core.policy import block_size_for, metric_for
 from .prompts import prompt_of, split_files
 
@@ -174,14 +175,10 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
 
     decoded = decode_batches(em.decoder, prompt_ids, settings, batch_size)
     total = decoded.total
-    per_slot = np.zeros(settings.masks_per_step + 1, dtype=np.int64)
-    for row in total.rows:
-        per_slot += np.asarray(row.accepted_per_slot, dtype=np.int64)
-    drafts: dict = {}
-    for stats in decoded.stats:  # each batch's draft slots, padded to the longest
-        for name, counts in stats.draft_totals().items():
-            old = drafts.get(name, [])
-            drafts[name] = [a + b for a, b in zip(old + [0] * (len(counts) - len(old)), counts + [0] * (len(old) - len(counts)))]
+    slots = sum_ragged([[0] * (settings.masks_per_step + 1)] + [row.accepted_per_slot for row in total.rows])
+    per_slot = np.asarray(slots, dtype=np.int64)
+    totals = [stats.draft_totals() for stats in decoded.stats]  # each batch's draft slots
+    drafts = {name: sum_ragged(t[name] for t in totals) for name in (totals[0] if totals else {})}
     return {"outputs": decoded.tokens, "accepted": total.accepted, "forwards": total.row_forwards, "per_slot": per_slot,
             "drafts": drafts, "seconds": decoded.seconds}
 
@@ -217,7 +214,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
         d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge)
         prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
-        slots = np.zeros(B + 1)
+        slots = np.zeros(max(B + 1, d["per_slot"].size))  # n-gram drafts may outnumber the masks
         slots[: d["per_slot"].size] = d["per_slot"] / max(1, d["forwards"])
         rows.append({
             "mode": "lossless" if lossless else "threshold",

@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from mars.bench import BenchError, BenchSettings, benchmark, format_table
-from mars.cli.bench import _ints, bench_command
+from mars.cli.bench import int_ranges, bench_command
 from tiny import save_model
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
@@ -103,9 +103,9 @@ def test_cli_errors_are_one_line(tiny):
 
 
 def test_integer_lists():
-    assert _ints("1,4,8", "--x") == (1, 4, 8)
-    assert _ints("1-4", "--x") == (1, 2, 3, 4)
-    assert _ints("1-2,8", "--x") == (1, 2, 8)
+    assert int_ranges("1,4,8", "--x") == (1, 4, 8)
+    assert int_ranges("1-4", "--x") == (1, 2, 3, 4)
+    assert int_ranges("1-2,8", "--x") == (1, 2, 8)
 
 
 def test_settings_drop_repeats_and_refuse_zero():

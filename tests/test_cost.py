@@ -286,3 +286,18 @@ def test_block_lossless_with_a_finished_row_still_in_the_batch(good):
     assert result.finish[0] == "eos" and result.tokens[0] == [oracle(4), oracle(5), oracle(6), EOS]
     for i, p in enumerate(long_prompts, 1):
         assert result.tokens[i] == [oracle(q) for q in range(len(p), len(p) + 24)]
+
+
+def test_draft_totals_sum_rows_whose_slot_lists_differ_in_length():
+    """At batch > 1 a row whose n-gram drafts outnumbered the masks counts more draft slots
+    than the others; the totals pad the shorter lists instead of failing."""
+    from mars.core.decode_types import DecodeStats, RowStats, sum_ragged
+
+    long = RowStats(accepted_per_slot=[5, 3, 2, 1, 1, 1, 1], drafted_per_slot=[4, 4, 4, 4, 2, 2], verified_per_slot=[4, 4, 3, 3, 2, 2],
+                    kept_per_slot=[3, 2, 1, 1, 1, 1])
+    short = RowStats(accepted_per_slot=[6, 2], drafted_per_slot=[5, 5, 5], verified_per_slot=[5, 4, 1], kept_per_slot=[2, 1, 0])
+    stats = DecodeStats(rows=[short, long, RowStats()])
+    assert stats.draft_totals() == {"drafted_per_slot": [9, 9, 9, 4, 2, 2], "verified_per_slot": [9, 8, 4, 3, 2, 2],
+                                    "kept_per_slot": [5, 3, 1, 1, 1, 1]}
+    assert sum_ragged([short.accepted_per_slot, long.accepted_per_slot]) == [11, 5, 2, 1, 1, 1, 1]
+    assert sum_ragged([]) == []

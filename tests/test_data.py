@@ -179,8 +179,8 @@ def test_over_long_is_an_error_by_default(tok, tmp_path):
     with pytest.raises(DataError) as e:
         load(tok, path, max_seq_length=16)
     msg = str(e.value)
-    assert "train.jsonl:2: 40 tokens exceed --max-seq-length 16" in msg
-    assert "--on-long truncate|skip" in msg
+    assert "train.jsonl:2: 40 tokens exceed max_seq_length=16" in msg
+    assert "on_long=truncate|skip" in msg  # the CLI turns settings into flags (test_cli)
 
 
 def test_limit_counts_block_padding(tok, tmp_path):

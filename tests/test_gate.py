@@ -180,7 +180,7 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
 def test_distill_loss_agrees_across_backends():
     pytest.importorskip("mlx_lm")
     from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.mlx.model import mars_losses, training_batch
+    from mars.backends.mlx.model import mars_losses, loss_inputs as mlx_loss_inputs
     from mars.backends.torch.model import MarsLoss, loss_inputs
     from tiny import make_tokenizer, save_model
 
@@ -194,7 +194,7 @@ def test_distill_loss_agrees_across_backends():
         m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
         with torch.no_grad():
             ours = MarsLoss(t.model, mask_id=3, distill=(1.5, 0.6))(**loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu"))
-        theirs = mars_losses(m.model, training_batch(ids, labels, lengths, 4, 3), mask_id=3, distill=(1.5, 0.6))
+        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3), mask_id=3, distill=(1.5, 0.6))
     for a, b in zip(ours, theirs):
         assert float(a) == pytest.approx(float(b), rel=1e-4)
 

@@ -211,15 +211,15 @@ class AcceptEveryDraft(TorchDecoder):
 class ResampleFromP(TorchDecoder):
     """A subtly broken verifier: after a rejection it draws from p, not from norm(max(0, p - q))."""
 
-    def _logits(self, *args):
-        self.last = super()._logits(*args)
+    def logits(self, *args):
+        self.last = super().logits(*args)
         return self.last
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
         kept, token, proposals = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
         p = sampling_probs(self.last[:, : drafts.shape[1] + 1], sampling)
         at = p[torch.arange(p.shape[0]), torch.from_numpy(np.asarray(kept))]
-        redrawn = torch.multinomial(at, 1, generator=self._rng(sampling))[:, 0].numpy()
+        redrawn = torch.multinomial(at, 1, generator=self.rng(sampling))[:, 0].numpy()
         return kept, np.where(kept < n_drafts, redrawn, token), proposals
 
 

@@ -10,7 +10,7 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from mars.backends.mlx.model import MlxDecoder, head, hidden_states, mars_losses, training_batch  # noqa: E402
+from mars.backends.mlx.model import MlxDecoder, head, hidden_states, mars_losses, loss_inputs as mlx_loss_inputs  # noqa: E402
 from mars.backends.mlx.model import load as mlx_load  # noqa: E402
 from mars.backends.mlx.model import slot_predictions as mlx_slots  # noqa: E402
 from mars.backends.torch.model import MarsLoss, TorchDecoder, loss_inputs  # noqa: E402
@@ -47,7 +47,7 @@ def test_training_forward_and_loss_agree_across_backends(pair):
     m, t = pair
     ids, labels, lengths = batch_of_two()
     L = ids.shape[1]
-    mb = training_batch(ids, labels, lengths, 4, 3)
+    mb = mlx_loss_inputs(ids, labels, lengths, 4, 3)
     tb = loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu")
     mlx_logits = np.array(head(m.model, hidden_states(m.model, mb["input_ids"], [(L, 0), (L, 0)], mb["mask"])))
     loss = MarsLoss(t.model)
@@ -68,7 +68,7 @@ def test_trimmed_noisy_stream_gives_the_same_losses_on_both_backends(pair):
     labels[0, 9:14] = ids[0, 9:14]
     labels[1, 10:12] = ids[1, 10:12]
     lengths = np.array([16, 12])
-    full, trimmed = (training_batch(ids, labels, lengths, 4, 3, trim=trim) for trim in (False, True))
+    full, trimmed = (mlx_loss_inputs(ids, labels, lengths, 4, 3, trim=trim) for trim in (False, True))
     assert trimmed["start"] == 8 and trimmed["input_ids"].shape[1] == 32 - 8
     fn, fc = mars_losses(m.model, full)
     tn, tc = mars_losses(m.model, trimmed)

@@ -180,3 +180,33 @@ def test_finetune_library_entry_point(plain, data, tmp_path):
     result = finetune(data, tmp_path / "out", model=plain, backend="torch", device="cpu", iters=2, batch_size=4, announce=quiet)
     assert result["steps"] == 2 and (tmp_path / "out" / "mars.json").is_file()
     assert json.loads((tmp_path / "out" / "mars.json").read_text())["default_threshold"] == 0.9
+
+
+def test_an_added_mask_token_starts_alike_in_both_backends(tmp_path):
+    """A checkpoint whose mask token was added grows the embedding by one row: the new input row is the
+    mean embedding and an untied head's new row is zero (mars.core.tokens.new_row_init), the
+    same numbers in torch and MLX."""
+    import numpy as np
+
+    pytest.importorskip("mlx_lm")
+    from mars.backends import base
+    from mars.core.tokens import NEW_MASK_TOKEN
+
+    path = save_model(tmp_path / "qwen", "qwen2", with_unused=False)  # qwen2: an untied head
+    rows = {}
+    for name in ("torch", "mlx"):
+        loaded = base.load(name, path, device="cpu", announce=lambda m: None)
+        vocab = len(loaded.tokenizer)
+        added = MarsConfig(block_size=2, mask_token=NEW_MASK_TOKEN, mask_token_id=vocab, mask_token_added=True)  # as a checkpoint records it
+        assert base.ensure_mask_token(loaded, added, announce=lambda m: None) is added
+        assert loaded.tokenizer.convert_tokens_to_ids(NEW_MASK_TOKEN) == vocab
+        if name == "torch":
+            emb = loaded.model.get_input_embeddings().weight.detach().numpy()
+            head = loaded.model.get_output_embeddings().weight.detach().numpy()
+        else:
+            emb = np.array(loaded.model.model.embed_tokens.weight)
+            head = np.array(loaded.model.lm_head.weight)
+        rows[name] = emb, head
+        assert np.allclose(emb[-1], emb[:-1].mean(0), atol=1e-6) and not head[-1].any()
+    for a, b in zip(rows["torch"], rows["mlx"]):
+        np.testing.assert_allclose(a, b, atol=1e-6)

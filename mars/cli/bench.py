@@ -13,7 +13,7 @@ from .common import METRIC_CHOICE, backend_option, defaults, error_line, friendl
 B = defaults(BenchSettings)
 
 
-def _ints(text: str, option: str) -> tuple[int, ...]:
+def int_ranges(text: str, option: str) -> tuple[int, ...]:
     """`1,4,8` or `1-32` (or a mix) -> (1, 4, 8)."""
     out = []
     try:
@@ -59,14 +59,14 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
 
     try:
         settings = BenchSettings(
-            batch_sizes=_ints(batch_sizes, "--batch-sizes"),
+            batch_sizes=int_ranges(batch_sizes, "--batch-sizes"),
             thresholds=tuple(thresholds) or B["thresholds"],
-            block_caches=() if block_caches.strip() == "0" else _ints(block_caches, "--block-cache"),
+            block_caches=() if block_caches.strip() == "0" else int_ranges(block_caches, "--block-cache"),
             max_tokens=max_tokens,
             repeats=repeats,
             block_size=block_size,
             metric=metric,
-            forward_ks=() if forward_ks.strip() == "0" else _ints(forward_ks, "--forward-k"),
+            forward_ks=() if forward_ks.strip() == "0" else int_ranges(forward_ks, "--forward-k"),
             forward_repeats=forward_repeats,
             force=force,
             lossless=lossless,

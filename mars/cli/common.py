@@ -8,6 +8,7 @@ import functools
 import inspect
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -50,11 +51,23 @@ def warn(message: str) -> None:
     click.echo(f"note: {message}", err=True)
 
 
+# Library errors name a setting as `name=value` (or `name=` alone); the CLI says the flag.
+_SETTING = re.compile(r"\b(max_seq_length|on_long|block_size|gate)=")
+
+
+def as_flags(text: str) -> str:
+    """`max_seq_length=512` -> `--max-seq-length 512`, `on_long=skip` -> `--on-long skip`, and
+    `raise max_seq_length=,` -> `raise --max-seq-length,`."""
+    text = _SETTING.sub(lambda m: "--" + m.group(1).replace("_", "-") + " ", text)
+    return re.sub(r"(--[a-z-]+) (?=[,;)]|$)", r"\1", text)
+
+
 def error_line(error: Exception) -> str:
-    """An error as one line; refusing to decode an untrained model below AR mode adds how to insist."""
+    """An error as one line, naming flags where the library names settings; refusing to decode
+    an untrained model below AR mode adds how to insist."""
     from ..core.policy import UntrainedModelError
 
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = as_flags(str(error).splitlines()[0]) if str(error) else type(error).__name__
     untrained = isinstance(error, UntrainedModelError) or isinstance(error.__cause__, UntrainedModelError)
     return f"{text}; {FORCE_HINT}" if untrained else text
 

@@ -10,7 +10,7 @@ import click
 from ..core.config import GATES, MODES
 from ..core.training import TrainSettings
 from ..finetune import FinetuneError, finetune
-from .common import Finite, backend_option, defaults, device_options, friendly_errors, quiet_libraries, say
+from .common import Finite, as_flags, backend_option, defaults, device_options, friendly_errors, quiet_libraries, say
 
 T, F = defaults(TrainSettings), defaults(finetune)  # the options' defaults
 FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumulation-steps", "normalize": "--loss-normalization"}
@@ -65,7 +65,7 @@ def finetune_command(**opts):
     try:
         result = finetune(opts.pop("data"), opts.pop("output"), announce=say, **opts)
     except FinetuneError as e:
-        raise click.BadParameter(str(e), param_hint=FLAGS.get(e.setting, "--" + e.setting.replace("_", "-"))) from None
+        raise click.BadParameter(as_flags(str(e)), param_hint=FLAGS.get(e.setting, "--" + e.setting.replace("_", "-"))) from None
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
     click.echo(f"saved {result['output']} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")

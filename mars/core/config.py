@@ -21,7 +21,7 @@ MODES = ("threshold", "lossless")
 GATES = ("none", "masks")
 GATED_FUSE_REFUSED = (
     "a gated adapter (gate: masks) acts only at mask positions; fused into the base weights it would act on "
-    "every token and change the model's own output. Use it as an adapter, or train with --gate none to fuse"
+    "every token and change the model's own output. Use it as an adapter, or train with gate=none to fuse"
 )
 
 

@@ -323,7 +323,7 @@ def load_split(
         examples.append(Example(ids=ids, labels=labels, source=where, truncated=truncated))
     if not examples:
         raise DataError(
-            f"{path}: all {skipped} examples exceed --max-seq-length {max_seq_length} and were skipped (raise --max-seq-length, or pass --on-long truncate)",
+            f"{path}: all {skipped} examples exceed max_seq_length={max_seq_length} and were skipped (raise max_seq_length=, or set on_long=truncate)",
         )
     return SplitData(examples=examples, skipped=skipped, path=path)
 
@@ -337,7 +337,7 @@ def _usable_length(on_long: str, block_size: int, max_seq_length: int) -> int:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     limit = max_seq_length // block_size * block_size
     if limit < block_size:
-        raise ValueError(f"--max-seq-length {max_seq_length} is shorter than one block ({block_size} tokens)")
+        raise ValueError(f"max_seq_length={max_seq_length} is shorter than one block ({block_size} tokens)")
     return limit
 
 
@@ -345,7 +345,7 @@ def _no_split_file(data: Path, split: str) -> DataError:
     """Why `data` holds no file for `split`."""
     if not data.exists():
         return DataError(
-            f"{data}: no such file or directory (--data takes a directory with train.jsonl and valid.jsonl, or one .jsonl file)",
+            f"{data}: no such file or directory (the data is a directory with train.jsonl and valid.jsonl, or one .jsonl file)",
         )
     if data.is_file():
         what = "is not a .jsonl file"
@@ -368,11 +368,11 @@ def _fit_length(ids, labels, where: str, *, block_size: int, limit: int, max_seq
     if on_long == "error":
         count = f"{len(ids)} tokens"
         if padded != len(ids):
-            count += f" ({padded} padded to --block-size {block_size})"
+            count += f" ({padded} padded to block_size={block_size})"
         raise _fail(
             where,
-            f"{count} exceed --max-seq-length {max_seq_length}",
-            "it is neither truncated nor skipped by default: raise --max-seq-length, or pass --on-long truncate|skip",
+            f"{count} exceed max_seq_length={max_seq_length}",
+            "it is neither truncated nor skipped by default: raise max_seq_length=, or set on_long=truncate|skip",
         )
     if on_long == "skip":
         return None
@@ -380,8 +380,8 @@ def _fit_length(ids, labels, where: str, *, block_size: int, limit: int, max_seq
     if all(label == IGNORE for label in labels):
         raise _fail(
             where,
-            f"the prompt alone fills --max-seq-length {max_seq_length}, so truncation leaves nothing to learn",
-            "raise --max-seq-length, shorten the prompt, or pass --on-long skip",
+            f"the prompt alone fills max_seq_length={max_seq_length}, so truncation leaves nothing to learn",
+            "raise max_seq_length=, shorten the prompt, or set on_long=skip",
         )
     return ids, labels, True
 

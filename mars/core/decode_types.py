@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from .acceptance import check_metric, check_threshold, is_ar_mode
+from .config import MarsConfig
 
 if TYPE_CHECKING:
     from .drafting import Drafting
@@ -39,9 +40,9 @@ class Sampling:
 class DecodeSettings:
     mask_id: int
     eos_ids: tuple[int, ...]
-    block_size: int = 4  # B: masks per step; a step accepts at most B + 1 tokens per row
+    block_size: int = MarsConfig.block_size  # B: masks per step; a step accepts at most B + 1 tokens per row
     threshold: float = 1.0
-    metric: str = "probability"
+    metric: str = MarsConfig.metric
     max_tokens: int = 256
     cache: str = "window"  # none | window | block
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
@@ -135,6 +136,17 @@ class StepBackend(Protocol):
         ...
 
 
+def sum_ragged(lists) -> list[int]:
+    """Element-wise sum of count lists of different lengths (the shorter ones padded with
+    zeros): rows whose n-gram drafts outnumbered the masks count more slots than the others."""
+    out: list[int] = []
+    for counts in lists:
+        out.extend([0] * (len(counts) - len(out)))
+        for j, c in enumerate(counts):
+            out[j] += int(c)
+    return out
+
+
 @dataclass
 class RowStats:
     forwards: int = 0  # forwards that produced at least one token for this row
@@ -201,8 +213,7 @@ class DecodeStats:
     def draft_totals(self) -> dict:
         """Lossless mode: drafts proposed, verified and kept, per draft slot, summed over rows."""
         def total(name):
-            per = [getattr(r, name) for r in self.rows if getattr(r, name)]
-            return [int(x) for x in np.sum(per, axis=0)] if per else []
+            return sum_ragged(getattr(r, name) for r in self.rows)
 
         return {"drafted_per_slot": total("drafted_per_slot"), "verified_per_slot": total("verified_per_slot"), "kept_per_slot": total("kept_per_slot")}
 

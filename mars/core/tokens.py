@@ -65,6 +65,13 @@ def mask_config(tokenizer, mars: MarsConfig | None, *, block_size: int = MarsCon
     return MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)
 
 
+def new_row_init(*, output_head: bool) -> str:
+    """How a row added for a new mask token starts, in both backends: in the input embedding
+    as the mean of the existing rows (a neutral "unknown token"); in an untied output head as
+    zeros, so the new token's logit starts at 0 (nothing trains it: no label is the mask)."""
+    return "zeros" if output_head else "mean"
+
+
 def encode_prompt(tokenizer, prompt, *, chat: bool = True) -> list[int]:
     """Token ids of a prompt: a string or a list of chat messages, through the chat template."""
     if isinstance(prompt, str):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from .config import MarsConfig
+
 CHECKPOINT = "checkpoint"  # the resumable state inside the output directory
 TRAINING_LOG = "training_log.jsonl"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -17,7 +19,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass
 class TrainSettings:
     fine_tune_type: str = "lora"  # lora | full
-    block_size: int = 4
+    block_size: int = MarsConfig.block_size
     ar_weight: float = 1.0
     iters: int = 0  # optimizer steps; 0: derived from epochs
     epochs: float = 1.0

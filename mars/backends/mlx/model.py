@@ -19,7 +19,7 @@ import numpy as np
 
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
-from ...core.tokens import eos_ids, mask_config
+from ...core.tokens import eos_ids, mask_config, new_row_init
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path, rope_overrides
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
@@ -160,7 +160,7 @@ def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, b
             raise MlxModelError("a quantized model cannot grow its embedding for a new mask token; use a float model")
         grown = mx.concatenate([emb.weight, mx.broadcast_to(emb.weight.mean(0, keepdims=True), (mars.mask_token_id + 1 - rows, emb.weight.shape[1]))])
         emb.weight = grown
-        if not model.args.tie_word_embeddings:  # an untied output head's new row starts at zero
+        if not model.args.tie_word_embeddings and new_row_init(output_head=True) == "zeros":  # mars.core.tokens
             w = model.lm_head.weight
             model.lm_head.weight = mx.concatenate([w, mx.zeros((grown.shape[0] - w.shape[0], w.shape[1]), dtype=w.dtype)])
     return mars
@@ -249,7 +249,7 @@ def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None
     if sampling.greedy:
         chosen = mx.argmax(logits, axis=-1)
     else:
-        chosen = _sample(logits, sampling, key)
+        chosen = sample(logits, sampling, key)
     if metric == "probability":
         conf = mx.take_along_axis(probs, chosen[..., None], axis=-1)[..., 0]
     elif metric == "margin":
@@ -260,12 +260,13 @@ def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None
     return chosen, conf
 
 
-def _sample(logits: mx.array, sampling: Sampling, key):
-    return mx.random.categorical(_filtered(logits, sampling), axis=-1, key=key)
+def sample(logits: mx.array, sampling: Sampling, key):
+    return mx.random.categorical(sampling_logits(logits, sampling), axis=-1, key=key)
 
 
-def _filtered(logits: mx.array, sampling: Sampling) -> mx.array:
-    """Tempered, top-k and top-p filtered logits: the distribution sampling draws from."""
+def sampling_logits(logits: mx.array, sampling: Sampling) -> mx.array:
+    """Tempered, top-k and top-p filtered logits: the distribution sampling draws from (as
+    logits; the torch backend's sampling_probs gives it as probabilities)."""
     z = logits.astype(mx.float32)
     z = (z - mx.max(z, axis=-1, keepdims=True)) / sampling.divisor
     if sampling.top_k and sampling.top_k < z.shape[-1]:
@@ -333,7 +334,8 @@ class MlxDecoder:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def _logits(self, cache, input_ids, positions, mask, read) -> mx.array:
+    def logits(self, cache, input_ids, positions, mask, read) -> mx.array:
+        """One forward of `input_ids` (as `step`): the logits of the `read` columns."""
         ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
         attn = "causal" if mask is None else mx.array(mask)[:, None]
         if self.loaded.gate is not None:
@@ -344,7 +346,7 @@ class MlxDecoder:
         return head(self.model, picked)
 
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
-        logits = self._logits(cache, input_ids, positions, mask, read)
+        logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)
         mx.eval(chosen, conf)
@@ -352,10 +354,10 @@ class MlxDecoder:
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
         """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
-        logits = self._logits(cache, input_ids, positions, mask, read).astype(mx.float32)
+        logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
         width = drafts.shape[1]
-        p = mx.softmax(_filtered(logits[:, : width + 1], sampling), axis=-1)
-        q_next = mx.softmax(_filtered(logits[:, width + 1 :], sampling), axis=-1)
+        p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)
+        q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1)
         batch = p.shape[0]
         rows = mx.arange(batch)
         kept = mx.zeros((batch,), dtype=mx.int32)
@@ -396,7 +398,7 @@ def distill_kl(student: mx.array, teacher: mx.array, temperature: float) -> mx.a
 
 
 def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1, gate=None, distill=None):
-    """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `training_batch`;
+    """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `loss_inputs`;
     `gate`: a gated adapter's MlxMaskGate (the deltas act at mask positions only)."""
     inputs = batch["input_ids"]
     if gate is not None:
@@ -424,7 +426,7 @@ def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1,
     return (per_token * w).sum(), (ce[n:] * w).sum()
 
 
-def training_batch(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True) -> dict:
+def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True) -> dict:
     """MLX arrays for `mars_losses` from a padded numpy batch; masks and alignment come from the core.
     trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same."""
     from ...core.loss import align
@@ -450,7 +452,7 @@ def losses(loaded: MlxModel):
     labelled token of a padded batch, through the training forward and loss (mars eval's NLL)."""
 
     def step(ids, labels, lengths, block_size, mask_id):
-        noisy, clean = mars_losses(loaded.model, training_batch(ids, labels, lengths, block_size, mask_id, normalize="token"))
+        noisy, clean = mars_losses(loaded.model, loss_inputs(ids, labels, lengths, block_size, mask_id, normalize="token"))
         mx.eval(noisy, clean)
         return float(noisy.item()), float(clean.item())
 

@@ -42,7 +42,7 @@ from .model import (
     embed_tokens,
     mars_losses,
     set_mask_row,
-    training_batch,
+    loss_inputs,
 )
 
 TRAINABLE_FILE = "trainable.safetensors"
@@ -167,7 +167,7 @@ class MlxTrainer:
     # -- the loss ----------------------------------------------------------
     def _batch(self, batch) -> dict:
         ids, labels, lengths = batch
-        return training_batch(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize)
+        return loss_inputs(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize)
 
     def _losses(self, arrays: dict):
         distill = (self.s.distill_temperature, self.s.distill_mix) if self.s.objective == "distill" else None

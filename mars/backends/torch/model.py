@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decoding import Sampling
 from ...core.loss import Alignment
-from ...core.tokens import eos_ids, mask_config
+from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
 from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
@@ -137,11 +137,14 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
     emb = model.get_input_embeddings()
     if mars.mask_token_id >= emb.weight.shape[0]:
         old = emb.weight.shape[0]
-        # An untied output head's new row is left as transformers initialises it.
         model.resize_token_embeddings(mars.mask_token_id + 1, mean_resizing=False)
-        with torch.no_grad():
-            # A new row starts as the mean embedding: a neutral "unknown token".
-            model.get_input_embeddings().weight[old:] = model.get_input_embeddings().weight[:old].mean(0)
+        inp, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+        with torch.no_grad():  # the new rows start as mars.core.tokens.new_row_init says
+            inp[old:] = inp[:old].mean(0)
+            if head is not None and head.weight is not inp and new_row_init(output_head=True) == "zeros":
+                head.weight[old:] = 0
+                if getattr(head, "bias", None) is not None:
+                    head.bias[old:] = 0
     return mars
 
 
@@ -254,7 +257,9 @@ class TorchDecoder:
                 layer.keys = layer.keys.index_select(-2, idx)
                 layer.values = layer.values.index_select(-2, idx)
 
-    def _rng(self, sampling: Sampling):
+    def rng(self, sampling: Sampling):
+        """The generator sampling draws from: this decoder's own, seeded by `sampling.seed`
+        (reseeded when the seed changes), never torch's global one."""
         if self.generator is None or self._seeded != sampling.seed:
             self.generator = torch.Generator(device=self.tm.device)
             if sampling.seed is None:
@@ -264,7 +269,9 @@ class TorchDecoder:
             self._seeded = sampling.seed
         return self.generator
 
-    def _logits(self, cache, input_ids, positions, mask, read) -> torch.Tensor:
+    def logits(self, cache, input_ids, positions, mask, read) -> torch.Tensor:
+        """One forward of `input_ids` (as `step`): the float32 logits of the `read` columns,
+        on the device. `step` and `speculate` reduce them; a subclass may inspect them."""
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
@@ -280,15 +287,15 @@ class TorchDecoder:
 
     @torch.inference_mode()
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
-        logits = self._logits(cache, input_ids, positions, mask, read)
-        chosen, conf = slot_predictions(logits, metric, sampling, self._rng(sampling) if not sampling.greedy else None)
+        logits = self.logits(cache, input_ids, positions, mask, read)
+        chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling) if not sampling.greedy else None)
         return chosen.cpu().numpy(), conf.cpu().numpy()
 
     @torch.inference_mode()
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
         """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
-        logits = self._logits(cache, input_ids, positions, mask, read)
-        gen = self._rng(sampling)
+        logits = self.logits(cache, input_ids, positions, mask, read)
+        gen = self.rng(sampling)
         width = drafts.shape[1]
         p = sampling_probs(logits[:, : width + 1], sampling)
         q_next = sampling_probs(logits[:, width + 1 :], sampling)
