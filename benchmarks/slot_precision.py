@@ -49,7 +49,7 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
 
     B, mask_id = em.block_size(), em.mask_id()
     eos = em.tm.tokenizer.eos_token_id
-    module = MarsLoss(em.tm.model)
+    module = MarsLoss(em.tm.model, gate=em.tm.gate)
     confs, preds, refs = {m: [] for m in metrics}, [], []
     dev = em.tm.device
     with torch.inference_mode():

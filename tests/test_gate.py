@@ -245,6 +245,38 @@ def test_the_gated_split_forward_gives_the_joint_forwards_losses_and_gradients(t
     torch.testing.assert_close(r1, r0, atol=1e-5, rtol=1e-4)
 
 
+def test_eval_losses_of_a_gated_adapter_run_its_gate_on_both_backends(tiny, gated, tmp_path):
+    """`mars eval`'s NLL goes through the adapter's gate: the noisy loss is the adapter's
+    (not the base's with its deltas held at zero), the clean loss is the base weights', and MLX agrees."""
+    from mars.backends.torch.model import MarsLoss, loss_inputs, losses
+
+    tm = torch_load(gated, **QUIET)
+    mask = tm.mars.mask_token_id
+    ids, labels, lengths = _batch(tm.tokenizer)
+    noisy, clean = losses(tm)(ids, labels, lengths, 4, mask)
+    inputs = loss_inputs(ids, labels, lengths, 4, mask, tm.dtype, tm.device, normalize="token")
+    with torch.no_grad():
+        joint = MarsLoss(tm.model, gate=tm.gate)
+        joint.split = False  # one joint forward, the gate set on the whole row
+        ref_noisy, ref_clean = (float(x) for x in joint(**inputs))
+        tm.gate.clear()
+        off_noisy, off_clean = (float(x) for x in MarsLoss(tm.model)(**inputs))  # no gate: the deltas are zero
+    assert noisy == pytest.approx(ref_noisy, rel=1e-5) and clean == pytest.approx(ref_clean, rel=1e-5)
+    assert abs(noisy - off_noisy) > 1e-3 * abs(off_noisy)
+    assert clean == pytest.approx(off_clean, rel=1e-5)  # the clean stream has no masks: the deltas never act there
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+
+    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.model import losses as mlx_losses
+
+    ok(invoke("convert", gated, "--to", "mlx", "--output", tmp_path / "mlx-adapter", "--model", tiny))
+    m = mlx_load(tmp_path / "mlx-adapter", **QUIET)
+    m.gate.set(mx.zeros((1, 1), dtype=mx.int32))  # a stale gate (no masks anywhere) must not leak in
+    mn, mc = mlx_losses(m)(ids, labels, lengths, 4, mask)
+    assert mn == pytest.approx(noisy, rel=1e-4) and mc == pytest.approx(clean, rel=1e-4)
+
+
 def test_mars_serve_decodes_a_gated_adapter_as_the_base(tiny, gated):
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")

@@ -452,7 +452,8 @@ def losses(loaded: MlxModel):
     labelled token of a padded batch, through the training forward and loss (mars eval's NLL)."""
 
     def step(ids, labels, lengths, block_size, mask_id):
-        noisy, clean = mars_losses(loaded.model, loss_inputs(ids, labels, lengths, block_size, mask_id, normalize="token"))
+        inputs = loss_inputs(ids, labels, lengths, block_size, mask_id, normalize="token")
+        noisy, clean = mars_losses(loaded.model, inputs, gate=loaded.gate)
         mx.eval(noisy, clean)
         return float(noisy.item()), float(clean.item())
 

@@ -485,7 +485,7 @@ def losses(tm: TorchModel):
     """`step(ids, labels, lengths, block_size, mask_id) -> (noisy, clean)`: the mean losses per
     labelled token of a padded batch, through the training forward and loss without gradients
     (mars eval's NLL)."""
-    module = MarsLoss(tm.model)
+    module = MarsLoss(tm.model, gate=tm.gate)  # a gated adapter's deltas act at mask positions only
 
     @torch.inference_mode()
     def step(ids, labels, lengths, block_size, mask_id):
