@@ -134,6 +134,8 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
             ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
+        if getattr(loaded, "gate", None) is not None:
+            loaded.gate.clear()  # no masks fed: a gated adapter's model is the base
         with disabled():
             out = loaded.model.generate(
                 ids.to(loaded.device), attention_mask=attn.to(loaded.device), max_new_tokens=max_tokens,

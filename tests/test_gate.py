@@ -57,6 +57,34 @@ def test_gated_training_leaves_every_real_token_output_equal_to_the_base(tiny, g
         assert diff[: len(ids)].max() <= 1e-5 and diff[len(ids):].max() > 1e-3
 
 
+def test_the_decoding_form_of_a_gated_adapter_equals_its_peft_form(tiny, gated):
+    """Loaded for decoding, the PEFT layers give way to GatedLoRALinear: the base layers alone
+    where no mask is fed (bit for bit the base), the same deltas as PEFT's at the masks."""
+    from mars.backends.torch.gate import DecodeGate, GatedLoRALinear, MaskGate
+
+    dec, train, base = torch_load(gated, **QUIET), torch_load(gated, merge=False, **QUIET), torch_load(tiny, **QUIET)
+    assert isinstance(dec.gate, DecodeGate) and isinstance(train.gate, MaskGate)
+    assert sum(isinstance(m, GatedLoRALinear) for m in dec.model.modules()) > 0
+    mask = dec.mars.mask_token_id
+    for p in PROMPTS:
+        ids = encode_prompt(dec.tokenizer, p)
+        for fed in (ids, ids + [mask] * 4, [mask] + ids[1:] + [mask, ids[-1], mask]):
+            x = torch.tensor([fed])
+            dec.gate.set(x)
+            train.gate.set(x)
+            with torch.no_grad():
+                ours, theirs = dec.model(input_ids=x).logits, train.model(input_ids=x).logits
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+            if mask not in fed:  # no mask fed: exactly the base's forward
+                with torch.no_grad():
+                    plain = base.model(input_ids=x).logits
+                assert np.array_equal(without(ours.numpy(), mask), without(plain.numpy(), mask))
+    dec.gate.set(torch.tensor([[mask] * 3]))
+    with pytest.raises(RuntimeError, match="gate was set for 3 positions"):
+        with torch.no_grad():
+            dec.model(input_ids=torch.tensor([[mask] * 5]))
+
+
 def test_a_gated_adapter_decodes_as_the_base_at_threshold_1_and_losslessly(tiny, gated):
     base = torch_load(tiny, **QUIET)
     tm = torch_load(gated, **QUIET)

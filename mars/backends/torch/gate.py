@@ -6,11 +6,16 @@ the model's own answers; only the masks' guesses learn. A forward hook on each L
 projection multiplies its output by the gate, 1 where the input id is the mask token and 0
 elsewhere, so the delta is exactly zero at real tokens. Such an adapter cannot be fused
 into the base weights (they act at every position); it is loaded unmerged.
+
+Loaded for decoding, the PEFT layers give way to `GatedLoRALinear` (`unwrap_for_decoding`):
+the delta is computed at the mask positions only, and a forward that feeds no mask runs the
+base layers alone, as fast as the plain base. Training keeps PEFT and the hooks (`MaskGate`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class GateError(ValueError):
@@ -48,3 +53,75 @@ class MaskGate:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+class DecodeGate:
+    """The gate of a gated adapter loaded for decoding (`unwrap_for_decoding`): call
+    `set(input_ids)` before each forward; unset (or after `clear`) every position runs the
+    base weights alone."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id = mask_id
+        self.rows: torch.Tensor | None = None  # flat indices of the mask positions, None if there are none
+        self.size = 0  # how many positions the gate was set for
+
+    def set(self, input_ids: torch.Tensor) -> None:
+        flat = (input_ids == self.mask_id).reshape(-1)
+        self.size = flat.numel()
+        rows = flat.nonzero().squeeze(1)
+        self.rows = rows if rows.numel() else None
+
+    def clear(self) -> None:
+        self.rows, self.size = None, 0
+
+
+class GatedLoRALinear(torch.nn.Module):
+    """A gated LoRA layer in its decoding form: the base layer at every position, and the
+    low-rank delta added at mask positions only, computed there only. A forward without
+    masks (plain AR, a verification step of drafts) runs exactly the base layer, with no
+    adapter work at all."""
+
+    def __init__(self, base: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor, scale: float, gate: DecodeGate):
+        super().__init__()
+        self.base = base
+        dtype = base.weight.dtype
+        self.register_buffer("lora_a", a.detach().to(dtype))
+        self.register_buffer("lora_b", (b.detach() * scale).to(dtype))  # the scale folded in once
+        object.__setattr__(self, "_gate", gate)  # shared by every layer, not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Few operations per layer: on a CPU each costs more in overhead than in arithmetic.
+        y = self.base(x)
+        gate = self._gate
+        if gate.rows is None:
+            return y
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] != gate.size:
+            raise RuntimeError(f"gated adapter: the gate was set for {gate.size} positions, the input has {flat.shape[0]}")
+        delta = F.linear(F.linear(flat.index_select(0, gate.rows), self.lora_a), self.lora_b)
+        return y.reshape(-1, y.shape[-1]).index_add_(0, gate.rows, delta).view(y.shape)
+
+
+def unwrap_for_decoding(model: torch.nn.Module, mask_id: int) -> tuple[torch.nn.Module, DecodeGate]:
+    """A PEFT model with a gated LoRA adapter -> the plain transformers model with each LoRA
+    layer replaced by its `GatedLoRALinear`, and their shared gate. For inference only (the
+    LoRA weights become buffers): training keeps the PEFT model and `MaskGate`."""
+    from peft.tuners.lora import LoraLayer
+
+    gate = DecodeGate(mask_id)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    count = 0
+    for name, module in list(base.named_modules()):
+        if not isinstance(module, LoraLayer):
+            continue
+        adapters = [a for a in module.active_adapters if a in module.lora_A]
+        if len(adapters) != 1 or getattr(module, "lora_variant", {}) or not isinstance(module.base_layer, torch.nn.Linear):
+            raise GateError(f"gate masks: {name}: only one plain LoRA adapter on linear layers can be gated")
+        a = adapters[0]
+        layer = GatedLoRALinear(module.base_layer, module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a], gate)
+        parent, _, child = name.rpartition(".")
+        setattr(base.get_submodule(parent) if parent else base, child, layer)
+        count += 1
+    if not count:
+        raise GateError("gate masks: the model has no LoRA layers to gate")
+    return base, gate

@@ -78,7 +78,7 @@ class TorchModel:
     path: str
     device: torch.device
     dtype: torch.dtype
-    gate: object = None  # a gated adapter's MaskGate (the adapter then stays unmerged)
+    gate: object = None  # a gated adapter's gate: DecodeGate loaded for decoding, MaskGate for training
     backend = "torch"  # the mars.backends module that loaded it
 
     @property
@@ -193,9 +193,12 @@ def load(
     model.eval()
     gate = None
     if adapter is not None and mars is not None and mars.gate == "masks":
-        from .gate import MaskGate
+        from .gate import MaskGate, unwrap_for_decoding
 
-        gate = MaskGate(model, mars.mask_token_id)
+        if merge:  # decoding: the base layers alone wherever no mask is fed
+            model, gate = unwrap_for_decoding(model, mars.mask_token_id)
+        else:
+            gate = MaskGate(model, mars.mask_token_id)
     return TorchModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), device=dev, dtype=dt, gate=gate)
 
 
