@@ -142,7 +142,9 @@ def cost_curve(loaded, decoder, *, announce=None):
     from ..core.cost import CostCurve, calibrate
     from ..default_model import cache_root
 
-    key = {"model": str(getattr(loaded, "path", "")), **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
+    gate = loaded.mars.gate if loaded.mars is not None else "none"
+    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 2,
+           **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "cost" / f"{digest}.json"
     curve = CostCurve.load(path)
@@ -151,7 +153,8 @@ def cost_curve(loaded, decoder, *, announce=None):
     if announce:
         announce("measuring what a forward costs on this device (once; kept under the cache directory)")
     mask_id = mask_id_for(loaded)
-    curve = calibrate(decoder, [mask_id] * 64, filler=mask_id)
+    # Wide forwards feed masks (a gated adapter works there), a one-token forward is AR.
+    curve = calibrate(decoder, [mask_id] * 64, filler=mask_id, ar_filler=loaded.eos_ids[0])
     try:
         curve.save(path, key=key)
     except OSError:

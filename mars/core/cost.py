@@ -86,10 +86,13 @@ class CostCurve:
             return None
 
 
-def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1) -> dict[int, float]:
+def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1,
+                  ar_filler: int | None = None) -> dict[int, float]:
     """Median seconds of one cached forward of k new tokens (per k in `widths`) on a cache
     prefilled with `prompt` (`batch` copies), cropped back after each; greedy, no metric
-    (a lossless step's cost). The widths are interleaved so drift hits them alike."""
+    (a lossless step's cost). The widths are interleaved so drift hits them alike. The new
+    tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR step, which
+    feeds no mask (a gated adapter does no work there)."""
     from .decoding import Sampling
 
     greedy = Sampling()
@@ -100,7 +103,7 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     samples: dict[int, list[float]] = {k: [] for k in widths}
     for rep in range(repeats + 1):  # the first round warms up
         for k in widths:
-            new = np.full((batch, k), filler, dtype=np.int64)
+            new = np.full((batch, k), filler if k > 1 or ar_filler is None else ar_filler, dtype=np.int64)
             pos = np.tile(n + np.arange(k), (batch, 1))
             read = np.tile(np.arange(k), (batch, 1))
             t0 = time.perf_counter()
@@ -112,9 +115,10 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = 3, filler: int = 0) -> CostCurve:
+def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = 3, filler: int = 0,
+              ar_filler: int | None = None) -> CostCurve:
     """A cost curve for `backend` measured now (a few seconds on a small model)."""
-    return CostCurve(time_forwards(backend, prompt, widths, repeats=repeats, filler=filler))
+    return CostCurve(time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler))
 
 
 @dataclass
