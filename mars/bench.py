@@ -134,7 +134,7 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
             ids[r, width - len(p) :] = torch.tensor(p)
             attn[r, width - len(p) :] = 1
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
-        if getattr(loaded, "gate", None) is not None:
+        if loaded.gate is not None:
             loaded.gate.clear()  # no masks fed: a gated adapter's model is the base
         with disabled():
             out = loaded.model.generate(

@@ -143,6 +143,7 @@ def cost_curve(loaded, decoder, *, announce=None):
     from ..default_model import cache_root
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
+    # "calibration" 2: one-token forwards timed as AR (no mask); curves of the earlier way are stale.
     key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 2,
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
