@@ -23,6 +23,9 @@ def test_packed_linear_matches_f_linear_and_falls_back_when_the_weight_changes()
     layer = torch.nn.Linear(48, 80)
     block = torch.nn.Sequential(layer)
     assert packed.pack_linears(block) == 1
+    one = torch.randn(1, 48)
+    with torch.no_grad(), packed.active():
+        assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))  # one row (an AR step): F.linear itself
     for rows in (1, 2, 3, 4, 7, 16):
         x = torch.randn(2, rows, 48)
         with torch.no_grad(), packed.active():

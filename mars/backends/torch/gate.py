@@ -63,21 +63,31 @@ class DecodeGate:
         self.mask_id = mask_id
         self.dtype = dtype
         self.column: torch.Tensor | None = None  # 1.0 at mask positions, 0.0 elsewhere; None if no mask is fed
+        self.rows: slice | None = None  # the mask positions when they are one run of consecutive positions
 
     def set(self, input_ids: torch.Tensor) -> None:
-        is_mask = (input_ids == self.mask_id).reshape(-1, 1)
-        self.column = is_mask.to(self.dtype) if bool(is_mask.any()) else None
+        is_mask = (input_ids == self.mask_id).reshape(-1)
+        where = torch.nonzero(is_mask).reshape(-1).tolist()
+        if not where:
+            self.column, self.rows = None, None
+            return
+        self.column = is_mask.to(self.dtype).reshape(-1, 1)
+        first, last = where[0], where[-1]
+        # One run (a batch-1 step: its masks and spare groups end the row): the delta is
+        # computed on those rows alone, and the real tokens' outputs are not touched at all.
+        self.rows = slice(first, last + 1) if last - first + 1 == len(where) else None
 
     def clear(self) -> None:
-        self.column = None
+        self.column, self.rows = None, None
 
 
 class GatedLoRALinear(torch.nn.Module):
     """A gated LoRA layer in its decoding form: the base layer at every position, plus the
     low-rank delta where the gate is 1. A forward without masks (plain AR, a step that only
     verifies drafts) runs exactly the base layer, with no adapter work at all; with masks
-    the delta is three small operations (on a CPU each costs more in overhead than in
-    arithmetic), and adds an exact 0.0 at every real token."""
+    the delta is two or three small operations (on a CPU each costs more in overhead than
+    in arithmetic): on the masks' rows alone when they are one run (batch 1), else on every
+    row times the gate column, which adds an exact 0.0 at every real token."""
 
     def __init__(self, base: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor, scale: float, gate: DecodeGate):
         super().__init__()
@@ -95,8 +105,12 @@ class GatedLoRALinear(torch.nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] != column.shape[0]:
             raise RuntimeError(f"gated adapter: the gate was set for {column.shape[0]} positions, the input has {flat.shape[0]}")
-        low = torch.mm(flat, self.lora_a_t).mul_(column)
         out = y.reshape(-1, y.shape[-1])  # a view when y is contiguous, else a copy: return it either way
+        rows = self._gate.rows
+        if rows is not None:
+            out[rows].addmm_(torch.mm(flat[rows], self.lora_a_t), self.lora_b_t)
+            return out.view(y.shape)
+        low = torch.mm(flat, self.lora_a_t).mul_(column)
         return out.addmm_(low, self.lora_b_t).view(y.shape)
 
 

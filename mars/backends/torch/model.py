@@ -229,7 +229,8 @@ class TorchDecoder:
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
         return {"backend": "torch", "device": str(self.tm.device), "dtype": str(self.tm.dtype).replace("torch.", ""),
-                "threads": torch.get_num_threads(), "packed": bool(self.packed), "grouped": self.grouped, "torch": torch.__version__}
+                "threads": torch.get_num_threads(), "packed": bool(self.packed),
+                "packed_min_rows": packed.MIN_ROWS if self.packed else None, "grouped": self.grouped, "torch": torch.__version__}
 
     def new_cache(self, batch: int):
         from transformers import DynamicCache

@@ -8,8 +8,8 @@ advance, for any number of rows; a packed product then reads the weight as a one
 forward does. `pack_linears` keeps each weight as it is and adds its packed copy
 (the weights take twice the memory); a layer then runs:
 
-- up to 3 rows (a one-token forward, plain AR, among them): `F.linear`, exactly
-  today's path;
+- one row (a one-token forward: plain AR): `F.linear`, exactly today's path, so AR
+  computes bit for bit what `transformers` computes;
 - more rows: the packed product (oneDNN), unless the weight changed since it was
   packed (training), then `F.linear` again.
 
@@ -32,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-# Below this many rows `F.linear` is as fast or faster (measured on a 2-core x86 CPU: 2 and
-# 3 rows cost 1.0-1.2x one row with `F.linear`, 1.25x packed).
-MIN_ROWS = 4
+# Below this many rows `F.linear` runs. Measured on a 2-core x86 CPU, 1 thread, one
+# 1536x576 fp32 layer: `F.linear` costs 112/207/328/208 us for 1/2/3/4 rows (2 and 3 rows
+# run as separate one-row products), packed 98/102/109/121 us. One row stays on `F.linear`
+# all the same: it is the AR step, whose outputs must equal `transformers`' bit for bit.
+MIN_ROWS = 2
 # Packed layers use their packs only inside `active()` (the decoder's steps), so a model
 # shared with other code (training, a library's own generate) computes as it always did.
 _enabled = False
