@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -84,6 +84,7 @@ class Config:
     threshold: float | None = None
     cache: str | None = None
     block_cache: int | None = None
+    cache_ran: str | None = None  # the cache strategy that ran (lossless block: may be the window's)
     walls: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
     tokens: list[list[int]] = field(default_factory=list)
@@ -207,8 +208,11 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))
             configs.append(Config("lossless hedge 0", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
         for bc in s.block_caches:
-            run = _ours(decoder, decode_settings(loaded, 1.0, "block", bc, s, True))
-            configs.append(Config(f"lossless-block{bc}", "lossless", run, None, "block", bc))
+            block = decode_settings(loaded, 1.0, "block", bc, s, True, ngram=s.ngram)
+            # With a cost curve the loop may leave the block cache for the window cache where
+            # that is faster (the row's "cache_ran" says which ran).
+            policy = FeedPolicy(cost, block.block_size, replace(block, cache="window").spare_groups) if cost is not None else None
+            configs.append(Config(f"lossless-block{bc}", "lossless", _ours(decoder, block, policy), None, "block", bc))
     return configs
 
 
@@ -218,7 +222,7 @@ def _chunks(prompts, size):
 
 def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, int | None, int | None]:
     """Decode every chunk; also leaves in `config.by_source` where a lossless pass's tokens came from."""
-    tokens, forwards, row_forwards, sources = [], 0, 0, {}
+    tokens, forwards, row_forwards, sources, ran = [], 0, 0, {}, set()
     t0 = time.perf_counter()
     for chunk in chunks:
         out, stats = config.run(chunk)
@@ -226,10 +230,13 @@ def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, in
         if stats is not None:
             forwards += stats.forwards
             row_forwards += stats.row_forwards
+            if stats.cache:
+                ran.add(stats.cache)
             for k, v in stats.by_source().items():
                 sources[k] = sources.get(k, 0) + v
     wall = time.perf_counter() - t0
     config.by_source = sources or None
+    config.cache_ran = ",".join(sorted(ran)) or None
     own = config.kind != "reference"
     return wall, tokens, sum(len(t) for t in tokens), forwards if own else None, row_forwards if own else None
 
@@ -298,6 +305,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
             "ratio_min": min(c.ratios),
             "ratio_max": max(c.ratios),
             "tokens_by_source": c.by_source,
+            "cache_ran": c.cache_ran,
             "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
             "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
         })
@@ -369,7 +377,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     except UntrainedModelError as e:
         raise BenchError(str(e)) from e
     cost = None
-    if s.lossless and s.window:
+    if s.lossless:
         cost = base.cost_curve(loaded, decoder)
     configs = build_configs(loaded, decoder, backend, s, cost)
     eos = set(loaded.eos_ids)
@@ -441,6 +449,7 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{r['batch_size']:>5}  {r['name']:<24} {r['tokens']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
             f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['rows_equal_to_ar']:>5.2f}"
+            + (f"  (ran the {r['cache_ran']} cache)" if r.get("cache_ran") and r["cache_ran"] != r.get("cache") else "")
         )
     if report["forward_cost"]:
         lines += ["", "one cached forward of k new tokens (median ms; x the first k)"]

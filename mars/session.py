@@ -10,7 +10,7 @@ lossless runs, and decodes prompts in batches (`decode_batches`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .backends import base
 from .core.decoding import DecodeSettings, DecodeStats, generate
@@ -29,9 +29,10 @@ class Decoded:
     @property
     def total(self) -> DecodeStats:
         """The batches' statistics as one: every prompt's RowStats in prompt order, forwards and
-        fed tokens summed."""
+        fed tokens summed; `cache` the strategies that ran, comma-separated where they differ."""
+        ran = sorted({s.cache for s in self.stats if s.cache})
         return DecodeStats(rows=[row for s in self.stats for row in s.rows], forwards=sum(s.forwards for s in self.stats),
-                           fed_tokens=sum(s.fed_tokens for s in self.stats))
+                           fed_tokens=sum(s.fed_tokens for s in self.stats), cache=",".join(ran) or None)
 
 
 def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *, cost=None) -> Decoded:
@@ -74,16 +75,17 @@ class Session:
 
     def cost_for(self, settings: DecodeSettings):
         """The cost-aware feed policy when `settings` chooses its feed per step (greedy lossless
-        with the window cache or none, no fixed `hedge`), else None. The per-forward cost curve
+        with the window cache or none, no fixed `hedge`) or may leave the block cache for the
+        window cache where that is faster (greedy lossless), else None. The per-forward cost curve
         is measured once per device (mars.backends.base.cost_curve); each block size keeps one
         policy, which learns across calls."""
-        if not (settings.lossless and settings.sampling.greedy and settings.cache != "block" and settings.hedge is None):
+        if not (settings.lossless and settings.sampling.greedy and settings.hedge is None):
             return None
         from .core.cost import FeedPolicy
 
         if self._cost is None:
             self._cost = base.cost_curve(self.loaded, self.decoder, announce=self.announce)
-        key = (settings.block_size, settings.spare_groups)
+        key = (settings.block_size, replace(settings, cache="window").spare_groups)  # the window's, if the block cache gives way
         if key not in self._policies:
             self._policies[key] = FeedPolicy(self._cost, *key)
         return self._policies[key]

@@ -15,7 +15,7 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core import ngram
-from mars.core.cost import CostCurve, DraftStats, FeedPolicy, steady_state
+from mars.core.cost import CostCurve, DraftStats, FeedPolicy, block_cache_pays, steady_state
 from mars.core.decoding import DecodeSettings, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
@@ -257,6 +257,33 @@ def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, c
             out += generate(dec, prompts[start : start + batch], s, cost=policy).tokens
         assert out == ar, (arch, cache, batch)
     assert len(policy.choices) > 1  # the feed changed from step to step (probes included)
+
+
+@pytest.mark.parametrize("curve,ran", [(FLAT, "block"), (STEEP, "window"), (None, "block")])
+def test_the_block_cache_gives_way_to_the_window_cache_where_it_does_not_pay(curve, ran):
+    """Greedy lossless decoding asked for the block cache keeps it where the cost curve says
+    it pays (wide feeds cost nothing) and decodes with the window cache where it does not
+    (every fed token costs); without a curve it runs as asked. The output is AR's either way."""
+    cost = fixed(curve) if curve else None
+    if cost is not None:
+        assert block_cache_pays(cost, 4, 8, 4, 3) == (ran == "block")
+    prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
+    result = generate(OracleBackend(2), prompts, settings(cache="block", block_cache=8), cost=cost)
+    assert result.stats.cache == ran and result.stats.to_dict()["cache"] == ran
+    assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
+    assert (result.stats.drafting is not None) == (ran == "window")
+
+
+@pytest.mark.parametrize("curve", [FLAT, STEEP])
+def test_lossless_block_cache_with_a_cost_curve_equals_ar_on_a_real_model(curve):
+    tok = make_tokenizer()
+    tm = TorchModel(make_model("qwen2", len(tok), seed=2), tok, None, "", torch.device("cpu"), torch.float32)
+    dec = TorchDecoder(tm)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:4]]
+    ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=20)).tokens
+    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), cost=fixed(curve))
+    assert result.tokens == ar
+    assert result.stats.cache == ("block" if curve is FLAT else "window")
 
 
 class EndsAt(OracleBackend):

@@ -242,3 +242,22 @@ class FeedPolicy:
 
     def fits(self, max_masks: int, max_groups: int) -> bool:
         return (self.max_masks, self.max_groups) == (max_masks, max_groups)
+
+
+def block_cache_pays(cost: CostCurve | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
+    """Whether greedy lossless decoding of `batch` rows with the block cache is expected to
+    be faster than with the window cache and the cost-aware feed (which falls back to AR's
+    own feed when nothing pays).
+
+    A block step feeds every row's B_cache slots, and once per block the finished block in
+    front of them: about B_cache + t tokens a row for t tokens taken, where t is one AR
+    token plus the drafts kept out of min(B, B_cache - 1). The window's best feed is the
+    policy's own choice. Where a forward's cost grows slowly with width (a GPU) the block
+    cache can win; where it grows fast (a CPU) it cannot."""
+    policy = cost if isinstance(cost, FeedPolicy) else FeedPolicy(cost, block_size, spare_groups)
+    drafts = min(block_size, block_cache - 1)
+    tokens = 1.0 + policy.stats.expected_kept("masks", drafts)
+    block = tokens / policy.curve.seconds(max(1, round(batch * (block_cache + tokens))))
+    window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
+    return block >= window
+

@@ -172,6 +172,9 @@ class DecodeStats:
     forwards: int = 0  # batch forwards run
     fed_tokens: int = 0  # token slots fed, holes included (the compute spent)
     drafting: Drafting | None = field(default=None, repr=False)  # greedy lossless window decoding
+    # The cache strategy that ran: the one asked for, or "window" where greedy lossless
+    # decoding with the block cache was expected to be slower than with the window cache.
+    cache: str | None = None
 
     @property
     def accepted(self) -> int:
@@ -188,6 +191,7 @@ class DecodeStats:
 
     def to_dict(self) -> dict:
         return {
+            "cache": self.cache,
             "forwards": self.forwards,
             "fed_tokens": self.fed_tokens,
             "accepted": self.accepted,

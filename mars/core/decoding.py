@@ -26,12 +26,13 @@ at any step, and each decoding at its own threshold.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 
 from .acceptance import ar_mode_rows, check_threshold
-from .cost import CostCurve, FeedPolicy
+from .cost import CostCurve, FeedPolicy, block_cache_pays
 from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
@@ -70,17 +71,25 @@ def generate(
     `cost`, the backend's per-forward cost curve (mars.core.cost), or a `FeedPolicy` built on
     one (which keeps its acceptance statistics from call to call): greedy lossless decoding
     with the window cache (or none) then chooses per step how many masks and spare groups
-    to feed (`block_size` and `hedge` become caps). The output is the same either way."""
+    to feed (`block_size` and `hedge` become caps). With the block cache it first checks that
+    the block cache pays against that (mars.core.cost.block_cache_pays) and, where it does
+    not, decodes with the window cache instead (`stats.cache` says which ran). The output
+    is the same either way."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     s = settings
     slots = s.masks_per_step + 1
     rows = [Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
+    ran = s.cache
+    if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy:
+        window = replace(s, cache="window")
+        if not block_cache_pays(cost, s.block_size, s.block_cache, window.spare_groups, len(rows)):
+            s, ran = window, "window"
     strategy = make_strategy(s, rows)
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
         cache = None
-    stats = DecodeStats(rows=[r.stats for r in rows])
+    stats = DecodeStats(rows=[r.stats for r in rows], cache=ran)
     if s.lossless and s.sampling.greedy and isinstance(strategy, WindowStrategy):
         stats.drafting = Drafting(s, cost)
 
