@@ -83,8 +83,11 @@ def summary(settings, r) -> str:
     one AR token a step)."""
     total = r.total
     n, f, sec = total.accepted, total.row_forwards, r.seconds
+    cache = settings.cache
+    if total.cache and total.cache != cache:  # the block cache did not pay on this device
+        cache = f"{total.cache} (the block cache would be slower here)"
     line = (
-        f"{describe(settings)}, B={settings.block_size}, cache={settings.cache}: {n} tokens, {f} forwards, "
+        f"{describe(settings)}, B={settings.block_size}, cache={cache}: {n} tokens, {f} forwards, "
         f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
     )
     sources = total.by_source()
