@@ -378,7 +378,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
         raise BenchError(str(e)) from e
     cost = None
     if s.lossless:
-        cost = base.cost_curve(loaded, decoder)
+        cost = base.costs(loaded, decoder)
     configs = build_configs(loaded, decoder, backend, s, cost)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []

@@ -84,7 +84,7 @@ class Session:
         from .core.cost import FeedPolicy
 
         if self._cost is None:
-            self._cost = base.cost_curve(self.loaded, self.decoder, announce=self.announce)
+            self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
         key = (settings.block_size, replace(settings, cache="window").spare_groups)  # the window's, if the block cache gives way
         if key not in self._policies:
             self._policies[key] = FeedPolicy(self._cost, *key)

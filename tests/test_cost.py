@@ -15,7 +15,7 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core import ngram
-from mars.core.cost import CostCurve, DraftStats, FeedPolicy, block_cache_pays, steady_state
+from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, block_cache_pays, steady_state
 from mars.core.decoding import DecodeSettings, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
@@ -128,6 +128,35 @@ def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
     # right pay, but not every spare group.
     m, g = FeedPolicy(fixed({1: 1.0, 4: 1.25, 8: 1.4, 16: 1.85, 32: 2.7}), 4, 4, stats=stats).choose()
     assert m >= 2 and g < 4
+
+
+def test_batches_are_costed_on_their_own_curve():
+    """With a measure, a batch runs on the curve measured at its bucket: a device where one
+    row's wide feeds are cheap but a batch's are not feeds wide at batch 1 and like AR at 8."""
+    measured = []
+
+    def measure(batch):
+        measured.append(batch)
+        return CostCurve({batch: 1.0, 64 * batch: 64.0}, refresh=1.0)  # every fed token costs, in a batch
+
+    costs = BatchCosts(fixed(FLAT), measure=measure)
+    stats = DraftStats(slots=4)
+    for _ in range(50):
+        stats.record("masks", 4, 4)
+    policy = FeedPolicy(costs, 4, 4, stats=stats)
+    assert policy.choose(batch=1)[0] == 4 and measured == []  # wide (all masks kept: no spare group needed)
+    assert policy.choose(batch=8) == (0, 0) and measured == [8]
+    assert costs.bucket(5) == 8 and costs.bucket(3) == 4 and costs.bucket(40) == 8
+    assert costs.seconds(5, 2) == costs.curves[8].seconds(16)  # 5 rows: the 8-row curve's shape at width 2
+    policy.choose(batch=5)
+    assert measured == [8]  # measured once per bucket
+    costs.observe(8, 2, 30.0)  # a timed forward of the bucket's own batch moves its curve
+    assert costs.curves[8].points[16] == 30.0
+    costs.observe(5, 2, 99.0)  # another batch's does not
+    assert 10 not in costs.curves[8].points
+    # Without a measure every batch runs on the one-row curve at batch x width tokens (as before).
+    plain = BatchCosts(fixed({1: 1.0, 64: 64.0}))
+    assert plain.bucket(8) == 1 and plain.seconds(8, 2) == 16.0
 
 
 def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():

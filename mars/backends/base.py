@@ -17,7 +17,7 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
   fuse=...)`; `ensure_mask_token(loaded, mars, ...)` readies the mask token before training;
 - `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
 - `context_length(loaded)`, `mask_id_for(loaded)`, `decode_settings(loaded, ...)` (the
-  decoding policy of mars.core.policy for a loaded model) and `cost_curve(loaded, decoder)`.
+  decoding policy of mars.core.policy for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
 """
 
 from __future__ import annotations
@@ -131,31 +131,45 @@ def decode_settings(loaded, **asked):
     return policy.decode_settings(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 
 
-def cost_curve(loaded, decoder, *, announce=None):
-    """The decoder's per-forward cost curve (mars.core.cost): measured once per model,
-    device, dtype, thread count and backend version and kept under the cache directory
-    (`MARS_HOME`, default ~/.cache/mars/cost), then loaded. The decoding loop refreshes
-    its copy from the forwards it times."""
+def costs(loaded, decoder, *, announce=None):
+    """The decoder's per-forward costs for the cost-aware policy (mars.core.cost.BatchCosts):
+    the one-row curve now, a batch's curve when a batch of that size first decodes."""
+    from ..core.cost import BatchCosts
+
+    return BatchCosts(cost_curve(loaded, decoder, announce=announce),
+                      measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch))
+
+
+def cost_curve(loaded, decoder, *, announce=None, batch: int = 1):
+    """The decoder's per-forward cost curve (mars.core.cost) for forwards of `batch` rows:
+    measured once per model, device, dtype, thread count, backend version and batch size
+    and kept under the cache directory (`MARS_HOME`, default ~/.cache/mars/cost), then
+    loaded. The decoding loop refreshes its copy from the forwards it times."""
     import hashlib
     import json
 
-    from ..core.cost import CostCurve, calibrate
+    from ..core.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
     from ..default_model import cache_root
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
     # "calibration" 2: one-token forwards timed as AR (no mask); curves of the earlier way are stale.
     key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 2,
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
+    if batch > 1:
+        key["batch"] = batch
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "cost" / f"{digest}.json"
     curve = CostCurve.load(path)
     if curve is not None:
         return curve
     if announce:
-        announce("measuring what a forward costs on this device (once; kept under the cache directory)")
+        rows = f" of {batch} rows" if batch > 1 else ""
+        announce(f"measuring what a forward{rows} costs on this device (once; kept under the cache directory)")
     mask_id = mask_id_for(loaded)
     # Wide forwards feed masks (a gated adapter works there), a one-token forward is AR.
-    curve = calibrate(decoder, [mask_id] * 64, filler=mask_id, ar_filler=loaded.eos_ids[0])
+    # A batch's widths are per row; its curve is in total fed tokens.
+    widths = CALIBRATION_WIDTHS if batch == 1 else BATCH_CALIBRATION_WIDTHS
+    curve = calibrate(decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch)
     try:
         curve.save(path, key=key)
     except OSError:

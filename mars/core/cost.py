@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
+BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's curve
 SOURCES = ("masks", "spare", "ngram")
 
 
@@ -86,6 +87,49 @@ class CostCurve:
             return None
 
 
+class BatchCosts:
+    """What a forward of `batch` rows of `width` fed tokens each costs, for the policy.
+
+    A batch's forward does not cost what one row of the same number of tokens does (each
+    row attends to its own cache), so with `measure` (batch size -> a CostCurve measured
+    at that batch, in total fed tokens) rows are costed on the curve of their bucket: the
+    smallest of `buckets` at or above the batch (the last bucket for larger ones). A
+    batch of b rows then runs on the b-row curve of the bucket B >= b at width x B tokens:
+    the policy only compares feeds of one batch with each other, so the shape of the curve
+    is what matters. Without `measure` every batch runs on the one-row curve at
+    batch x width tokens. Curves are measured when first needed."""
+
+    def __init__(self, one: CostCurve, measure=None, buckets=(1, 2, 4, 8)):
+        self.one = one
+        self.measure = measure
+        self.buckets = tuple(sorted(set(buckets) | {1}))
+        self.curves: dict[int, CostCurve] = {1: one}
+
+    def bucket(self, batch: int) -> int:
+        if self.measure is None:
+            return 1
+        return next((b for b in self.buckets if b >= batch), self.buckets[-1])
+
+    def curve(self, batch: int) -> CostCurve:
+        b = self.bucket(batch)
+        if b not in self.curves:
+            self.curves[b] = self.measure(b)
+        return self.curves[b]
+
+    def seconds(self, batch: int, width: float) -> float:
+        b = self.bucket(batch)
+        return self.curve(batch).seconds(max(1, round((b if b > 1 else batch) * width)))
+
+    def observe(self, batch: int, width: int, seconds: float) -> None:
+        """Fold in a forward the loop timed, where its batch is its bucket's (or no curve
+        of its own was measured)."""
+        b = self.bucket(batch)
+        if b == 1:
+            self.one.observe(batch * width, seconds)
+        elif b == batch:
+            self.curve(batch).observe(b * width, seconds)
+
+
 def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1,
                   ar_filler: int | None = None) -> dict[int, float]:
     """Median seconds of one cached forward of k new tokens (per k in `widths`) on a cache
@@ -116,9 +160,11 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
 
 
 def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = 3, filler: int = 0,
-              ar_filler: int | None = None) -> CostCurve:
-    """A cost curve for `backend` measured now (a few seconds on a small model)."""
-    return CostCurve(time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler))
+              ar_filler: int | None = None, batch: int = 1) -> CostCurve:
+    """A cost curve for `backend` measured now (a few seconds on a small model); with
+    `batch` > 1, of forwards of that many rows (the curve in total fed tokens)."""
+    times = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch)
+    return CostCurve({batch * k: sec for k, sec in times.items()})
 
 
 @dataclass
@@ -202,8 +248,9 @@ class FeedPolicy:
     policy feeds the best other choice for two steps (one proposes drafts, the next
     verifies them): estimates that went too low can recover."""
 
-    def __init__(self, curve: CostCurve, max_masks: int, max_groups: int, *, stats: DraftStats | None = None, explore: int = 32):
-        self.curve = curve
+    def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
+                 explore: int = 32):
+        self.costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
         self.max_masks = max_masks
         self.max_groups = max_groups
         self.stats = stats or DraftStats(slots=max_masks)
@@ -211,6 +258,11 @@ class FeedPolicy:
         self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
         self._ar_run = 0
         self._probe = 0
+
+    @property
+    def curve(self) -> CostCurve:
+        """The one-row cost curve."""
+        return self.costs.one
 
     def candidates(self):
         yield 0, 0
@@ -222,7 +274,7 @@ class FeedPolicy:
         """Expected tokens per second (per row) of feeding this forever."""
         s = self.stats
         tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups)
-        return tokens / self.curve.seconds(max(1, round(batch * width)))
+        return tokens / self.costs.seconds(batch, width)
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
         ranked = sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
@@ -244,7 +296,7 @@ class FeedPolicy:
         return (self.max_masks, self.max_groups) == (max_masks, max_groups)
 
 
-def block_cache_pays(cost: CostCurve | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
+def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
     """Whether greedy lossless decoding of `batch` rows with the block cache is expected to
     be faster than with the window cache and the cost-aware feed (which falls back to AR's
     own feed when nothing pays).
@@ -257,7 +309,7 @@ def block_cache_pays(cost: CostCurve | FeedPolicy, block_size: int, block_cache:
     policy = cost if isinstance(cost, FeedPolicy) else FeedPolicy(cost, block_size, spare_groups)
     drafts = min(block_size, block_cache - 1)
     tokens = 1.0 + policy.stats.expected_kept("masks", drafts)
-    block = tokens / policy.curve.seconds(max(1, round(batch * (block_cache + tokens))))
+    block = tokens / policy.costs.seconds(batch, block_cache + tokens)
     window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
     return block >= window
 

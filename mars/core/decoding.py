@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .acceptance import ar_mode_rows, check_threshold
-from .cost import CostCurve, FeedPolicy, block_cache_pays
+from .cost import BatchCosts, CostCurve, FeedPolicy, block_cache_pays
 from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
@@ -64,7 +64,7 @@ def generate(
     prompts: list[list[int]],
     settings: DecodeSettings,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    cost: CostCurve | FeedPolicy | None = None,
+    cost: CostCurve | BatchCosts | FeedPolicy | None = None,
 ) -> DecodeResult:
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 

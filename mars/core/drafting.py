@@ -4,7 +4,7 @@ feeds, and how many masks and spare groups a step feeds."""
 from __future__ import annotations
 
 from . import ngram
-from .cost import CostCurve, DraftStats, FeedPolicy
+from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
 from .decode_types import DecodeSettings, Row
 from .feed import Feed, lossless_width
 from .strategies import WindowStrategy
@@ -19,18 +19,18 @@ class Drafting:
     keep more (`DraftStats`, per source and slot), and a row with no drafts takes lookup's
     if it pays. After the forward: the acceptance statistics and the cost curve learn."""
 
-    def __init__(self, settings: DecodeSettings, cost: CostCurve | FeedPolicy | None):
+    def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None):
         self.s = settings
         if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.spare_groups):
-            cost = cost.curve  # another block size or spare-group cap: start a policy for it
-        if isinstance(cost, CostCurve):
+            cost = cost.costs  # another block size or spare-group cap: start a policy for it
+        if isinstance(cost, (CostCurve, BatchCosts)):
             cost = FeedPolicy(cost, settings.block_size, settings.spare_groups)
         self.policy = cost
         self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
 
     def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
         live = [r for r in rows if not r.done]
-        batch = max(1, len(live))
+        batch = max(1, len(rows))  # the rows of the forward: a finished row not yet dropped still takes its slots
         if self.policy is not None:
             strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
         m = strategy.masks
@@ -48,7 +48,7 @@ class Drafting:
         this step ((1 + expected kept) / cost of the step's width)."""
         st, best = self.stats, ("masks", [])
         # Feeding no drafts is the option to beat.
-        best_score = 1.0 / self.policy.curve.seconds(batch * lossless_width(0, masks, spare_groups)) if self.policy is not None else 0.0
+        best_score = 1.0 / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups)) if self.policy is not None else 0.0
         for source, drafts in options:
             lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
             for d in lengths:
@@ -56,7 +56,7 @@ class Drafting:
                 if self.policy is None:
                     score = kept
                 else:
-                    score = (1 + kept) / self.policy.curve.seconds(batch * lossless_width(d, masks, spare_groups))
+                    score = (1 + kept) / self.policy.costs.seconds(batch, lossless_width(d, masks, spare_groups))
                 if score > best_score:
                     best, best_score = (source, drafts[:d]), score
         return best
@@ -66,5 +66,5 @@ class Drafting:
             if feed.limit[i] > 0 and feed.n_drafts[i]:
                 self.stats.record(r.source, int(feed.n_drafts[i]), int(feed.kept[i]))
         if self.policy is not None:
-            self.policy.curve.observe(int(feed.ids.size), seconds)
+            self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 
