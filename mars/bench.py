@@ -12,10 +12,12 @@ a prefilled prompt cache, cropped back after each sample.
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
@@ -24,6 +26,7 @@ from .backends import base
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
 from .core.policy import DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
+from .default_model import DEFAULT_NAME, DefaultModelError, cache_root, default_gguf
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -57,6 +60,7 @@ class BenchSettings:
     window: bool = True  # time threshold mode with the window cache
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
     ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
+    llama_cpp: bool = True  # batch 1: also time llama.cpp on the base GGUF, when llama-cpp-python is importable
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -154,6 +158,45 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
     return "transformers.generate", run
 
 
+def gguf_for(loaded) -> str | None:
+    """The GGUF file of the model's base, where one is known: a model given as a .gguf file,
+    or the embedded default (directly or under an adapter, per its mars.json)."""
+    path = str(getattr(loaded, "path", "") or "")
+    if path.endswith(".gguf") and Path(path).is_file():
+        return path
+    base_model = getattr(loaded.mars, "base_model", None) if loaded.mars is not None else None
+    embedded = path and Path(path) == cache_root() / "models" / DEFAULT_NAME  # the converted default itself
+    if embedded or any(str(p).startswith("default:") for p in (path, base_model) if p):
+        try:
+            return str(default_gguf())
+        except DefaultModelError:
+            return None
+    return None
+
+
+def llama_cpp_reference(gguf: str, max_tokens: int, eos: set[int], threads: int | None = None):
+    """llama.cpp (`llama-cpp-python`) on a GGUF file: greedy, one prompt at a time, the same
+    prompt token ids and max_tokens, stopping at the first EOS id. It runs the GGUF's own
+    weights (the embedded default's are Q4_1; ours are de-quantized from them to fp32), so
+    its replies may differ from ours: the table's `=AR` column says how often they agree."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf, n_ctx=4096, n_threads=threads or 1, n_threads_batch=threads or 1, verbose=False)
+
+    def run(prompts):
+        out = []
+        for p in prompts:
+            row = []
+            for t in llm.generate(list(p), temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+                row.append(int(t))
+                if row[-1] in eos or len(row) >= max_tokens:
+                    break
+            out.append(row)
+        return out, None
+
+    return "llama.cpp (GGUF)", run
+
+
 def mlx_reference(loaded, max_tokens: int):
     """`mlx_lm.stream_generate` (what `mlx_lm.generate` runs) for one prompt, `mlx_lm.batch_generate` for a batch."""
     from mlx_lm import batch_generate, stream_generate
@@ -192,6 +235,11 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     if backend == "torch" and s.prompt_lookup:  # one prompt at a time, whatever the batch size
         name, ref = torch_reference(loaded, s.max_tokens, lookup=s.prompt_lookup)
         configs.append(Config(name, "reference", ref))
+    if s.llama_cpp and importlib.util.find_spec("llama_cpp") is not None:
+        gguf = gguf_for(loaded)
+        if gguf is not None:  # one prompt at a time, whatever the batch size
+            name, ref = llama_cpp_reference(gguf, s.max_tokens, set(loaded.eos_ids), _torch_threads() if backend == "torch" else None)
+            configs.append(Config(name, "reference", ref))
     for tau in s.thresholds:
         if s.window:
             window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s))

@@ -148,3 +148,66 @@ def test_train_step_benchmark_trims_the_unread_noisy_blocks(tiny, tmp_path):
     assert len(rep["batches"]) == 2 and json.loads(out.read_text())["fed_ratio"] == rep["fed_ratio"]
     assert 0.3 < rep["fed_ratio"] < 0.9, rep["fed_ratio"]
     assert all(r["fed_trimmed"] < r["fed_full"] and r["seconds_full"] > 0 and r["seconds_trimmed"] > 0 for r in rep["batches"])
+
+
+def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monkeypatch):
+    """With llama-cpp-python importable and a GGUF known for the model, batch 1 gains a
+    llama.cpp row (greedy, one prompt at a time, cut at max_tokens or the first EOS). Here
+    a stand-in module replays AR's own tokens for the first prompt and stops at once on
+    the others, so the row must report 1 of the rows equal to AR."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import mars.bench as bench
+
+    seen = {}
+
+    class Llama:
+        def __init__(self, model_path, **kw):
+            seen["path"], seen["threads"] = model_path, kw.get("n_threads")
+
+        def generate(self, tokens, **kw):
+            assert kw["temp"] == 0.0 and kw["repeat_penalty"] == 1.0  # greedy, as our AR
+            seen.setdefault("prompts", []).append(list(tokens))
+            yield from list(replies.get(tuple(tokens), [2])) + [7] * 100  # 2: EOS of the tiny tokenizer
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama = Llama
+    fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(bench, "gguf_for", lambda loaded: str(tmp_path / "base.gguf"))
+    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0,), block_caches=(), repeats=1, forward_ks=(), max_tokens=6, prompt_lookup=0)
+    from mars.session import Session
+
+    session = Session(str(tiny), backend="torch", announce=lambda m: None)
+    ids = session.encode(PROMPTS[:2])
+    ar = bench.generate(session.decoder, [ids[0]], bench.decode_settings(session.loaded, 1.0, "window", 16, settings)).tokens[0]
+    replies = {tuple(ids[0]): ar}
+    report = bench.run_benchmark(session.loaded, session.decoder, "torch", ids, settings)
+    runs = {r["name"]: r for r in report["runs"]}
+    row = runs["llama.cpp (GGUF)"]
+    assert seen["path"] == str(tmp_path / "base.gguf") and seen["prompts"][-2:] == ids  # after a warm-up
+    assert row["kind"] == "reference" and row["tokens_per_forward"] is None
+    assert ar != [2] and row["rows_equal_to_ar"] == 0.5
+    assert row["tokens"] <= 2 * 6
+    monkeypatch.setattr(bench, "gguf_for", lambda loaded: None)  # no GGUF known: no row
+    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session.loaded, session.decoder, "torch", settings)}
+    settings.llama_cpp = False
+    monkeypatch.setattr(bench, "gguf_for", lambda loaded: "x.gguf")
+    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session.loaded, session.decoder, "torch", settings)}
+
+
+def test_gguf_for_finds_the_base_gguf(tmp_path, monkeypatch):
+    import types
+
+    import mars.bench as bench
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(bench, "default_gguf", lambda: tmp_path / "default.gguf")
+    loaded = types.SimpleNamespace(path=str(gguf), mars=None)
+    assert bench.gguf_for(loaded) == str(gguf)
+    adapter = types.SimpleNamespace(path="weights", mars=types.SimpleNamespace(base_model="default:SmolLM2-135M-Instruct"))
+    assert bench.gguf_for(adapter) == str(tmp_path / "default.gguf")
+    assert bench.gguf_for(types.SimpleNamespace(path=str(tmp_path / "hf-model"), mars=None)) is None

@@ -159,6 +159,23 @@ def test_batches_are_costed_on_their_own_curve():
     assert plain.bucket(8) == 1 and plain.seconds(8, 2) == 16.0
 
 
+def test_a_batch_pays_for_its_widest_row():
+    """At batch b a step is as wide as its widest row: the policy costs a feed at the width
+    of a step where some row drafts (chance 1 - (1 - f)^b), not at the rows' mean width."""
+    stats = DraftStats(slots=4)
+    for _ in range(20):
+        stats.record("masks", 2, 0)
+        stats.record("masks", 2, 2)
+    curve = fixed({1: 1.0, 64: 64.0})
+    policy = FeedPolicy(curve, 4, 4, stats=stats)
+    tokens, mean_width, f = steady_state(stats.rates("masks", 2), stats.rates("spare", 2), 2, 0)
+    assert 0 < f < 1
+    assert policy.rate(2, 0, batch=1) == pytest.approx(tokens / curve.seconds(round(mean_width)))
+    widest = 3 + 2 * (1 - (1 - f) ** 8)
+    assert policy.rate(2, 0, batch=8) == pytest.approx(tokens / curve.seconds(round(8 * widest)))
+    assert policy.rate(2, 0, batch=8) < tokens / curve.seconds(round(8 * mean_width))
+
+
 def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
     policy = FeedPolicy(fixed(STEEP), 4, 4, explore=5)
     picks = [policy.choose() for _ in range(14)]

@@ -46,12 +46,13 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--window/--no-window", default=B["window"], show_default=True, help="Time MARS with the window cache (threshold and lossless).")
 @click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
 @click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
+@click.option("--llama-cpp/--no-llama-cpp", default=B["llama_cpp"], show_default=True, help="Also time llama.cpp on the base model's GGUF (the embedded default's, or a --model .gguf) when llama-cpp-python is installed; one prompt at a time.")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
 @backend_option
 @friendly_errors
 def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, threads, verbose,
+                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, llama_cpp, threads, verbose,
                   backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
     from ..bench import BenchError, benchmark, format_table
@@ -73,6 +74,7 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
             window=window,
             prompt_lookup=prompt_lookup,
             ngram=ngram,
+            llama_cpp=llama_cpp,
         )
     except BenchError as e:
         raise click.UsageError(str(e)) from None

@@ -271,9 +271,15 @@ class FeedPolicy:
                 yield m, g
 
     def rate(self, masks: int, groups: int, batch: int = 1) -> float:
-        """Expected tokens per second (per row) of feeding this forever."""
+        """Expected tokens per second (per row) of feeding this forever. A batch's forward is
+        as wide as its widest row: with `batch` rows each drafting a fraction f of its steps,
+        the step has drafts in some row with chance 1 - (1 - f)^batch, and then every row
+        pays for their width."""
         s = self.stats
-        tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups)
+        tokens, width, drafting = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups)
+        if batch > 1 and masks:
+            narrow, wide = 1 + masks, 1 + 2 * masks + groups * masks
+            width = narrow + (wide - narrow) * (1.0 - (1.0 - drafting) ** batch)
         return tokens / self.costs.seconds(batch, width)
 
     def choose(self, batch: int = 1) -> tuple[int, int]:

@@ -33,22 +33,26 @@ class Drafting:
         batch = max(1, len(rows))  # the rows of the forward: a finished row not yet dropped still takes its slots
         if self.policy is not None:
             strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
-        m = strategy.masks
+        m, g = strategy.masks, strategy.spare_groups
+        width = lossless_width(0, m, g)  # the step's width so far: one row's drafts widen it for every row
         for r in live:
             options = [(r.source, r.drafts[: max(m, 1)])] if r.drafts else []
             if self.s.ngram:
                 found = ngram.lookup(r.seq, max_drafts=self.s.ngram)
                 if found:
                     options.append(("ngram", found))
-            r.source, r.drafts = self._pick(options, m, strategy.spare_groups, batch)
+            r.source, r.drafts = self._pick(options, m, g, batch, width)
+            width = max(width, lossless_width(len(r.drafts), m, g))
 
-    def _pick(self, options, masks: int, spare_groups: int, batch: int) -> tuple[str, list[int]]:
+    def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, list[int]]:
         """The drafts a row feeds: without a cost curve, the option expected to keep the most
-        drafts; with one, the option and length that maximise expected tokens per second of
-        this step ((1 + expected kept) / cost of the step's width)."""
+        drafts; with one, the option and length that maximise the batch's expected tokens per
+        second this step: (batch + this row's expected kept drafts) / the cost of the step,
+        whose width is the widest row's (`width` so far, or this row's drafts if wider).
+        At batch 1 that is (1 + expected kept) / the cost of this row's width."""
         st, best = self.stats, ("masks", [])
         # Feeding no drafts is the option to beat.
-        best_score = 1.0 / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups)) if self.policy is not None else 0.0
+        best_score = batch / self.policy.costs.seconds(batch, width) if self.policy is not None else 0.0
         for source, drafts in options:
             lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
             for d in lengths:
@@ -56,7 +60,7 @@ class Drafting:
                 if self.policy is None:
                     score = kept
                 else:
-                    score = (1 + kept) / self.policy.costs.seconds(batch, lossless_width(d, masks, spare_groups))
+                    score = (batch + kept) / self.policy.costs.seconds(batch, max(width, lossless_width(d, masks, spare_groups)))
                 if score > best_score:
                     best, best_score = (source, drafts[:d]), score
         return best
