@@ -427,6 +427,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     cost = None
     if s.lossless:
         cost = base.costs(loaded, decoder)
+        cost.prepare(max(s.batch_sizes))  # every batch's curve measured before anything is timed
     configs = build_configs(loaded, decoder, backend, s, cost)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []

@@ -73,18 +73,20 @@ class Session:
         """Decode settings from the checkpoint plus `asked` (mars.core.policy.decode_settings)."""
         return base.decode_settings(self.loaded, **asked)
 
-    def cost_for(self, settings: DecodeSettings):
+    def cost_for(self, settings: DecodeSettings, batch: int = 1):
         """The cost-aware feed policy when `settings` chooses its feed per step (greedy lossless
         with the window cache or none, no fixed `hedge`) or may leave the block cache for the
         window cache where that is faster (greedy lossless), else None. The per-forward cost curve
-        is measured once per device (mars.backends.base.cost_curve); each block size keeps one
-        policy, which learns across calls."""
+        is measured once per device (mars.backends.base.cost_curve), and with `batch` > 1 the
+        curves of smaller and equal batches too; each block size keeps one policy, which
+        learns across calls."""
         if not (settings.lossless and settings.sampling.greedy and settings.hedge is None):
             return None
         from .core.cost import FeedPolicy
 
         if self._cost is None:
             self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
+        self._cost.prepare(batch)
         key = (settings.block_size, replace(settings, cache="window").spare_groups)  # the window's, if the block cache gives way
         if key not in self._policies:
             self._policies[key] = FeedPolicy(self._cost, *key)

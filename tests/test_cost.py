@@ -154,6 +154,10 @@ def test_batches_are_costed_on_their_own_curve():
     assert costs.curves[8].points[16] == 30.0
     costs.observe(5, 2, 99.0)  # another batch's does not
     assert 10 not in costs.curves[8].points
+    fresh = BatchCosts(fixed(FLAT), measure=measure)
+    measured.clear()
+    fresh.prepare(3)  # what a batch of 3 may need as its rows finish: the 2- and 4-row curves
+    assert measured == [2, 4]
     # Without a measure every batch runs on the one-row curve at batch x width tokens (as before).
     plain = BatchCosts(fixed({1: 1.0, 64: 64.0}))
     assert plain.bucket(8) == 1 and plain.seconds(8, 2) == 16.0

@@ -43,7 +43,7 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
     if compare:
         runs = [dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False), settings]
     for s in runs:
-        session.cost_for(s)  # measured (once per device) before anything is timed
+        session.cost_for(s, batch=min(batch_size, len(ids)))  # measured (once per device) before anything is timed
     results = [session.decode(ids, s, batch_size) for s in runs]
     ratios = []
     if compare:

@@ -116,6 +116,13 @@ class BatchCosts:
             self.curves[b] = self.measure(b)
         return self.curves[b]
 
+    def prepare(self, batch: int) -> None:
+        """Measure now every curve a decode of up to `batch` rows may need (its batch shrinks
+        as rows finish), so that no measurement falls inside a timed run."""
+        for b in self.buckets:
+            if b <= self.bucket(batch):
+                self.curve(b)
+
     def seconds(self, batch: int, width: float) -> float:
         b = self.bucket(batch)
         return self.curve(batch).seconds(max(1, round((b if b > 1 else batch) * width)))
