@@ -362,9 +362,11 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
     return {"runs": rows, "reference_check": check}
 
 
-def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick) -> list[dict]:
+def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick, ar_filler: int | None = None) -> list[dict]:
     """Median time of one cached forward of k new tokens on a prefilled cache of the first
-    `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out)."""
+    `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out).
+    The new tokens are `filler` (the mask), or `ar_filler` for k = 1: a one-token forward is
+    an AR step, which feeds a real token (a gated adapter does no work there)."""
     rows = [prompts[i % len(prompts)] for i in range(batch)]
     width = max(len(p) for p in rows)
     ids = np.full((batch, width), filler, dtype=np.int64)
@@ -380,7 +382,7 @@ def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, ti
     decoder.step(cache, ids, positions, mask, np.full((batch, 1), width - 1), metric="probability", sampling=greedy)
 
     def one(k):
-        new_ids = np.full((batch, k), filler, dtype=np.int64)
+        new_ids = np.full((batch, k), filler if k > 1 or ar_filler is None else ar_filler, dtype=np.int64)
         new_pos = lengths[:, None] + np.arange(k)[None, :]
         keys = np.concatenate([valid, np.ones((batch, k), dtype=bool)], axis=1)
         m = None if keys.all() else decode_mask(keys, k)
@@ -444,7 +446,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
             runs += result["runs"]
             checks.append(result["reference_check"])
         for batch in s.batch_sizes if ks else ():
-            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, base.mask_id_for(loaded), tick)
+            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, base.mask_id_for(loaded), tick, ar_filler=loaded.eos_ids[0])
     settings = asdict(s)
     settings.update(block_size=block_size, metric=metric)
     return {

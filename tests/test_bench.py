@@ -211,3 +211,30 @@ def test_gguf_for_finds_the_base_gguf(tmp_path, monkeypatch):
     adapter = types.SimpleNamespace(path="weights", mars=types.SimpleNamespace(base_model="default:SmolLM2-135M-Instruct"))
     assert bench.gguf_for(adapter) == str(tmp_path / "default.gguf")
     assert bench.gguf_for(types.SimpleNamespace(path=str(tmp_path / "hf-model"), mars=None)) is None
+
+
+def test_forward_cost_times_k1_as_an_ar_step():
+    """The cost curve's k = 1 feeds a real token (an AR step, no gated work), wider feeds masks."""
+    import numpy as np
+
+    from mars.bench import forward_cost
+
+    fed = []
+
+    class Stub:
+        def new_cache(self, batch):
+            return {}
+
+        def crop(self, cache, length):
+            pass
+
+        def step(self, cache, ids, positions, mask, read, *, metric, sampling):
+            fed.append(ids.copy())
+            return np.zeros(read.shape, dtype=np.int64), np.ones(read.shape)
+
+    points = forward_cost(Stub(), [[5, 6, 7]], 1, (1, 3), 2, filler=3, ar_filler=2)
+    assert [p["k"] for p in points] == [1, 3] and points[0]["ratio_to_first"] == 1.0
+    timed = fed[1:]  # after the prefill
+    assert all((f == 2).all() for f in timed if f.shape[1] == 1)
+    assert all((f == 3).all() for f in timed if f.shape[1] == 3)
+    assert any(f.shape[1] == 1 for f in timed) and any(f.shape[1] == 3 for f in timed)
