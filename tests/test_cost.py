@@ -182,10 +182,16 @@ def test_a_batch_pays_for_its_widest_row():
 
 def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
     policy = FeedPolicy(fixed(STEEP), 4, 4, explore=5)
-    picks = [policy.choose() for _ in range(14)]
+    picks = [policy.choose() for _ in range(40)]
+    probes = [i for i, p in enumerate(picks) if p != (0, 0)]
     assert picks[:5] == [(0, 0)] * 5
-    assert picks[5] != (0, 0) and picks[6] != (0, 0)  # two steps: one proposes, one verifies
-    assert picks[7:12] == [(0, 0)] * 5 and picks[12] != (0, 0)
+    assert probes[:2] == [5, 6]  # two steps: one proposes, one verifies
+    # Each probe that leaves AR the best doubles the wait for the next: 10, then 20 AR steps.
+    assert probes[2:] == [17, 18, 39]
+    # Once the masks pay, probes come at the base rate again.
+    policy.curve.points = {1: 1.0, 64: 1.0}
+    policy.curve._arrays = None
+    assert policy.choose() != (0, 0) and policy._interval == 5
 
 
 # -- the loop on the fake backend -----------------------------------------------------------------

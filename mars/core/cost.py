@@ -253,7 +253,10 @@ class FeedPolicy:
 
     AR's feed teaches nothing about the masks, so after `explore` AR steps in a row the
     policy feeds the best other choice for two steps (one proposes drafts, the next
-    verifies them): estimates that went too low can recover."""
+    verifies them): estimates that went too low can recover. Each probe that leaves AR the
+    best choice doubles the run before the next (up to 32x `explore`), so a device where
+    the masks never pay (a CPU at batch 8) spends ever fewer steps on probes; a choice
+    other than AR's restores `explore`."""
 
     def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
                  explore: int = 32):
@@ -265,6 +268,7 @@ class FeedPolicy:
         self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
         self._ar_run = 0
         self._probe = 0
+        self._interval = explore  # AR steps in a row before the next probe
 
     @property
     def curve(self) -> CostCurve:
@@ -295,13 +299,16 @@ class FeedPolicy:
         if best == (0, 0) and self.max_masks:
             if not self._probe:
                 self._ar_run += 1
-                if self._ar_run > self.explore:
+                if self._ar_run > self._interval:
                     self._ar_run, self._probe = 0, 2
+                    # If AR is still the best after this probe, the next one waits twice as long.
+                    self._interval = min(2 * self._interval, 32 * self.explore)
             if self._probe:
                 self._probe -= 1
                 best = ranked[1]
         else:
             self._ar_run = 0
+            self._interval = self.explore
         self.choices[best] = self.choices.get(best, 0) + 1
         return best
 
