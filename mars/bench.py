@@ -60,7 +60,7 @@ class BenchSettings:
     window: bool = True  # time threshold mode with the window cache
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
     ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
-    llama_cpp: bool = True  # batch 1: also time llama.cpp on the base GGUF, when llama-cpp-python is importable
+    llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
