@@ -16,7 +16,7 @@ import importlib.util
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from .backends import base
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
 from .core.policy import DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
-from .default_model import DEFAULT_NAME, DefaultModelError, cache_root, default_gguf
+from .default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -164,9 +164,8 @@ def gguf_for(loaded) -> str | None:
     path = str(getattr(loaded, "path", "") or "")
     if path.endswith(".gguf") and Path(path).is_file():
         return path
-    base_model = getattr(loaded.mars, "base_model", None) if loaded.mars is not None else None
-    embedded = path and Path(path) == cache_root() / "models" / DEFAULT_NAME  # the converted default itself
-    if embedded or any(str(p).startswith("default:") for p in (path, base_model) if p):
+    base_model = loaded.mars.base_model if loaded.mars is not None else None
+    if DEFAULT_REF in (model_ref(path) if path else None, base_model):
         try:
             return str(default_gguf())
         except DefaultModelError:
@@ -259,7 +258,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             block = decode_settings(loaded, 1.0, "block", bc, s, True, ngram=s.ngram)
             # With a cost curve the loop may leave the block cache for the window cache where
             # that is faster (the row's "cache_ran" says which ran).
-            policy = FeedPolicy(cost, block.block_size, replace(block, cache="window").spare_groups) if cost is not None else None
+            policy = FeedPolicy(cost, block.block_size, block.window_spare_groups) if cost is not None else None
             configs.append(Config(f"lossless-block{bc}", "lossless", _ours(decoder, block, policy), None, "block", bc))
     return configs
 

@@ -10,7 +10,7 @@ lossless runs, and decodes prompts in batches (`decode_batches`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from .backends import base
 from .core.decoding import DecodeSettings, DecodeStats, generate
@@ -87,7 +87,7 @@ class Session:
         if self._cost is None:
             self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
         self._cost.prepare(batch)
-        key = (settings.block_size, replace(settings, cache="window").spare_groups)  # the window's, if the block cache gives way
+        key = (settings.block_size, settings.window_spare_groups)  # the window's, if the block cache gives way
         if key not in self._policies:
             self._policies[key] = FeedPolicy(self._cost, *key)
         return self._policies[key]

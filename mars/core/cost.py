@@ -125,7 +125,8 @@ class BatchCosts:
 
     def seconds(self, batch: int, width: float) -> float:
         b = self.bucket(batch)
-        return self.curve(batch).seconds(max(1, round((b if b > 1 else batch) * width)))
+        rows = batch if b == 1 else b  # the one-row curve takes the batch's tokens, a bucket's its own rows
+        return self.curve(batch).seconds(max(1, round(rows * width)))
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         """Fold in a forward the loop timed, where its batch is its bucket's (or no curve
@@ -215,10 +216,15 @@ class DraftStats:
         return float(np.sum(np.cumprod(self.rates(source, n)))) if n else 0.0
 
 
-def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int) -> tuple[float, float, float]:
+def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int,
+                 batch: int = 1) -> tuple[float, float, float]:
     """A lossless step feeding `masks` masks and `groups` spare groups forever: the
     stationary mix of steps with mask drafts (M), spare-group drafts (S) and none (N).
-    Returns (tokens per step, mean fed width, fraction of steps with drafts).
+    Returns (tokens per step and row, mean fed width per row, fraction of steps with drafts).
+
+    A batch's forward is as wide as its widest row: with `batch` rows each drafting a
+    fraction f of its steps, a step has drafts in some row with chance 1 - (1 - f)^batch,
+    and then every row pays for their width (at batch 1, the chance is f).
 
     From a step with d = masks drafts of keep rates r, exactly g are kept with chance
     prod(r[:g]) (1 - r[g]); all kept -> M (the masks' proposals), g < groups -> S (group
@@ -241,9 +247,10 @@ def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, 
     pi = np.linalg.lstsq(a, np.array([0, 0, 0, 1.0]), rcond=None)[0].clip(min=0)
     pi = pi / pi.sum()
     tokens = pi[0] * (1 + km) + pi[1] * (1 + ks) + pi[2] * 1.0
-    width_drafts = 1 + masks + masks + groups * masks
-    width = (pi[0] + pi[1]) * width_drafts + pi[2] * (1 + masks)
-    return float(tokens), float(width), float(pi[0] + pi[1])
+    drafting = float(pi[0] + pi[1])
+    narrow, wide = 1 + masks, 1 + masks + masks + groups * masks
+    width = narrow + (wide - narrow) * (1.0 - (1.0 - drafting) ** batch)
+    return float(tokens), float(width), drafting
 
 
 class FeedPolicy:
@@ -282,15 +289,10 @@ class FeedPolicy:
                 yield m, g
 
     def rate(self, masks: int, groups: int, batch: int = 1) -> float:
-        """Expected tokens per second (per row) of feeding this forever. A batch's forward is
-        as wide as its widest row: with `batch` rows each drafting a fraction f of its steps,
-        the step has drafts in some row with chance 1 - (1 - f)^batch, and then every row
-        pays for their width."""
+        """Expected tokens per second (per row) of feeding this forever (`steady_state`, whose
+        width is the batch's widest row's)."""
         s = self.stats
-        tokens, width, drafting = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups)
-        if batch > 1 and masks:
-            narrow, wide = 1 + masks, 1 + 2 * masks + groups * masks
-            width = narrow + (wide - narrow) * (1.0 - (1.0 - drafting) ** batch)
+        tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups, batch)
         return tokens / self.costs.seconds(batch, width)
 
     def choose(self, batch: int = 1) -> tuple[int, int]:

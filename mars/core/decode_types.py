@@ -3,7 +3,7 @@ rows being decoded and the statistics they report (docs/method.md §5, §8)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -96,6 +96,12 @@ class DecodeSettings:
         if self.no_spare_groups:
             return 0
         return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
+
+    @property
+    def window_spare_groups(self) -> int:
+        """The spare groups these settings feed with the window cache: `spare_groups`, also
+        where greedy lossless decoding leaves the block cache for the window cache."""
+        return replace(self, cache="window").spare_groups
 
     @property
     def masks_per_step(self) -> int:

@@ -82,9 +82,8 @@ def generate(
     rows = [Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
     ran = s.cache
     if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy:
-        window = replace(s, cache="window")
-        if not block_cache_pays(cost, s.block_size, s.block_cache, window.spare_groups, len(rows)):
-            s, ran = window, "window"
+        if not block_cache_pays(cost, s.block_size, s.block_cache, s.window_spare_groups, len(rows)):
+            s, ran = replace(s, cache="window"), "window"
     strategy = make_strategy(s, rows)
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
