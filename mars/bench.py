@@ -23,6 +23,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .backends import base
+from .core.decode_types import FEEDS
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
 from .core.policy import DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
@@ -61,6 +62,9 @@ class BenchSettings:
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
     ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
     llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
+    # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
+    # chosen from the cost curve, mars.core.cost.ThresholdPolicy) and/or "fixed" (B every step).
+    feeds: tuple[str, ...] = ("auto",)
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -72,6 +76,9 @@ class BenchSettings:
                 raise BenchError(f"{name.replace('_', ' ')} must be >= 1, got {list(values)}")
         if not self.batch_sizes:
             raise BenchError("give at least one batch size")
+        self.feeds = tuple(dict.fromkeys(self.feeds))
+        if not self.feeds or any(f not in FEEDS for f in self.feeds):
+            raise BenchError(f"feeds must be some of {', '.join(FEEDS)}, got {list(self.feeds)}")
         if self.repeats < 1 or self.forward_repeats < 1:
             raise BenchError("repeats must be >= 1")
         if self.max_tokens < 1:
@@ -95,6 +102,7 @@ class Config:
     forwards: int | None = None
     row_forwards: int | None = None
     by_source: dict | None = None
+    masks_fed: dict | None = None
 
 
 def metric_of(loaded, s: BenchSettings) -> str:
@@ -103,10 +111,11 @@ def metric_of(loaded, s: BenchSettings) -> str:
 
 
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
-                    hedge: int | None = None, ngram: int = 0) -> DecodeSettings:
+                    hedge: int | None = None, ngram: int = 0, feed: str = "auto") -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     return base.decode_settings(loaded, threshold=threshold, lossless=lossless, metric=s.metric, block_size=s.block_size, force=s.force,
-                                max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram)
+                                max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram,
+                                feed=feed)
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -223,8 +232,9 @@ def _ours(decoder, settings: DecodeSettings, cost=None):
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
-    """`cost`: the decoder's per-forward cost curve; the default lossless configuration
-    (what `mars generate --lossless` runs) chooses its feed from it."""
+    """`cost`: the decoder's per-forward cost curves (mars.core.cost.BatchCosts); the default
+    lossless configuration (what `mars generate --lossless` runs) and threshold mode's "auto"
+    feed choose what they feed from them."""
     from .core.cost import FeedPolicy
 
     ar_tau = ar_threshold(metric_of(loaded, s))
@@ -239,13 +249,20 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
         if gguf is not None:  # one prompt at a time, whatever the batch size
             name, ref = llama_cpp_reference(gguf, s.max_tokens, set(loaded.eos_ids), _torch_threads() if backend == "torch" else None)
             configs.append(Config(name, "reference", ref))
+    # Threshold rows decide on the curves as stored now: the lossless rows refresh `cost` from
+    # the forwards they time, and threshold-mode text must not follow that from round to round.
+    stored = cost.snapshot() if hasattr(cost, "snapshot") else cost
     for tau in s.thresholds:
-        if s.window:
-            window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s))
-            configs.append(Config(f"mars-window t={tau:g}", "mars", window, tau, "window"))
-        for bc in s.block_caches:
-            run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s))
-            configs.append(Config(f"mars-block{bc} t={tau:g}", "mars", run, tau, "block", bc))
+        for feed in s.feeds:
+            # auto: each call picks its masks per step from the cost curve (a policy of its own,
+            # mars.core.cost.ThresholdPolicy), and may leave the block cache where it does not pay.
+            fed, suffix = (stored, "") if feed == "auto" else (None, " fixed")
+            if s.window:
+                window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s, feed=feed), fed)
+                configs.append(Config(f"mars-window t={tau:g}{suffix}", "mars", window, tau, "window"))
+            for bc in s.block_caches:
+                run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s, feed=feed), fed)
+                configs.append(Config(f"mars-block{bc} t={tau:g}{suffix}", "mars", run, tau, "block", bc))
     if s.lossless:
         if s.window:
             auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram)
@@ -268,8 +285,9 @@ def _chunks(prompts, size):
 
 
 def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, int | None, int | None]:
-    """Decode every chunk; also leaves in `config.by_source` where a lossless pass's tokens came from."""
-    tokens, forwards, row_forwards, sources, ran = [], 0, 0, {}, set()
+    """Decode every chunk; also leaves in `config.by_source` where a lossless pass's tokens came
+    from, and in `config.masks_fed` how many masks a threshold pass fed a step (masks -> forwards)."""
+    tokens, forwards, row_forwards, sources, ran, fed = [], 0, 0, {}, set(), {}
     t0 = time.perf_counter()
     for chunk in chunks:
         out, stats = config.run(chunk)
@@ -281,8 +299,11 @@ def _timed_pass(config: Config, chunks) -> tuple[float, list[list[int]], int, in
                 ran.add(stats.cache)
             for k, v in stats.by_source().items():
                 sources[k] = sources.get(k, 0) + v
+            for m, n in stats.masks_fed.items():
+                fed[m] = fed.get(m, 0) + n
     wall = time.perf_counter() - t0
     config.by_source = sources or None
+    config.masks_fed = dict(sorted(fed.items())) if config.kind == "mars" else None
     config.cache_ran = ",".join(sorted(ran)) or None
     own = config.kind != "reference"
     return wall, tokens, sum(len(t) for t in tokens), forwards if own else None, row_forwards if own else None
@@ -352,6 +373,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
             "ratio_min": min(c.ratios),
             "ratio_max": max(c.ratios),
             "tokens_by_source": c.by_source,
+            "masks_fed": c.masks_fed,
             "cache_ran": c.cache_ran,
             "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
             "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
@@ -426,7 +448,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     except UntrainedModelError as e:
         raise BenchError(str(e)) from e
     cost = None
-    if s.lossless:
+    if s.lossless or "auto" in s.feeds:
         cost = base.costs(loaded, decoder)
         cost.prepare(max(s.batch_sizes))  # every batch's curve measured before anything is timed
     configs = build_configs(loaded, decoder, backend, s, cost)

@@ -28,11 +28,17 @@ class Decoded:
 
     @property
     def total(self) -> DecodeStats:
-        """The batches' statistics as one: every prompt's RowStats in prompt order, forwards and
-        fed tokens summed; `cache` the strategies that ran, comma-separated where they differ."""
+        """The batches' statistics as one: every prompt's RowStats in prompt order, forwards,
+        fed tokens and threshold mode's masks fed summed; `cache` the strategies that ran,
+        comma-separated where they differ."""
         ran = sorted({s.cache for s in self.stats if s.cache})
+        fed: dict[int, int] = {}
+        for s in self.stats:
+            for m, n in s.masks_fed.items():
+                fed[m] = fed.get(m, 0) + n
         return DecodeStats(rows=[row for s in self.stats for row in s.rows], forwards=sum(s.forwards for s in self.stats),
-                           fed_tokens=sum(s.fed_tokens for s in self.stats), cache=",".join(ran) or None)
+                           fed_tokens=sum(s.fed_tokens for s in self.stats), cache=",".join(ran) or None,
+                           masks_fed=dict(sorted(fed.items())))
 
 
 def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *, cost=None) -> Decoded:
@@ -57,7 +63,8 @@ class Session:
         self.announce = announce
         self.loaded = base.load(self.backend, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.decoder = base.decoder(self.loaded)
-        self._cost = None
+        self._cost = None  # lossless: refreshed by the forwards it times
+        self._stored_cost = None  # threshold mode: the stored curves, never refreshed
         self._policies: dict = {}
 
     @property
@@ -74,16 +81,28 @@ class Session:
         return base.decode_settings(self.loaded, **asked)
 
     def cost_for(self, settings: DecodeSettings, batch: int = 1):
-        """The cost-aware feed policy when `settings` chooses its feed per step (greedy lossless
-        with the window cache or none, no fixed `hedge`) or may leave the block cache for the
-        window cache where that is faster (greedy lossless), else None. The per-forward cost curve
-        is measured once per device (mars.backends.base.cost_curve), and with `batch` > 1 the
-        curves of smaller and equal batches too; each block size keeps one policy, which
-        learns across calls."""
-        if not (settings.lossless and settings.sampling.greedy and settings.hedge is None):
+        """What the loop chooses its feed from, when `settings.feed` is "auto", else None:
+        greedy lossless with no fixed `hedge`, the cost-aware feed policy (it picks masks and
+        spare groups per step, and may leave the block cache for the window cache where that
+        is faster; each block size keeps one policy, which learns across calls); threshold
+        mode below AR mode, the cost curves themselves (each call then picks the masks it
+        feeds per step with a policy of its own, mars.core.cost.ThresholdPolicy). The
+        per-forward cost curve is measured once per device (mars.backends.base.cost_curve),
+        and with `batch` > 1 the curves of smaller and equal batches too."""
+        if settings.feed != "auto":
+            return None
+        threshold_mode = not settings.lossless and settings.masks_per_step > 0
+        if not (threshold_mode or (settings.lossless and settings.sampling.greedy and settings.hedge is None)):
             return None
         from .core.cost import FeedPolicy
 
+        if threshold_mode:
+            # Curves of their own, as stored: lossless decoding refreshes its copy from the
+            # forwards it times, and threshold-mode text must not follow that.
+            if self._stored_cost is None:
+                self._stored_cost = base.costs(self.loaded, self.decoder, announce=self.announce)
+            self._stored_cost.prepare(batch)
+            return self._stored_cost
         if self._cost is None:
             self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
         self._cost.prepare(batch)

@@ -34,6 +34,7 @@ def check_report(report, reference, extra=()):
             assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio_to_ar"] > 0 and r["tokens"] > 0
             assert len(r["wall_s_runs"]) == 1
             assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"]
+        assert runs["mars-window t=0.9"]["masks_fed"] and runs["ar-kv-cache"]["masks_fed"] is None
         for name in extra:  # transformers prompt lookup: greedy, so AR's tokens
             assert runs[name]["rows_equal_to_ar"] == 1.0
     curve = report["forward_cost"]
@@ -85,14 +86,17 @@ def test_cli_writes_json_and_prints_the_table(tiny, tmp_path):
     out = tmp_path / "r" / "bench.json"
     args = ["--model", tiny, "--backend", "torch", "--prompts", prompts, "--batch-sizes", "1,2", "--block-cache", "4",
             "--threshold", "0.9", "--threshold", "0.5", "--repeats", "1", "--forward-k", "1-2", "--forward-repeats", "1",
-            "--max-tokens", "8", "--force", "--threads", "1", "--output", out]
+            "--max-tokens", "8", "--force", "--threads", "1", "--feed", "auto,fixed", "--output", out]
     result = CliRunner().invoke(bench_command, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["prompts"] == 2 and report["ar_matches_reference"] is True and report["torch_threads"] == 1
     names = {r["name"] for r in report["runs"]}
     assert {"mars-block4 t=0.5", "mars-window t=0.9", "transformers.generate"} <= names
+    assert {"mars-block4 t=0.5 fixed", "mars-window t=0.9 fixed"} <= names  # --feed fixed: B masks every step
     assert "ar-kv-cache" in result.output
+    bad = CliRunner().invoke(bench_command, [str(a) for a in args[:-4]] + ["--feed", "wide"])
+    assert bad.exit_code == 2 and "feeds must be some of auto, fixed" in bad.output and "Traceback" not in bad.output
 
 
 def test_cli_errors_are_one_line(tiny):

@@ -473,6 +473,11 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     assert [r["text"] for r in default] == [r["text"] for r in ar]
     plain = [json.loads(line) for line in ok(invoke(*common, "--hedge", 0)).stdout.splitlines()]
     assert [r["text"] for r in plain] == [r["text"] for r in ar] and plain[0]["mode"] == "lossless greedy"
+    fixed = [json.loads(line) for line in ok(invoke(*common, "--feed", "fixed")).stdout.splitlines()]
+    assert [r["text"] for r in fixed] == [r["text"] for r in ar]
+    fixed_loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--feed", "fixed")).stdout.splitlines()]
+    assert [r["mode"] for r in fixed_loose] == ["threshold 0.5 (probability)"] * 2
+    assert invoke(*common, "--feed", "wide").exit_code == 2
     result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
                        input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]

@@ -15,7 +15,7 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core import ngram
-from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, block_cache_pays, steady_state
+from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdPolicy, block_cache_pays, steady_state
 from mars.core.decoding import DecodeSettings, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
@@ -384,3 +384,102 @@ def test_draft_totals_sum_rows_whose_slot_lists_differ_in_length():
                                     "kept_per_slot": [5, 3, 1, 1, 1, 1]}
     assert sum_ragged([short.accepted_per_slot, long.accepted_per_slot]) == [11, 5, 2, 1, 1, 1, 1]
     assert sum_ragged([]) == []
+
+
+# -- threshold mode: how many masks to feed -------------------------------------------------------
+
+
+class ConfidentOracle(OracleBackend):
+    """The oracle with honest confidences: 1 where a slot's guess is the oracle's next token,
+    0.1 where it is not, so threshold mode accepts exactly the right guesses."""
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+        ids, _ = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
+        at = np.take_along_axis(positions, read, axis=1)
+        truth = np.vectorize(lambda p: oracle(int(p) + 1, self.period))(at)
+        return ids, np.where(ids == truth, 1.0, 0.1)
+
+
+def threshold(**kw):
+    return settings(**{"lossless": False, "threshold": 0.9, **kw})
+
+
+def test_threshold_policy_rate_by_hand():
+    policy = ThresholdPolicy(fixed({1: 1.0, 2: 1.5, 5: 3.0}), 4)
+    for _ in range(98):  # slot 0 passes 3 times in 4, slot 1 (once reached) half the time
+        policy.record(2, 2)
+        policy.record(2, 1)
+        policy.record(2, 2)
+        policy.record(2, 0)
+    r0 = (3 * 98 + 1) / (4 * 98 + 2)
+    r1 = (2 * 98 + 1) / (3 * 98 + 2)
+    curve = fixed({1: 1.0, 2: 1.5, 5: 3.0})  # costed at whole fed tokens (BatchCosts.seconds)
+    assert policy.rate(0) == pytest.approx(1.0)
+    assert policy.rate(1) == pytest.approx((1 + r0) / curve.seconds(round(2 + r0)))
+    both = 1 + r0 + r0 * r1
+    assert policy.rate(2) == pytest.approx(both / curve.seconds(round(3 + r0 + r0 * r1)))
+    # A batch is as wide as its widest row: the expected longest run of two rows.
+    widest = (1 - (1 - r0) ** 2) + (1 - (1 - r0 * r1) ** 2)
+    assert policy.rate(2, batch=2) == pytest.approx(both / curve.seconds(round(2 * (3 + widest))))
+
+
+def test_threshold_policy_decides_on_a_snapshot_of_the_curves():
+    curve = CostCurve({1: 1.0, 8: 2.0}, refresh=0.5)
+    costs = BatchCosts(curve)
+    policy = ThresholdPolicy(costs, 4)
+    before = policy.costs.seconds(1, 8)
+    costs.observe(1, 8, 100.0)  # the shared curve learns from another loop's forwards
+    assert curve.points[8] > 2.0
+    assert policy.costs.seconds(1, 8) == before
+    policy.costs.observe(1, 8, 100.0)  # nor does the policy's own copy move
+    assert policy.costs.seconds(1, 8) == before
+
+
+@pytest.mark.parametrize("good", [1, 4])
+def test_threshold_mode_feeds_masks_on_a_flat_curve_and_like_ar_on_a_steep_one(good):
+    flat = generate(ConfidentOracle(good), [PROMPT], threshold(), cost=fixed(FLAT))
+    steep = generate(ConfidentOracle(good), [PROMPT], threshold(), cost=fixed(STEEP))
+    fixed_feed = generate(ConfidentOracle(good), [PROMPT], threshold(), cost=fixed(STEEP) if good else None)
+    # Confident guesses are right here, so every feed gives the oracle's text.
+    for result in (flat, steep, fixed_feed):
+        assert result.tokens == [ORACLE_REPLY]
+    choices = steep.stats.threshold_feed.choices
+    assert max(choices, key=choices.get) == (0, 0)  # AR's feed but for a probe
+    assert steep.stats.forwards >= len(ORACLE_REPLY) - 4
+    flat_choices = flat.stats.threshold_feed.choices
+    assert max(flat_choices, key=flat_choices.get)[0] >= 1
+    # What each step fed, as the policy chose it.
+    assert flat.stats.masks_fed == {m: n for (m, _), n in flat_choices.items()}
+    assert sum(steep.stats.masks_fed.values()) == steep.stats.forwards
+    assert flat.stats.tokens_per_forward > 1 + 0.5 * good
+    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), cost=fixed(FLAT)).stats.threshold_feed is None
+
+
+def test_threshold_mode_without_a_curve_or_in_ar_mode_feeds_as_asked():
+    result = generate(ConfidentOracle(4), [PROMPT], threshold())
+    assert result.stats.threshold_feed is None
+    assert result.stats.forwards == -(-len(ORACLE_REPLY) // 5)  # B + 1 tokens every step
+    ar = generate(ConfidentOracle(4), [PROMPT], threshold(threshold=1.0), cost=fixed(FLAT))
+    assert ar.stats.threshold_feed is None and ar.stats.forwards == len(ORACLE_REPLY)
+
+
+@pytest.mark.parametrize("curve,ran", [(FLAT, "block"), (STEEP, "window")])
+def test_threshold_mode_leaves_the_block_cache_where_it_does_not_pay(curve, ran):
+    prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
+    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), cost=fixed(curve))
+    assert result.stats.cache == ran
+    assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
+
+
+def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
+    """Where no mask pays, threshold mode feeds AR's feed: on a real (untrained) model its
+    text is then exactly greedy AR's, batch and block cache included."""
+    tok = make_tokenizer()
+    tm = TorchModel(make_model("qwen2", len(tok), seed=2), tok, None, "", torch.device("cpu"), torch.float32)
+    dec = TorchDecoder(tm)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:3]]
+    ar = generate(dec, prompts, threshold(threshold=1.0, max_tokens=20)).tokens
+    for cache in ("window", "block"):
+        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), cost=fixed(STEEP))
+        assert result.tokens == ar
+        assert set(result.stats.threshold_feed.choices) == {(0, 0)}

@@ -167,7 +167,31 @@ def test_session_decodes_in_batches(plain):
     assert decoded.tokens == [session.generate([i], s).tokens[0] for i in ids]
     with pytest.raises(UntrainedModelError):
         session.settings(threshold=0.5)
-    assert session.cost_for(s) is None  # threshold mode feeds as asked
+    assert session.cost_for(s) is None  # AR mode feeds what AR feeds
+
+
+def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, monkeypatch):
+    """Threshold mode's feed comes from the stored cost curves, which lossless decoding's
+    refreshed copy never reaches: one session gives the same text call after call."""
+    from dataclasses import replace
+
+    from mars.core.cost import BatchCosts, FeedPolicy
+    from mars.session import Session
+
+    monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the curves are measured and kept here
+    session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
+    t = session.settings(threshold=0.5, force=True, max_tokens=6)
+    stored = session.cost_for(t, batch=2)
+    assert isinstance(stored, BatchCosts) and session.cost_for(replace(t, feed="fixed")) is None
+    lossless = session.cost_for(session.settings(lossless=True, max_tokens=6))
+    assert isinstance(lossless, FeedPolicy) and lossless.costs is not stored
+    ids = session.encode(["hi", "there"])
+    first = session.generate(ids, t)
+    assert sum(first.stats.masks_fed.values()) == first.stats.forwards
+    lossless.costs.observe(2, 5, 100.0)  # what lossless decoding times stays with it
+    lossless.costs.observe(1, 5, 100.0)
+    assert session.generate(ids, t).tokens == first.tokens
+    assert stored.seconds(1, 5) < 100.0
 
 
 def test_finetune_library_entry_point(plain, data, tmp_path):

@@ -47,12 +47,15 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
 @click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
 @click.option("--llama-cpp/--no-llama-cpp", default=B["llama_cpp"], show_default=True, help="Also time llama.cpp on the base model's GGUF (the embedded default's, or a --model .gguf) when llama-cpp-python is installed; one prompt at a time.")
+@click.option("--feed", "feeds", default=",".join(B["feeds"]), show_default=True,
+              help="Threshold mode's feeds to time, comma-separated: auto (what mars generate runs: the masks per step chosen from "
+                   "this device's forward cost) and/or fixed (--block-size masks every step).")
 @click.option("--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.")
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
 @backend_option
 @friendly_errors
 def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, llama_cpp, threads, verbose,
+                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, llama_cpp, feeds, threads, verbose,
                   backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
     from ..bench import BenchError, benchmark, format_table
@@ -75,6 +78,7 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
             prompt_lookup=prompt_lookup,
             ngram=ngram,
             llama_cpp=llama_cpp,
+            feeds=tuple(f.strip() for f in feeds.split(",") if f.strip()),
         )
     except BenchError as e:
         raise click.UsageError(str(e)) from None

@@ -139,6 +139,7 @@ def open_session(model, adapter_path, dtype, device, backend):
 
 
 def decode_options(f):
+    from ..core.decode_types import FEEDS
     from ..core.decoding import DecodeSettings, Sampling
     from ..core.policy import DEFAULT_NGRAM
 
@@ -161,6 +162,10 @@ def decode_options(f):
                           "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
                           "Default: chosen per step from what a forward costs on this device (at most the block size); "
                           "giving N fixes it (0: none).")(f)
+    f = click.option("--feed", type=click.Choice(FEEDS), default=d["feed"], show_default=True,
+                     help="auto: choose per step how many masks (and spare groups) to feed from what a forward costs on this "
+                          "device, AR's own feed when masks do not pay (lossless output is AR's either way; threshold-mode "
+                          "text may then differ from device to device and with the batch); fixed: always --block-size masks.")(f)
     f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
                      help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
                           "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
@@ -168,7 +173,7 @@ def decode_options(f):
 
 
 def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                    lossless, hedge, ngram):
+                    lossless, hedge, ngram, feed="auto"):
     """The DecodeSettings the decoding options ask for on the session's model, with a note for
     each option that has no effect."""
     from ..core.decoding import Sampling
@@ -181,7 +186,7 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
     settings = session.settings(
         threshold=threshold, lossless=lossless, metric=metric, block_size=block_size, force=force,
         warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
-        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram,
+        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed,
     )
     if hedge is not None and hedge > 0 and settings.no_spare_groups:
         warn(f"--hedge is ignored here: {settings.no_spare_groups}")

@@ -90,6 +90,9 @@ def summary(settings, r) -> str:
         f"{describe(settings)}, B={settings.block_size}, cache={cache}: {n} tokens, {f} forwards, "
         f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
     )
+    fed = total.masks_fed
+    if fed and settings.masks_per_step and set(fed) != {settings.masks_per_step}:  # threshold mode, --feed auto
+        line += "; masks fed a step: " + ", ".join(f"{m} ({n} forwards)" for m, n in sorted(fed.items()))
     sources = total.by_source()
     if sources:
         line += "; tokens from " + ", ".join(f"{SOURCES[k]} {sources[k]}" for k in SOURCES if sources.get(k))

@@ -1,4 +1,4 @@
-"""Cost-aware feeding for lossless decoding: what a forward costs, and how wide to feed.
+"""Cost-aware feeding: what a forward costs, and how wide to feed.
 
 A lossless step feeds the token(s) not yet cached, the drafts to verify, `m` masks that
 propose the next drafts, and optionally spare mask groups. Its output is AR's whatever
@@ -16,6 +16,9 @@ and `FeedPolicy.choose` picks, per step, the masks and spare groups that maximis
 expected tokens per second of a steady state (a three-state chain: a step has mask
 drafts, spare-group drafts or none), AR's own feed (no masks) included. When nothing
 pays, it feeds what AR feeds, so decoding is never meaningfully slower than AR.
+
+Threshold mode feeds only masks; `ThresholdPolicy` picks how many per step, from a frozen
+copy of the curves (its choice changes the text, so it must not follow timing noise).
 """
 
 from __future__ import annotations
@@ -65,6 +68,10 @@ class CostCurve:
         if old is None:
             self.points = dict(sorted(self.points.items()))
         self._arrays = None
+
+    def frozen(self) -> CostCurve:
+        """A copy that `observe` leaves as it is."""
+        return CostCurve(dict(self.points), refresh=0.0)
 
     def to_dict(self) -> dict:
         return {"tokens": list(self.points), "seconds": list(self.points.values())}
@@ -127,6 +134,14 @@ class BatchCosts:
         b = self.bucket(batch)
         rows = batch if b == 1 else b  # the one-row curve takes the batch's tokens, a bucket's its own rows
         return self.curve(batch).seconds(max(1, round(rows * width)))
+
+    def snapshot(self) -> BatchCosts:
+        """A copy of the curves measured so far that forwards timed later leave unchanged
+        (curves it measures later are its own)."""
+        copy = BatchCosts(self.one.frozen(), self.measure, self.buckets)
+        copy.curves.update({b: c.frozen() for b, c in self.curves.items()})
+        copy.curves[1] = copy.one
+        return copy
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
         """Fold in a forward the loop timed, where its batch is its bucket's (or no curve
@@ -265,6 +280,8 @@ class FeedPolicy:
     the masks never pay (a CPU at batch 8) spends ever fewer steps on probes; a choice
     other than AR's restores `explore`."""
 
+    source = "masks"  # the draft source whose keep rates `block_tokens` reads
+
     def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
                  explore: int = 32):
         self.costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
@@ -317,20 +334,66 @@ class FeedPolicy:
     def fits(self, max_masks: int, max_groups: int) -> bool:
         return (self.max_masks, self.max_groups) == (max_masks, max_groups)
 
+    def block_tokens(self, slots: int) -> float:
+        """Expected tokens of a block-cache step whose masks may give `slots` more tokens:
+        one AR token plus the expected run of kept ones."""
+        return 1.0 + self.stats.expected_kept(self.source, slots)
+
+
+class ThresholdPolicy(FeedPolicy):
+    """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9).
+
+    A threshold step feeding m masks takes the AR token plus the run of leading masks whose
+    confidence passes the threshold, at most m; nothing carries over to the next step. So
+    feeding m forever gives 1 + sum_j P(run >= j) tokens a step (per-slot pass rates in
+    `stats`, source "threshold", with the weak prior) for a forward as wide as the widest
+    row: its uncached tokens (1 + the run it took last step) plus m masks. The policy feeds
+    the m with the most expected tokens per second, m = 0 being AR's own feed, and probes
+    as FeedPolicy does.
+
+    Unlike lossless mode, what a threshold step feeds changes the text (a mask not fed
+    cannot be accepted), so the choice must not depend on when it is made: the policy
+    decides on a `BatchCosts.snapshot` of the curves (the forwards of the run do not
+    refresh them) and on the statistics of the call it serves (one policy per call). The
+    text then depends on the prompt, the batch and the device's cost curve, not on timing
+    noise within the run, nor on earlier calls."""
+
+    source = "threshold"
+
+    def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, *, explore: int = 32):
+        costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
+        super().__init__(costs.snapshot(), max_masks, 0, explore=explore)
+
+    def candidates(self):
+        for m in range(self.max_masks + 1):
+            yield m, 0
+
+    def rate(self, masks: int, groups: int = 0, batch: int = 1) -> float:
+        reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks
+        tokens = 1.0 + float(reach.sum())
+        # The widest of `batch` rows feeds 1 + its last run (expected max over the rows) + m.
+        widest_run = float(np.sum(1.0 - (1.0 - reach) ** batch))
+        return tokens / self.costs.seconds(batch, 1 + masks + widest_run)
+
+    def record(self, fed: int, taken: int) -> None:
+        """A row's step: `fed` masks it could take (its limit less the AR token), `taken`
+        of them taken."""
+        self.stats.record(self.source, fed, taken)
+
 
 def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
-    """Whether greedy lossless decoding of `batch` rows with the block cache is expected to
-    be faster than with the window cache and the cost-aware feed (which falls back to AR's
-    own feed when nothing pays).
+    """Whether decoding `batch` rows with the block cache is expected to be faster than with
+    the window cache and the cost-aware feed (which falls back to AR's own feed when nothing
+    pays): greedy lossless decoding with a FeedPolicy (or a curve), threshold mode with a
+    ThresholdPolicy.
 
     A block step feeds every row's B_cache slots, and once per block the finished block in
     front of them: about B_cache + t tokens a row for t tokens taken, where t is one AR
-    token plus the drafts kept out of min(B, B_cache - 1). The window's best feed is the
-    policy's own choice. Where a forward's cost grows slowly with width (a GPU) the block
-    cache can win; where it grows fast (a CPU) it cannot."""
+    token plus the drafts kept (the masks passed) out of min(B, B_cache - 1). The window's
+    best feed is the policy's own choice. Where a forward's cost grows slowly with width (a
+    GPU) the block cache can win; where it grows fast (a CPU) it cannot."""
     policy = cost if isinstance(cost, FeedPolicy) else FeedPolicy(cost, block_size, spare_groups)
-    drafts = min(block_size, block_cache - 1)
-    tokens = 1.0 + policy.stats.expected_kept("masks", drafts)
+    tokens = policy.block_tokens(min(block_size, block_cache - 1))
     block = tokens / policy.costs.seconds(batch, block_cache + tokens)
     window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
     return block >= window

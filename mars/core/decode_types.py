@@ -12,9 +12,11 @@ from .acceptance import check_metric, check_threshold, is_ar_mode
 from .config import MarsConfig
 
 if TYPE_CHECKING:
+    from .cost import ThresholdPolicy
     from .drafting import Drafting
 
 STRATEGIES = ("none", "window", "block")
+FEEDS = ("auto", "fixed")
 
 
 @dataclass
@@ -60,6 +62,11 @@ class DecodeSettings:
     # (mars.core.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
     # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
     ngram: int = 0
+    # What a caller with a cost curve (mars.session.Session, `mars bench`) lets the loop choose
+    # per step: "auto", the masks (and spare groups) fed, from what a forward costs on the
+    # device (mars.core.cost; lossless output stays AR's, threshold-mode text may then depend
+    # on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
+    feed: str = "auto"
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -76,6 +83,8 @@ class DecodeSettings:
             raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
         if self.ngram < 0:
             raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
+        if self.feed not in FEEDS:
+            raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r}")
 
     @property
     def no_spare_groups(self) -> str | None:
@@ -178,6 +187,8 @@ class DecodeStats:
     forwards: int = 0  # batch forwards run
     fed_tokens: int = 0  # token slots fed, holes included (the compute spent)
     drafting: Drafting | None = field(default=None, repr=False)  # greedy lossless window decoding
+    threshold_feed: ThresholdPolicy | None = field(default=None, repr=False)  # cost-aware threshold mode
+    masks_fed: dict[int, int] = field(default_factory=dict)  # threshold mode: masks fed a step -> steps
     # The cache strategy that ran: the one asked for, or "window" where greedy lossless
     # decoding with the block cache was expected to be slower than with the window cache.
     cache: str | None = None

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .acceptance import ar_mode_rows, check_threshold
-from .cost import BatchCosts, CostCurve, FeedPolicy, block_cache_pays
+from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdPolicy, block_cache_pays
 from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
@@ -69,18 +69,31 @@ def generate(
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 
     `cost`, the backend's per-forward cost curve (mars.core.cost), or a `FeedPolicy` built on
-    one (which keeps its acceptance statistics from call to call): greedy lossless decoding
-    with the window cache (or none) then chooses per step how many masks and spare groups
-    to feed (`block_size` and `hedge` become caps). With the block cache it first checks that
-    the block cache pays against that (mars.core.cost.block_cache_pays) and, where it does
-    not, decodes with the window cache instead (`stats.cache` says which ran). The output
-    is the same either way."""
+    one (which keeps its acceptance statistics from call to call), unless `settings.feed` is
+    "fixed": greedy lossless decoding with the window cache (or none) then chooses per step
+    how many masks and spare groups to feed (`block_size` and `hedge` become caps). With the
+    block cache it first checks that the block cache pays against that
+    (mars.core.cost.block_cache_pays) and, where it does not, decodes with the window cache
+    instead (`stats.cache` says which ran). The output is the same either way.
+
+    Threshold mode (below AR mode) with `cost` chooses per step how many masks to feed
+    (mars.core.cost.ThresholdPolicy: a fresh policy per call on a frozen copy of the curves,
+    so the text depends on the prompts and the device's curves, not on the run's timings),
+    and likewise leaves the block cache where it does not pay. Its text can then differ
+    from a fixed feed's: a mask not fed cannot be accepted."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     s = settings
     slots = s.masks_per_step + 1
     rows = [Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
-    ran = s.cache
+    ran, threshold_feed = s.cache, None
+    if s.feed == "fixed":
+        cost = None
+    if cost is not None and not s.lossless and s.masks_per_step:
+        # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdPolicy).
+        threshold_feed = ThresholdPolicy(cost.costs if isinstance(cost, FeedPolicy) else cost, s.block_size)
+        if s.cache == "block" and not block_cache_pays(threshold_feed, s.block_size, s.block_cache, 0, len(rows)):
+            s, ran = replace(s, cache="window"), "window"
     if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy:
         if not block_cache_pays(cost, s.block_size, s.block_cache, s.window_spare_groups, len(rows)):
             s, ran = replace(s, cache="window"), "window"
@@ -88,7 +101,7 @@ def generate(
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
         cache = None
-    stats = DecodeStats(rows=[r.stats for r in rows], cache=ran)
+    stats = DecodeStats(rows=[r.stats for r in rows], cache=ran, threshold_feed=threshold_feed)
     if s.lossless and s.sampling.greedy and isinstance(strategy, WindowStrategy):
         stats.drafting = Drafting(s, cost)
 
@@ -112,9 +125,11 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
     it, the mode (each row at its own threshold, or lossless verification) decides what each
     row keeps, the rows grow and the strategy commits. Returns the tokens each row took (none
     if it waited)."""
-    drafting = stats.drafting
+    drafting, threshold_feed = stats.drafting, stats.threshold_feed
     if drafting is not None:
         drafting.before_step(strategy, rows)
+    if threshold_feed is not None:
+        strategy.masks = threshold_feed.choose(batch=max(1, len(rows)))[0]
     feed = strategy.plan(rows)
     mask = feed_mask(strategy.keys(feed), feed)
     stats.forwards += 1
@@ -126,6 +141,11 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
             drafting.after_step(feed, rows, time.perf_counter() - t0)
     else:
         accepted = accept_by_threshold(backend, cache, feed, mask, rows, s)
+        stats.masks_fed[feed.columns.masks] = stats.masks_fed.get(feed.columns.masks, 0) + 1
+        if threshold_feed is not None:
+            for i, r in enumerate(rows):
+                if feed.limit[i] > 0:
+                    threshold_feed.record(int(feed.limit[i]) - 1, len(accepted[i]) - 1)
     # What each row had fed for real: the cached variants commit it (kept drafts too).
     before = [len(r.seq) if not r.done else r.cached for r in rows]
     eos = set(s.eos_ids)

@@ -18,8 +18,10 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
     """Threshold step: per row, the leading slots the acceptance rule keeps at the row's own
     threshold (none for a waiting row)."""
     thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
-    # Greedy AR accepts slot 0 by rule: no confidence is needed, so none is computed.
-    step_metric = None if ar_mode_rows(s.metric, thresholds).all() and s.sampling.greedy else s.metric
+    # Greedy AR accepts slot 0 by rule: no confidence is needed (every row in AR mode, or no
+    # mask fed this step), so none is computed.
+    no_masks = ar_mode_rows(s.metric, thresholds).all() or feed.columns.masks == 0
+    step_metric = None if no_masks and s.sampling.greedy else s.metric
     ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling)
     counts = accept_counts(conf, s.metric, thresholds, feed.limit)
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
