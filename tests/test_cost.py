@@ -89,9 +89,13 @@ STEEP = {1: 1.0, 64: 64.0}  # cost grows with every fed token
 
 def test_cost_curve_interpolates_extrapolates_and_never_falls():
     c = CostCurve({1: 1.0, 4: 2.0, 8: 1.5, 16: 4.0}, refresh=0.5)
-    assert c.seconds(1) == 1.0 and c.seconds(2) == pytest.approx(4 / 3)
-    assert c.seconds(8) == 2.0  # a noisy dip is flattened: wider is never cheaper
-    assert c.seconds(32) == pytest.approx(4.0 + (4.0 - 2.0) / 8 * 16)
+    # A point out of order is pooled with its neighbour (least squares): wider is never cheaper.
+    assert c.seconds(4) == c.seconds(8) == pytest.approx(1.75)
+    assert c.seconds(1) == 1.0 and c.seconds(2) == pytest.approx(1.25)
+    assert c.seconds(32) == pytest.approx(4.0 + (4.0 - 1.75) / 8 * 16)
+    # A noisy spike does not lift every wider point to its height.
+    spiky = CostCurve({1: 1.0, 2: 1.3, 3: 1.05, 4: 1.05, 8: 1.2})
+    assert spiky.seconds(8) == pytest.approx(1.2) and spiky.seconds(2) == pytest.approx((1.3 + 1.05 + 1.05) / 3)
     c.observe(16, 2.0)
     assert c.points[16] == pytest.approx(3.0)
     c.observe(3, 1.2)

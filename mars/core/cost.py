@@ -36,10 +36,24 @@ BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's cur
 SOURCES = ("masks", "spare", "ngram")
 
 
+def non_decreasing(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): a
+    point timed too high by noise is averaged with the lower ones after it, where a running
+    maximum would carry it over every wider point."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in values:
+        blocks.append([float(v), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return np.array([m for m, n in blocks for _ in range(n)], dtype=np.float64)
+
+
 class CostCurve:
     """Seconds of one forward as a function of the tokens it feeds (rows x width), on a
     prefilled cache. Between measured points it interpolates; past the last it extends
-    the last slope; it is made non-decreasing (a wider forward never counts as cheaper)."""
+    the last slope; it is made non-decreasing (a wider forward never counts as cheaper:
+    `non_decreasing`)."""
 
     def __init__(self, points: dict[int, float], *, refresh: float = 0.1):
         if not points or any(k < 1 or not s > 0 for k, s in points.items()):
@@ -51,7 +65,7 @@ class CostCurve:
     def seconds(self, tokens: int) -> float:
         if self._arrays is None:
             ks = np.fromiter(self.points, dtype=np.float64)
-            self._arrays = ks, np.maximum.accumulate(np.fromiter(self.points.values(), dtype=np.float64))
+            self._arrays = ks, non_decreasing(np.fromiter(self.points.values(), dtype=np.float64))
         ks, ss = self._arrays
         t = float(max(tokens, 1))
         if t <= ks[-1]:

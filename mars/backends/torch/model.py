@@ -230,7 +230,9 @@ class TorchDecoder:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
         return {"backend": "torch", "device": str(self.tm.device), "dtype": str(self.tm.dtype).replace("torch.", ""),
                 "threads": torch.get_num_threads(), "packed": bool(self.packed),
-                "packed_min_rows": packed.MIN_ROWS if self.packed else None, "grouped": self.grouped, "torch": torch.__version__}
+                "packed_min_rows": packed.MIN_ROWS if self.packed else None,
+                "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
+                "grouped": self.grouped, "torch": torch.__version__}
 
     def new_cache(self, batch: int):
         from transformers import DynamicCache
