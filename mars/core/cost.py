@@ -153,8 +153,7 @@ class BatchCosts:
         """A copy of the curves measured so far that forwards timed later leave unchanged
         (curves it measures later are its own)."""
         copy = BatchCosts(self.one.frozen(), self.measure, self.buckets)
-        copy.curves.update({b: c.frozen() for b, c in self.curves.items()})
-        copy.curves[1] = copy.one
+        copy.curves.update({b: c.frozen() for b, c in self.curves.items() if b != 1})
         return copy
 
     def observe(self, batch: int, width: int, seconds: float) -> None:

@@ -40,9 +40,9 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 MIN_ROWS = 2
 # Row counts the packed product runs faster with zero rows added. In the whole model (each
 # weight read from memory, not from cache), oneDNN's 2-row product is slower than its 3- or
-# 4-row one: on the default model (2-core x86, 1 thread, interleaved, medians of 25) a
-# 2-token forward cost 1.27x a one-token forward, 1.11x padded to 3 rows, 1.06x padded to
-# 4 (3 and 4 tokens: 1.06x and 1.02-1.04x).
+# 4-row one: on the default model (2-core x86, 1 thread, interleaved; medians over 25 rounds,
+# then over 15) a 2-token forward cost 1.27x a one-token forward, 1.11x padded to 3 rows;
+# 1.06x padded to 4 (3 and 4 tokens: 1.06-1.07x and 1.02-1.04x).
 PAD_ROWS: dict[int, int] = {2: 4}
 # Packed layers use their packs only inside `active()` (the decoder's steps), so a model
 # shared with other code (training, a library's own generate) computes as it always did.
