@@ -120,6 +120,34 @@ def test_steady_state_by_hand():
     assert steady_state([0.9] * 4, [0.9] * 4, masks=0, groups=0) == (1.0, 1.0, 0.0)
 
 
+
+def test_steady_state_matches_the_chain_run_to_convergence():
+    # The closed form against the (M, S, N) chain iterated from M until it settles.
+    rng = np.random.default_rng(7)
+    for _ in range(50):
+        masks = int(rng.integers(1, 6))
+        groups = int(rng.integers(0, masks + 1))
+        batch = int(rng.integers(1, 9))
+        mask_rates, spare_rates = list(rng.uniform(0.05, 0.95, masks)), list(rng.uniform(0.05, 0.95, masks))
+
+        def outcome(rates):
+            reach = np.concatenate([[1.0], np.cumprod(rates)])
+            exact = reach[:-1] * (1 - np.asarray(rates))
+            return reach[1:].sum(), [reach[-1], exact[:groups].sum(), 1 - reach[-1] - exact[:groups].sum()]
+
+        km, from_m = outcome(mask_rates)
+        ks, from_s = outcome(spare_rates)
+        p = np.array([from_m, from_s, [1.0, 0.0, 0.0]])
+        pi = np.array([1.0, 0.0, 0.0])
+        for _ in range(5000):
+            pi = pi @ p
+        pi = (pi + pi @ p) / 2  # a chain that alternates settles in the mean of two steps
+        tokens, width, drafting = steady_state(mask_rates, spare_rates, masks, groups, batch)
+        assert tokens == pytest.approx(pi[0] * (1 + km) + pi[1] * (1 + ks) + pi[2], rel=1e-6)
+        assert drafting == pytest.approx(pi[0] + pi[1], rel=1e-6)
+        narrow, wide = 1 + masks, 1 + 2 * masks + groups * masks
+        assert width == pytest.approx(narrow + (wide - narrow) * (1 - (1 - pi[0] - pi[1]) ** batch), rel=1e-6)
+
 def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
     stats = DraftStats(slots=4)
     for _ in range(50):  # the masks' drafts: all kept half the time, one kept otherwise

@@ -261,21 +261,25 @@ def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, 
         return 1.0, 1.0, 0.0
 
     def outcome(rates):
-        reach = np.concatenate([[1.0], np.cumprod(rates[:masks])])  # reach[g]: first g kept
-        exact = reach[:-1] * (1 - np.asarray(rates[:masks]))  # exactly g kept, g < masks
-        to_m = reach[-1]
-        to_s = float(exact[:groups].sum())
-        return float(reach[1:].sum()), to_m, to_s, 1.0 - to_m - to_s
+        reach, to_s, kept = 1.0, 0.0, 0.0  # reach: chance the first g drafts were kept
+        for g in range(masks):
+            if g < groups:
+                to_s += reach * (1.0 - rates[g])  # exactly g kept, and group g's proposals follow
+            reach *= rates[g]
+            kept += reach
+        return kept, reach, to_s, 1.0 - reach - to_s
 
     km, mm, ms, mn = outcome(mask_rates)
     ks, sm, ss, sn = outcome(spare_rates)
-    # Stationary distribution of the chain over (M, S, N).
-    p = np.array([[mm, ms, mn], [sm, ss, sn], [1.0, 0.0, 0.0]])
-    a = np.vstack([p.T - np.eye(3), np.ones(3)])
-    pi = np.linalg.lstsq(a, np.array([0, 0, 0, 1.0]), rcond=None)[0].clip(min=0)
-    pi = pi / pi.sum()
-    tokens = pi[0] * (1 + km) + pi[1] * (1 + ks) + pi[2] * 1.0
-    drafting = float(pi[0] + pi[1])
+    # Stationary distribution of the chain over (M, S, N), in closed form: N always leads to
+    # M, so pi_S = pi_M ms / (1 - ss) and pi_N = pi_M mn + pi_S sn (1 - ss > 0: every keep
+    # rate is below 1, DraftStats' prior sees to that).
+    s_per_m = ms / max(1.0 - ss, 1e-12)
+    n_per_m = mn + s_per_m * sn
+    pi_m = 1.0 / (1.0 + s_per_m + n_per_m)
+    pi_s, pi_n = s_per_m * pi_m, n_per_m * pi_m
+    tokens = pi_m * (1 + km) + pi_s * (1 + ks) + pi_n
+    drafting = pi_m + pi_s
     narrow, wide = 1 + masks, 1 + masks + masks + groups * masks
     width = narrow + (wide - narrow) * (1.0 - (1.0 - drafting) ** batch)
     return float(tokens), float(width), drafting
