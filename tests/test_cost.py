@@ -264,6 +264,32 @@ def test_lookup_takes_the_longest_latest_match():
     assert ngram.lookup([1, 2, 3], max_drafts=4) == []
     assert ngram.lookup([4, 4], max_drafts=4) == [4]
     assert ngram.lookup([1, 2, 1, 2], max_drafts=0) == []
+    # Matches longer than 3 tokens count: the 5-gram [3, 4, 5, 6, 7] beats the later 1-gram 7.
+    seq = [3, 4, 5, 6, 7, 8, 9, 7, 0, 3, 4, 5, 6, 7]
+    assert ngram.match(seq, max_drafts=2) == (5, [8, 9])
+    assert ngram.match(seq, max_drafts=2, max_ngram=3) == (3, [8, 9])
+    assert ngram.match(seq, max_drafts=2, min_ngram=6) == (0, [])
+    assert ngram.match([1, 2, 3], max_drafts=2) == (0, [])
+
+
+def test_lookup_equals_a_search_over_every_window():
+    # The incremental search against the plain one: for the longest n, the latest window
+    # equal to the last n tokens (the last window excluded).
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        seq = [int(t) for t in rng.integers(0, 3, size=int(rng.integers(0, 30)))]
+        max_ngram, max_drafts = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        want = (0, [])
+        for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+            hits = [i for i in range(len(seq) - n) if seq[i : i + n] == seq[len(seq) - n :]]
+            if hits:
+                want = (n, seq[hits[-1] + n : hits[-1] + n + max_drafts])
+                break
+        assert ngram.match(seq, max_drafts=max_drafts, max_ngram=max_ngram) == want
+
+
+def test_ngram_sources_by_match_length():
+    assert [ngram.source(n) for n in (1, 2, 3, 4, 5, 6, 10)] == ["ngram1", "ngram2", "ngram3", "ngram3", "ngram3", "ngram6", "ngram6"]
 
 
 @pytest.mark.parametrize("cost", [None, fixed({1: 1.0, 64: 4.0})])
@@ -280,6 +306,11 @@ def test_ngram_drafts_keep_the_output_and_report_their_source(cost):
     assert sum(sources.values()) == len(reply)
     assert looked.stats.forwards < plain.stats.forwards // 2
     assert looked.stats.to_dict()["rows"][0]["by_source"] == sources
+    # The drafting statistics count lookup's drafts per match length (the text repeats every
+    # 5 tokens, so once 5 tokens in, every match is 6 or more tokens long).
+    kept = looked.stats.drafting.stats.kept
+    assert sum(kept.get("ngram6", [0])) > len(reply) // 2
+    assert "ngram" not in kept and sum(kept.get("masks", [0])) == 0
 
 
 # -- the cache keeps committed tokens only --------------------------------------------------------

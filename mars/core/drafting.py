@@ -16,8 +16,9 @@ class Drafting:
     Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
     groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
     lookup on, a row drafts from lookup instead of the masks when lookup is expected to
-    keep more (`DraftStats`, per source and slot), and a row with no drafts takes lookup's
-    if it pays. After the forward: the acceptance statistics and the cost curve learn."""
+    keep more (`DraftStats`, per source and slot; lookup's per match length,
+    `ngram.source`), and a row with no drafts takes lookup's if it pays. After the forward:
+    the acceptance statistics and the cost curve learn."""
 
     def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None):
         self.s = settings
@@ -27,21 +28,24 @@ class Drafting:
             cost = FeedPolicy(cost, settings.block_size, settings.spare_groups)
         self.policy = cost
         self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
+        self._keys: list[str] = []  # per row of the step: the statistics its drafts count under
 
     def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
-        live = [r for r in rows if not r.done]
         batch = max(1, len(rows))  # the rows of the forward: a finished row not yet dropped still takes its slots
         if self.policy is not None:
             strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
         m, g = strategy.masks, strategy.spare_groups
         width = lossless_width(0, m, g)  # the step's width so far: one row's drafts widen it for every row
-        for r in live:
-            options = [(r.source, r.drafts[: max(m, 1)])] if r.drafts else []
+        self._keys = [r.source for r in rows]
+        for i, r in enumerate(rows):
+            if r.done:
+                continue
+            options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
             if self.s.ngram:
-                found = ngram.lookup(r.seq, max_drafts=self.s.ngram)
+                n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
                 if found:
-                    options.append(("ngram", found))
-            r.source, r.drafts = self._pick(options, m, g, batch, width)
+                    options.append(("ngram", ngram.source(n), found))
+            r.source, self._keys[i], r.drafts = self._pick(options, m, g, batch, width)
             width = max(width, lossless_width(len(r.drafts), m, g))
 
     def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, list[int]]:
@@ -50,25 +54,25 @@ class Drafting:
         second this step: (batch + this row's expected kept drafts) / the cost of the step,
         whose width is the widest row's (`width` so far, or this row's drafts if wider).
         At batch 1 that is (1 + expected kept) / the cost of this row's width."""
-        st, best = self.stats, ("masks", [])
+        st, best = self.stats, ("masks", "masks", [])
         # Feeding no drafts is the option to beat.
         best_score = batch / self.policy.costs.seconds(batch, width) if self.policy is not None else 0.0
-        for source, drafts in options:
+        for source, key, drafts in options:
             lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
             for d in lengths:
-                kept = st.expected_kept(source, d)
+                kept = st.expected_kept(key, d)
                 if self.policy is None:
                     score = kept
                 else:
                     score = (batch + kept) / self.policy.costs.seconds(batch, max(width, lossless_width(d, masks, spare_groups)))
                 if score > best_score:
-                    best, best_score = (source, drafts[:d]), score
+                    best, best_score = (source, key, drafts[:d]), score
         return best
 
     def after_step(self, feed: Feed, rows: list[Row], seconds: float) -> None:
         for i, r in enumerate(rows):
             if feed.limit[i] > 0 and feed.n_drafts[i]:
-                self.stats.record(r.source, int(feed.n_drafts[i]), int(feed.kept[i]))
+                self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(feed.kept[i]))
         if self.policy is not None:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

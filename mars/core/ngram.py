@@ -2,30 +2,62 @@
 
 Replies often repeat their prompt or themselves: names, code, lists. Lookup finds the
 most recent earlier place where the sequence's last n tokens (prompt and output alike)
-occurred and proposes the tokens that followed it there. The drafts are verified by the
-same forward and the same rule as the masks' drafts, so the output is unchanged; they
-cost no training and no mask columns.
+occurred, for the longest n up to `MAX_NGRAM`, and proposes the tokens that followed it
+there. The drafts are verified by the same forward and the same rule as the masks'
+drafts, so the output is unchanged; they cost no training and no mask columns.
+
+How long the match is says much about how many drafts will be kept: on the first 16
+held-out test prompts (the default model's greedy replies, 128 tokens; drafts of up to 8
+tokens at every position), a 1-token match kept 0.59 drafts on average and a match of 6
+or more tokens 4.4. The drafting statistics therefore keep one draft source per match
+length (`source`), and searching up to 10 tokens instead of 3 raised the mean drafts kept
+per position from 1.16 to 1.26. With both, greedy lossless decoding of those prompts
+(batch 1, one thread, interleaved with AR in one process, 2 rounds) went from 1.48 to 1.69
+tokens per forward and from 1.39x to 1.53x AR's speed, every reply identical to AR's; up to
+16 drafts a step (the default) instead of 8 let a long match run on (a match of 6 or more
+tokens then kept 5.9 on average instead of 4.4).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+MAX_NGRAM = 10
+# Match lengths with statistics of their own: n-gram drafts from a match of n tokens count
+# under the largest bucket <= n (mars.core.drafting).
+BUCKETS = (1, 2, 3, 6)
 
-def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
-    """Up to `max_drafts` tokens that followed the latest earlier occurrence of the last n
-    tokens of `seq`, trying the longest n first (`max_ngram` down to `min_ngram`); [] if
-    none occurs."""
+
+def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> tuple[int, list[int]]:
+    """(n, drafts): up to `max_drafts` tokens that followed the latest earlier occurrence of
+    the last n tokens of `seq`, for the longest n from `max_ngram` down to `min_ngram` that
+    occurs; (0, []) if none does."""
     if max_drafts <= 0 or len(seq) < 2:
-        return []
+        return 0, []
     arr = np.asarray(seq, dtype=np.int64)
     end = len(arr)
-    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
-        tail = arr[end - n :]
-        # Windows starting at i = 0 .. end - n - 1 (the tail itself excluded).
-        windows = np.lib.stride_tricks.sliding_window_view(arr[: end - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return [int(t) for t in arr[start : start + max_drafts]]
-    return []
+    # Candidates for the shortest n: earlier places of the last token; a longer n keeps
+    # those whose preceding tokens match too.
+    starts = np.flatnonzero(arr[: end - 1] == arr[-1])  # i: arr[i] == last token, i < end - 1
+    found = 0
+    for n in range(1, min(max_ngram, end - 1) + 1):
+        if n > 1:
+            starts = starts[starts >= n - 1]
+            starts = starts[arr[starts - (n - 1)] == arr[end - n]]
+        if not starts.size:
+            break
+        if n >= min_ngram:
+            found, best = n, int(starts[-1])
+    if not found:
+        return 0, []
+    return found, [int(t) for t in arr[best + 1 : best + 1 + max_drafts]]
+
+
+def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
+    """The drafts of `match` alone."""
+    return match(seq, max_drafts=max_drafts, max_ngram=max_ngram, min_ngram=min_ngram)[1]
+
+
+def source(n: int) -> str:
+    """The draft source a match of n tokens counts under: "ngram" plus its bucket."""
+    return f"ngram{max(b for b in BUCKETS if b <= n)}"

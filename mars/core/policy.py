@@ -43,7 +43,7 @@ __all__ = [
 DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size
 DEFAULT_METRIC: str = MarsConfig.metric
 # The most n-gram drafts a step of the default lossless configuration feeds (mars.core.ngram).
-DEFAULT_NGRAM = 8
+DEFAULT_NGRAM = 16
 
 
 class UntrainedModelError(ValueError):
