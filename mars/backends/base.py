@@ -152,8 +152,9 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1):
     from ..default_model import cache_root
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
-    # "calibration" 2: one-token forwards timed as AR (no mask); curves of the earlier way are stale.
-    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 2,
+    # "calibration" 2: one-token forwards timed as AR (no mask); 3: the median of
+    # CALIBRATION_ROUNDS rounds, not 3. Curves of the earlier ways are stale.
+    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 3,
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     if batch > 1:
         key["batch"] = batch

@@ -195,7 +195,14 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = 3, filler: int = 0,
+# Rounds a stored curve is the median of. With 3, on a shared 2-core machine, a batch-2 curve
+# came out with its 2-token point 13% above its 4-token one, though both run the same 4-row
+# product (packed.PAD_ROWS); after the non-decreasing fit a mask looked free at batch 2,
+# where one mask a row made a real forward (rows of different lengths) cost 12% more.
+CALIBRATION_ROUNDS = 7
+
+
+def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = CALIBRATION_ROUNDS, filler: int = 0,
               ar_filler: int | None = None, batch: int = 1) -> CostCurve:
     """A cost curve for `backend` measured now (a few seconds on a small model); with
     `batch` > 1, of forwards of that many rows (the curve in total fed tokens)."""
