@@ -33,7 +33,6 @@ import numpy as np
 
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's curve
-SOURCES = ("masks", "spare", "ngram")
 
 
 def non_decreasing(values: np.ndarray) -> np.ndarray:
@@ -248,7 +247,11 @@ class DraftStats:
 
     def expected_kept(self, source: str, n: int) -> float:
         """Expected drafts kept out of the first n of this source."""
-        return float(np.sum(np.cumprod(self.rates(source, n)))) if n else 0.0
+        return float(self.expected_kept_each(source, n)[-1]) if n else 0.0
+
+    def expected_kept_each(self, source: str, n: int) -> np.ndarray:
+        """(n,) expected drafts kept out of the first d of this source, for d = 1 .. n."""
+        return np.cumsum(np.cumprod(self.rates(source, n)))
 
 
 def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int,

@@ -48,8 +48,9 @@ class Drafting:
             r.source, self._keys[i], r.drafts = self._pick(options, m, g, batch, width)
             width = max(width, lossless_width(len(r.drafts), m, g))
 
-    def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, list[int]]:
-        """The drafts a row feeds: without a cost curve, the option expected to keep the most
+    def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, str, list[int]]:
+        """The drafts a row feeds, (source, statistics key, drafts), from `options` of that
+        form: without a cost curve, the option expected to keep the most
         drafts; with one, the option and length that maximise the batch's expected tokens per
         second this step: (batch + this row's expected kept drafts) / the cost of the step,
         whose width is the widest row's (`width` so far, or this row's drafts if wider).
@@ -58,9 +59,10 @@ class Drafting:
         # Feeding no drafts is the option to beat.
         best_score = batch / self.policy.costs.seconds(batch, width) if self.policy is not None else 0.0
         for source, key, drafts in options:
+            kept_each = st.expected_kept_each(key, len(drafts))  # for each length d, at [d - 1]
             lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
             for d in lengths:
-                kept = st.expected_kept(key, d)
+                kept = float(kept_each[d - 1])
                 if self.policy is None:
                     score = kept
                 else:
