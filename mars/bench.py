@@ -3,8 +3,9 @@
 Every configuration decodes the same prompt set at each batch size: AR with KV cache
 through the project's own loop (threshold 1.0), what a user would run instead
 (`transformers` `generate` on torch, `mlx_lm` on MLX), and MARS with the window and
-the block-level cache at each threshold. After a warm-up, runs are interleaved
-(A B C A B C ...) so drift on a shared machine hits every configuration alike;
+the block-level cache at each threshold. After a warm-up, runs are interleaved,
+every other round in reverse (A B C C B A ...), so drift on a shared machine hits
+every configuration alike and none always runs after the same one;
 medians are reported, and every speed also as a ratio to AR with KV cache in the
 same round. The per-forward cost curve times one cached forward of k new tokens on
 a prefilled prompt cache, cropped back after each sample.
@@ -338,7 +339,9 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
         tick(f"batch {batch} warm-up {c.name}")
     for rep in range(s.repeats):
         speeds = {}
-        for c in configs:
+        # Every other round runs the configurations in reverse, so none always follows the
+        # same one (a run can leave the process or the machine slower for the next).
+        for c in configs if rep % 2 == 0 else configs[::-1]:
             wall, tokens, count, forwards, row_forwards = _timed_pass(c, chunks)
             tick(f"batch {batch} round {rep + 1} {c.name}")
             c.walls.append(wall)

@@ -2,6 +2,7 @@
 and the project's AR loop emits the same tokens as transformers / mlx-lm greedy generation."""
 
 import json
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -232,7 +233,7 @@ def test_forward_cost_times_k1_as_an_ar_step():
         def crop(self, cache, length):
             pass
 
-        def step(self, cache, ids, positions, mask, read, *, metric, sampling):
+        def step(self, cache, ids, positions, mask, read, *, metric, sampling, valid=None):
             fed.append(ids.copy())
             return np.zeros(read.shape, dtype=np.int64), np.ones(read.shape)
 
@@ -242,3 +243,23 @@ def test_forward_cost_times_k1_as_an_ar_step():
     assert all((f == 2).all() for f in timed if f.shape[1] == 1)
     assert all((f == 3).all() for f in timed if f.shape[1] == 3)
     assert any(f.shape[1] == 1 for f in timed) and any(f.shape[1] == 3 for f in timed)
+
+
+def test_rounds_alternate_the_order_and_ratios_stay_within_a_round():
+    from mars.bench import BenchSettings, Config, bench_batch
+
+    calls = []
+
+    def runner(name, seconds):
+        def run(chunk):
+            calls.append(name)
+            time.sleep(seconds)
+            return [[7, 8]] * len(chunk), None
+        return run
+
+    configs = [Config("ar", "ar", runner("ar", 0.002)), Config("ref", "reference", runner("ref", 0.0)),
+               Config("fast", "mars", runner("fast", 0.0))]
+    report = bench_batch(configs, [[1, 2]], 1, BenchSettings(repeats=3), eos={2})
+    assert calls[3:] == ["ar", "ref", "fast", "fast", "ref", "ar", "ar", "ref", "fast"]  # after the warm-up
+    fast = next(r for r in report["runs"] if r["name"] == "fast")
+    assert fast["ratio_min"] > 1.0 and len(configs[2].ratios) == 3

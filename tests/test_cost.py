@@ -46,7 +46,7 @@ class OracleBackend:
     def keep_rows(self, cache, rows):
         pass
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
         if cache is not None:
             cache["width"] += input_ids.shape[1]
         b, q = input_ids.shape
@@ -413,7 +413,7 @@ class EndsAt(OracleBackend):
         super().__init__(good)
         self.end = end
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
         ids, conf = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
         at = np.take_along_axis(positions, read, axis=1) + 1
         return np.where(at == self.end, EOS, ids), conf
@@ -456,7 +456,7 @@ class ConfidentOracle(OracleBackend):
     """The oracle with honest confidences: 1 where a slot's guess is the oracle's next token,
     0.1 where it is not, so threshold mode accepts exactly the right guesses."""
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
         ids, _ = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
         at = np.take_along_axis(positions, read, axis=1)
         truth = np.vectorize(lambda p: oracle(int(p) + 1, self.period))(at)

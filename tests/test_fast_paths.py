@@ -93,3 +93,98 @@ def test_the_decoder_turns_both_on_for_the_cpu():
     assert dec.cost_key()["packed"] is True
     plain = TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32), pack=False)
     assert plain.packed == 0
+
+
+def test_a_packed_products_rows_do_not_depend_on_how_many_rows_it_runs():
+    # What lets a batch's step compute its real positions alone (packed.real_rows): each
+    # row of the packed product is the same number whatever the other rows are.
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(96, 160)
+    packed.pack_linears(layer)
+    x = torch.randn(40, 96)
+    with torch.no_grad(), packed.active():
+        full = layer(x)
+        for rows in (2, 3, 4, 5, 8, 9, 17, 33):
+            assert torch.equal(layer(x[:rows]), full[:rows])
+            pick = torch.randperm(40)[:rows].sort().values
+            assert torch.equal(layer(x[pick]), full[pick])
+
+
+def test_real_rows_computes_the_real_positions_alone():
+    torch.manual_seed(0)
+    q, k, o = (torch.nn.Linear(32, 24) for _ in range(3))
+    block = torch.nn.Sequential(q, k, o)
+    packed.pack_linears(block)
+    x = torch.randn(3, 5, 32)
+    real = torch.tensor([0, 1, 4, 7, 8, 9, 14])  # flat positions; the rest are holes
+    with torch.no_grad(), packed.active():
+        full_q, full_k = q(x), k(x)
+        with packed.real_rows(real, 15):
+            got_q, got_k = q(x), k(x)  # the same input: gathered once, used by both
+            other = o(torch.randn(4, 32))  # not the step's positions: the plain packed product
+    assert other.shape == (4, 24)
+    for got, full in ((got_q, full_q), (got_k, full_k)):
+        flat, want = got.reshape(15, 24), full.reshape(15, 24)
+        assert torch.equal(flat[real], want[real])
+        holes = torch.ones(15, dtype=torch.bool)
+        holes[real] = False
+        assert not flat[holes].any()
+    assert packed._rows is None and packed._gathered is None
+
+
+def _decoder(pack: bool = True):
+    tok = make_tokenizer()
+    tm = TorchModel(make_model("qwen2", len(tok), seed=5), tok, None, "", torch.device("cpu"), torch.float32)
+    return TorchDecoder(tm, pack=pack), len(tok)
+
+
+def test_a_step_with_holes_reads_what_the_full_step_reads():
+    from mars.core.decode_types import Sampling
+
+    dec, vocab = _decoder()
+    assert dec.skips_holes
+    rng = np.random.default_rng(0)
+    b, n, q = 3, 9, 6
+    greedy = Sampling()
+    valid = np.ones((b, q), dtype=bool)
+    valid[0, :4] = False  # row 0 feeds 2 tokens, row 1 all 6, row 2 3
+    valid[2, :3] = False
+    ids = rng.integers(5, vocab, (b, q))
+    positions = np.where(valid, n + np.cumsum(valid, 1) - 1, 0)
+    mask = decode_mask(np.concatenate([np.ones((b, n), dtype=bool), valid], 1), q)
+    # Reads as a lossless step lays them out: repeats for rows with fewer drafts, one at a hole.
+    read = np.array([[4, 5, 5, 5, 2], [0, 1, 2, 3, 5], [3, 4, 5, 5, 5]])
+    out = {}
+    for use_valid in (False, True):
+        cache = dec.new_cache(b)
+        prompt = rng.integers(5, vocab, (b, n)) if not out else out["prompt"]
+        out["prompt"] = prompt
+        dec.step(cache, prompt, np.tile(np.arange(n), (b, 1)), None, np.full((b, 1), n - 1), metric=None, sampling=greedy)
+        out[use_valid] = dec.step(cache, ids, positions, mask, read, metric="probability", sampling=greedy,
+                                  valid=valid if use_valid else None)
+    (ids_full, conf_full), (ids_real, conf_real) = out[False], out[True]
+    used = np.take_along_axis(valid, read, axis=1)  # a read at a hole is never used
+    assert np.array_equal(ids_real[used], ids_full[used])
+    assert np.array_equal(conf_real[used], conf_full[used])
+
+
+def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
+    from mars.core.decoding import DecodeSettings, generate
+
+    dec, vocab = _decoder()
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]  # different lengths: left padding, holes
+    entered = []
+    real_rows = packed.real_rows
+    monkeypatch.setattr(packed, "real_rows", lambda index, total: entered.append(len(index) / total) or real_rows(index, total))
+    out = {}
+    for skip in (True, False):
+        dec.skips_holes = skip
+        for mode in ("ar", "lossless", "threshold"):
+            s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window",
+                               threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
+            out[skip, mode] = generate(dec, prompts, s).tokens
+    for mode in ("ar", "lossless", "threshold"):
+        assert out[True, mode] == out[False, mode], mode
+    assert out[True, "lossless"] == out[True, "ar"]
+    assert entered and min(entered) < 1.0  # the prompts' and the drafts' holes were skipped

@@ -128,11 +128,13 @@ class StepBackend(Protocol):
 
     def crop(self, cache: Any, length: int) -> None: ...
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None) -> tuple[np.ndarray, np.ndarray]:
         """Forward `input_ids` (b, q) at `positions` on top of `cache` (None: no cache)
         under `mask` (b, q, kv) bool or None (plain causal, no holes); return
         (ids, confidence), each (b, k), for the outputs at `read` (b, k) indices into q.
-        `metric` None (greedy AR): the argmax ids alone; confidences may be zeros."""
+        `metric` None (greedy AR): the argmax ids alone; confidences may be zeros.
+        `valid` (b, q), when given, marks the real positions: the others are holes, never
+        attended nor read, which a backend may leave uncomputed (`skips_holes`)."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:

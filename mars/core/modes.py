@@ -22,7 +22,8 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
     # mask fed this step), so none is computed.
     no_masks = ar_mode_rows(s.metric, thresholds).all() or feed.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
-    ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling)
+    ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling,
+                             valid=feed.valid)
     counts = accept_counts(conf, s.metric, thresholds, feed.limit)
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
@@ -35,7 +36,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling) -> tuple[list[l
     columns, width = feed.columns, feed.columns.draft_slots
     spare = None
     if sampling.greedy:
-        ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=sampling)
+        ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=sampling, valid=feed.valid)
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
         spare = ids[:, columns.spare_reads].reshape(len(ids), columns.spare_groups, columns.masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])

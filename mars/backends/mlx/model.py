@@ -345,7 +345,7 @@ class MlxDecoder:
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
         return head(self.model, picked)
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
         logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,7 +209,8 @@ class TorchDecoder:
     `pack` (default: on the CPU where oneDNN is available): the linear layers also keep
     their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
     a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards are
-    unchanged. The packed copies double the weights' memory."""
+    unchanged. The packed copies double the weights' memory. With packed layers a batch's
+    step computes its real positions alone, not its holes (`skips_holes`)."""
 
     def __init__(self, tm: TorchModel, pack: bool | None = None):
         from .attention import use_grouped_sdpa
@@ -223,6 +225,8 @@ class TorchDecoder:
         if pack is None:
             pack = can_pack(tm.device, tm.dtype)
         self.packed = pack_linears(tm.model) if pack else 0
+        # A batch's step computes its real positions alone, not its holes (packed.real_rows).
+        self.skips_holes = bool(self.packed)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
         self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
 
@@ -275,27 +279,49 @@ class TorchDecoder:
             self._seeded = sampling.seed
         return self.generator
 
-    def logits(self, cache, input_ids, positions, mask, read) -> torch.Tensor:
+    def logits(self, cache, input_ids, positions, mask, read, valid=None) -> torch.Tensor:
         """One forward of `input_ids` (as `step`): the float32 logits of the `read` columns,
         on the device. `step` and `speculate` reduce them; a subclass may inspect them."""
+        unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+        return unique[torch.from_numpy(where).to(unique.device)]
+
+    def _read_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
+        """One forward: the float32 logits of each distinct (row, column) that `read` names,
+        (n, vocab), and where each read finds its own among them, (b, k). A row that
+        feeds fewer drafts than the widest repeats its last read: the head (a large matrix
+        product on a small model) runs once per distinct read. With `valid` (b, q), reads at
+        holes (never used) share the row's first, and with packed layers the body computes
+        the real positions alone (packed.real_rows)."""
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
         if self.tm.gate is not None:
             self.tm.gate.set(ids)
+        b, q = ids.shape
+        holes = valid is not None and self.skips_holes and not np.all(valid)
+        real = packed.real_rows(torch.from_numpy(np.flatnonzero(valid)).to(dev), b * q) if holes else contextlib.nullcontext()
+        read = np.asarray(read)
+        if valid is not None:  # a read at a hole is never used: let it share the row's first read
+            read = np.where(np.take_along_axis(np.asarray(valid), read, axis=1), read, read[:, :1])
+        flat = (np.arange(b)[:, None] * q + read).reshape(-1)
+        distinct, where = np.unique(flat, return_inverse=True)
         with packed.active():
-            out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
+            with real:
+                out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
             hidden = out.last_hidden_state
-            idx = torch.from_numpy(np.ascontiguousarray(read)).to(dev)
-            picked = hidden.gather(1, idx[..., None].expand(-1, -1, hidden.shape[-1]))
-            return self.head(picked).float()
+            picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
+            return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
     @torch.inference_mode()
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling):
-        logits = self.logits(cache, input_ids, positions, mask, read)
-        chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling) if not sampling.greedy else None)
-        return chosen.cpu().numpy(), conf.cpu().numpy()
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
+        if not sampling.greedy:  # every read draws its own token: the reads stay apart
+            logits = self.logits(cache, input_ids, positions, mask, read, valid)
+            chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling))
+            return chosen.cpu().numpy(), conf.cpu().numpy()
+        unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+        chosen, conf = slot_predictions(unique, metric, sampling)
+        return chosen.cpu().numpy()[where], conf.cpu().numpy()[where]
 
     @torch.inference_mode()
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):

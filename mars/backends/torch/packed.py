@@ -17,6 +17,14 @@ forward does. `pack_linears` keeps each weight as it is and adds its packed copy
 The packs are used only inside `active()`, which the torch decoder enters for its steps:
 anything else that runs the same model (training, `model.generate`) computes as before.
 
+Inside `real_rows(index, total)` (a batch's step with holes: rows that feed fewer tokens
+than the widest, left padding), a packed layer given all `total` positions computes the
+real ones alone (`index`) and returns zeros at the holes. Every linear layer acts on each
+position alone, so the real positions' outputs are the same numbers; a hole's are never
+attended nor read (docs/method.md §6). A batch's step then costs what its real tokens
+cost, not rows x its widest row. The packed product's rows do not depend on how many rows
+it runs (checked in the tests), so only a step left with one real row changes path.
+
 A packed product sums in another order than `F.linear`'s, so its outputs can differ in
 the last bits, as `F.linear`'s own k-row and one-row products already do. Lossless
 decoding compares the argmax of a multi-token forward with the draft, so the text it
@@ -47,6 +55,10 @@ PAD_ROWS: dict[int, int] = {2: 4}
 # Packed layers use their packs only inside `active()` (the decoder's steps), so a model
 # shared with other code (training, a library's own generate) computes as it always did.
 _enabled = False
+# Inside `real_rows`: (flat indices of the real positions, all positions), and the last
+# input gathered (the query, key and value projections share theirs).
+_rows: tuple[torch.Tensor, int] | None = None
+_gathered: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,6 +72,8 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if _rows is not None and rows == _rows[1] and _enabled:
+        return _real_rows_forward(self, x)
     if rows < MIN_ROWS or not _enabled or self.weight._version != self._mars_version or self.weight.requires_grad and torch.is_grad_enabled():
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
@@ -70,6 +84,21 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     if pad:
         y = y[:rows]
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _real_rows_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """The layer on the real positions of `x` alone, zeros at the holes (see `real_rows`)."""
+    global _gathered
+    index, total = _rows
+    if _gathered is not None and _gathered[0] is x:
+        real = _gathered[1]
+    else:
+        real = x.reshape(total, x.shape[-1]).index_select(0, index)
+        _gathered = (x, real)
+    y = _packed_forward(self, real)  # one real row runs F.linear, as AR does
+    out = y.new_zeros(total, y.shape[-1])
+    out.index_copy_(0, index, y)
+    return out.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def pack_linears(module: torch.nn.Module) -> int:
@@ -104,6 +133,18 @@ def _switched(on: bool):
 def active():
     """Packed layers use their packs inside this block (the decoder's forwards)."""
     return _switched(True)
+
+
+@contextlib.contextmanager
+def real_rows(index: torch.Tensor, total: int):
+    """Packed layers given `total` positions compute only those at `index` (flat, sorted,
+    at least one), with zeros elsewhere, inside this block (and `active()`)."""
+    global _rows, _gathered
+    before, _rows = _rows, (index, total)
+    try:
+        yield
+    finally:
+        _rows, _gathered = before, None
 
 
 def disabled():
