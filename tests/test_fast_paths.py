@@ -121,6 +121,11 @@ def test_real_rows_computes_the_real_positions_alone():
         full_q, full_k = q(x), k(x)
         with packed.real_rows(real, 15):
             got_q, got_k = q(x), k(x)  # the same input: gathered once, used by both
+            y = x.clone()
+            first = q(y)
+            y.mul_(2.0)  # changed in place: gathered again, not reused
+            assert torch.equal(q(y).reshape(15, 24)[real], q(x * 2.0).reshape(15, 24)[real])
+            assert not torch.equal(first, q(y))
             other = o(torch.randn(4, 32))  # not the step's positions: the plain packed product
     assert other.shape == (4, 24)
     for got, full in ((got_q, full_q), (got_k, full_k)):

@@ -56,9 +56,9 @@ PAD_ROWS: dict[int, int] = {2: 4}
 # shared with other code (training, a library's own generate) computes as it always did.
 _enabled = False
 # Inside `real_rows`: (flat indices of the real positions, all positions), and the last
-# input gathered (the query, key and value projections share theirs).
+# input gathered, with its version (the query, key and value projections share theirs).
 _rows: tuple[torch.Tensor, int] | None = None
-_gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+_gathered: tuple[torch.Tensor, int | None, torch.Tensor] | None = None
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -90,11 +90,12 @@ def _real_rows_forward(self, x: torch.Tensor) -> torch.Tensor:
     """The layer on the real positions of `x` alone, zeros at the holes (see `real_rows`)."""
     global _gathered
     index, total = _rows
-    if _gathered is not None and _gathered[0] is x:
-        real = _gathered[1]
+    version = None if x.is_inference() else x._version  # inference tensors keep no version counter
+    if _gathered is not None and _gathered[0] is x and _gathered[1] == version:
+        real = _gathered[2]
     else:
         real = x.reshape(total, x.shape[-1]).index_select(0, index)
-        _gathered = (x, real)
+        _gathered = (x, version, real)
     y = _packed_forward(self, real)  # one real row runs F.linear, as AR does
     out = y.new_zeros(total, y.shape[-1])
     out.index_copy_(0, index, y)
