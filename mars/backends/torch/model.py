@@ -299,15 +299,18 @@ class TorchDecoder:
         if self.tm.gate is not None:
             self.tm.gate.set(ids)
         b, q = ids.shape
-        holes = valid is not None and self.skips_holes and not np.all(valid)
-        real = packed.real_rows(torch.from_numpy(np.flatnonzero(valid)).to(dev), b * q) if holes else contextlib.nullcontext()
         read = np.asarray(read)
-        if valid is not None:  # a read at a hole is never used: let it share the row's first read
-            read = np.where(np.take_along_axis(np.asarray(valid), read, axis=1), read, read[:, :1])
+        real = contextlib.nullcontext()
+        if valid is not None:
+            valid = np.asarray(valid)
+            if self.skips_holes and not valid.all():
+                real = packed.real_rows(torch.from_numpy(np.flatnonzero(valid)).to(dev), b * q)
+            # A read at a hole is never used: let it share the row's first read.
+            read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
         flat = (np.arange(b)[:, None] * q + read).reshape(-1)
         distinct, where = np.unique(flat, return_inverse=True)
         with packed.active():
-            with real:
+            with real:  # the body alone: the head's rows are reads, not positions
                 out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
             hidden = out.last_hidden_state
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
