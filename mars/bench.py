@@ -66,6 +66,9 @@ class BenchSettings:
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
     # chosen from the cost curve, mars.core.cost.ThresholdPolicy) and/or "fixed" (B every step).
     feeds: tuple[str, ...] = ("auto",)
+    # Also time verified threshold mode (mars.core.decode_types.DecodeSettings.verify) at each
+    # threshold, with the window cache, the cost-aware feed and n-gram drafts (`ngram`).
+    verify: bool = False
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -112,11 +115,11 @@ def metric_of(loaded, s: BenchSettings) -> str:
 
 
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
-                    hedge: int | None = None, ngram: int = 0, feed: str = "auto") -> DecodeSettings:
+                    hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     return base.decode_settings(loaded, threshold=threshold, lossless=lossless, metric=s.metric, block_size=s.block_size, force=s.force,
                                 max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram,
-                                feed=feed)
+                                feed=feed, verify=verify)
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -264,6 +267,11 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             for bc in s.block_caches:
                 run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s, feed=feed), fed)
                 configs.append(Config(f"mars-block{bc} t={tau:g}{suffix}", "mars", run, tau, "block", bc))
+    if s.verify:
+        for tau in s.thresholds:
+            # The window cache (verified threshold mode runs no other), deciding on the stored curves.
+            verified = decode_settings(loaded, tau, "window", 16, s, ngram=s.ngram, verify=True)
+            configs.append(Config(f"verified t={tau:g}", "mars", _ours(decoder, verified, stored), tau, "window"))
     if s.lossless:
         if s.window:
             auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram)

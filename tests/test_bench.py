@@ -76,6 +76,19 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
     assert list((tmp_path / "cost").glob("*.json"))  # the curve was kept for the next run
 
 
+def test_verified_threshold_mode_is_timed_at_each_threshold(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MARS_HOME", str(tmp_path))
+    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0, 0.5), block_caches=(), repeats=1, forward_ks=(), max_tokens=12,
+                             verify=True, prompt_lookup=0, force=True)
+    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None)
+    runs = {r["name"]: r for r in report["runs"]}
+    assert {"verified t=1", "verified t=0.5"} <= set(runs)
+    # At threshold 1.0 it is AR; below, its tokens come from verified drafts, AR and the threshold.
+    assert runs["verified t=1"]["rows_equal_to_ar"] == 1.0 and runs["verified t=1"]["tokens_per_forward"] == 1.0
+    assert runs["verified t=0.5"]["cache"] == "window"
+    assert sum(runs["verified t=0.5"]["tokens_by_source"].values()) == runs["verified t=0.5"]["tokens"]
+
+
 def test_thresholds_below_one_need_force_without_mars_json(tiny):
     with pytest.raises(BenchError, match="no mars.json"):
         benchmark(str(tiny), backend="torch", prompts=PROMPTS[:1], settings=BenchSettings(**SETTINGS), announce=lambda m: None)

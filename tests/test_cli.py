@@ -457,6 +457,18 @@ def test_threshold_below_one_needs_mars_json_or_force(tiny):
     assert "tokens/forward" in result.output
 
 
+def test_verify_runs_verified_threshold_mode(tiny):
+    common = ("generate", "--model", tiny, "--prompt", "hi", "--prompt", "Spell from c", "--max-tokens", 10, "--json", "--device", "cpu")
+    ar = [json.loads(line) for line in ok(invoke(*common)).stdout.splitlines()]
+    at_one = ok(invoke(*common, "--threshold", 1.0, "--verify"))
+    assert "--verify is ignored here: AR mode" in at_one.stderr
+    assert [json.loads(line)["text"] for line in at_one.stdout.splitlines()] == [r["text"] for r in ar]
+    verified = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--verify", "--force")).stdout.splitlines()]
+    assert [r["mode"] for r in verified] == ["verified threshold 0.5 (probability)"] * 2
+    assert "lossless mode verifies every draft already" in invoke(*common, "--lossless", "--verify").stderr
+    assert "is ignored" not in invoke(*common, "--threshold", 0.5, "--verify", "--force", "--hedge", 1).stderr
+
+
 def test_default_mode_lossless(tiny, data, tmp_path):
     """A checkpoint whose mars.json says default_mode lossless decodes losslessly when given no
     --threshold (output identical to AR), and at a threshold when given one."""

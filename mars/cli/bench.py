@@ -43,6 +43,7 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
 @click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
 @click.option("--lossless", is_flag=True, help="Also time lossless decoding (window and each --block-cache).")
+@click.option("--verify", is_flag=True, help="Also time verified threshold mode at each --threshold (window cache, n-gram drafts per --ngram).")
 @click.option("--window/--no-window", default=B["window"], show_default=True, help="Time MARS with the window cache (threshold and lossless).")
 @click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
 @click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
@@ -55,7 +56,7 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @backend_option
 @friendly_errors
 def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, window, prompt_lookup, ngram, llama_cpp, feeds, threads, verbose,
+                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, verify, window, prompt_lookup, ngram, llama_cpp, feeds, threads, verbose,
                   backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
     from ..bench import BenchError, benchmark, format_table
@@ -74,6 +75,7 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
             forward_repeats=forward_repeats,
             force=force,
             lossless=lossless,
+            verify=verify,
             window=window,
             prompt_lookup=prompt_lookup,
             ngram=ngram,

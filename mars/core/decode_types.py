@@ -67,6 +67,13 @@ class DecodeSettings:
     # device (mars.core.cost; lossless output stays AR's, threshold-mode text may then depend
     # on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
     feed: str = "auto"
+    # Threshold mode below AR mode, greedy: verified threshold mode (docs/method.md §9). Run
+    # lossless mode's loop (drafts from the masks, the spare groups and n-gram lookup, fed and
+    # kept where AR agrees; the window cache, or none) and also take, after each step's AR
+    # token, the leading next drafts whose confidence passes the threshold, unverified. Tokens
+    # differ from AR's only where such a draft was taken; the drafts it did not take are
+    # verified instead of dropped. Ignored in AR mode, in lossless mode and when sampling.
+    verify: bool = False
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -87,12 +94,28 @@ class DecodeSettings:
             raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r}")
 
     @property
+    def not_verified(self) -> str | None:
+        """Why `verify` does nothing here, or None when it runs (see `verify`)."""
+        if self.lossless:
+            return "lossless mode verifies every draft already"
+        if not self.sampling.greedy:
+            return "verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)"
+        if self.masks_per_step == 0:
+            return "AR mode takes no mask's guess"
+        return None
+
+    @property
+    def verified(self) -> bool:
+        """Verified threshold mode runs (`verify`, and nothing rules it out)."""
+        return self.verify and self.not_verified is None
+
+    @property
     def no_spare_groups(self) -> str | None:
         """Why this run feeds no spare groups whatever `hedge` says, or None when it may:
         greedy lossless with the window cache or none only (a sampled draft's acceptance needs
         the distribution it was drawn from; spare groups would need theirs kept too)."""
-        if not self.lossless:
-            return "spare mask groups are a lossless-mode feature"
+        if not (self.lossless or self.verified):
+            return "spare mask groups are a lossless-mode (and verified threshold mode) feature"
         if not self.sampling.greedy:
             return "lossless sampling runs without spare mask groups (they apply to greedy decoding)"
         if self.cache == "block":

@@ -36,7 +36,7 @@ from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdPolicy, block_cach
 from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
-from .modes import accept_by_threshold, count_drafts, verify
+from .modes import accept_by_threshold, count_drafts, take_confident, verify
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 
 __all__ = [
@@ -89,6 +89,18 @@ def generate(
     ran, threshold_feed = s.cache, None
     if s.feed == "fixed":
         cost = None
+    confident = s.verified
+    if confident:
+        # Verified threshold mode: lossless mode's loop, window cache (or none), taking
+        # confident drafts unverified (modes.take_confident). What it feeds changes the text,
+        # so, as in threshold mode, a fresh policy per call decides on a frozen copy of the
+        # curves (Drafting does not refresh them from the run's timings).
+        s = replace(s, lossless=True, cache="none" if s.cache == "none" else "window")
+        ran = s.cache
+        if cost is not None:
+            costs = cost.costs if isinstance(cost, FeedPolicy) else cost
+            costs = costs if isinstance(costs, BatchCosts) else BatchCosts(costs)
+            cost = FeedPolicy(costs.snapshot(), s.block_size, s.spare_groups)
     if cost is not None and not s.lossless and s.masks_per_step:
         # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdPolicy).
         threshold_feed = ThresholdPolicy(cost.costs if isinstance(cost, FeedPolicy) else cost, s.block_size)
@@ -103,7 +115,7 @@ def generate(
         cache = None
     stats = DecodeStats(rows=[r.stats for r in rows], cache=ran, threshold_feed=threshold_feed)
     if s.lossless and s.sampling.greedy and isinstance(strategy, WindowStrategy):
-        stats.drafting = Drafting(s, cost)
+        stats.drafting = Drafting(s, cost, confident=confident)
 
     live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)
     everyone = rows
@@ -136,9 +148,11 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
     stats.fed_tokens += feed.ids.size
     if s.lossless:
         t0 = time.perf_counter()
-        accepted, proposals = verify(backend, cache, feed, mask, s.sampling)
+        confident = drafting is not None and drafting.confident
+        accepted, proposals, conf = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None)
         if drafting is not None:
             drafting.after_step(feed, rows, time.perf_counter() - t0)
+        taken = take_confident(accepted, proposals, conf, rows, s.metric) if confident else None
     else:
         accepted = accept_by_threshold(backend, cache, feed, mask, rows, s)
         stats.masks_fed[feed.columns.masks] = stats.masks_fed.get(feed.columns.masks, 0) + 1
@@ -158,6 +172,8 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
             continue
         if s.lossless:
             count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i], s.masks_per_step)
+            if taken is not None and taken[i]:
+                r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(feed.kept[i])
         accepted[i] = _take(r, accepted[i], eos)
     strategy.commit(backend, cache, rows, feed, before)

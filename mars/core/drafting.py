@@ -20,8 +20,11 @@ class Drafting:
     `ngram.source`), and a row with no drafts takes lookup's if it pays. After the forward:
     the acceptance statistics and the cost curve learn."""
 
-    def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None):
+    def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None, *, confident: bool = False):
         self.s = settings
+        # Verified threshold mode (mars.core.modes.take_confident): what a step feeds changes
+        # the text, so the cost curves are not refreshed from the run's timings.
+        self.confident = confident
         if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.spare_groups):
             cost = cost.costs  # another block size or spare-group cap: start a policy for it
         if isinstance(cost, (CostCurve, BatchCosts)):
@@ -75,6 +78,6 @@ class Drafting:
         for i, r in enumerate(rows):
             if feed.limit[i] > 0 and feed.n_drafts[i]:
                 self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(feed.kept[i]))
-        if self.policy is not None:
+        if self.policy is not None and not self.confident:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .acceptance import accept_counts, ar_mode_rows
+from .acceptance import accept_counts, ar_mode_rows, is_ar_mode, passes
 from .decode_types import DecodeSettings, Row, Sampling
 from .feed import Feed
 
@@ -28,17 +28,24 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
 
-def verify(backend, cache, feed: Feed, mask, sampling: Sampling) -> tuple[list[list[int]], list[tuple[str, list[int]]]]:
+def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None):
     """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
     a waiting row) and its next drafts, (source, ids): the masks' proposals if every draft
     passed, else those of the spare group after the last kept draft if there is one, else
-    none. Sets `feed.kept`."""
+    none. Sets `feed.kept`.
+
+    With `metric` (greedy only) also returns, per row, the confidence of each next draft
+    (see `take_confident`); else None."""
     columns, width = feed.columns, feed.columns.draft_slots
-    spare = None
+    spare = conf = None
     if sampling.greedy:
-        ids, _ = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=None, sampling=sampling, valid=feed.valid)
+        ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid)
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
         spare = ids[:, columns.spare_reads].reshape(len(ids), columns.spare_groups, columns.masks)
+        if metric is not None:
+            conf = np.asarray(conf, dtype=np.float64)
+            conf_masks = conf[:, columns.mask_reads]
+            conf_spare = conf[:, columns.spare_reads].reshape(len(ids), columns.spare_groups, columns.masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
         token = ar[np.arange(len(ar)), kept]
@@ -52,15 +59,40 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling) -> tuple[list[l
         [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])] if feed.limit[i] > 0 else [] for i in range(len(kept))
     ]
     # The masks' proposals were conditioned on every draft: wrong once one failed.
-    nxt = []
+    nxt, nxt_conf = [], []
     for i in range(len(kept)):
         if kept[i] == feed.n_drafts[i]:
             nxt.append(("masks", [int(t) for t in proposals[i]]))
+            nxt_conf.append(conf_masks[i] if metric is not None else None)
         elif spare is not None and kept[i] < columns.spare_groups:
             nxt.append(("spare", [int(t) for t in spare[i, kept[i]]]))
+            nxt_conf.append(conf_spare[i, kept[i]] if metric is not None else None)
         else:
             nxt.append(("masks", []))
-    return accepted, nxt
+            nxt_conf.append(np.zeros(0))
+    return accepted, nxt, (nxt_conf if metric is not None else None)
+
+
+def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
+    """Verified threshold mode (docs/method.md §9): after a lossless step, each row also takes
+    the leading next drafts whose confidence passes its threshold, unverified, as threshold
+    mode takes leading masks, within what is left of its max_tokens; the drafts after them
+    stay drafts, verified next step. A row in AR mode takes none, so at threshold 1.0 the
+    output is lossless mode's, AR's. Updates `accepted` and `nxt` in place; returns how many
+    each row took so."""
+    taken = []
+    for i, r in enumerate(rows):
+        source, drafts = nxt[i]
+        room = r.max_tokens - len(r.out) - len(accepted[i])
+        if not accepted[i] or not drafts or room <= 0 or is_ar_mode(metric, r.threshold):
+            taken.append(0)
+            continue
+        ok = passes(np.asarray(conf[i][: len(drafts)]), metric, r.threshold)
+        c = min(int(np.cumprod(ok).sum()), room)
+        accepted[i] = accepted[i] + drafts[:c]
+        nxt[i] = (source, drafts[c:])
+        taken.append(c)
+    return taken
 
 
 def count_drafts(r: Row, verified: int, kept: int, nxt: tuple[str, list[int]], masks: int) -> None:
