@@ -465,6 +465,8 @@ def test_verify_runs_verified_threshold_mode(tiny):
     assert [json.loads(line)["text"] for line in at_one.stdout.splitlines()] == [r["text"] for r in ar]
     verified = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--verify", "--force")).stdout.splitlines()]
     assert [r["mode"] for r in verified] == ["verified threshold 0.5 (probability)"] * 2
+    summary = ok(invoke(*common[:-3], "--device", "cpu", "--threshold", 0.0, "--verify", "--force", "--feed", "fixed")).output
+    assert "unverified (threshold)" in summary and "AR" in summary
     assert "lossless mode verifies every draft already" in invoke(*common, "--lossless", "--verify").stderr
     assert "is ignored" not in invoke(*common, "--threshold", 0.5, "--verify", "--force", "--hedge", 1).stderr
 
