@@ -467,6 +467,19 @@ def test_verify_runs_verified_threshold_mode(tiny):
     assert [r["mode"] for r in verified] == ["verified threshold 0.5 (probability)"] * 2
     summary = ok(invoke(*common[:-3], "--device", "cpu", "--threshold", 0.0, "--verify", "--force", "--feed", "fixed")).output
     assert "unverified (threshold)" in summary and "AR" in summary
+    result = ok(invoke("chat", "--model", tiny, "--max-tokens", 6, "--device", "cpu", "--force",
+                       input="/verify\n/threshold 0.5\nhi\n/verify\n/quit\n"))
+    said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
+    said = [line for line in said if line.startswith(("lossless", "threshold", "verified"))]
+    assert said[0].startswith("threshold 1.0 (probability), B=4")  # the banner
+    assert said[1:] == ["threshold 1.0 (probability)", "threshold 0.5 (probability)", "verified threshold 0.5 (probability)"]
+    # Verified threshold mode is the default of threshold mode; --no-verify is plain threshold mode.
+    plain = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--no-verify", "--force")).stdout.splitlines()]
+    default = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--force")).stdout.splitlines()]
+    assert [r["mode"] for r in plain] == ["threshold 0.5 (probability)"] * 2
+    assert [r["mode"] for r in default] == ["verified threshold 0.5 (probability)"] * 2
+    sampled = invoke(*common, "--threshold", 0.5, "--force", "--temp", 0.7)
+    assert "ignored" not in sampled.stderr and json.loads(sampled.stdout.splitlines()[0])["mode"] == "threshold 0.5 (probability)"
     assert "lossless mode verifies every draft already" in invoke(*common, "--lossless", "--verify").stderr
     assert "is ignored" not in invoke(*common, "--threshold", 0.5, "--verify", "--force", "--hedge", 1).stderr
 
@@ -483,21 +496,21 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5)).stdout.splitlines()]
     assert [r["mode"] for r in default] == ["lossless greedy"] * 2
     assert [r["mode"] for r in ar] == ["threshold 1.0 (probability)"] * 2
-    assert [r["mode"] for r in loose] == ["threshold 0.5 (probability)"] * 2
+    assert [r["mode"] for r in loose] == ["verified threshold 0.5 (probability)"] * 2
     assert [r["text"] for r in default] == [r["text"] for r in ar]
     plain = [json.loads(line) for line in ok(invoke(*common, "--hedge", 0)).stdout.splitlines()]
     assert [r["text"] for r in plain] == [r["text"] for r in ar] and plain[0]["mode"] == "lossless greedy"
     fixed = [json.loads(line) for line in ok(invoke(*common, "--feed", "fixed")).stdout.splitlines()]
     assert [r["text"] for r in fixed] == [r["text"] for r in ar]
     fixed_loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--feed", "fixed")).stdout.splitlines()]
-    assert [r["mode"] for r in fixed_loose] == ["threshold 0.5 (probability)"] * 2
+    assert [r["mode"] for r in fixed_loose] == ["verified threshold 0.5 (probability)"] * 2
     assert invoke(*common, "--feed", "wide").exit_code == 2
     result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
                        input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
-    said = [line for line in said if line.startswith(("lossless", "threshold"))]
+    said = [line for line in said if line.startswith(("lossless", "threshold", "verified"))]
     assert said[0].startswith("lossless greedy, B=4")
-    assert said[1:] == ["threshold 0.5 (probability)", "lossless greedy"]
+    assert said[1:] == ["verified threshold 0.5 (probability)", "lossless greedy"]
     assert len([line for line in result.output.splitlines() if "tokens/forward" in line]) == 3
     bad = tmp_path / "bad"
     one_line_error(invoke(*finetune_args(tiny, data, bad, "--default-mode", "fast")), "--default-mode")

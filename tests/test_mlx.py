@@ -242,3 +242,19 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
             for start in range(0, len(prompts), batch):
                 out += generate(dec, prompts[start : start + batch], s, cost=CostCurve(dict(curve), refresh=0.0)).tokens
             assert out == ar, (type(dec).__name__, batch)
+
+
+@pytest.mark.parametrize("cache", ["none", "window"])
+def test_verified_threshold_mode_is_the_same_on_both_backends(pair, cache):
+    m, t = pair
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    unverified = 0
+    for tau in (0.2, 0.5, 0.9):
+        s = settings(threshold=tau, cache=cache, verify=True, ngram=6)
+        mlx_out = generate(MlxDecoder(m), prompts, s)
+        torch_out = generate(TorchDecoder(t), prompts, s)
+        assert mlx_out.tokens == torch_out.tokens, tau
+        assert mlx_out.stats.by_source() == torch_out.stats.by_source()
+        assert [generate(MlxDecoder(m), [p], s).tokens[0] for p in prompts] == mlx_out.tokens
+        unverified += mlx_out.stats.by_source().get("threshold", 0)
+    assert unverified > 0  # confident tokens were taken unverified, not only verified ones

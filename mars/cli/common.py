@@ -157,11 +157,11 @@ def decode_options(f):
     f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
     f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
                                                  "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.")(f)
-    f = click.option("--verify", is_flag=True,
-                     help="Threshold mode, greedy: verified threshold mode. Also feed drafts (the masks' proposals not taken, "
-                          "spare groups', n-gram lookup's) and keep those AR agrees with, as --lossless does, while taking "
-                          "confident proposals unverified; runs with the window cache (or none). Faster than plain threshold "
-                          "mode, and closer to AR: a proposal not taken is verified instead of dropped.")(f)
+    f = click.option("--verify/--no-verify", default=None,
+                     help="Threshold mode, greedy: verified threshold mode (the default there). Also feed drafts (the masks' "
+                          "proposals not taken, spare groups', n-gram lookup's) and keep those AR agrees with, as --lossless "
+                          "does, while taking confident proposals unverified; runs with the window cache (or none). "
+                          "--no-verify: plain threshold mode, which drops the proposals it does not take.")(f)
     f = click.option("--hedge", type=click.IntRange(min=0), default=None,
                      help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
                           "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
@@ -178,7 +178,7 @@ def decode_options(f):
 
 
 def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                    lossless, hedge, ngram, feed="auto", verify=False):
+                    lossless, hedge, ngram, feed="auto", verify=None):
     """The DecodeSettings the decoding options ask for on the session's model, with a note for
     each option that has no effect."""
     from ..core.decoding import Sampling
@@ -192,9 +192,9 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
         threshold=threshold, lossless=lossless, metric=metric, block_size=block_size, force=force,
         warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
         sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed,
-        verify=verify,
+        verify=verify is not False,  # on unless --no-verify: it applies where it can (greedy threshold mode)
     )
-    if verify and not settings.verified:
+    if verify and not settings.verified:  # asked for by name where it cannot apply
         warn(f"--verify is ignored here: {settings.not_verified}")
     if hedge is not None and hedge > 0 and settings.no_spare_groups:
         warn(f"--hedge is ignored here: {settings.no_spare_groups}")

@@ -163,6 +163,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
 CHAT_HELP = """commands:
   /threshold X   decode in threshold mode at X (1.0 is plain greedy AR)
   /lossless      decode losslessly (the masks draft, the next forward verifies)
+  /verify        turn verified threshold mode on or off (threshold mode: drafts not taken are verified)
   /reset         forget the conversation
   /help          this list
   /quit          leave (also /exit, Ctrl-D)
@@ -198,5 +199,9 @@ def chat_command_line(line: str, settings, session, *, force: bool) -> None:
     elif command == "/lossless":
         settings.lossless = True
         click.echo(describe(settings), err=True)
+    elif command == "/verify":
+        settings.verify = not settings.verify
+        why = settings.not_verified if settings.verify else None
+        click.echo(describe(settings) + (f" (verify is on, for threshold mode: {why})" if why else ""), err=True)
     else:
         click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)
