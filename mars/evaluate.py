@@ -50,6 +50,10 @@ class EvalSettings:
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
+    # Also decode each threshold below AR mode in verified threshold mode (DecodeSettings.verify):
+    # one more row per threshold, named v<threshold>. Like the lossless rows, masks only (no n-gram
+    # drafts) and a fixed feed: the weights' own figure.
+    verify: bool = False
     humaneval: int = 0  # also sweep the first N HumanEval problems and report pass@1 per mode (mars.humaneval)
     humaneval_timeout: float = 10.0  # seconds each problem's tests may run
 
@@ -201,23 +205,28 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
-    def run(threshold, lossless=False, hedge=None):
+    def run(threshold, lossless=False, hedge=None, verify=False):
         s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
-                                 max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge)
-        announce(f"{em.label}: decoding {len(prompt_ids)} prompts " + (f"lossless ({s.spare_groups} spare groups)" if lossless else f"at threshold {threshold}"))
+                                 max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
+                                 verify=verify)
+        what = (f"lossless ({s.spare_groups} spare groups)" if lossless
+                else f"{'verified threshold mode ' if verify else ''}at threshold {threshold}")
+        announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
         return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups}
 
     reference = run(ar)
     rows = []
-    modes = [(t, False, None) for t in [ar] + others] + ([(ar, True, h) for h in settings.hedges] if settings.lossless else [])
-    for threshold, lossless, hedge in modes:
-        d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge)
+    modes = [(t, False, None, False) for t in [ar] + others]
+    modes += [(t, False, None, True) for t in others] if settings.verify else []
+    modes += [(ar, True, h, False) for h in settings.hedges] if settings.lossless else []
+    for threshold, lossless, hedge, verify in modes:
+        d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge, verify)
         prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
         slots = np.zeros(max(B + 1, d["per_slot"].size))  # n-gram drafts may outnumber the masks
         slots[: d["per_slot"].size] = d["per_slot"] / max(1, d["forwards"])
         rows.append({
-            "mode": "lossless" if lossless else "threshold",
+            "mode": "lossless" if lossless else "verified" if verify else "threshold",
             "threshold": None if lossless else threshold,
             "tokens": d["accepted"],
             "forwards": d["forwards"],
@@ -229,7 +238,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             # The share of the AR output's tokens reproduced before the first divergence.
             "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
-            **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless else {}),
+            **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
@@ -349,6 +358,8 @@ def write_json(report: dict, path, *, outputs: bool = False) -> Path:
 
 
 def _mode_name(row: dict, fmt: str) -> str:
+    if row.get("mode") == "verified":
+        return "v" + format(row["threshold"], fmt)
     if row.get("mode") != "lossless":
         return format(row["threshold"], fmt)
     return "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
@@ -402,7 +413,7 @@ def format_table(report: dict) -> str:
 
 # What each column of the sweep table means (printed under it, and in the README).
 SWEEP_COLUMNS = (
-    ("tau", "the threshold (lossless/hN: lossless mode with N spare mask groups)"),
+    ("tau", "the threshold (vX: verified threshold mode at X; lossless/hN: lossless mode with N spare mask groups)"),
     ("tok/fwd", "tokens per forward pass (1.0 is plain AR)"),
     ("exact", "share of replies identical to the threshold-1.0 (AR) reply"),
     ("prefix", "mean tokens before a reply first differs from AR's"),

@@ -226,6 +226,28 @@ def test_cli_one_line_errors(paths, args, needle):
     assert "Traceback" not in r.output and len([line for line in r.output.splitlines() if line.startswith("Error")]) == 1
 
 
+def test_verified_rows_follow_their_thresholds(paths, tmp_path):
+    em = ev.load_model(paths["mars"], "torch", **QUIET)
+    settings = ev.EvalSettings(**dict(FAST, thresholds=(1.0, 0.5, 0.0), verify=True), nll=False)
+    rows = ev.evaluate([em], data=paths["data"], settings=settings)["models"][0]["sweep"]["thresholds"]
+    assert [(r["mode"], r["threshold"]) for r in rows] == [("threshold", 1.0), ("threshold", 0.5), ("threshold", 0.0),
+                                                            ("verified", 0.5), ("verified", 0.0)]
+    # Each verified row is what generate gives in verified threshold mode at its threshold (fixed feed, masks only).
+    from mars.backends import base
+    from mars.core.decoding import generate
+    from mars.core.tokens import encode_prompt
+
+    prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    for row in rows[3:]:
+        s = base.decode_settings(em.tm, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
+        assert row["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
+        assert sum(row["drafts"]["kept_per_slot"]) <= sum(row["drafts"]["verified_per_slot"])
+    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "0.5",
+               "--max-tokens", 8, "--no-nll", "--verify")
+    assert r.exit_code == 0, r.output
+    assert "v0.5" in r.output
+
+
 def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
     em = ev.load_model(paths["mars"], "torch", **QUIET)
     report = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False))

@@ -204,8 +204,10 @@ def test_ignored_options_are_reported(lossless_ckpt):
     assert "--threshold is ignored with --lossless" in result.output
     result = ok(invoke(*common, "--cache", "block", "--hedge", 2))
     assert "--hedge is ignored" in result.output and "block cache" in result.output
-    result = ok(invoke(*common, "--threshold", 0.9, "--hedge", 2))
+    result = ok(invoke(*common, "--threshold", 0.9, "--hedge", 2, "--no-verify"))
     assert "--hedge is ignored" in result.output and "lossless" in result.output
+    # Verified threshold mode (threshold mode's default) feeds spare groups as lossless mode does.
+    assert "ignored" not in ok(invoke(*common, "--threshold", 0.9, "--hedge", 2)).output
     quiet = ok(invoke(*common, "--hedge", 2))
     assert "ignored" not in quiet.output
 
