@@ -18,9 +18,8 @@ from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core.cost import BatchCosts, CostCurve
 from mars.core.decoding import DecodeSettings, Sampling, generate
 from test_cost import PROMPT, ConfidentOracle, OracleBackend, fixed, oracle
+from test_lossless import EOS, MASK, prompts_of
 from tiny import PROMPTS, make_model, make_tokenizer
-
-MASK, EOS = 3, 2
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +30,6 @@ def tok():
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def dec(request, tok):
     return TorchDecoder(TorchModel(make_model(request.param, len(tok), seed=3), tok, None, "", torch.device("cpu"), torch.float32))
-
-
-def prompts_of(tok, texts):
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in texts]
 
 
 def settings(**kw):
