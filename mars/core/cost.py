@@ -387,9 +387,8 @@ class ThresholdPolicy(FeedPolicy):
 
     source = "threshold"
 
-    def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, *, explore: int = 32):
-        costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
-        super().__init__(costs.snapshot(), max_masks, 0, explore=explore)
+    def __init__(self, curve: CostCurve | BatchCosts | FeedPolicy, max_masks: int, *, explore: int = 32):
+        super().__init__(frozen_costs(curve), max_masks, 0, explore=explore)
 
     def candidates(self):
         for m in range(self.max_masks + 1):
@@ -406,6 +405,14 @@ class ThresholdPolicy(FeedPolicy):
         """A row's step: `fed` masks it could take (its limit less the AR token), `taken`
         of them taken."""
         self.stats.record(self.source, fed, taken)
+
+
+def frozen_costs(cost: CostCurve | BatchCosts | FeedPolicy) -> BatchCosts:
+    """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one
+    curve): what a feed that changes the text decides on, so that the run's own timings do
+    not steer it."""
+    costs = cost.costs if isinstance(cost, FeedPolicy) else cost
+    return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
 
 
 def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:

@@ -32,7 +32,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .acceptance import ar_mode_rows, check_threshold
-from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdPolicy, block_cache_pays
+from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdPolicy, block_cache_pays, frozen_costs
 from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
@@ -98,12 +98,10 @@ def generate(
         s = replace(s, lossless=True, cache="none" if s.cache == "none" else "window")
         ran = s.cache
         if cost is not None:
-            costs = cost.costs if isinstance(cost, FeedPolicy) else cost
-            costs = costs if isinstance(costs, BatchCosts) else BatchCosts(costs)
-            cost = FeedPolicy(costs.snapshot(), s.block_size, s.spare_groups)
+            cost = FeedPolicy(frozen_costs(cost), s.block_size, s.spare_groups)
     if cost is not None and not s.lossless and s.masks_per_step:
         # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdPolicy).
-        threshold_feed = ThresholdPolicy(cost.costs if isinstance(cost, FeedPolicy) else cost, s.block_size)
+        threshold_feed = ThresholdPolicy(cost, s.block_size)
         if s.cache == "block" and not block_cache_pays(threshold_feed, s.block_size, s.block_cache, 0, len(rows)):
             s, ran = replace(s, cache="window"), "window"
     if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .acceptance import accept_counts, ar_mode_rows, is_ar_mode, passes
+from .acceptance import accept_counts, ar_mode_rows
 from .decode_types import DecodeSettings, Row, Sampling
 from .feed import Feed
 
@@ -37,7 +37,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
     With `metric` (greedy only) also returns, per row, the confidence of each next draft
     (see `take_confident`); else None."""
     columns, width = feed.columns, feed.columns.draft_slots
-    spare = conf = None
+    spare = conf_masks = conf_spare = None
     if sampling.greedy:
         ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid)
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
@@ -63,35 +63,38 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
     for i in range(len(kept)):
         if kept[i] == feed.n_drafts[i]:
             nxt.append(("masks", [int(t) for t in proposals[i]]))
-            nxt_conf.append(conf_masks[i] if metric is not None else None)
+            nxt_conf.append(None if conf_masks is None else conf_masks[i])
         elif spare is not None and kept[i] < columns.spare_groups:
             nxt.append(("spare", [int(t) for t in spare[i, kept[i]]]))
-            nxt_conf.append(conf_spare[i, kept[i]] if metric is not None else None)
+            nxt_conf.append(None if conf_spare is None else conf_spare[i, kept[i]])
         else:
             nxt.append(("masks", []))
-            nxt_conf.append(np.zeros(0))
+            nxt_conf.append(None)
     return accepted, nxt, (nxt_conf if metric is not None else None)
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
     """Verified threshold mode (docs/method.md §9): after a lossless step, each row also takes
     the leading next drafts whose confidence passes its threshold, unverified, as threshold
-    mode takes leading masks, within what is left of its max_tokens; the drafts after them
-    stay drafts, verified next step. A row in AR mode takes none, so at threshold 1.0 the
-    output is lossless mode's, AR's. Updates `accepted` and `nxt` in place; returns how many
-    each row took so."""
-    taken = []
-    for i, r in enumerate(rows):
-        source, drafts = nxt[i]
-        room = r.max_tokens - len(r.out) - len(accepted[i])
-        if not accepted[i] or not drafts or room <= 0 or is_ar_mode(metric, r.threshold):
-            taken.append(0)
-            continue
-        ok = passes(np.asarray(conf[i][: len(drafts)]), metric, r.threshold)
-        c = min(int(np.cumprod(ok).sum()), room)
-        accepted[i] = accepted[i] + drafts[:c]
-        nxt[i] = (source, drafts[c:])
-        taken.append(c)
+    mode takes leading masks (the same rule, `accept_counts`, the step's tokens standing in
+    for its slot 0), within what is left of its max_tokens; the drafts after them stay
+    drafts, verified next step. A row in AR mode takes none, so at threshold 1.0 the output
+    is lossless mode's, AR's. Updates `accepted` and `nxt` in place; returns how many each
+    row took so."""
+    width = max((len(d) for _, d in nxt), default=0)
+    slots = np.full((len(rows), 1 + width), np.nan)  # NaN passes no threshold: rows with fewer drafts stop there
+    for i, (_, drafts) in enumerate(nxt):
+        if drafts:
+            slots[i, 1 : 1 + len(drafts)] = conf[i][: len(drafts)]
+    # A row that took nothing (finished, or waiting) takes no more: limit 0.
+    limits = [r.max_tokens - len(r.out) - len(accepted[i]) + 1 if accepted[i] else 0 for i, r in enumerate(rows)]
+    counts = accept_counts(slots, metric, np.asarray([r.threshold for r in rows], dtype=np.float64), np.maximum(limits, 0))
+    taken = [max(int(c) - 1, 0) for c in counts]
+    for i, c in enumerate(taken):
+        if c:
+            source, drafts = nxt[i]
+            accepted[i] = accepted[i] + drafts[:c]
+            nxt[i] = (source, drafts[c:])
     return taken
 
 
