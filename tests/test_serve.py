@@ -220,6 +220,81 @@ def test_a_row_alone_after_the_others_left_before_its_first_step(tm, tok):
     assert second.out == alone(dec, prompts[1], s, 0) and third.out == alone(dec, prompts[2], s, 0)
 
 
+@pytest.mark.parametrize("cost", [False, True])
+def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
+    """Greedy lossless serving on the window cache: rows join at any step (their prompts fed
+    beside the others' drafts and masks), leave when done or removed, and each takes exactly
+    its greedy AR tokens; with a cost curve the feed is chosen per step. Dead keys of rows
+    that left are dropped."""
+    from mars.core.cost import CostCurve, FeedPolicy
+
+    prompts = [encode_prompt(tok, p) for p in PROMPTS] * 2
+    s = decode_settings(tm, threshold=1.0, max_tokens=20, lossless=True, cache="window", ngram=8)
+    dec = TorchDecoder(tm)
+    policy = FeedPolicy(CostCurve({1: 1.0, 8: 1.1, 32: 1.6}), 4, s.spare_groups) if cost else None
+
+    def serve(keep_keys):
+        batch = ContinuousBatch(dec, s, keep_keys=keep_keys, cost=policy)
+        assert batch.can_join  # the window cache takes rows at any step
+        rows, widest, step, pending = {}, 0, 0, list(enumerate(prompts))
+        while pending or batch.rows:
+            while pending and pending[0][0] * 3 <= step:  # a row every third step, even mid-draft
+                i, p = pending.pop(0)
+                rows[i] = batch.join(p, max_tokens=s.max_tokens - 4 * (i % 3))
+            gone = rows.get(5)
+            if gone in batch.rows and len(gone.out) >= 4:
+                batch.leave([gone])
+            batch.step()
+            widest = max(widest, batch.cache_width)
+            step += 1
+        return batch, rows, widest, step
+
+    _, _, unbounded, _ = serve(None)
+    batch, rows, widest, step = serve(dec.keep_keys)
+    kept = 0
+    for i, p in enumerate(prompts):
+        expected = alone(dec, p, replace(s, lossless=False, cache="window"), i)
+        if i == 5:
+            assert expected[: len(rows[i].out)] == rows[i].out and len(rows[i].out) < len(expected)
+        else:
+            assert rows[i].out == expected, i
+        kept += sum(v for k, v in rows[i].stats.by_source.items() if k != "ar")
+    assert kept > 0  # drafts were kept: more than one token per forward somewhere
+    assert batch.stats.forwards < step + 1
+    # Rows that left had their keys dropped: the cache stays well below what it grows to without.
+    assert widest < 0.6 * unbounded, (widest, unbounded)
+    if cost:
+        assert sum(policy.choices.values()) >= batch.stats.forwards
+
+
+def test_window_batch_rows_at_any_threshold_decode_as_alone(tm, tok):
+    """Threshold mode on a window batch: each row at its own threshold takes what it takes
+    alone with the window cache (B masks a step), whoever else is in the batch."""
+    prompts = [encode_prompt(tok, p) for p in PROMPTS] * 2
+    thresholds = [1.0, 0.3, 0.6, 0.1, 0.9]
+    s = decode_settings(tm, threshold=1.0, max_tokens=20, cache="window")
+    dec = TorchDecoder(tm)
+    batch = ContinuousBatch(dec, s, keep_keys=dec.keep_keys)
+    rows, step, pending = {}, 0, list(enumerate(prompts))
+    while pending or batch.rows:
+        while pending and pending[0][0] * 3 <= step:
+            i, p = pending.pop(0)
+            rows[i] = batch.join(p, threshold=thresholds[i % 5], max_tokens=s.max_tokens - 4 * (i % 3))
+        batch.step()
+        step += 1
+    extra = 0
+    for i, p in enumerate(prompts):
+        single = generate(dec, [p], replace(s, threshold=thresholds[i % 5], max_tokens=s.max_tokens - 4 * (i % 3)))
+        assert rows[i].out == single.tokens[0], i
+        extra += single.stats.accepted - single.stats.row_forwards
+    assert extra > 0
+
+
+def test_a_served_batch_needs_a_cache(tm):
+    with pytest.raises(ValueError, match="cache"):
+        ContinuousBatch(TorchDecoder(tm), decode_settings(tm, cache="none"))
+
+
 def test_continuous_batch_on_mlx(tmp_path):
     pytest.importorskip("mlx.core")
     from mars.backends.mlx.model import MlxDecoder
@@ -344,6 +419,30 @@ def test_per_request_threshold_and_lossless(server, tm, tok):
     assert lossless.choices[0].message.content == ref and lossless.usage.model_extra["threshold"] is None
 
 
+@pytest.mark.parametrize("cache", ["window", "block"])
+def test_requests_run_on_the_cache_asked(tm, tok, cache):
+    """Requests decode on the window cache by default, greedy lossless ones with their feed
+    chosen per step by the engine's one cost-aware policy; --cache block puts them all on
+    the block cache. Either way a lossless reply is greedy AR's."""
+    _, ref, _ = reference(tm, encode_prompt(tok, PROMPTS[2]), 20)
+    with live(tm, engine_limits=EngineLimits(max_batch=8, block_cache=8, cache=cache)) as srv:
+        msg = [{"role": "user", "content": PROMPTS[2]}]
+        job_kinds = []
+        make = srv.engine._settings
+        srv.engine._settings = lambda job: job_kinds.append(make(job).cache) or make(job)
+        r = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True})
+        t = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5})
+        policy = srv.engine._feed_policy
+    assert r.choices[0].message.content == ref
+    assert t.usage.model_extra["threshold"] == 0.5
+    assert job_kinds == [cache, cache]
+    if cache == "window":
+        forwards = round(r.usage.completion_tokens / r.usage.model_extra["tokens_per_forward"])
+        assert policy is not None and sum(policy.choices.values()) >= forwards > 0  # it chose every step's feed
+    else:
+        assert policy is None
+
+
 def test_sampling_requests_are_seeded_and_batched_apart(server):
     client = server.client()
     kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=12, temperature=0.9, top_p=0.95)
@@ -382,13 +481,14 @@ def test_stop_strings_are_cut_and_not_included(server, tm, tok):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_many_requests_in_flight_equal_generate(server, tm, tok):
+@pytest.mark.parametrize("cache", ["window", "block"])
+def test_many_requests_in_flight_equal_generate(server, tm, tok, cache):
     """Greedy requests decoded among others (mixed thresholds, lossless, streaming or not)
     equal the same prompts decoded alone: at threshold 1.0 and lossless, `mars generate
-    --threshold 1.0`; at 0.3, `generate()` on the block cache the server uses."""
+    --threshold 1.0`; at 0.3, `generate()` on the cache the server uses, B masks a step."""
     refs = {t: reference(tm, encode_prompt(tok, t), 18)[1] for t in PROMPTS}
-    block = decode_settings(tm, threshold=0.3, max_tokens=18, cache="block", block_cache=8)
-    fast_refs = {t: tok.decode(generate(TorchDecoder(tm), [encode_prompt(tok, t)], block).tokens[0], skip_special_tokens=True)
+    fast = decode_settings(tm, threshold=0.3, max_tokens=18, cache=cache, block_cache=8)
+    fast_refs = {t: tok.decode(generate(TorchDecoder(tm), [encode_prompt(tok, t)], fast).tokens[0], skip_special_tokens=True)
                  for t in PROMPTS}
 
     async def one(client, i):
@@ -402,11 +502,16 @@ def test_many_requests_in_flight_equal_generate(server, tm, tok):
             out = (await client.chat.completions.create(**kw)).choices[0].message.content
         return text, extra, out
 
-    async def main():
-        async with server.async_client() as client:
+    async def main(srv):
+        async with srv.async_client() as client:
             return await asyncio.gather(*(one(client, i) for i in range(24)))
 
-    for text, extra, out in asyncio.run(main()):
+    if cache == "window":  # the module's server
+        results = asyncio.run(main(server))
+    else:
+        with live(tm, engine_limits=EngineLimits(max_batch=8, block_cache=8, cache="block")) as srv:
+            results = asyncio.run(main(srv))
+    for text, extra, out in results:
         assert out == (fast_refs if extra.get("threshold") == 0.3 else refs)[text], (text, extra)
     assert any(fast_refs[t] != refs[t] for t in PROMPTS)  # threshold 0.3 is not AR on this model
 

@@ -37,7 +37,13 @@ S = _serve_defaults()
 @click.option("--full-load", type=click.IntRange(min=1), default=None, help="Adaptive: the load (queued + in flight) that reaches the loose end. Default: --max-batch.")
 @click.option("--hold", type=Finite(min=0.0), default=S["hold"], show_default=True, help="Adaptive: seconds the load must stay lower before the threshold tightens again.")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")
-@click.option("--block-cache", type=click.IntRange(min=1), default=S["block_cache"], show_default=True, help="B_cache: slots per block of the batch's block cache.")
+@click.option("--block-cache", type=click.IntRange(min=1), default=S["block_cache"], show_default=True, help="B_cache: slots per block of the block cache (--cache block).")
+@click.option("--cache", type=click.Choice(["window", "block"]), default=S["cache"], show_default=True,
+              help="The cache requests decode on: window (they join at once; greedy lossless ones draft from the masks and "
+                   "n-gram lookup, the feed chosen per step from the device's cost curves) or block (the block-level cache, "
+                   "--block-cache slots; requests join at block boundaries).")
+@click.option("--ngram", type=click.IntRange(min=0), default=S["ngram"], show_default=True,
+              help="Greedy lossless requests on the window cache: the most n-gram lookup drafts a step may feed (0: off).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=S["max_batch"], show_default=True, help="Requests decoded together.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=S["max_queue"], show_default=True, help="Requests waiting for a row; past it: 429 with Retry-After.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: the model's context length).")
@@ -50,7 +56,7 @@ S = _serve_defaults()
 @backend_option
 @friendly_errors
 def serve_command(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold,
-                  full_load, hold, block_size, block_cache, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
+                  full_load, hold, block_size, block_cache, cache, ngram, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
                   default_max_tokens, temp, admin_from_anywhere, log_level, dtype, device, backend):
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
@@ -88,7 +94,8 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             block_size=block_size,
             policy=dict(policy=policy, default_mode=default_mode, default_threshold=threshold, min_threshold=min_threshold, max_threshold=max_threshold,
                         full_load=full_load, hold=hold),
-            engine_limits=EngineLimits(max_batch=max_batch, max_queue=max_queue, block_cache=block_cache),
+            engine_limits=EngineLimits(max_batch=max_batch, max_queue=max_queue, block_cache=block_cache,
+                                       cache=cache, ngram=ngram),
             serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                                      default_max_tokens=min(default_max_tokens, max_tokens_limit), temperature=temp),
             admin_from_anywhere=admin_from_anywhere,
@@ -101,7 +108,8 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             else f"lossless by default (threshold {described['default_threshold']} ({described['metric']}) on request)"
             if engine.policy.lossless_by_default
             else f"fixed threshold {described['default_threshold']} ({described['metric']})")
+    engine.prepare_feed(announce=lambda m: click.echo(m, err=True))
     untrained = "" if engine.model.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
     click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.model.block_size}, "
-               f"B_cache={block_cache}, batch {max_batch}, queue {max_queue}{untrained}", err=True)
+               f"{cache} cache{f' (B_cache={block_cache})' if cache == 'block' else ''}, batch {max_batch}, queue {max_queue}{untrained}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

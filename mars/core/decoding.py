@@ -211,36 +211,57 @@ def _compact(backend, cache, strategy, rows: list[Row], live: list[int]) -> list
 
 
 class ContinuousBatch:
-    """Block-cache decoding (docs/method.md §6) for a server: rows join at block boundaries and leave
-    whenever they finish or are removed.
+    """Decoding for a server: rows join and leave while the batch runs.
 
-    Each row decodes at its own threshold (which the caller may change between steps) and
-    stops at its own max_tokens; lossless mode and sampling belong to the batch, since a
-    backend step samples every row alike. A row joins only at a block boundary (`can_join`),
-    so its blocks start where its prompt ends, as when it is decoded alone: with a greedy
-    decoder its tokens are those of `generate(..., cache="block")` on its prompt alone,
-    whatever else is in the batch. Its prompt is fed in the first step of the block, with
-    the other rows' previous block. A finished or removed row leaves at once; a block is
-    committed once every remaining row has filled it.
+    With the block-level cache (`settings.cache` "block", docs/method.md §6) a row joins only
+    at a block boundary (`can_join`), so its blocks start where its prompt ends, as when it
+    is decoded alone: with a greedy decoder its tokens are those of
+    `generate(..., cache="block")` on its prompt alone, whatever else is in the batch. Its
+    prompt is fed in the first step of the block, with the other rows' previous block; a
+    block is committed once every remaining row has filled it. Each row decodes at its own
+    threshold (which the caller may change between steps).
+
+    With the window cache ("window"), which greedy lossless serving uses, a row joins at any
+    step: its whole prompt is fed in its first step beside the other rows' few tokens (holes
+    pad them, as for prompts of different lengths in `generate`), and the cached keys it
+    joins are holes to it. Greedy lossless decoding then runs `generate`'s lossless loop:
+    the drafts of the masks, the spare groups and n-gram lookup (`settings.ngram`), and with
+    `cost` (a FeedPolicy, kept by the caller across batches, or the curves to build one on)
+    the cost-aware feed. A row's tokens are its greedy AR tokens whatever else is in the batch.
+
+    Lossless mode and sampling belong to the batch, since a backend step samples every row
+    alike; each row stops at its own max_tokens. A finished or removed row leaves at once.
 
     `keep_keys(cache, columns)`, when given, keeps only those cache positions of every layer;
     it lets the batch drop the keys of rows that left, so a batch that never empties keeps a
     bounded cache. Without it the cache is released only when the batch empties.
     """
 
-    def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None):
+    def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None,
+                 cost: CostCurve | BatchCosts | FeedPolicy | None = None):
+        if settings.cache not in ("block", "window"):
+            raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend
         self.s = settings
         self.keep_keys = keep_keys
         self.rows: list[Row] = []
-        self.stats = DecodeStats(rows=[])  # forwards and fed tokens of the batch; rows keep their own
-        self.strategy = BlockStrategy(settings)
+        self.window = settings.cache == "window"
+        # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
+        # window decoding the drafting (its feed policy learns across the batch's life).
+        self.stats = DecodeStats(rows=[], cache=settings.cache)
+        if self.window and settings.lossless and settings.sampling.greedy:
+            self.stats.drafting = Drafting(settings, None if settings.feed == "fixed" else cost)
+        self.strategy = self._new_strategy()
         self.cache = None
+
+    def _new_strategy(self):
+        return WindowStrategy(self.s, cached=True) if self.window else BlockStrategy(self.s)
 
     @property
     def can_join(self) -> bool:
-        """At a block boundary: no row has filled any slot of the current block yet."""
-        return all(len(r.seq) == start for r, start in zip(self.rows, self.strategy.block_start))
+        """With the window cache, always; with the block cache, at a block boundary: no row has
+        filled any slot of the current block yet."""
+        return self.window or all(len(r.seq) == start for r, start in zip(self.rows, self.strategy.block_start))
 
     @property
     def cache_width(self) -> int:
@@ -264,7 +285,7 @@ class ContinuousBatch:
             max_tokens=s.max_tokens if max_tokens is None else max_tokens,
         )
         if not self.rows:
-            self.strategy = BlockStrategy(s)
+            self.strategy = self._new_strategy()
             self.cache = self.backend.new_cache(1)
         else:
             # The new row's entries copy row 0's; they are holes to it, never attended.
@@ -281,12 +302,13 @@ class ContinuousBatch:
             return
         self.rows = [self.rows[j] for j in keep]
         if not self.rows:
-            self.strategy = BlockStrategy(self.s)
+            self.strategy = self._new_strategy()
             self.cache = None
             return
         self.backend.keep_rows(self.cache, keep)
         self.strategy.keep_rows(keep)
-        self.strategy.next_block_if_filled(self.rows)
+        if not self.window:
+            self.strategy.next_block_if_filled(self.rows)
         self._drop_dead_keys()
 
     def step(self) -> list[tuple[Row, list[int]]]:
@@ -296,7 +318,7 @@ class ContinuousBatch:
             return []
         s = self.s
         all_ar = ar_mode_rows(s.metric, [r.threshold for r in self.rows]).all()
-        self.strategy.masks = 0 if all_ar and not s.lossless else s.block_size
+        self.strategy.masks = 0 if all_ar and not s.lossless else s.block_size  # lossless window: the drafting may narrow it
         rows = list(self.rows)
         accepted = _advance(self.backend, self.cache, self.strategy, rows, s, self.stats)
         self.leave([r for r in rows if r.done])

@@ -56,6 +56,12 @@ class WindowStrategy:
         if self.key_valid is not None:
             self.key_valid = self.key_valid[keep]
 
+    def add_row(self, row: Row) -> None:
+        """A row joins the batch (ContinuousBatch): the keys cached so far are holes to it; its
+        first step feeds its whole prompt (`row.cached` is 0)."""
+        if self.key_valid is not None:
+            self.key_valid = np.concatenate([self.key_valid, np.zeros((1, self.key_valid.shape[1]), dtype=bool)])
+
     def keys(self, feed: Feed) -> np.ndarray:
         if not self.cached or self.key_valid is None:
             return feed.valid

@@ -1,12 +1,19 @@
 """Continuous batching: one thread owns the model and runs the decoding loop for every request.
 
 HTTP handlers (on the asyncio loop) submit a `Job` and read its tokens from the job's
-`Outbox`; the engine thread never waits on a handler. Requests join the batch at its next
-block boundary when there is room (`max_batch` rows) and leave it the step they finish or
-are cancelled, on `mars.core.decoding.ContinuousBatch` (the block-level cache of docs/method.md §6). Rows that
-sample differently cannot share a forward (a backend step samples every row alike), so
-the engine keeps one batch per kind of decoding, each with its own decoder and cache,
-and runs them in turn: all greedy requests share one batch whatever their thresholds.
+`Outbox`; the engine thread never waits on a handler. Requests join a batch when there is
+room (`max_batch` rows) and leave it the step they finish or are cancelled, on
+`mars.core.decoding.ContinuousBatch`, by default on the window cache: a request joins at
+once (its prompt fed beside the other rows' tokens), a step feeds each row only what it
+needs (AR's one token when every row is at threshold 1.0), and greedy lossless requests (the
+default mode of a checkpoint whose mars.json says so) run `mars generate`'s lossless loop
+(mask, spare-group and n-gram drafts, the feed chosen per step from the device's cost curves
+by one policy that learns for the server's life), so they are as fast as in `mars generate`
+and say what greedy AR says. `cache="block"` decodes on the block-level cache instead
+(docs/method.md §6; requests join at block boundaries). Rows that decode differently cannot
+share a forward (a backend step samples every row alike), so the engine keeps one batch per
+kind of decoding, each with its own decoder and cache, and runs them in turn: all greedy
+threshold-mode requests share one batch whatever their thresholds.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from typing import Any, Callable
 
 from ..backends import base
 from ..core.decoding import ContinuousBatch, DecodeSettings, Sampling
-from ..core.policy import block_size_for, looser, metric_for
+from ..core.policy import DEFAULT_NGRAM, block_size_for, looser, metric_for
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -50,6 +57,9 @@ class ServedModel:
     block_size: int
     metric: str
     aliases: tuple[str, ...] = ()
+    # (decoder, announce) -> its per-forward cost curves (mars.core.cost.BatchCosts), for the
+    # cost-aware feed of greedy lossless requests; None: they feed a fixed width.
+    costs: Callable[[Any, Callable[[str], None]], Any] | None = None
 
     @classmethod
     def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None):
@@ -61,6 +71,7 @@ class ServedModel:
             block_size=block_size_for(loaded.mars, block_size),
             metric=metric_for(loaded.mars, metric),
             aliases=tuple(a for a in aliases if a and a != name),
+            costs=lambda decoder, announce: base.costs(loaded, decoder, announce=announce),
         )
 
     @property
@@ -149,9 +160,10 @@ class Job:
 
 
 class _Batch:
-    def __init__(self, model: ServedModel, settings: DecodeSettings):
-        self.decoder = model.make_decoder()
-        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys)
+    def __init__(self, decoder, settings: DecodeSettings, cost=None):
+        """`cost`, for a greedy lossless window batch: the feed policy it decodes with."""
+        self.decoder = decoder
+        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, cost=cost)
         self.jobs: dict[int, Job] = {}  # id(row) -> job
 
     def __len__(self):
@@ -163,6 +175,10 @@ class EngineLimits:
     max_batch: int = 16  # rows decoded together, every kind of batch counted
     max_queue: int = 64  # requests waiting for a row; past it `submit` raises QueueFull
     block_cache: int = 16  # B_cache
+    # The cache requests decode on: "window" (they join at any step; greedy lossless ones with
+    # the cost-aware feed and n-gram drafts) or "block" (the block-level cache, B_cache slots).
+    cache: str = "window"
+    ngram: int = DEFAULT_NGRAM  # n-gram drafts a greedy lossless window step may feed (0: off)
     stats_window: float = 10.0  # seconds of history behind the recent tokens/s and tokens/forward
 
 
@@ -176,6 +192,13 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._batches: dict[tuple, _Batch] = {}
+        # Greedy lossless window batches' feed policy (mars.core.cost.FeedPolicy): built on the
+        # first such batch's decoder, it keeps what it learns for the server's life.
+        self._feed_policy = None
+        # Decoders of greedy batches that emptied, for the next greedy batch: making one costs
+        # time (the torch decoder packs the weights, about 0.25 s on the default model on a CPU),
+        # and a greedy decoder keeps no state between batches (a sampling one keeps its generator).
+        self._idle_decoders: list = []
         self._turn = 0  # round robin over the batches
         self._in_flight = 0
         self._thread: threading.Thread | None = None
@@ -314,6 +337,10 @@ class Engine:
         self._in_flight += len(admitted)  # counted at once, so `submit` never sees their rows as free
         return admitted
 
+    def _drafting(self, job: Job) -> bool:
+        """Whether the job runs the lossless loop's drafting (greedy lossless on the window cache)."""
+        return job.lossless and job.sampling.greedy and self.limits.cache == "window"
+
     def _settings(self, job: Job) -> DecodeSettings:
         m = self.model
         return DecodeSettings(
@@ -322,17 +349,39 @@ class Engine:
             block_size=m.block_size,
             metric=m.metric,
             max_tokens=job.max_tokens,
-            cache="block",
+            cache=self.limits.cache,
             block_cache=self.limits.block_cache,
             sampling=job.sampling,
             lossless=job.lossless,
+            ngram=self.limits.ngram if self._drafting(job) else 0,
         )
+
+    def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:
+        """Build the greedy lossless window batches' feed policy (when the model has cost
+        curves): the curves of every batch size up to `max_batch` are measured now (or read
+        from the cache directory). `mars serve` does it before serving, so that no measurement
+        falls inside a request; otherwise the first greedy lossless request does it."""
+        if self.model.costs is None or self.limits.cache != "window" or self._feed_policy is not None:
+            return
+        from ..core.cost import FeedPolicy
+
+        m = self.model
+        costs = m.costs(m.make_decoder(), announce)
+        costs.prepare(self.limits.max_batch)
+        # Greedy lossless window settings with no `hedge` cap: up to B spare groups.
+        self._feed_policy = FeedPolicy(costs, m.block_size, m.block_size)
 
     def _join(self, job: Job) -> None:
         kind = job.kind()
         batch = self._batches.get(kind)
         if batch is None:
-            batch = self._batches[kind] = _Batch(self.model, self._settings(job))
+            cost = None
+            if self._drafting(job):
+                self.prepare_feed()
+                cost = self._feed_policy
+            greedy = job.sampling.greedy
+            decoder = self._idle_decoders.pop() if greedy and self._idle_decoders else self.model.make_decoder()
+            batch = self._batches[kind] = _Batch(decoder, self._settings(job), cost)
         row = batch.batch.join(job.prompt, threshold=self._threshold(job), max_tokens=job.max_tokens)
         batch.jobs[id(row)] = job
 
@@ -349,7 +398,13 @@ class Engine:
                 for row in gone:
                     del b.jobs[id(row)]
             if not len(b):
-                del self._batches[kind]
+                self._retire(kind)
+
+    def _retire(self, kind: tuple) -> None:
+        """An emptied batch goes; a greedy one leaves its decoder for the next."""
+        b = self._batches.pop(kind)
+        if kind[0] == "greedy" and not self._idle_decoders:
+            self._idle_decoders.append(b.decoder)
 
     def _step_next_batch(self) -> None:
         kinds = list(self._batches)
@@ -378,7 +433,7 @@ class Engine:
         for key in [k for k in b.jobs if k not in still]:
             del b.jobs[key]
         if not len(b):
-            del self._batches[kind]
+            self._retire(kind)
         now = time.monotonic()
         with self._history_lock:
             self._history.append((now, tokens, len(took)))
