@@ -295,7 +295,8 @@ def test_a_served_batch_needs_a_cache(tm):
         ContinuousBatch(TorchDecoder(tm), decode_settings(tm, cache="none"))
 
 
-def test_continuous_batch_on_mlx(tmp_path):
+@pytest.mark.parametrize("cache,lossless", [("block", False), ("window", False), ("window", True)])
+def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
     pytest.importorskip("mlx.core")
     from mars.backends.mlx.model import MlxDecoder
     from mars.backends.mlx.model import load as mlx_load
@@ -303,13 +304,16 @@ def test_continuous_batch_on_mlx(tmp_path):
 
     loaded = mlx_load(save_model(tmp_path / "model", "llama", seed=1), announce=lambda m: None)
     prompts = [encode_prompt(loaded.tokenizer, p) for p in PROMPTS]
-    s = DecodeSettings(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=16, block_cache=8, cache="block")
+    s = DecodeSettings(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=16, block_cache=8, cache=cache,
+                       lossless=lossless, ngram=8 if lossless else 0)
     dec = MlxDecoder(loaded)
     thresholds = [1.0, 0.5]
     out, _ = staggered(dec, prompts, s, thresholds=thresholds, keep_keys=dec.keep_keys, every=2, cancel=(2, 4))
     for i, p in enumerate(prompts):
         if i != 2:
-            assert out[i] == alone(dec, p, s, i, thresholds[i % 2]), i
+            # lossless: AR's tokens (threshold 1.0 alone); else what the row gets alone at its threshold
+            expected = alone(dec, p, replace(s, lossless=False, ngram=0), i, 1.0 if lossless else thresholds[i % 2])
+            assert out[i] == expected, i
 
 
 # -- the policy --------------------------------------------------------------------------------------
