@@ -82,9 +82,10 @@ class Session:
 
     def cost_for(self, settings: DecodeSettings, batch: int = 1):
         """What the loop chooses its feed from, when `settings.feed` is "auto", else None:
-        greedy lossless with no fixed `hedge`, the cost-aware feed policy (it picks masks and
-        spare groups per step, and may leave the block cache for the window cache where that
-        is faster; each block size keeps one policy, which learns across calls); threshold
+        lossless with no fixed `hedge`, the cost-aware feed policy (it picks masks and spare
+        groups per step, and may leave the block cache for the window cache where that is
+        faster; sampled decoding, on the window cache, the masks alone; each block size keeps
+        one policy for greedy and one for sampled decoding, which learn across calls); threshold
         mode below AR mode, the cost curves themselves (each call then picks the masks it
         feeds per step with a policy of its own, mars.core.cost.ThresholdPolicy). The
         per-forward cost curve is measured once per device (mars.backends.base.cost_curve),
@@ -92,7 +93,7 @@ class Session:
         if settings.feed != "auto":
             return None
         threshold_mode = not settings.lossless and settings.masks_per_step > 0
-        if not (threshold_mode or (settings.lossless and settings.sampling.greedy and settings.hedge is None)):
+        if not (threshold_mode or (settings.lossless and settings.hedge is None)):
             return None
         from .core.cost import FeedPolicy
 
@@ -106,9 +107,10 @@ class Session:
         if self._cost is None:
             self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
         self._cost.prepare(batch)
-        key = (settings.block_size, settings.window_spare_groups)  # the window's, if the block cache gives way
+        # The window's spare groups, if the block cache gives way; sampled drafts keep at rates of their own.
+        key = (settings.block_size, settings.window_spare_groups, settings.sampling.greedy)
         if key not in self._policies:
-            self._policies[key] = FeedPolicy(self._cost, *key)
+            self._policies[key] = FeedPolicy(self._cost, *key[:2])
         return self._policies[key]
 
     def encode(self, prompts, *, chat: bool = True) -> list[list[int]]:

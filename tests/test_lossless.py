@@ -188,12 +188,12 @@ def exact_distribution(model, prompt: list[int]) -> dict:
     return out
 
 
-def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500) -> tuple[Counter, dict]:
+def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500, cost=None) -> tuple[Counter, dict]:
     counts: Counter = Counter()
     totals = None
     s = settings(lossless=True, max_tokens=N_TOKENS, cache=cache, block_size=3, sampling=SAMPLING)
     for _ in range(n // rows):
-        res = generate(decoder, [prompt] * rows, s)
+        res = generate(decoder, [prompt] * rows, s, cost=cost)
         counts.update(tuple(t) for t in res.tokens)
         d = res.stats.draft_totals()
         totals = d if totals is None else {k: [a + b for a, b in zip(totals[k], d[k])] for k in d}
@@ -239,6 +239,26 @@ def test_lossless_sampling_matches_ar_sampling(sampler, cache):
     counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, cache)
     # The verification path really ran: drafts were kept and drafts were rejected.
     assert 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], totals
+    assert chi_square_p(counts, expected, n) > 1e-3
+
+
+@pytest.mark.parametrize("curve", ["flat", "steep"])
+def test_lossless_sampling_with_the_cost_aware_feed_matches_ar_sampling(sampler, curve):
+    """Sampled lossless decoding with a cost curve chooses per step how many masks to feed
+    (and how many drafts to verify); a flat curve feeds them, a steep one mostly feeds none
+    (AR's feed, with probes). Either way the samples follow AR sampling's distribution."""
+    from mars.core.cost import CostCurve, FeedPolicy
+
+    tm, prompt, expected = sampler
+    n = 4000
+    points = {1: 1.0, 10**6: 1.0} if curve == "flat" else {1: 1.0, 2: 2.0, 64: 64.0}  # 500 rows a forward
+    policy = FeedPolicy(CostCurve(points, refresh=0.0), 3, 0)  # given costs: the run's timings do not move them
+    counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, "window", cost=policy)
+    fed_none = policy.choices.get((0, 0), 0) / sum(policy.choices.values())
+    if curve == "flat":
+        assert fed_none < 0.2 and 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], (policy.choices, totals)
+    else:
+        assert fed_none > 0.5, policy.choices
     assert chi_square_p(counts, expected, n) > 1e-3
 
 

@@ -206,8 +206,13 @@ def test_mlx_spare_groups_see_only_what_precedes_them(pair, cached):
     check_spare_groups(MlxDecoder(m), [encode_prompt(m.tokenizer, p) for p in PROMPTS[:3]], cached)
 
 
-def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path):
+@pytest.mark.parametrize("steep", [False, True])
+def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
+    """Also with the cost-aware feed on a steep curve: most steps feed no mask (AR's feed,
+    where the backend draws no proposals), a few probe with masks."""
     from collections import Counter
+
+    from mars.core.cost import CostCurve, FeedPolicy
 
     from test_lossless import N_TOKENS, chi_square_p, exact_distribution
 
@@ -219,12 +224,17 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path):
     expected = exact_distribution(t.model, prompt)
     s = settings(lossless=True, max_tokens=N_TOKENS, block_size=3, sampling=test_lossless.SAMPLING)
     dec, counts, kept, verified, n = MlxDecoder(m), Counter(), 0, 0, 3000
+    policy = FeedPolicy(CostCurve({1: 1.0, 2: 2.0, 64: 64.0}, refresh=0.0), 3, 0, explore=1) if steep else None
     for _ in range(n // 500):
-        res = generate(dec, [prompt] * 500, s)
+        res = generate(dec, [prompt] * 500, s, cost=policy)
         counts.update(tuple(x) for x in res.tokens)
         kept += res.stats.draft_totals()["kept_per_slot"][0]
         verified += res.stats.draft_totals()["verified_per_slot"][0]
-    assert 0 < kept < verified
+    if steep:  # steps with and without masks; at 500 rows no draft pays for widening the step
+        probes = sum(n for (m, _), n in policy.choices.items() if m)
+        assert 0 < probes < policy.choices[(0, 0)], policy.choices
+    else:
+        assert 0 < kept < verified
     assert chi_square_p(counts, expected, n) > 1e-3
 
 

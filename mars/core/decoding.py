@@ -71,7 +71,8 @@ def generate(
     `cost`, the backend's per-forward cost curve (mars.core.cost), or a `FeedPolicy` built on
     one (which keeps its acceptance statistics from call to call), unless `settings.feed` is
     "fixed": greedy lossless decoding with the window cache (or none) then chooses per step
-    how many masks and spare groups to feed (`block_size` and `hedge` become caps). With the
+    how many masks and spare groups to feed (`block_size` and `hedge` become caps), and
+    sampled lossless decoding with the window cache (or none) how many masks. With the
     block cache it first checks that the block cache pays against that
     (mars.core.cost.block_cache_pays) and, where it does not, decodes with the window cache
     instead (`stats.cache` says which ran). The output is the same either way.
@@ -112,7 +113,10 @@ def generate(
     if s.cache == "none":
         cache = None
     stats = DecodeStats(rows=[r.stats for r in rows], cache=ran, threshold_feed=threshold_feed)
-    if s.lossless and s.sampling.greedy and isinstance(strategy, WindowStrategy):
+    if s.lossless and isinstance(strategy, WindowStrategy) and (s.sampling.greedy or cost is not None):
+        # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
+        # how many of its drafts to verify) alone; the output distribution stays AR sampling's,
+        # whatever is fed (the choice is made before the step's draws).
         stats.drafting = Drafting(s, cost, confident=confident)
 
     live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)

@@ -11,7 +11,9 @@ from .strategies import WindowStrategy
 
 
 class Drafting:
-    """Greedy lossless window decoding: which drafts each row feeds, and how wide a step is.
+    """Lossless window decoding: which drafts each row feeds, and how wide a step is (greedy;
+    sampled, with a cost curve: the masks and the length of the drafts only, no n-gram
+    lookup and no spare groups).
 
     Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
     groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
@@ -44,7 +46,7 @@ class Drafting:
             if r.done:
                 continue
             options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
-            if self.s.ngram:
+            if self.s.ngram and self.s.sampling.greedy:  # a sampled draft needs the distribution it came from
                 n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
                 if found:
                     options.append(("ngram", ngram.source(n), found))

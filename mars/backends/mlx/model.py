@@ -357,7 +357,8 @@ class MlxDecoder:
         logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
         width = drafts.shape[1]
         p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)
-        q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1)
+        masks = logits.shape[1] - width - 1  # none when a cost-aware step fed AR's feed alone
+        q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1) if masks else logits[:, :0]
         batch = p.shape[0]
         rows = mx.arange(batch)
         kept = mx.zeros((batch,), dtype=mx.int32)
@@ -379,7 +380,10 @@ class MlxDecoder:
         total = residual.sum(axis=-1, keepdims=True)
         dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_at)
         token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
-        proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
+        if masks:
+            proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
+        else:
+            proposals = mx.zeros((batch, 0), dtype=mx.int32)
         self._drafted = q_next
         mx.eval(kept, token, proposals, q_next)
         return np.array(kept), np.array(token), np.array(proposals)
