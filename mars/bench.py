@@ -27,7 +27,7 @@ from .backends import base
 from .core.decode_types import FEEDS
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.masks import decode_mask
-from .core.policy import DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
+from .core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
 from .default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 
 DEFAULT_PROMPTS = [
@@ -62,6 +62,7 @@ class BenchSettings:
     window: bool = True  # time threshold mode with the window cache
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
     ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
+    alternatives: int = DEFAULT_ALTERNATIVES  # lossless: runner-up groups of the default configuration
     llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
     # chosen from the cost curve, mars.core.cost.ThresholdPolicy) and/or "fixed" (B every step).
@@ -115,11 +116,12 @@ def metric_of(loaded, s: BenchSettings) -> str:
 
 
 def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
-                    hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False) -> DecodeSettings:
+                    hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False,
+                    alternatives: int = 0) -> DecodeSettings:
     """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
     return base.decode_settings(loaded, threshold=threshold, lossless=lossless, metric=s.metric, block_size=s.block_size, force=s.force,
                                 max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram,
-                                feed=feed, verify=verify)
+                                feed=feed, verify=verify, alternatives=alternatives)
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -270,18 +272,18 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     if s.verify:
         for tau in s.thresholds:
             # The window cache (verified threshold mode runs no other), deciding on the stored curves.
-            verified = decode_settings(loaded, tau, "window", 16, s, ngram=s.ngram, verify=True)
+            verified = decode_settings(loaded, tau, "window", 16, s, ngram=s.ngram, verify=True, alternatives=s.alternatives)
             configs.append(Config(f"verified t={tau:g}", "mars", _ours(decoder, verified, stored), tau, "window"))
     if s.lossless:
         if s.window:
-            auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram)
+            auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
             policy = FeedPolicy(cost, auto.block_size, auto.spare_groups) if cost is not None else None
             configs.append(Config("lossless (default)", "lossless", _ours(decoder, auto, policy), None, "window"))
             fixed = decode_settings(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
             configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))
             configs.append(Config("lossless hedge 0", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
         for bc in s.block_caches:
-            block = decode_settings(loaded, 1.0, "block", bc, s, True, ngram=s.ngram)
+            block = decode_settings(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
             # With a cost curve the loop may leave the block cache for the window cache where
             # that is faster (the row's "cache_ran" says which ran).
             policy = FeedPolicy(cost, block.block_size, block.window_spare_groups) if cost is not None else None

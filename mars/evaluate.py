@@ -50,6 +50,7 @@ class EvalSettings:
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
+    alternatives: int = 0  # lossless and verified rows: runner-up groups (DecodeSettings.alternatives)
     # Also decode each threshold below AR mode in verified threshold mode (DecodeSettings.verify):
     # one more row per threshold, named v<threshold>. Like the lossless rows, masks only (no n-gram
     # drafts) and a fixed feed: the weights' own figure.
@@ -208,11 +209,12 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     def run(threshold, lossless=False, hedge=None, verify=False):
         s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
                                  max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
-                                 verify=verify)
-        what = (f"lossless ({s.spare_groups} spare groups)" if lossless
+                                 verify=verify, alternatives=settings.alternatives)
+        alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
+        what = (f"lossless ({s.spare_groups} spare groups{alts})" if lossless
                 else f"{'verified threshold mode ' if verify else ''}at threshold {threshold}")
         announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
-        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups}
+        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups}
 
     reference = run(ar)
     rows = []
@@ -239,6 +241,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
             **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
+            **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
@@ -362,7 +365,8 @@ def _mode_name(row: dict, fmt: str) -> str:
         return "v" + format(row["threshold"], fmt)
     if row.get("mode") != "lossless":
         return format(row["threshold"], fmt)
-    return "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
+    name = "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
+    return name + (f"/a{row['alternatives']}" if row.get("alternatives") else "")
 
 
 def format_table(report: dict) -> str:

@@ -248,6 +248,45 @@ def test_a_flat_curve_feeds_wide_a_steep_one_like_ar_output_unchanged(good):
         assert flat.stats.tokens_per_forward > 2
 
 
+class RunnerUpBackend(OracleBackend):
+    """The oracle, with masks that guess wrong for even target positions and rank the
+    oracle's token second there (`runners_up`): a wrong first draft's runner-up is AR's token."""
+
+    def __init__(self):
+        super().__init__(good=0)
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0):
+        if cache is not None:
+            cache["width"] += input_ids.shape[1]
+        truth = np.vectorize(oracle)(positions + 1)
+        wrong = (input_ids == MASK) & ((positions + 1) % 2 == 0)
+        out = np.where(wrong, 11 + (truth - 9) % 40, truth)
+        ids = np.take_along_axis(out, read, axis=1)
+        if not runners_up:
+            return ids, np.ones(ids.shape)
+        right = np.take_along_axis(truth, read, axis=1)
+        second = np.where(ids != right, right, 70)[..., None] + np.arange(runners_up)[None, None, :]
+        return ids, np.ones(ids.shape), second
+
+
+@pytest.mark.parametrize("curve", ["flat", "costly"])
+def test_alternative_groups_are_fed_where_they_pay(curve):
+    """A flat curve feeds the runner-up groups, and half the first drafts, wrong, are saved by
+    them; a curve where they double a step's cost feeds none. The output is the oracle's."""
+    points = FLAT if curve == "flat" else {1: 1.0, 9: 1.0, 14: 3.0, 64: 20.0}
+    s = settings(hedge=0, alternatives=1)
+    res = generate(RunnerUpBackend(), [PROMPT], s, cost=fixed(points))
+    assert res.tokens == [ORACLE_REPLY]
+    taken = res.stats.by_source().get("alt", 0)
+    stats = res.stats.drafting.stats
+    if curve == "flat":
+        assert taken >= 5 and stats.rate("runner_up", 0) > 0.7, (res.stats.by_source(), stats.kept)
+        without = generate(RunnerUpBackend(), [PROMPT], settings(hedge=0), cost=fixed(points))
+        assert without.tokens == [ORACLE_REPLY] and res.stats.forwards < without.stats.forwards
+    else:
+        assert taken == 0 and not sum(stats.reached.get("runner_up", []))  # none fed
+
+
 def test_the_default_feed_is_unchanged_without_a_cost_curve():
     result = generate(OracleBackend(4), [PROMPT], settings(hedge=0))
     assert result.stats.drafting.policy is None

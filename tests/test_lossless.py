@@ -118,6 +118,84 @@ def test_a_spare_group_sees_only_what_precedes_it(tm, tok, cached):
     check_spare_groups(TorchDecoder(tm), prompts_of(tok, PROMPTS[:3]), cached)
 
 
+@pytest.mark.parametrize("cache", ["none", "window"])
+@pytest.mark.parametrize("alternatives,hedge,ngram", [(1, 0, 0), (2, None, 0), (3, 1, 8)])
+def test_alternative_groups_keep_the_output_of_ar(tm, tok, cache, alternatives, hedge, ngram):
+    """Runners-up of the first draft, fed as alternative groups: where AR's token is one of
+    them the step takes the token after it too (counted as "alt"); the output stays AR's."""
+    dec = TorchDecoder(tm)
+    prompts = prompts_of(tok, PROMPTS)
+    ar = generate(dec, prompts, settings(threshold=1.0, cache=cache)).tokens
+    for batch in (1, 3):
+        s = settings(lossless=True, cache=cache, hedge=hedge, alternatives=alternatives, ngram=ngram)
+        assert s.alternative_groups == alternatives
+        out, taken = [], 0
+        for start in range(0, len(prompts), batch):
+            res = generate(dec, prompts[start : start + batch], s)
+            out += res.tokens
+            taken += res.stats.by_source().get("alt", 0)
+        assert out == ar, (cache, alternatives, hedge, batch)
+        assert taken > 0  # some runner-up was AR's token: the check covers the extra token, not only AR steps
+
+
+def check_alternative_groups(dec, prompts, cached: bool) -> None:
+    """Alternative group k (a runner-up at the first draft's position, then B masks) predicts
+    what a plain window ending at that runner-up predicts: the same ids and probabilities at
+    the runner-up (AR's next token after it) and at its masks, whatever the drafts are."""
+    B = 3
+    s = settings(lossless=True, cache="window" if cached else "none", block_size=B, hedge=1, alternatives=2)
+    rows = [Row(p, B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+    drafts, alts = [[5, 6, 7], [9], []], [[11, 12], [13], [14, 15]]  # a row without drafts feeds no group
+    for r, d, a in zip(rows, drafts, alts):
+        r.drafts, r.alts = list(d), list(a)
+    strategy = WindowStrategy(s, cached=cached)
+    cache = dec.new_cache(len(rows)) if cached else None
+    if cached:
+        head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
+        feed = strategy.plan(head)
+        dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
+    feed = strategy.plan(rows)
+    assert feed.columns.alt_groups == 2 and feed.n_alts.tolist() == [2, 1, 0]
+    ids, conf = dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read,
+                         metric="probability", sampling=Sampling())
+    group_ids = ids[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
+    group_conf = conf[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
+    checked = 0
+    for i, p in enumerate(prompts):
+        for k in range(feed.n_alts[i]):
+            window = p + [alts[i][k]] + [MASK] * B
+            n = len(window)
+            ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - B - 1, n)[None],
+                                         metric="probability", sampling=Sampling())
+            assert group_ids[i, k].tolist() == ref_ids[0].tolist(), (i, k)
+            np.testing.assert_allclose(group_conf[i, k], ref_conf[0], atol=1e-5)
+            checked += 1
+    assert checked == 3
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_an_alternative_group_sees_only_what_precedes_it(tm, tok, cached):
+    check_alternative_groups(TorchDecoder(tm), prompts_of(tok, PROMPTS[:3]), cached)
+
+
+def test_runners_up_are_the_next_most_likely_ids(tm, tok):
+    from mars.core.decode_types import runners_up_of
+
+    dec = TorchDecoder(tm)
+    p = prompts_of(tok, PROMPTS[:1])[0]
+    n = len(p)
+    read = np.arange(n - 3, n)[None]
+    ids, _, second = dec.step(None, np.asarray([p]), np.arange(n)[None], None, read, metric=None, sampling=Sampling(), runners_up=3)
+    logits = dec.logits(None, np.asarray([p]), np.arange(n)[None], None, read)[0]
+    order = torch.argsort(logits, dim=-1, descending=True).numpy()
+    assert ids[0].tolist() == order[:, 0].tolist()
+    assert second.shape == (1, 3, 3) and second[0].tolist() == order[:, 1:4].tolist()
+    # A tie that puts the chosen id second in `top` still leaves it out.
+    top = np.array([[[7, 5, 9]]])
+    assert runners_up_of(top, np.array([[5]]), 2).tolist() == [[[7, 9]]]
+
+
 def test_lossless_ignores_the_threshold_and_reports_drafts(tm, tok):
     dec = TorchDecoder(tm)
     prompts = prompts_of(tok, PROMPTS[:4])

@@ -206,6 +206,27 @@ def test_mlx_spare_groups_see_only_what_precedes_them(pair, cached):
     check_spare_groups(MlxDecoder(m), [encode_prompt(m.tokenizer, p) for p in PROMPTS[:3]], cached)
 
 
+@pytest.mark.parametrize("cached", [False, True])
+def test_mlx_alternative_groups_see_only_what_precedes_them(pair, cached):
+    from test_lossless import check_alternative_groups
+
+    m, _ = pair
+    check_alternative_groups(MlxDecoder(m), [encode_prompt(m.tokenizer, p) for p in PROMPTS[:3]], cached)
+
+
+def test_mlx_alternative_groups_equal_torch_and_ar(pair):
+    """Runners-up on the device (a partition and a sort) are torch's (a top-k): the same
+    alternative groups, the same tokens taken from them, AR's output."""
+    m, t = pair
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0)).tokens
+    s = settings(lossless=True, alternatives=2, hedge=1)
+    out = generate(MlxDecoder(m), prompts, s)
+    ref = generate(TorchDecoder(t), prompts, s)
+    assert out.tokens == ar == ref.tokens
+    assert out.stats.by_source() == ref.stats.by_source() and out.stats.by_source().get("alt", 0) > 0
+
+
 @pytest.mark.parametrize("steep", [False, True])
 def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     """Also with the cost-aware feed on a steep curve: most steps feed no mask (AR's feed,

@@ -17,7 +17,7 @@ import torch
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core.cost import BatchCosts, CostCurve
 from mars.core.decoding import DecodeSettings, Sampling, generate
-from test_cost import PROMPT, ConfidentOracle, OracleBackend, fixed, oracle
+from test_cost import PROMPT, ConfidentOracle, OracleBackend, RunnerUpBackend, fixed, oracle
 from test_lossless import EOS, MASK, prompts_of
 from tiny import PROMPTS, make_model, make_tokenizer
 
@@ -149,6 +149,28 @@ def test_honest_confidences_give_the_oracle_text_in_no_more_forwards(good):
     assert verified.tokens == lossless.tokens == threshold.tokens == [reply]
     assert verified.stats.by_source()["threshold"] > 0
     assert verified.stats.forwards <= min(lossless.stats.forwards, threshold.stats.forwards)
+
+
+class HonestRunnerUp(RunnerUpBackend):
+    """RunnerUpBackend (wrong masks rank the right token second) with honest confidences."""
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0):
+        out = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling, valid=valid, runners_up=runners_up)
+        truth = np.vectorize(lambda p: oracle(int(p) + 1))(np.take_along_axis(positions, read, axis=1))
+        return (out[0], np.where(out[0] == truth, 1.0, 0.1)) + tuple(out[2:])
+
+
+def test_alternative_groups_in_verified_threshold_mode():
+    """With runners-up fed, a step whose first draft failed may take AR's next token from an
+    alternative group, then confident proposals of that group: the text is still the
+    oracle's when only right guesses are confident."""
+    s = settings(threshold=0.9, max_tokens=40, hedge=None, alternatives=1)
+    result = generate(HonestRunnerUp(), [PROMPT], s)
+    assert result.tokens == [[oracle(p) for p in range(len(PROMPT), len(PROMPT) + 40)]]
+    sources = result.stats.by_source()
+    assert sources.get("alt", 0) > 0 and sources.get("threshold", 0) > 0, sources
+    without = generate(HonestRunnerUp(), [PROMPT], settings(threshold=0.9, max_tokens=40, hedge=None))
+    assert without.tokens == result.tokens and result.stats.forwards <= without.stats.forwards
 
 
 def test_confident_wrong_guesses_change_the_text():

@@ -47,6 +47,8 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--window/--no-window", default=B["window"], show_default=True, help="Time MARS with the window cache (threshold and lossless).")
 @click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
 @click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
+@click.option("--alternatives", type=click.IntRange(min=0), default=B["alternatives"], show_default=True,
+              help="--lossless, --verify: the most runner-up groups of the default lossless configuration (0: none).")
 @click.option("--llama-cpp/--no-llama-cpp", default=B["llama_cpp"], show_default=True, help="Also time llama.cpp on the base model's GGUF (the embedded default's, or a --model .gguf) when llama-cpp-python is installed; one prompt at a time.")
 @click.option("--feed", "feeds", default=",".join(B["feeds"]), show_default=True,
               help="Threshold mode's feeds to time, comma-separated: auto (what mars generate runs: the masks per step chosen from "
@@ -56,7 +58,7 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @backend_option
 @friendly_errors
 def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
-                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, verify, window, prompt_lookup, ngram, llama_cpp, feeds, threads, verbose,
+                  max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, verify, window, prompt_lookup, ngram, alternatives, llama_cpp, feeds, threads, verbose,
                   backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
     from ..bench import BenchError, benchmark, format_table
@@ -79,6 +81,7 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
             window=window,
             prompt_lookup=prompt_lookup,
             ngram=ngram,
+            alternatives=alternatives,
             llama_cpp=llama_cpp,
             feeds=tuple(f.strip() for f in feeds.split(",") if f.strip()),
         )

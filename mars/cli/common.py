@@ -141,7 +141,7 @@ def open_session(model, adapter_path, dtype, device, backend):
 def decode_options(f):
     from ..core.decode_types import FEEDS
     from ..core.decoding import DecodeSettings, Sampling
-    from ..core.policy import DEFAULT_NGRAM
+    from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     d, s = defaults(DecodeSettings), defaults(Sampling)
     f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
@@ -174,11 +174,15 @@ def decode_options(f):
     f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
                      help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
                           "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
+    f = click.option("--alternatives", type=click.IntRange(min=0), default=DEFAULT_ALTERNATIVES, show_default=True,
+                     help="Lossless, greedy, window or no cache: also feed up to N runners-up of the first draft, each with B "
+                          "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "
+                          "token and better drafts (each costs 1 + B fed tokens; with --feed auto fed only where it pays); 0: none.")(f)
     return f
 
 
 def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                    lossless, hedge, ngram, feed="auto", verify=None):
+                    lossless, hedge, ngram, feed="auto", verify=None, alternatives=0):
     """The DecodeSettings the decoding options ask for on the session's model, with a note for
     each option that has no effect."""
     from ..core.decoding import Sampling
@@ -191,7 +195,7 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
     settings = session.settings(
         threshold=threshold, lossless=lossless, metric=metric, block_size=block_size, force=force,
         warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
-        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed,
+        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed, alternatives=alternatives,
         verify=verify is not False,  # on unless --no-verify: it applies where it can (greedy threshold mode)
     )
     if verify and not settings.verified:  # asked for by name where it cannot apply

@@ -44,6 +44,8 @@ S = _serve_defaults()
                    "--block-cache slots; requests join at block boundaries).")
 @click.option("--ngram", type=click.IntRange(min=0), default=S["ngram"], show_default=True,
               help="Greedy lossless requests on the window cache: the most n-gram lookup drafts a step may feed (0: off).")
+@click.option("--alternatives", type=click.IntRange(min=0), default=S["alternatives"], show_default=True,
+              help="Greedy lossless requests on the window cache: the most runner-up groups of the first draft a step may feed (0: off).")
 @click.option("--max-batch", type=click.IntRange(min=1), default=S["max_batch"], show_default=True, help="Requests decoded together.")
 @click.option("--max-queue", type=click.IntRange(min=0), default=S["max_queue"], show_default=True, help="Requests waiting for a row; past it: 429 with Retry-After.")
 @click.option("--max-prompt-tokens", type=click.IntRange(min=1), default=None, help="Longest prompt accepted (default: the model's context length).")
@@ -56,7 +58,7 @@ S = _serve_defaults()
 @backend_option
 @friendly_errors
 def serve_command(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold,
-                  full_load, hold, block_size, block_cache, cache, ngram, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
+                  full_load, hold, block_size, block_cache, cache, ngram, alternatives, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
                   default_max_tokens, temp, admin_from_anywhere, log_level, dtype, device, backend):
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
@@ -95,7 +97,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             policy=dict(policy=policy, default_mode=default_mode, default_threshold=threshold, min_threshold=min_threshold, max_threshold=max_threshold,
                         full_load=full_load, hold=hold),
             engine_limits=EngineLimits(max_batch=max_batch, max_queue=max_queue, block_cache=block_cache,
-                                       cache=cache, ngram=ngram),
+                                       cache=cache, ngram=ngram, alternatives=alternatives),
             serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                                      default_max_tokens=min(default_max_tokens, max_tokens_limit), temperature=temp),
             admin_from_anywhere=admin_from_anywhere,

@@ -238,6 +238,16 @@ class DraftStats:
         for j in range(kept):
             kept_[j] += 1
 
+    def record_alternatives(self, fed: int, hit: int) -> None:
+        """A step whose first draft failed with `fed` runners-up fed: runner-up k was AR's
+        token if k == `hit` (-1: none was). Under source "runner_up", slot k counts the steps that
+        fed runner-up k (`reached`) and those where it was AR's token (`kept`)."""
+        reached, kept = self._lists("runner_up", fed)
+        for k in range(fed):
+            reached[k] += 1
+        if 0 <= hit < fed:
+            kept[hit] += 1
+
     def rate(self, source: str, j: int) -> float:
         reached, kept = self._lists(source, j + 1)
         return (kept[j] + self.prior_mean * self.prior_weight) / (reached[j] + self.prior_weight)

@@ -62,6 +62,14 @@ class DecodeSettings:
     # (mars.core.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
     # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
     ngram: int = 0
+    # Lossless, greedy, window or no cache: also feed, for a row's first draft, up to this many
+    # runners-up (the next most likely tokens where that draft came from), each as an
+    # alternative group: the runner-up at the first draft's position, then B masks, attending
+    # only to the verified tokens before it (a plain window ending at the runner-up). When the
+    # first draft is rejected and AR's token there is a runner-up, the step also takes AR's
+    # token after it (computed by its group) and its group's proposals become the next drafts.
+    # Output stays AR's. Each group costs 1 + B fed tokens a step (0: off).
+    alternatives: int = 0
     # What a caller with a cost curve (mars.session.Session, `mars bench`) lets the loop choose
     # per step: "auto", the masks (and spare groups) fed, from what a forward costs on the
     # device (mars.core.cost; lossless output stays AR's, threshold-mode text may then depend
@@ -88,6 +96,8 @@ class DecodeSettings:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
         if self.hedge is not None and self.hedge < 0:
             raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
+        if self.alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0 runner-up drafts, got {self.alternatives}")
         if self.ngram < 0:
             raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
         if self.feed not in FEEDS:
@@ -130,6 +140,12 @@ class DecodeSettings:
         return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
 
     @property
+    def alternative_groups(self) -> int:
+        """Alternative groups a window step may feed (see `alternatives`): where spare groups
+        may be fed (`no_spare_groups`), `alternatives`, else none."""
+        return 0 if self.no_spare_groups else self.alternatives
+
+    @property
     def window_spare_groups(self) -> int:
         """The spare groups these settings feed with the window cache: `spare_groups`, also
         where greedy lossless decoding leaves the block cache for the window cache."""
@@ -151,13 +167,15 @@ class StepBackend(Protocol):
 
     def crop(self, cache: Any, length: int) -> None: ...
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None) -> tuple[np.ndarray, np.ndarray]:
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
         """Forward `input_ids` (b, q) at `positions` on top of `cache` (None: no cache)
         under `mask` (b, q, kv) bool or None (plain causal, no holes); return
         (ids, confidence), each (b, k), for the outputs at `read` (b, k) indices into q.
         `metric` None (greedy AR): the argmax ids alone; confidences may be zeros.
         `valid` (b, q), when given, marks the real positions: the others are holes, never
-        attended nor read, which a backend may leave uncomputed (`skips_holes`)."""
+        attended nor read, which a backend may leave uncomputed (`skips_holes`).
+        `runners_up` n > 0 (greedy): also return, third, (b, k, n) the next n ids of each
+        read after its chosen one, most likely first (`runners_up_of`)."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:
@@ -294,9 +312,19 @@ class Row:
         self.done = False
         self.finish = ""
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
-        self.source = "masks"  # where `drafts` came from: masks | spare | ngram
+        self.source = "masks"  # where `drafts` came from: masks | spare | ngram | alt
+        self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DecodeSettings.alternatives)
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 
     @property
     def out(self) -> list[int]:
         return self.seq[self.prompt_len :]
+
+
+def runners_up_of(top: np.ndarray, chosen: np.ndarray, n: int) -> np.ndarray:
+    """(b, k, n) the n most likely ids of each read other than its chosen one, from `top`
+    (b, k, n + 1), the n + 1 most likely ids, most likely first. The chosen id (the argmax)
+    is usually top's first; where a tie put it elsewhere, it is left out all the same."""
+    other = top != chosen[..., None]
+    order = np.argsort(~other, axis=-1, kind="stable")  # the others first, in their order
+    return np.take_along_axis(top, order, axis=-1)[..., :n]

@@ -151,7 +151,8 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
     if s.lossless:
         t0 = time.perf_counter()
         confident = drafting is not None and drafting.confident
-        accepted, proposals, conf = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None)
+        accepted, proposals, conf = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None,
+                                           runners_up=s.alternative_groups)
         if drafting is not None:
             drafting.after_step(feed, rows, time.perf_counter() - t0)
         taken = take_confident(accepted, proposals, conf, rows, s.metric) if confident else None
@@ -174,6 +175,12 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
             continue
         if s.lossless:
             count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i], s.masks_per_step)
+            # The runners-up of the row's next first draft: after confident drafts taken
+            # unverified (verified threshold mode), of the first draft left.
+            first = taken[i] if taken is not None else 0
+            r.alts = feed.next_alts[i][first] if feed.next_alts is not None and first < len(feed.next_alts[i]) else []
+            if feed.alt_hit is not None and feed.alt_hit[i] >= 0:
+                r.stats.by_source["alt"] = r.stats.by_source.get("alt", 0) + 1
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(feed.kept[i])

@@ -3,6 +3,8 @@ feeds, and how many masks and spare groups a step feeds."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from . import ngram
 from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
 from .decode_types import DecodeSettings, Row
@@ -19,8 +21,11 @@ class Drafting:
     groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
     lookup on, a row drafts from lookup instead of the masks when lookup is expected to
     keep more (`DraftStats`, per source and slot; lookup's per match length,
-    `ngram.source`), and a row with no drafts takes lookup's if it pays. After the forward:
-    the acceptance statistics and the cost curve learn."""
+    `ngram.source`), and a row with no drafts takes lookup's if it pays; with alternative
+    groups allowed (`DecodeSettings.alternatives`), how many the step feeds (all of them
+    without a cost curve; with one, the number that maximises expected tokens per second,
+    each runner-up counted at its measured chance of being AR's token where the first
+    draft fails). After the forward: the acceptance statistics and the cost curve learn."""
 
     def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None, *, confident: bool = False):
         self.s = settings
@@ -45,13 +50,42 @@ class Drafting:
         for i, r in enumerate(rows):
             if r.done:
                 continue
+            own = r.drafts[:1]
             options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
             if self.s.ngram and self.s.sampling.greedy:  # a sampled draft needs the distribution it came from
                 n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
                 if found:
                     options.append(("ngram", ngram.source(n), found))
             r.source, self._keys[i], r.drafts = self._pick(options, m, g, batch, width)
+            if r.source == "ngram":  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+                r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
             width = max(width, lossless_width(len(r.drafts), m, g))
+        if self.s.alternative_groups:
+            strategy.alt_groups = self._alternatives(rows, m, g, batch)
+
+    def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:
+        """How many alternative groups the step feeds: all that are allowed without a cost
+        curve; with one, the number with the most expected tokens per second, where a row's
+        runner-up k adds a token with the chance that its first draft fails and runner-up k
+        is AR's token then (`DraftStats`, source "runner_up", slot k)."""
+        most = self.s.alternative_groups
+        if self.policy is None:
+            return most
+        st = self.stats
+        live = [(r, key) for r, key in zip(rows, self._keys) if not r.done and r.drafts]
+        if not live:
+            return 0
+        base = batch + sum(float(st.expected_kept(key, len(r.drafts))) for r, key in live)
+        widest = max(len(r.drafts) for r, _ in live)
+        best, best_score = 0, base / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
+        miss = [(1.0 - st.rate(key, 0), len(r.alts)) for r, key in live]
+        hits = np.cumsum([0.0] + st.rates("runner_up", most))  # [a]: chance one of the first a runners-up is AR's token
+        for a in range(1, most + 1):
+            gain = sum(p * min(1.0, hits[min(n, a)]) for p, n in miss)
+            score = (base + gain) / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups, a))
+            if score > best_score:
+                best, best_score = a, score
+        return best
 
     def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, str, list[int]]:
         """The drafts a row feeds, (source, statistics key, drafts), from `options` of that
@@ -80,6 +114,8 @@ class Drafting:
         for i, r in enumerate(rows):
             if feed.limit[i] > 0 and feed.n_drafts[i]:
                 self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(feed.kept[i]))
+                if feed.n_alts is not None and feed.n_alts[i] and not feed.kept[i]:
+                    self.stats.record_alternatives(int(feed.n_alts[i]), int(feed.alt_hit[i]))
         if self.policy is not None and not self.confident:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

@@ -3,7 +3,8 @@
 
 Every strategy lays a row out the same way, in column order: holes, the row's real tokens
 ending at its last real token, its drafts (lossless), then masks; a lossless window step may
-append spare groups of masks after all of that. `Columns` records where those parts sit, so
+append spare groups of masks after all of that, and alternative groups (a runner-up for the
+first draft, then masks) after those. `Columns` records where those parts sit, so
 the reads, the acceptance, the spare groups and the commit all take their columns from one
 description."""
 
@@ -23,13 +24,16 @@ class Columns:
 
     Row r's last real token is at column `last[r]`; its `n_drafts[r]` drafts follow it, then
     its masks, of which the first `masks` are read. The step's first `width` columns hold all
-    that; `spare_groups` groups of `masks` masks each follow them (`spare_columns`). After the
-    step the cache keeps the first `keep` fed columns (rejected drafts aside).
+    that; `spare_groups` groups of `masks` masks each follow them (`spare_columns`), then
+    `alt_groups` alternative groups of 1 + `masks` columns each (`alt_columns`: a runner-up
+    for the first draft, then masks). After the step the cache keeps the first `keep` fed
+    columns (rejected drafts aside).
 
     Each output slot of the step is read at one column (`read`): first the AR reads, 1 + D
     of them (the output at `last`, then at each draft; D the most drafts any row feeds, a row
-    with fewer repeating its last read), then the masks', then the spare groups'.
-    `ar_reads`, `mask_reads` and `spare_reads` say which output slots are which."""
+    with fewer repeating its last read), then the masks', then the spare groups', then the
+    alternative groups' (each: its runner-up's, then its masks').
+    `ar_reads`, `mask_reads`, `spare_reads` and `alt_reads` say which output slots are which."""
 
     last: np.ndarray  # (b,) int64
     n_drafts: np.ndarray  # (b,) int64; zeros outside lossless mode
@@ -38,6 +42,7 @@ class Columns:
     width: int  # fed columns before the spare groups
     keep: int  # leading fed columns the cache keeps after the step
     spare_groups: int = 0
+    alt_groups: int = 0
 
     @property
     def first_mask(self) -> np.ndarray:
@@ -46,12 +51,16 @@ class Columns:
 
     @property
     def total(self) -> int:
-        """Every fed column, the spare groups' included."""
-        return self.width + self.spare_groups * self.masks
+        """Every fed column, the spare and alternative groups' included."""
+        return self.width + self.spare_groups * self.masks + self.alt_groups * (1 + self.masks)
 
     def spare_columns(self, group: int) -> np.ndarray:
         """The fed columns of spare group `group` (the same for every row)."""
         return self.width + group * self.masks + np.arange(self.masks)
+
+    def alt_columns(self, group: int) -> np.ndarray:
+        """The fed columns of alternative group `group`: its runner-up, then its masks."""
+        return self.width + self.spare_groups * self.masks + group * (1 + self.masks) + np.arange(1 + self.masks)
 
     @property
     def ar_reads(self) -> slice:
@@ -63,7 +72,13 @@ class Columns:
 
     @property
     def spare_reads(self) -> slice:
-        return slice(self.draft_slots + 1 + self.masks, None)
+        start = self.draft_slots + 1 + self.masks
+        return slice(start, start + self.spare_groups * self.masks)
+
+    @property
+    def alt_reads(self) -> slice:
+        start = self.draft_slots + 1 + self.masks + self.spare_groups * self.masks
+        return slice(start, start + self.alt_groups * (1 + self.masks))
 
     def read(self) -> np.ndarray:
         """(b, k) the column each output slot is read at. A row that feeds nothing (finished,
@@ -73,10 +88,11 @@ class Columns:
         ar = self.last[:, None] + np.minimum(np.arange(self.draft_slots + 1)[None, :], self.n_drafts[:, None])
         mk = np.minimum(self.first_mask[:, None] + np.arange(self.masks)[None, :], top)
         read = np.clip(np.concatenate([ar, mk], axis=1), 0, top)
-        if not self.spare_groups:
+        extra = self.total - self.width
+        if not extra:
             return read
-        spare = self.width + np.arange(self.spare_groups * self.masks)
-        return np.concatenate([read, np.broadcast_to(spare, (len(read), spare.size))], axis=1)
+        groups = self.width + np.arange(extra)  # spare groups', then alternative groups' columns, each read
+        return np.concatenate([read, np.broadcast_to(groups, (len(read), groups.size))], axis=1)
 
 
 @dataclass
@@ -90,8 +106,15 @@ class Feed:
     # is filled in by the loop: drafts that passed verification.
     drafts: np.ndarray | None = None
     kept: np.ndarray | None = None
-    # With spare groups: (b, q, q), which fed columns each fed query may see.
+    # With spare or alternative groups: (b, q, q), which fed columns each fed query may see.
     attend: np.ndarray | None = None
+    # With alternative groups: (b, A) the runners-up fed, padded, of which row r fed n_alts[r].
+    alts: np.ndarray | None = None
+    n_alts: np.ndarray | None = None
+    # Filled in by the loop: the alternative group whose runner-up was AR's token (-1: none).
+    alt_hit: np.ndarray | None = None
+    # Filled in by the loop (greedy, runners-up asked for): per row and next draft, its runners-up.
+    next_alts: list[list[list[int]]] | None = None
 
     @cached_property
     def read(self) -> np.ndarray:
@@ -113,10 +136,11 @@ class Feed:
         return self.columns.spare_groups
 
 
-def lossless_width(drafts: int, masks: int, spare_groups: int) -> int:
+def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:
     """Columns a row feeds in a lossless window step with its cache up to date: the token the
-    last step took, its drafts, the masks, and a spare group after each of the first drafts."""
-    return 1 + drafts + masks + min(spare_groups, drafts) * masks
+    last step took, its drafts, the masks, a spare group after each of the first drafts, and
+    alternative groups (1 + masks each) when it has a draft."""
+    return 1 + drafts + masks + min(spare_groups, drafts) * masks + (alt_groups * (1 + masks) if drafts else 0)
 
 
 def right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int]):

@@ -28,48 +28,85 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
 
-def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None):
+def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0):
     """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
     a waiting row) and its next drafts, (source, ids): the masks' proposals if every draft
     passed, else those of the spare group after the last kept draft if there is one, else
     none. Sets `feed.kept`.
 
+    With alternative groups fed (`feed.alts`): a row whose first draft was rejected and whose
+    AR token there is one of its runners-up also takes the AR token its group read after it,
+    and the group's proposals become its next drafts (`feed.alt_hit`: which group, -1 none).
+    With `runners_up` n (greedy) each row's next drafts come with the n runners-up of each
+    (`feed.next_alts`), for the next step's alternative groups.
+
     With `metric` (greedy only) also returns, per row, the confidence of each next draft
     (see `take_confident`); else None."""
     columns, width = feed.columns, feed.columns.draft_slots
-    spare = conf_masks = conf_spare = None
+    b = len(feed.ids)
+    spare = conf_masks = conf_spare = conf_alt = alt = second = None
+    hit = np.full(b, -1, dtype=np.int64)
     if sampling.greedy:
-        ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid)
+        out = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid,
+                           **({"runners_up": runners_up} if runners_up else {}))
+        ids, conf = out[0], out[1]
+        second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
-        spare = ids[:, columns.spare_reads].reshape(len(ids), columns.spare_groups, columns.masks)
+        spare = ids[:, columns.spare_reads].reshape(b, columns.spare_groups, columns.masks)
         if metric is not None:
             conf = np.asarray(conf, dtype=np.float64)
             conf_masks = conf[:, columns.mask_reads]
-            conf_spare = conf[:, columns.spare_reads].reshape(len(ids), columns.spare_groups, columns.masks)
+            conf_spare = conf[:, columns.spare_reads].reshape(b, columns.spare_groups, columns.masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
-        token = ar[np.arange(len(ar)), kept]
+        token = ar[np.arange(b), kept]
+        if feed.alts is not None:
+            alt = ids[:, columns.alt_reads].reshape(b, columns.alt_groups, 1 + columns.masks)
+            if metric is not None:
+                conf_alt = conf[:, columns.alt_reads].reshape(b, columns.alt_groups, 1 + columns.masks)
+            for i in range(b):
+                if feed.limit[i] > 0 and kept[i] == 0 and feed.n_drafts[i] > 0:
+                    found = np.flatnonzero(feed.alts[i, : feed.n_alts[i]] == token[i])
+                    if found.size:
+                        hit[i] = found[0]
     else:
         kept, token, proposals = backend.speculate(
             cache, feed.ids, feed.positions, mask, feed.read, feed.drafts, feed.n_drafts, sampling=sampling
         )
         kept = np.asarray(kept, dtype=np.int64)
     feed.kept = np.where(feed.limit > 0, kept, 0)
-    accepted = [
-        [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])] if feed.limit[i] > 0 else [] for i in range(len(kept))
-    ]
+    feed.alt_hit = hit
+    accepted = []
+    for i in range(b):
+        if feed.limit[i] <= 0:
+            accepted.append([])
+            continue
+        took = [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])]
+        if hit[i] >= 0:  # AR's token after the runner-up, read in its group: the group was AR's window there
+            took.append(int(alt[i, hit[i], 0]))
+        accepted.append(took)
     # The masks' proposals were conditioned on every draft: wrong once one failed.
-    nxt, nxt_conf = [], []
-    for i in range(len(kept)):
-        if kept[i] == feed.n_drafts[i]:
+    nxt, nxt_conf, nxt_alts = [], [], []
+    for i in range(b):
+        if hit[i] >= 0:
+            nxt.append(("alt", [int(t) for t in alt[i, hit[i], 1:]]))
+            nxt_conf.append(None if conf_alt is None else conf_alt[i, hit[i], 1:])
+            read = columns.alt_reads.start + hit[i] * (1 + columns.masks) + 1
+        elif kept[i] == feed.n_drafts[i]:
             nxt.append(("masks", [int(t) for t in proposals[i]]))
             nxt_conf.append(None if conf_masks is None else conf_masks[i])
+            read = columns.mask_reads.start
         elif spare is not None and kept[i] < columns.spare_groups:
             nxt.append(("spare", [int(t) for t in spare[i, kept[i]]]))
             nxt_conf.append(None if conf_spare is None else conf_spare[i, kept[i]])
+            read = columns.spare_reads.start + kept[i] * columns.masks
         else:
             nxt.append(("masks", []))
             nxt_conf.append(None)
+            read = None
+        n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
+        nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
+    feed.next_alts = nxt_alts
     return accepted, nxt, (nxt_conf if metric is not None else None)
 
 

@@ -34,7 +34,7 @@ from .config import MarsConfig
 from .decoding import DecodeSettings
 
 __all__ = [
-    "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
+    "DEFAULT_ALTERNATIVES", "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
     "ar_threshold", "block_size_for", "check_may_decode", "check_metric", "check_threshold", "checkpoint_mode",
     "decode_settings", "is_ar_mode", "loosen", "looser", "may_decode", "metric_for", "strict_and_loose",
 ]
@@ -44,6 +44,9 @@ DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size
 DEFAULT_METRIC: str = MarsConfig.metric
 # The most n-gram drafts a step of the default lossless configuration feeds (mars.core.ngram).
 DEFAULT_NGRAM = 16
+# The most runners-up of a first draft a step of the default lossless configuration may feed
+# as alternative groups (DecodeSettings.alternatives; the cost-aware feed chooses how many).
+DEFAULT_ALTERNATIVES = 2
 
 
 class UntrainedModelError(ValueError):

@@ -19,7 +19,8 @@ class WindowStrategy:
     With `cached=False` nothing is kept: every step feeds the whole sequence.
     With `cached=True` the cache keeps committed tokens only; mask entries are cropped.
     Lossless mode feeds each row's drafts between its real tokens and its masks, and greedy
-    lossless mode up to `spare_groups` spare groups after all of them.
+    lossless mode up to `spare_groups` spare groups after all of them, then up to
+    `alt_groups` alternative groups (a runner-up for the first draft, then the masks).
     """
 
     def __init__(self, settings: DecodeSettings, cached: bool):
@@ -29,6 +30,7 @@ class WindowStrategy:
         # Per step, a cost-aware loop may narrow these (FeedPolicy); lossless output stays AR's.
         self.masks = settings.masks_per_step
         self.spare_groups = settings.spare_groups
+        self.alt_groups = settings.alternative_groups
 
     def plan(self, rows: list[Row]) -> Feed:
         s, m = self.s, self.masks
@@ -41,16 +43,23 @@ class WindowStrategy:
         padded, n = pad_drafts(drafts, s.mask_id)
         # A spare group follows a draft: no more of them than the most drafts any row feeds.
         spare = min(self.spare_groups, int(n.max(initial=0))) if s.lossless and m else 0
+        # Runners-up for the first draft: only a row that feeds a draft has one to replace.
+        alts = [r.alts[: self.alt_groups] if d and s.lossless else [] for r, d in zip(rows, drafts)]
+        alt_ids, n_alts = pad_drafts(alts, s.mask_id)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
-        columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m, spare_groups=spare)
+        columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m,
+                          spare_groups=spare, alt_groups=alt_ids.shape[1])
         if not s.lossless:
             limit = [0 if r.done else min(m + 1, r.max_tokens - len(r.out)) for r in rows]
             return Feed(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        if not spare:
+        if not (spare or columns.alt_groups):
             return Feed(ids, positions, valid, limit, columns, drafts=padded)
-        ids, valid, positions, attend = _with_spare_groups(ids, valid, positions, columns, [r.done for r in rows], s.mask_id)
-        return Feed(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
+        ids, valid, positions, attend = _with_groups(ids, valid, positions, columns, [r.done for r in rows], s.mask_id, alt_ids, n_alts)
+        feed = Feed(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
+        if columns.alt_groups:
+            feed.alts, feed.n_alts = alt_ids, n_alts
+        return feed
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -87,14 +96,18 @@ class WindowStrategy:
             r.cached = b
 
 
-def _with_spare_groups(ids, valid, positions, columns: Columns, done: list[bool], mask_id: int):
-    """A lossless window feed widened by `columns.spare_groups` spare groups of masks: the
-    new (ids, valid, positions) and `attend`, which fed columns each fed query may see.
+def _with_groups(ids, valid, positions, columns: Columns, done: list[bool], mask_id: int, alts=None, n_alts=None):
+    """A lossless window feed widened by `columns.spare_groups` spare groups of masks and
+    `columns.alt_groups` alternative groups: the new (ids, valid, positions) and `attend`,
+    which fed columns each fed query may see.
 
-    Group g of a row that fed more than g drafts sits, by position and by what it attends to,
-    right after its g-th draft (g = 0: after the last verified token): each of its masks sees
-    the fed columns up to that token and the group's masks before it, as the masks of a plain
-    window ending there would. Other rows' group columns are holes."""
+    Spare group g of a row that fed more than g drafts sits, by position and by what it
+    attends to, right after its g-th draft (g = 0: after the last verified token): each of
+    its masks sees the fed columns up to that token and the group's masks before it, as the
+    masks of a plain window ending there would. Alternative group k of a row with more than
+    k runners-up (`alts`, `n_alts`) is its k-th runner-up at its first draft's position, then
+    masks, seeing the fed columns up to the last verified token and the group before it: a
+    plain window ending at the runner-up. Other rows' group columns are holes."""
     b, w0 = ids.shape
     width, masks = columns.total, columns.masks
     wide_ids = np.full((b, width), mask_id, dtype=np.int64)
@@ -115,6 +128,15 @@ def _with_spare_groups(ids, valid, positions, columns: Columns, done: list[bool]
         upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
         attend[:, cols, :w0] = upto[:, None, :]
         attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((masks, masks), dtype=bool))[None]
+    upto = np.arange(w0)[None, :] <= columns.last[:, None]  # the verified tokens and what the cache holds
+    for k in range(columns.alt_groups):
+        cols = columns.alt_columns(k)
+        live = (k < n_alts) & running
+        wide_ids[:, cols[0]] = np.where(live, alts[:, k], mask_id)
+        wide_valid[:, cols] = live[:, None]
+        wide_positions[:, cols] = np.where(live[:, None], positions[rows, columns.last][:, None] + 1 + np.arange(1 + masks)[None, :], 0)
+        attend[:, cols, :w0] = upto[:, None, :]
+        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((1 + masks, 1 + masks), dtype=bool))[None]
     return wide_ids, wide_valid, wide_positions, attend
 
 

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from ..backends import base
 from ..core.decoding import ContinuousBatch, DecodeSettings, Sampling
-from ..core.policy import DEFAULT_NGRAM, block_size_for, looser, metric_for
+from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -179,6 +179,7 @@ class EngineLimits:
     # the cost-aware feed and n-gram drafts) or "block" (the block-level cache, B_cache slots).
     cache: str = "window"
     ngram: int = DEFAULT_NGRAM  # n-gram drafts a greedy lossless window step may feed (0: off)
+    alternatives: int = DEFAULT_ALTERNATIVES  # runner-up groups a greedy lossless window step may feed (0: off)
     stats_window: float = 10.0  # seconds of history behind the recent tokens/s and tokens/forward
 
 
@@ -354,6 +355,7 @@ class Engine:
             sampling=job.sampling,
             lossless=job.lossless,
             ngram=self.limits.ngram if self._drafting(job) else 0,
+            alternatives=self.limits.alternatives if self._drafting(job) else 0,
         )
 
     def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:

@@ -18,6 +18,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...core.config import MarsConfig, has_config, read_config
+from ...core.decode_types import runners_up_of
 from ...core.decoding import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path, rope_overrides
@@ -345,12 +346,20 @@ class MlxDecoder:
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
         return head(self.model, picked)
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
         logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)
-        mx.eval(chosen, conf)
-        return np.array(chosen), np.array(conf)
+        if not (runners_up and sampling.greedy):
+            mx.eval(chosen, conf)
+            return np.array(chosen), np.array(conf)
+        # The n + 1 most likely ids, most likely first: a partition, then a sort of those.
+        top = mx.argpartition(-logits, runners_up, axis=-1)[..., : runners_up + 1]
+        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+        top = mx.take_along_axis(top, order, axis=-1)
+        mx.eval(chosen, conf, top)
+        ids = np.array(chosen)
+        return ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up)
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
         """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""

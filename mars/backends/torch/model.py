@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ...core.config import MarsConfig, has_config, read_config
+from ...core.decode_types import runners_up_of
 from ...core.decoding import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import eos_ids, mask_config, new_row_init
@@ -317,14 +318,18 @@ class TorchDecoder:
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
     @torch.inference_mode()
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
         if not sampling.greedy:  # every read draws its own token: the reads stay apart
             logits = self.logits(cache, input_ids, positions, mask, read, valid)
             chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling))
             return chosen.cpu().numpy(), conf.cpu().numpy()
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
         chosen, conf = slot_predictions(unique, metric, sampling)
-        return chosen.cpu().numpy()[where], conf.cpu().numpy()[where]
+        ids = chosen.cpu().numpy()[where]
+        if not runners_up:
+            return ids, conf.cpu().numpy()[where]
+        top = unique.topk(runners_up + 1, dim=-1).indices.cpu().numpy()[where]
+        return ids, conf.cpu().numpy()[where], runners_up_of(top, ids, runners_up)
 
     @torch.inference_mode()
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
