@@ -193,3 +193,69 @@ def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
         assert out[True, mode] == out[False, mode], mode
     assert out[True, "lossless"] == out[True, "ar"]
     assert entered and min(entered) < 1.0  # the prompts' and the drafts' holes were skipped
+
+
+def test_row_counts_chosen_for_f_linear_run_it(monkeypatch):
+    """Where the CPU computes a few rows faster with F.linear (packed.use_linear_rows), those
+    row counts run F.linear itself; the others stay packed."""
+    import types
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 24)
+    packed.pack_linears(layer)
+    packed.use_linear_rows(layer, [2, 3])
+    rows_seen = []
+
+    def spy(x, w, b=None):
+        rows_seen.append(x.numel() // x.shape[-1])
+        return F.linear(x, w, b)
+
+    with torch.no_grad(), packed.active():
+        for rows in (2, 3):
+            x = torch.randn(rows, 32)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        monkeypatch.setattr(packed, "F", types.SimpleNamespace(linear=spy))
+        for rows in (1, 2, 3, 4, 6):
+            layer(torch.randn(rows, 32))
+    assert rows_seen == [1, 2, 3]
+    timings = packed.time_row_paths(layer, rows=(2, 4), repeats=1)
+    assert set(timings) == {2, 4} and all(a > 0 and b > 0 for a, b in timings.values())
+    assert layer._mars_linear_rows == frozenset({2, 3})  # timing leaves the choice as it was
+    assert packed.faster_on_linear({2: (1.0, 2.0), 3: (0.97, 1.0), 4: (3.0, 1.0)}) == [2]
+
+
+def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, tmp_path):
+    from mars.backends.torch import model as torch_model
+
+    monkeypatch.setenv("MARS_HOME", str(tmp_path))
+    tok = make_tokenizer()
+
+    def new():
+        return TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32))
+
+    assert new().linear_rows == []  # a tiny model: not measured, every product of 2 rows or more packed
+    monkeypatch.setattr(torch_model, "ROW_PATHS_MIN_BYTES", 0)
+    calls = []
+    monkeypatch.setattr(packed, "time_row_paths", lambda module: calls.append(1) or {2: (1.0, 2.0), 3: (2.0, 1.0), 4: (3.0, 3.0)})
+    dec = new()
+    assert dec.linear_rows == [2] and dec.cost_key()["linear_rows"] == [2]
+    layers = packed.packed_layers(dec.tm.model)
+    assert layers and all(layer._mars_linear_rows == frozenset({2}) for layer in layers)
+    assert new().linear_rows == [2] and calls == [1]  # the second decoder read the kept choice
+    assert list((tmp_path / "paths").glob("*.json"))
+
+
+def test_lossless_decoding_is_ar_with_small_products_on_f_linear():
+    from mars.core.decoding import DecodeSettings, generate
+
+    dec, vocab = _decoder()
+    packed.use_linear_rows(dec.tm.model, [2, 3])
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]
+    base = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window")
+    ar = generate(dec, prompts, DecodeSettings(**base)).tokens
+    for hedge in (0, None):
+        s = DecodeSettings(**base, lossless=True, hedge=hedge)
+        assert generate(dec, prompts, s).tokens == ar
+        assert [generate(dec, [p], s).tokens[0] for p in prompts] == ar
+    packed.use_linear_rows(dec.tm.model, [])

@@ -204,6 +204,56 @@ def load(
     return TorchModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), device=dev, dtype=dt, gate=gate)
 
 
+# Below this many bytes of packed weights the row paths are not measured (packed for every
+# product of 2 rows or more): a small model's products cost too little to tell them apart.
+ROW_PATHS_MIN_BYTES = 8 << 20
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo where there is one), for keys of measurements."""
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def linear_rows_for(tm: TorchModel) -> list[int]:
+    """The row counts (of 2-4) whose products run `F.linear` rather than the packed product
+    on this CPU (packed.time_row_paths): measured once per CPU model, thread count, dtype,
+    torch version and layer shapes, about a second on the default model, and kept under
+    the cache directory (`MARS_HOME`, default ~/.cache/mars/paths). None for a small model
+    (below ROW_PATHS_MIN_BYTES of packed weights): every product of 2 rows or more is packed."""
+    import hashlib
+    import json
+
+    from ...default_model import cache_root
+
+    layers = packed.packed_layers(tm.model)
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    if size < ROW_PATHS_MIN_BYTES:
+        return []
+    key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(tm.dtype), "torch": torch.__version__,
+           "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}), "layers": len(layers), "paths": 1}
+    path = cache_root() / "paths" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    try:
+        return [int(r) for r in json.loads(path.read_text())["linear_rows"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    timings = packed.time_row_paths(tm.model)
+    rows = packed.faster_on_linear(timings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"key": key, "linear_rows": rows,
+                               "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()}}, indent=1))
+    tmp.replace(path)
+    return rows
+
+
 class TorchDecoder:
     """The decoding step of docs/method.md §5 for the core loop (mars.core.decoding.StepBackend).
 
@@ -226,6 +276,10 @@ class TorchDecoder:
         if pack is None:
             pack = can_pack(tm.device, tm.dtype)
         self.packed = pack_linears(tm.model) if pack else 0
+        # Row counts whose products run F.linear, where this CPU computes them faster (packed.py).
+        self.linear_rows = linear_rows_for(tm) if self.packed else []
+        if self.packed:
+            packed.use_linear_rows(tm.model, self.linear_rows)
         # A batch's step computes its real positions alone, not its holes (packed.real_rows).
         self.skips_holes = bool(self.packed)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
@@ -237,6 +291,7 @@ class TorchDecoder:
                 "threads": torch.get_num_threads(), "packed": bool(self.packed),
                 "packed_min_rows": packed.MIN_ROWS if self.packed else None,
                 "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
+                "linear_rows": self.linear_rows if self.packed else None,
                 "grouped": self.grouped, "torch": torch.__version__}
 
     def new_cache(self, batch: int):

@@ -12,7 +12,11 @@ forward does. `pack_linears` keeps each weight as it is and adds its packed copy
   computes bit for bit what `transformers` computes;
 - more rows: the packed product (oneDNN), unless the weight changed since it was
   packed (training), then `F.linear` again; two rows run as four (`PAD_ROWS`: zero rows
-  added, their outputs dropped), which oneDNN computes faster.
+  added, their outputs dropped), which oneDNN computes faster. Which is faster for a few
+  rows depends on the CPU: where `F.linear`'s own small products beat the packed one (on
+  a Xeon with AVX-512, 2 and 3 rows cost 1.08x and 1.18x one row with `F.linear` against
+  1.1-1.2x packed), those row counts run `F.linear` (`time_row_paths`,
+  `use_linear_rows`: measured once per CPU and model shape by the torch decoder).
 
 The packs are used only inside `active()`, which the torch decoder enters for its steps:
 anything else that runs the same model (training, `model.generate`) computes as before.
@@ -74,7 +78,8 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if _rows is not None and rows == _rows[1] and _enabled:
         return _real_rows_forward(self, x)
-    if rows < MIN_ROWS or not _enabled or self.weight._version != self._mars_version or self.weight.requires_grad and torch.is_grad_enabled():
+    if (rows < MIN_ROWS or rows in self._mars_linear_rows or not _enabled or self.weight._version != self._mars_version
+            or self.weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     pad = PAD_ROWS.get(rows, rows) - rows
@@ -116,6 +121,7 @@ def pack_linears(module: torch.nn.Module) -> int:
                 continue
         layer._mars_packed = packed
         layer._mars_version = layer.weight._version
+        layer._mars_linear_rows = frozenset()
         layer.forward = types.MethodType(_packed_forward, layer)
         count += 1
     return count
@@ -160,3 +166,53 @@ def unpack_linears(module: torch.nn.Module) -> None:
             del layer.forward
             del layer._mars_packed
             del layer._mars_version
+            del layer._mars_linear_rows
+
+
+def packed_layers(module: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [layer for layer in module.modules() if "_mars_packed" in layer.__dict__]
+
+
+def use_linear_rows(module: torch.nn.Module, rows) -> None:
+    """Products of these row counts run `F.linear` in every packed layer of `module`."""
+    for layer in packed_layers(module):
+        layer._mars_linear_rows = frozenset(int(r) for r in rows)
+
+
+def time_row_paths(module: torch.nn.Module, rows=(2, 3, 4), repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Seconds of one pass over every packed layer of `module` (as a forward reads them, so
+    the weights come from memory) with `rows` input rows: {rows: (F.linear, packed)},
+    medians of `repeats` interleaved passes after a warm-up."""
+    import statistics
+    import time
+
+    layers = packed_layers(module)
+    if not layers:
+        return {}
+    first = layers[0].weight
+    inputs = {}
+    samples = {(r, path): [] for r in rows for path in ("linear", "packed")}
+    with torch.no_grad(), _switched(True):
+        for rep in range(repeats + 1):
+            for r in rows:
+                for path in ("linear", "packed"):
+                    saved = [layer._mars_linear_rows for layer in layers]
+                    for layer in layers:
+                        layer._mars_linear_rows = frozenset({r}) if path == "linear" else frozenset()
+                    t0 = time.perf_counter()
+                    for layer in layers:
+                        key = (r, layer.in_features)
+                        if key not in inputs:
+                            inputs[key] = torch.randn(r, layer.in_features, dtype=first.dtype, device=first.device)
+                        layer(inputs[key])
+                    seconds = time.perf_counter() - t0
+                    for layer, before in zip(layers, saved):
+                        layer._mars_linear_rows = before
+                    if rep:
+                        samples[(r, path)].append(seconds)
+    return {r: (statistics.median(samples[(r, "linear")]), statistics.median(samples[(r, "packed")])) for r in rows}
+
+
+def faster_on_linear(timings: dict[int, tuple[float, float]], margin: float = 0.05) -> list[int]:
+    """The row counts whose `F.linear` pass beat the packed one by more than `margin`."""
+    return sorted(r for r, (linear, packed) in timings.items() if linear < (1 - margin) * packed)
