@@ -100,17 +100,21 @@ def check_spare_groups(dec, prompts, cached: bool) -> None:
                          metric="probability", sampling=Sampling())
     spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
     spare_conf = conf[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
-    checked = 0
-    for i, (p, d) in enumerate(zip(prompts, drafts)):
-        for g in range(len(d)):
-            window = p + d[:g] + [MASK] * B
-            n = len(window)
-            ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - B, n)[None],
-                                         metric="probability", sampling=Sampling())
-            assert spare_ids[i, g].tolist() == ref_ids[0].tolist(), (i, g)
-            np.testing.assert_allclose(spare_conf[i, g], ref_conf[0], atol=1e-5)
-            checked += 1
-    assert checked == 6
+    cases = [(i, g, p + d[:g] + [MASK] * B, B) for i, (p, d) in enumerate(zip(prompts, drafts)) for g in range(len(d))]
+    assert check_windows(dec, spare_ids, spare_conf, cases) == 6
+
+
+def check_windows(dec, ids, conf, cases) -> int:
+    """Each case (row, group, window, reads): the group's outputs `ids[row, group]` and
+    `conf[row, group]` equal those of a plain uncached forward of `window` read at its last
+    `reads` columns (ids exactly, probabilities to 1e-5). Returns how many were checked."""
+    for i, g, window, reads in cases:
+        n = len(window)
+        ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - reads, n)[None],
+                                     metric="probability", sampling=Sampling())
+        assert ids[i, g].tolist() == ref_ids[0].tolist(), (i, g)
+        np.testing.assert_allclose(conf[i, g], ref_conf[0], atol=1e-5)
+    return len(cases)
 
 
 @pytest.mark.parametrize("cached", [False, True])
@@ -161,17 +165,8 @@ def check_alternative_groups(dec, prompts, cached: bool) -> None:
                          metric="probability", sampling=Sampling())
     group_ids = ids[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
     group_conf = conf[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
-    checked = 0
-    for i, p in enumerate(prompts):
-        for k in range(feed.n_alts[i]):
-            window = p + [alts[i][k]] + [MASK] * B
-            n = len(window)
-            ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - B - 1, n)[None],
-                                         metric="probability", sampling=Sampling())
-            assert group_ids[i, k].tolist() == ref_ids[0].tolist(), (i, k)
-            np.testing.assert_allclose(group_conf[i, k], ref_conf[0], atol=1e-5)
-            checked += 1
-    assert checked == 3
+    cases = [(i, k, p + [alts[i][k]] + [MASK] * B, B + 1) for i, p in enumerate(prompts) for k in range(feed.n_alts[i])]
+    assert check_windows(dec, group_ids, group_conf, cases) == 3
 
 
 @pytest.mark.parametrize("cached", [False, True])
