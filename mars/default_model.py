@@ -38,6 +38,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("MARS_HOME") or Path.home() / ".cache" / "mars")
 
 
+def keyed_cache_file(kind: str, key: dict) -> Path:
+    """Where a measurement of `kind` (cost, paths) made under `key` (what it depends on,
+    JSON-serialisable) is kept: one file per key under the cache directory."""
+    import hashlib
+    import json
+
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / kind / f"{digest}.json"
+
+
 def default_gguf() -> Path:
     """The GGUF file inside the installed wheel (located, not imported: its __init__ needs absent packages)."""
     try:

@@ -259,3 +259,19 @@ def test_lossless_decoding_is_ar_with_small_products_on_f_linear():
         assert generate(dec, prompts, s).tokens == ar
         assert [generate(dec, [p], s).tokens[0] for p in prompts] == ar
     packed.use_linear_rows(dec.tm.model, [])
+
+
+def test_a_read_only_cache_does_not_stop_the_decoder(monkeypatch, tmp_path):
+    from mars.backends.torch import model as torch_model
+    from mars.core import files
+
+    def refuse(*args, **kw):
+        raise OSError("read-only")
+
+    monkeypatch.setenv("MARS_HOME", str(tmp_path))
+    monkeypatch.setattr(torch_model, "ROW_PATHS_MIN_BYTES", 0)
+    monkeypatch.setattr(packed, "time_row_paths", lambda module: {2: (1.0, 2.0), 3: (2.0, 1.0)})
+    monkeypatch.setattr(files, "atomic_write_text", refuse)
+    tok = make_tokenizer()
+    dec = TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32))
+    assert dec.linear_rows == [2] and not (tmp_path / "paths").exists()

@@ -145,11 +145,8 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1):
     measured once per model, device, dtype, thread count, backend version and batch size
     and kept under the cache directory (`MARS_HOME`, default ~/.cache/mars/cost), then
     loaded. The decoding loop refreshes its copy from the forwards it times."""
-    import hashlib
-    import json
-
     from ..core.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
-    from ..default_model import cache_root
+    from ..default_model import keyed_cache_file
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
     # "calibration" 2: one-token forwards timed as AR (no mask); 3: the median of
@@ -158,8 +155,7 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1):
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     if batch > 1:
         key["batch"] = batch
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_root() / "cost" / f"{digest}.json"
+    path = keyed_cache_file("cost", key)
     curve = CostCurve.load(path)
     if curve is not None:
         return curve

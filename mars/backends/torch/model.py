@@ -228,10 +228,10 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
     torch version and layer shapes, about a second on the default model, and kept under
     the cache directory (`MARS_HOME`, default ~/.cache/mars/paths). None for a small model
     (below ROW_PATHS_MIN_BYTES of packed weights): every product of 2 rows or more is packed."""
-    import hashlib
     import json
 
-    from ...default_model import cache_root
+    from ...core.files import atomic_write_text
+    from ...default_model import keyed_cache_file
 
     layers = packed.packed_layers(tm.model)
     size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
@@ -239,18 +239,18 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
         return []
     key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(tm.dtype), "torch": torch.__version__,
            "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}), "layers": len(layers), "paths": 1}
-    path = cache_root() / "paths" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16] + ".json")
+    path = keyed_cache_file("paths", key)
     try:
         return [int(r) for r in json.loads(path.read_text())["linear_rows"]]
     except (OSError, ValueError, KeyError, TypeError):
         pass
     timings = packed.time_row_paths(tm.model)
     rows = packed.faster_on_linear(timings)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"key": key, "linear_rows": rows,
-                               "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()}}, indent=1))
-    tmp.replace(path)
+    report = {"key": key, "linear_rows": rows, "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()}}
+    try:
+        atomic_write_text(path, json.dumps(report, indent=1))
+    except OSError:
+        pass  # a read-only cache: measure again next time
     return rows
 
 

@@ -192,24 +192,25 @@ def time_row_paths(module: torch.nn.Module, rows=(2, 3, 4), repeats: int = 5) ->
     first = layers[0].weight
     inputs = {}
     samples = {(r, path): [] for r in rows for path in ("linear", "packed")}
-    with torch.no_grad(), _switched(True):
-        for rep in range(repeats + 1):
-            for r in rows:
-                for path in ("linear", "packed"):
-                    saved = [layer._mars_linear_rows for layer in layers]
-                    for layer in layers:
-                        layer._mars_linear_rows = frozenset({r}) if path == "linear" else frozenset()
-                    t0 = time.perf_counter()
-                    for layer in layers:
-                        key = (r, layer.in_features)
-                        if key not in inputs:
-                            inputs[key] = torch.randn(r, layer.in_features, dtype=first.dtype, device=first.device)
-                        layer(inputs[key])
-                    seconds = time.perf_counter() - t0
-                    for layer, before in zip(layers, saved):
-                        layer._mars_linear_rows = before
-                    if rep:
-                        samples[(r, path)].append(seconds)
+    saved = [layer._mars_linear_rows for layer in layers]
+    try:
+        with torch.no_grad(), _switched(True):
+            for rep in range(repeats + 1):
+                for r in rows:
+                    for path in ("linear", "packed"):
+                        for layer in layers:
+                            layer._mars_linear_rows = frozenset({r}) if path == "linear" else frozenset()
+                        t0 = time.perf_counter()
+                        for layer in layers:
+                            key = (r, layer.in_features)
+                            if key not in inputs:
+                                inputs[key] = torch.randn(r, layer.in_features, dtype=first.dtype, device=first.device)
+                            layer(inputs[key])
+                        if rep:
+                            samples[(r, path)].append(time.perf_counter() - t0)
+    finally:
+        for layer, before in zip(layers, saved):
+            layer._mars_linear_rows = before
     return {r: (statistics.median(samples[(r, "linear")]), statistics.median(samples[(r, "packed")])) for r in rows}
 
 
