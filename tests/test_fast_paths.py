@@ -275,3 +275,79 @@ def test_a_read_only_cache_does_not_stop_the_decoder(monkeypatch, tmp_path):
     tok = make_tokenizer()
     dec = TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32))
     assert dec.linear_rows == [2] and not (tmp_path / "paths").exists()
+
+
+def test_the_growing_cache_holds_what_the_concatenating_one_holds():
+    """mars.backends.torch.cache: appends in place, crops by shortening a view, and starts a
+    new buffer when the decoder selects rows or positions; what attention reads is what
+    transformers' DynamicCache (torch.cat) would hold after the same calls."""
+    from transformers import DynamicCache
+
+    from mars.backends.torch.cache import SPARE, GrowingLayer, growing_cache
+
+    dec, _ = _decoder()
+    config = dec.tm.model.config
+    grow, ref = growing_cache(config), DynamicCache(config=config)
+    assert all(type(layer) is GrowingLayer for layer in grow.layers)
+    rng = torch.Generator().manual_seed(0)
+    heads, dim = 2, 8
+
+    def append(n, batch=2):
+        k, v = torch.randn(batch, heads, n, dim, generator=rng), torch.randn(batch, heads, n, dim, generator=rng)
+        got, want = grow.layers[0].update(k, v), ref.layers[0].update(k, v)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+    def same():
+        g, w = grow.layers[0], ref.layers[0]
+        assert torch.equal(g.keys, w.keys) and torch.equal(g.values, w.values)
+        assert grow.get_seq_length() == ref.get_seq_length()
+
+    append(5)
+    buffer = grow.layers[0]._kbuf
+    append(3)
+    assert grow.layers[0]._kbuf is buffer  # appended in place
+    for cache in (grow, ref):
+        dec.crop(cache, 6)  # rejected drafts leave
+    same()
+    append(4)
+    assert grow.layers[0]._kbuf is buffer
+    same()
+    append(SPARE + 20)  # past the buffer's room: a larger one, the positions kept
+    assert grow.layers[0]._kbuf is not buffer and grow.layers[0]._kbuf.shape[-2] >= 10 + SPARE + 20
+    same()
+    for cache in (grow, ref):
+        dec.keep_keys(cache, [0, 2, 3, 7])  # a served batch drops the keys of rows that left
+    same()
+    append(2)
+    same()
+    for cache in (grow, ref):
+        dec.keep_rows(cache, [1])  # a finished row leaves the batch
+    append(3, batch=1)
+    same()
+    for cache in (grow, ref):
+        dec.crop(cache, 0)
+    append(2, batch=1)
+    same()
+
+
+def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(monkeypatch):
+    from transformers import DynamicCache
+
+    from mars.core.decoding import DecodeSettings, generate
+
+    dec, vocab = _decoder()
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]
+    out = {}
+    for kind in ("growing", "dynamic"):
+        if kind == "dynamic":
+            monkeypatch.setattr(dec, "new_cache", lambda batch: DynamicCache(config=dec.tm.model.config))
+        for cache in ("window", "block"):
+            for mode in ("ar", "lossless", "threshold"):
+                s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, cache=cache, block_cache=8,
+                                   threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
+                for batch in (prompts, prompts[:1]):
+                    out[kind, cache, mode, len(batch)] = generate(dec, batch, s).tokens
+    for key in [k for k in out if k[0] == "growing"]:
+        assert out[key] == out[("dynamic",) + key[1:]], key

@@ -295,10 +295,10 @@ class TorchDecoder:
                 "grouped": self.grouped, "torch": torch.__version__}
 
     def new_cache(self, batch: int):
-        from transformers import DynamicCache
+        from .cache import growing_cache
 
         self._drafted = None
-        return DynamicCache(config=self.tm.model.config)
+        return growing_cache(self.tm.model.config)
 
     def crop(self, cache, length: int) -> None:
         for layer in cache.layers:

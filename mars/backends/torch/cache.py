@@ -1,0 +1,86 @@
+"""A key/value cache that grows in place, for the torch decoder.
+
+transformers' `DynamicLayer` appends a step's keys and values with `torch.cat`: every
+forward copies the whole cache of every layer, so a step's copying grows with the
+sequence. On the default model (one CPU core) that is lost in the noise of 128-token
+replies, but with 1,500 positions cached a one-token forward cost 73.8 ms with `torch.cat`
+and 65.6 ms with this cache (3 tokens: 83.3 and 74.4 ms). `GrowingLayer` keeps each layer's keys and values in a
+buffer with room to spare and writes a step's new positions into it; what attention reads
+is a view of the buffer's first positions, the same numbers `torch.cat` would give.
+Cropping (the decoder's `crop`: rejected drafts leave the cache) only shortens the view,
+so the next step writes over the dead positions. When the buffer is full, it is copied
+once into one twice as large.
+
+The decoder may also replace a layer's `keys` and `values` with tensors of its own
+(`keep_rows`, `keep_keys`: a batch's rows or positions selected); the next `update` sees
+they are not views of the buffer and starts a new buffer from them.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+# Positions of spare room a new buffer gets beyond what it must hold at once.
+SPARE = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """`DynamicLayer` with in-place appends (see the module's docstring)."""
+
+    _kbuf: torch.Tensor | None = None
+    _vbuf: torch.Tensor | None = None
+
+    def _in_buffer(self) -> bool:
+        """Whether `keys`/`values` are still the buffer's first positions (not replaced)."""
+        k, buf = self.keys, self._kbuf
+        return (
+            buf is not None and k.dim() == 4 and k.data_ptr() == buf.data_ptr() and k.shape[:2] == buf.shape[:2]
+            and k.stride() == buf.stride() and self.values.data_ptr() == self._vbuf.data_ptr()
+            and self.values.shape[:3] == k.shape[:3]
+        )
+
+    def _regrow(self, length: int, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
+        """A new buffer with room for `need` positions and more, holding the first `length` positions of today's."""
+        b, h = like_k.shape[:2]
+        room = max(2 * need, need + SPARE)
+        kbuf = like_k.new_empty((b, h, room, like_k.shape[-1]))
+        vbuf = like_v.new_empty((b, h, room, like_v.shape[-1]))
+        if length:
+            kbuf[:, :, :length].copy_(self.keys)
+            vbuf[:, :, :length].copy_(self.values)
+        self._kbuf, self._vbuf = kbuf, vbuf
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.keys.shape[-2] if self.keys.numel() else 0
+        new = key_states.shape[-2]
+        fits = (self._in_buffer() or length == 0) and self._kbuf is not None
+        fits = fits and self._kbuf.shape[:2] == key_states.shape[:2] and length + new <= self._kbuf.shape[-2]
+        fits = fits and self._kbuf.dtype == key_states.dtype and self._kbuf.device == key_states.device
+        if not fits:
+            if length and not self._in_buffer():
+                # keys/values were replaced (rows or positions selected): start from them
+                self._kbuf = self._vbuf = None
+            self._regrow(length, length + new, key_states, value_states)
+        end = length + new
+        self._kbuf[:, :, length:end].copy_(key_states)
+        self._vbuf[:, :, length:end].copy_(value_states)
+        self.keys = self._kbuf[:, :, :end]
+        self.values = self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._kbuf = self._vbuf = None
+        super().reset()
+
+
+def growing_cache(config):
+    """A transformers `DynamicCache` for `config` whose plain (full-attention) layers grow in
+    place; other layer kinds (sliding windows) stay as transformers makes them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
