@@ -585,3 +585,24 @@ def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
         result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), cost=fixed(STEEP))
         assert result.tokens == ar
         assert set(result.stats.threshold_feed.choices) == {(0, 0)}
+
+
+def test_a_batch_decides_its_drafts_together():
+    """A step is as wide as its widest row: one row's draft widens it for all 8 rows and
+    does not pay alone, the 8 rows' drafts together do (mars.core.drafting)."""
+    from mars.core.drafting import Drafting
+
+    s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
+    # 8 rows: 16 tokens (1 mask a row, no drafts) cost 1.0, 24 (a draft a row) 1.3
+    curve = CostCurve({1: 0.2, 16: 1.0, 24: 1.3, 64: 4.0})
+    drafting = Drafting(s, FeedPolicy(curve, 4, 0))
+    kept = drafting.stats.expected_kept("masks", 1)  # the prior: 0.5
+    assert (8 + kept) / 1.3 < 8 / 1.0 < (8 + 8 * kept) / 1.3
+    every = [[("masks", "masks", [5, 6])]] * 8
+    assert drafting._pick_all(every, 1, 0, 8) == [("masks", "masks", [5])] * 8
+    one = [[("masks", "masks", [5])]] + [[]] * 7
+    assert drafting._pick_all(one, 1, 0, 8) == [("masks", "masks", [])] * 8
+    # Without a cost curve every row feeds its option expected to keep the most.
+    plain = Drafting(s, None)
+    assert plain._pick_all([[("masks", "masks", [5]), ("ngram", "ngram", [7, 8, 9])], []], 1, 0, 2) == [
+        ("ngram", "ngram", [7, 8, 9]), ("masks", "masks", [])]

@@ -45,21 +45,24 @@ class Drafting:
         if self.policy is not None:
             strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
         m, g = strategy.masks, strategy.spare_groups
-        width = lossless_width(0, m, g)  # the step's width so far: one row's drafts widen it for every row
         self._keys = [r.source for r in rows]
+        live, owns, options = [], [], []
         for i, r in enumerate(rows):
             if r.done:
                 continue
-            own = r.drafts[:1]
-            options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
+            live.append(i)
+            owns.append(r.drafts[:1])
+            row_options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
             if self.s.ngram and self.s.sampling.greedy:  # a sampled draft needs the distribution it came from
                 n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
                 if found:
-                    options.append(("ngram", ngram.source(n), found))
-            r.source, self._keys[i], r.drafts = self._pick(options, m, g, batch, width)
+                    row_options.append(("ngram", ngram.source(n), found))
+            options.append(row_options)
+        for i, own, choice in zip(live, owns, self._pick_all(options, m, g, batch)):
+            r = rows[i]
+            r.source, self._keys[i], r.drafts = choice
             if r.source == "ngram":  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
-            width = max(width, lossless_width(len(r.drafts), m, g))
         if self.s.alternative_groups:
             strategy.alt_groups = self._alternatives(rows, m, g, batch)
 
@@ -87,28 +90,54 @@ class Drafting:
                 best, best_score = a, score
         return best
 
-    def _pick(self, options, masks: int, spare_groups: int, batch: int, width: int) -> tuple[str, str, list[int]]:
-        """The drafts a row feeds, (source, statistics key, drafts), from `options` of that
-        form: without a cost curve, the option expected to keep the most
-        drafts; with one, the option and length that maximise the batch's expected tokens per
-        second this step: (batch + this row's expected kept drafts) / the cost of the step,
-        whose width is the widest row's (`width` so far, or this row's drafts if wider).
-        At batch 1 that is (1 + expected kept) / the cost of this row's width."""
-        st, best = self.stats, ("masks", "masks", [])
-        # Feeding no drafts is the option to beat.
-        best_score = batch / self.policy.costs.seconds(batch, width) if self.policy is not None else 0.0
-        for source, key, drafts in options:
-            kept_each = st.expected_kept_each(key, len(drafts))  # for each length d, at [d - 1]
-            lengths = range(1, len(drafts) + 1) if self.policy is not None else [len(drafts)]
-            for d in lengths:
-                kept = float(kept_each[d - 1])
-                if self.policy is None:
-                    score = kept
-                else:
-                    score = (batch + kept) / self.policy.costs.seconds(batch, max(width, lossless_width(d, masks, spare_groups)))
-                if score > best_score:
-                    best, best_score = (source, key, drafts[:d]), score
-        return best
+    def _pick_all(self, options: list[list], masks: int, spare_groups: int, batch: int) -> list[tuple[str, str, list[int]]]:
+        """The drafts each row feeds, (source, statistics key, drafts), from its `options` of
+        that form. Without a cost curve, each row's option expected to keep the most drafts.
+        With one, the batch decides together: a step is as wide as its widest row, so the
+        rows feed their best options cut to a common length d (expected drafts kept, per
+        row), with the d that maximises the step's expected tokens per second,
+        (batch + the rows' expected kept drafts) / the cost of the step; d = 0 (no drafts)
+        is the choice to beat. Row by row, a row's drafts that would widen the step for
+        all its rows never paid for themselves at batch 8, though the rows' drafts together
+        might have; at batch 1 the two are the same."""
+        st, none = self.stats, ("masks", "masks", [])
+        if self.policy is None:
+            picks = []
+            for row_options in options:
+                best, best_kept = none, 0.0
+                for source, key, drafts in row_options:
+                    kept = float(st.expected_kept(key, len(drafts)))
+                    if kept > best_kept:
+                        best, best_kept = (source, key, drafts), kept
+                picks.append(best)
+            return picks
+        # (d, expected kept) per option: the expected drafts kept for each length d, at [d - 1]
+        kept_each = [[st.expected_kept_each(key, len(drafts)) for _, key, drafts in row_options] for row_options in options]
+        longest = max((len(drafts) for row_options in options for _, _, drafts in row_options), default=0)
+        best_d, best_score = 0, batch / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups))
+        for d in range(1, longest + 1):
+            kept, widest = 0.0, 0
+            for row_options, row_kept in zip(options, kept_each):
+                lengths = [min(d, len(o[2])) for o in row_options]
+                if lengths:
+                    j = max(range(len(lengths)), key=lambda j: (float(row_kept[j][lengths[j] - 1]), -j))
+                    kept += float(row_kept[j][lengths[j] - 1])
+                    widest = max(widest, lengths[j])
+            score = (batch + kept) / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
+            if score > best_score:
+                best_d, best_score = d, score
+        if best_d == 0:
+            return [none] * len(options)
+        picks = []
+        for row_options, row_kept in zip(options, kept_each):
+            lengths = [min(best_d, len(o[2])) for o in row_options]
+            if not lengths:
+                picks.append(none)
+                continue
+            j = max(range(len(lengths)), key=lambda j: (float(row_kept[j][lengths[j] - 1]), -j))  # ties: the first option
+            source, key, drafts = row_options[j]
+            picks.append((source, key, drafts[: lengths[j]]))
+        return picks
 
     def after_step(self, feed: Feed, rows: list[Row], seconds: float) -> None:
         for i, r in enumerate(rows):
