@@ -100,43 +100,35 @@ class Drafting:
         is the choice to beat. Row by row, a row's drafts that would widen the step for
         all its rows never paid for themselves at batch 8, though the rows' drafts together
         might have; at batch 1 the two are the same."""
-        st, none = self.stats, ("masks", "masks", [])
-        if self.policy is None:
-            picks = []
-            for row_options in options:
-                best, best_kept = none, 0.0
-                for source, key, drafts in row_options:
-                    kept = float(st.expected_kept(key, len(drafts)))
-                    if kept > best_kept:
-                        best, best_kept = (source, key, drafts), kept
-                picks.append(best)
-            return picks
-        # (d, expected kept) per option: the expected drafts kept for each length d, at [d - 1]
-        kept_each = [[st.expected_kept_each(key, len(drafts)) for _, key, drafts in row_options] for row_options in options]
+        # Per row and option, the expected drafts kept out of its first n, at [n - 1].
+        kept_each = [[self.stats.expected_kept_each(key, len(drafts)).tolist() for _, key, drafts in row_options]
+                     for row_options in options]
+
+        def best(row_options, row_kept, d):
+            """A row's option with the most expected kept drafts among its first d (ties: the
+            first option), as (option index, drafts fed, expected kept); None without options."""
+            fed = [(j, min(d, len(o[2]))) for j, o in enumerate(row_options)]
+            return max(((j, n, row_kept[j][n - 1]) for j, n in fed), key=lambda c: (c[2], -c[0]), default=None)
+
         longest = max((len(drafts) for row_options in options for _, _, drafts in row_options), default=0)
-        best_d, best_score = 0, batch / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups))
-        for d in range(1, longest + 1):
-            kept, widest = 0.0, 0
-            for row_options, row_kept in zip(options, kept_each):
-                lengths = [min(d, len(o[2])) for o in row_options]
-                if lengths:
-                    j = max(range(len(lengths)), key=lambda j: (float(row_kept[j][lengths[j] - 1]), -j))
-                    kept += float(row_kept[j][lengths[j] - 1])
-                    widest = max(widest, lengths[j])
-            score = (batch + kept) / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
-            if score > best_score:
-                best_d, best_score = d, score
-        if best_d == 0:
-            return [none] * len(options)
+        best_d = longest  # without a cost curve: each row's whole best option
+        if self.policy is not None:
+            best_d, best_score = 0, batch / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups))
+            for d in range(1, longest + 1):
+                chosen = [c for c in (best(o, k, d) for o, k in zip(options, kept_each)) if c is not None]
+                widest = max((n for _, n, _ in chosen), default=0)
+                score = (batch + sum(kept for _, _, kept in chosen)) / self.policy.costs.seconds(
+                    batch, lossless_width(widest, masks, spare_groups))
+                if score > best_score:
+                    best_d, best_score = d, score
         picks = []
         for row_options, row_kept in zip(options, kept_each):
-            lengths = [min(best_d, len(o[2])) for o in row_options]
-            if not lengths:
-                picks.append(none)
-                continue
-            j = max(range(len(lengths)), key=lambda j: (float(row_kept[j][lengths[j] - 1]), -j))  # ties: the first option
-            source, key, drafts = row_options[j]
-            picks.append((source, key, drafts[: lengths[j]]))
+            chosen = best(row_options, row_kept, best_d) if best_d else None
+            if chosen is None:
+                picks.append(("masks", "masks", []))
+            else:
+                source, key, drafts = row_options[chosen[0]]
+                picks.append((source, key, drafts[: chosen[1]]))
         return picks
 
     def after_step(self, feed: Feed, rows: list[Row], seconds: float) -> None:

@@ -55,16 +55,13 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.keys.shape[-2] if self.keys.numel() else 0
-        new = key_states.shape[-2]
-        fits = (self._in_buffer() or length == 0) and self._kbuf is not None
-        fits = fits and self._kbuf.shape[:2] == key_states.shape[:2] and length + new <= self._kbuf.shape[-2]
-        fits = fits and self._kbuf.dtype == key_states.dtype and self._kbuf.device == key_states.device
-        if not fits:
-            if length and not self._in_buffer():
-                # keys/values were replaced (rows or positions selected): start from them
-                self._kbuf = self._vbuf = None
-            self._regrow(length, length + new, key_states, value_states)
-        end = length + new
+        end = length + key_states.shape[-2]
+        if length and not self._in_buffer():  # keys/values were replaced (rows or positions selected)
+            self._kbuf = self._vbuf = None
+        buf = self._kbuf
+        if (buf is None or buf.shape[:2] != key_states.shape[:2] or end > buf.shape[-2]
+                or buf.dtype != key_states.dtype or buf.device != key_states.device):
+            self._regrow(length, end, key_states, value_states)
         self._kbuf[:, :, length:end].copy_(key_states)
         self._vbuf[:, :, length:end].copy_(value_states)
         self.keys = self._kbuf[:, :, :end]
