@@ -13,6 +13,7 @@ a prefilled prompt cache, cropped back after each sample.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import statistics
 import time
@@ -279,6 +280,10 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
             policy = FeedPolicy(cost, auto.block_size, auto.spare_groups) if cost is not None else None
             configs.append(Config("lossless (default)", "lossless", _ours(decoder, auto, policy), None, "window"))
+            if auto.corpus is not None:  # what the checkpoint's draft corpus adds (mars.core.corpus)
+                bare = dataclasses.replace(auto, corpus=None)
+                policy = FeedPolicy(cost, bare.block_size, bare.spare_groups) if cost is not None else None
+                configs.append(Config("lossless, no corpus", "lossless", _ours(decoder, bare, policy), None, "window"))
             fixed = decode_settings(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
             configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))
             configs.append(Config("lossless hedge 0", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))

@@ -275,6 +275,24 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
             assert out == ar, (type(dec).__name__, batch)
 
 
+def test_lossless_with_corpus_drafts_is_ar_on_both_backends(pair):
+    from mars.core.corpus import DraftCorpus
+    from mars.core.cost import CostCurve
+
+    m, t = pair
+    prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
+    ar = generate(MlxDecoder(m), prompts, settings(threshold=1.0)).tokens
+    shifted = [p[1:] for p in prompts]  # what the model says after a few tokens it has said before
+    book = DraftCorpus([p + r for p, r in zip(shifted, generate(MlxDecoder(m), shifted, settings(threshold=1.0)).tokens)])
+    s = settings(lossless=True, ngram=6, corpus=book)
+    sources = []
+    for dec in (MlxDecoder(m), TorchDecoder(t)):
+        result = generate(dec, prompts, s, cost=CostCurve({1: 1.0, 64: 1.0}, refresh=0.0))
+        assert result.tokens == ar, type(dec).__name__
+        sources.append(result.stats.by_source())
+    assert sources[0] == sources[1] and sources[0].get("corpus", 0) > 0
+
+
 @pytest.mark.parametrize("cache", ["none", "window"])
 def test_verified_threshold_mode_is_the_same_on_both_backends(pair, cache):
     m, t = pair

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import platform
+from pathlib import Path
 
 from ..core import policy
 from ..core.decoding import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
@@ -128,7 +129,20 @@ def mask_id_for(loaded) -> int:
 def decode_settings(loaded, **asked):
     """mars.core.policy.decode_settings for a loaded model: its checkpoint, mask token and EOS
     ids, plus what was asked (threshold, lossless, metric, block size, force, other fields)."""
+    if "corpus" not in asked:
+        asked["corpus"] = draft_corpus(loaded)
     return policy.decode_settings(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
+
+
+def draft_corpus(loaded):
+    """The draft corpus kept beside the loaded checkpoint (mars.core.corpus.FILE), or None;
+    read once per loaded model."""
+    from ..core.corpus import beside
+
+    if not hasattr(loaded, "_draft_corpus"):
+        path = Path(loaded.path) if getattr(loaded, "path", None) else None
+        object.__setattr__(loaded, "_draft_corpus", beside(path) if path is not None and path.is_dir() else None)
+    return loaded._draft_corpus
 
 
 def costs(loaded, decoder, *, announce=None):

@@ -81,12 +81,13 @@ def friendly_errors(fn):
         from ..backends.paths import ModelError
         from ..convert import ConvertError
         from ..core.config import ConfigError
+        from ..core.corpus import CorpusError
         from ..core.data import DataError
         from ..core.files import OutputError
         from ..core.policy import ThresholdError, UntrainedModelError
         from ..default_model import DefaultModelError
 
-        known = (BackendUnavailable, ConfigError, ConvertError, DataError, DefaultModelError, FileNotFoundError, ModelError,
+        known = (BackendUnavailable, ConfigError, ConvertError, CorpusError, DataError, DefaultModelError, FileNotFoundError, ModelError,
                  OutputError, ThresholdError, UntrainedModelError)
         try:
             return fn(*args, **kwargs)

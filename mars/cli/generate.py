@@ -75,7 +75,7 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
         click.echo(line, err=as_json)
 
 
-SOURCES = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "alt": "alternative groups", "ar": "AR",
+SOURCES = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "corpus": "corpus drafts", "alt": "alternative groups", "ar": "AR",
            "threshold": "unverified (threshold)"}
 
 

@@ -9,6 +9,7 @@ import click
 from .. import __version__
 from .bench import bench_command
 from .convert import convert_command
+from .corpus import corpus_command
 from .distill import distill_command
 from .evaluate import evaluate_command
 from .finetune import finetune_command
@@ -23,7 +24,7 @@ def cli():
 
 
 for command in (finetune_command, generate_command, chat_command, convert_command, evaluate_command, bench_command,
-                distill_command, serve_command):
+                distill_command, corpus_command, serve_command):
     cli.add_command(command)
 
 

@@ -62,6 +62,10 @@ class DecodeSettings:
     # (mars.core.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
     # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
     ngram: int = 0
+    # With `ngram` > 0, also draft from a draft corpus (mars.core.corpus.DraftCorpus: the
+    # model's own earlier replies, e.g. the checkpoint's draft_corpus.npz), up to `ngram`
+    # tokens a step, chosen per step beside the other sources; None: no corpus drafts.
+    corpus: Any = field(default=None, repr=False, compare=False)
     # Lossless, greedy, window or no cache: also feed, for a row's first draft, up to this many
     # runners-up (the next most likely tokens where that draft came from), each as an
     # alternative group: the runner-up at the first draft's position, then B masks, attending
@@ -312,7 +316,7 @@ class Row:
         self.done = False
         self.finish = ""
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
-        self.source = "masks"  # where `drafts` came from: masks | spare | ngram | alt
+        self.source = "masks"  # where `drafts` came from: masks | spare | ngram | corpus | alt
         self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DecodeSettings.alternatives)
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import corpus as corpus_drafts
 from . import ngram
 from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
 from .decode_types import DecodeSettings, Row
@@ -19,9 +20,10 @@ class Drafting:
 
     Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
     groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
-    lookup on, a row drafts from lookup instead of the masks when lookup is expected to
-    keep more (`DraftStats`, per source and slot; lookup's per match length,
-    `ngram.source`), and a row with no drafts takes lookup's if it pays; with alternative
+    lookup on, a row drafts from lookup (or, with a draft corpus, from the corpus) instead
+    of the masks when that is expected to keep more (`DraftStats`, per source and slot;
+    lookup's and the corpus's per match length, `ngram.source`, `corpus.source`), and a row
+    with no drafts takes lookup's if it pays; with alternative
     groups allowed (`DecodeSettings.alternatives`), how many the step feeds (all of them
     without a cost curve; with one, the number that maximises expected tokens per second,
     each runner-up counted at its measured chance of being AR's token where the first
@@ -57,11 +59,15 @@ class Drafting:
                 n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
                 if found:
                     row_options.append(("ngram", ngram.source(n), found))
+                if self.s.corpus is not None:  # what the model's own earlier replies say comes next
+                    n, found = self.s.corpus.match(r.seq, max_drafts=self.s.ngram)
+                    if found:
+                        row_options.append(("corpus", corpus_drafts.source(n), found))
             options.append(row_options)
         for i, own, choice in zip(live, owns, self._pick_all(options, m, g, batch)):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
-            if r.source == "ngram":  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+            if r.source in ("ngram", "corpus"):  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
             strategy.alt_groups = self._alternatives(rows, m, g, batch)

@@ -1,0 +1,193 @@
+"""Corpus drafts for lossless decoding: what the model's own earlier replies say comes next.
+
+A model's greedy replies repeat its own phrasing from prompt to prompt ("Here are some",
+list layouts, code idioms). A draft corpus holds token sequences the model wrote (the
+self-distilled replies it was fine-tuned on, `mars corpus`), and lookup proposes, for the
+longest n from `MAX_NGRAM` down to `MIN_NGRAM` whose last n tokens of the sequence occur
+in it, the continuation most of those places agree on. The drafts are verified by the
+same forward and rule as the masks' and n-gram lookup's, so the output stays AR's; they
+cost no training and no mask columns.
+
+Kept beside a checkpoint as `draft_corpus.npz` (`FILE`): one int32 array `tokens`, the
+sequences joined by -1. Lookup hashes every n-gram of the corpus once (64-bit polynomial
+hashes, sorted per n), so a step's lookup is a few binary searches and a vote over the
+matching places.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+FILE = "draft_corpus.npz"
+FORMAT = 1
+MAX_NGRAM = 8
+MIN_NGRAM = 2
+# At most this many matching places vote on a continuation (the latest in the corpus).
+MAX_PLACES = 256
+# Match lengths with statistics of their own: drafts from a match of n tokens count under
+# the largest bucket <= n (mars.core.drafting).
+BUCKETS = (2, 3, 4, 6)
+_P = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd, 64-bit)
+
+
+class CorpusError(ValueError):
+    """A draft corpus file that cannot be used (names the file and what is wrong)."""
+
+
+def _hashes(values: np.ndarray, n: int) -> np.ndarray:
+    """h[e] = the hash of values[e - n + 1 : e + 1] for e >= n - 1 (uint64, wrapping)."""
+    h = values.copy()
+    for _ in range(1, n):
+        h = h[:-1] * _P + values[len(values) - len(h) + 1:]
+    return h
+
+
+class DraftCorpus:
+    """Token sequences (`sequences`, or one flat array with -1 between them) indexed for
+    `match`. Immutable once built: copies share it."""
+
+    def __init__(self, sequences=None, *, tokens: np.ndarray | None = None):
+        if tokens is None:
+            parts = []
+            for seq in sequences or ():
+                parts += [np.asarray(seq, dtype=np.int64).reshape(-1), np.array([-1], dtype=np.int64)]
+            tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size and (tokens < -1).any():
+            raise CorpusError("a draft corpus holds token ids >= 0 and -1 between sequences")
+        if not tokens.size or tokens[-1] != -1:
+            tokens = np.concatenate([tokens, np.array([-1], dtype=np.int64)])
+        self.tokens = tokens
+        self._index: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def __len__(self) -> int:
+        """Tokens in the corpus (separators not counted)."""
+        return int((self.tokens >= 0).sum())
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def _build(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per n: (sorted hashes of the n-grams without a separator, the position just after each)."""
+        t = self.tokens
+        values = (t + 1).astype(np.uint64)  # separators hash as 0
+        # run[e]: how many tokens up to e (inclusive) since the last separator
+        idx = np.arange(t.size)
+        last_sep = np.maximum.accumulate(np.where(t < 0, idx, -1))
+        run = idx - last_sep
+        index = {}
+        for n in range(MIN_NGRAM, MAX_NGRAM + 1):
+            if t.size < n:
+                break
+            h = _hashes(values, n)
+            ends = np.arange(n - 1, t.size)
+            ok = run[ends] >= n
+            h, after = h[ok], ends[ok] + 1
+            order = np.argsort(h, kind="stable")  # equal hashes keep corpus order
+            index[n] = (h[order], after[order])
+        return index
+
+    def match(self, seq, *, max_drafts: int) -> tuple[int, list[int]]:
+        """(n, drafts): for the longest n (MAX_NGRAM .. MIN_NGRAM) whose last n tokens of `seq`
+        occur in the corpus, up to `max_drafts` tokens that follow there: at each draft the
+        token most places agree on (the first by plurality, the next ones while a majority
+        of the places still in the vote agree); (0, []) if no n matches."""
+        if max_drafts <= 0 or len(seq) < MIN_NGRAM:
+            return 0, []
+        if self._index is None:
+            self._index = self._build()
+        tail = np.asarray(seq[-MAX_NGRAM:], dtype=np.int64)
+        values = (tail + 1).astype(np.uint64)
+        t = self.tokens
+        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
+            if n not in self._index:
+                continue
+            want = _hashes(values[-n:], n)[0]
+            hashes, after = self._index[n]
+            lo, hi = np.searchsorted(hashes, want, "left"), np.searchsorted(hashes, want, "right")
+            if lo == hi:
+                continue
+            places = after[max(lo, hi - MAX_PLACES):hi]
+            places = places[(t[places[:, None] - n + np.arange(n)] == tail[-n:]).all(axis=1)]  # no hash collision
+            if not places.size:
+                continue
+            return n, self._continue(places, max_drafts)
+        return 0, []
+
+    def _continue(self, places: np.ndarray, max_drafts: int) -> list[int]:
+        t = self.tokens
+        drafts: list[int] = []
+        for j in range(max_drafts):
+            nxt = t[places]  # never past the end: the corpus ends with a separator, and a vote stops there
+            ids, counts = np.unique(nxt, return_counts=True)
+            best = int(np.argmax(counts))
+            token = int(ids[best])
+            if token < 0 or (j and 2 * counts[best] <= places.size):
+                break
+            drafts.append(token)
+            places = places[nxt == token] + 1
+        return drafts
+
+    def save(self, path: Path) -> None:
+        """Write `path` (an .npz) atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp.npz")
+        np.savez_compressed(tmp, tokens=self.tokens.astype(np.int32), format=np.int32(FORMAT))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> DraftCorpus:
+        path = Path(path)
+        try:
+            with np.load(path) as f:
+                if "tokens" not in f.files:
+                    raise CorpusError(f"{path}: no 'tokens' array (not a draft corpus; build one with `mars corpus`)")
+                fmt = int(f["format"]) if "format" in f.files else FORMAT
+                tokens = f["tokens"]
+        except (OSError, ValueError) as e:
+            if isinstance(e, CorpusError):
+                raise
+            raise CorpusError(f"{path}: cannot read a draft corpus ({e}); build one with `mars corpus`") from None
+        if fmt != FORMAT:
+            raise CorpusError(f"{path}: draft corpus format {fmt}, this version reads {FORMAT}; rebuild it with `mars corpus`")
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise CorpusError(f"{path}: 'tokens' must be a 1-D integer array")
+        return cls(tokens=tokens)
+
+
+def source(n: int) -> str:
+    """The draft source a match of n tokens counts under: "corpus" plus its bucket."""
+    return f"corpus{max(b for b in BUCKETS if b <= n)}"
+
+
+def beside(checkpoint) -> DraftCorpus | None:
+    """The draft corpus kept in a checkpoint directory (`FILE`), or None."""
+    if checkpoint is None:
+        return None
+    path = Path(checkpoint) / FILE
+    return DraftCorpus.load(path) if path.is_file() else None
+
+
+def from_data(data, tokenizer, *, eos_id: int, announce=None) -> DraftCorpus:
+    """A draft corpus of every record of a data file (a .jsonl, or a data directory's
+    train.jsonl; the shapes `mars finetune` reads), each encoded as training encodes it:
+    prompt and reply through the chat template."""
+    from .data import DataError, encode_record, find_split_file, read_jsonl
+
+    path = find_split_file(data, "train")
+    if path is None:
+        raise DataError(f"{data}: no train.jsonl there (pass a .jsonl file or a data directory with train.jsonl)")
+    records = read_jsonl(path)
+    if not records:
+        raise DataError(f"{path}: no records (a draft corpus needs replies to draft from)")
+    sequences = []
+    for lineno, record in records:
+        ids, _ = encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")
+        sequences.append(ids)
+    corpus = DraftCorpus(sequences)
+    if announce is not None:
+        announce(f"{len(sequences)} records, {len(corpus)} tokens from {path}")
+    return corpus

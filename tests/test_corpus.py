@@ -1,0 +1,166 @@
+"""Corpus drafts (mars.core.corpus): lookup in the model's own earlier replies, the file that
+keeps them beside a checkpoint, `mars corpus`, and lossless decoding that drafts from them
+with its output unchanged."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+from clitools import invoke, ok, one_line_error
+from mars.backends import base
+from mars.backends.torch.model import TorchDecoder, TorchModel
+from mars.core import corpus as corpus_drafts
+from mars.core.corpus import CorpusError, DraftCorpus
+from mars.core.cost import CostCurve, FeedPolicy
+from mars.core.decoding import generate
+from test_cost import EOS, OracleBackend, oracle, settings
+from tiny import PROMPTS, make_model, make_tokenizer
+
+
+def reference(sequences, seq, max_drafts):
+    """`DraftCorpus.match` by brute force: every window of every sequence, no hashing."""
+    for n in range(min(corpus_drafts.MAX_NGRAM, len(seq)), corpus_drafts.MIN_NGRAM - 1, -1):
+        tail = list(seq[len(seq) - n:])
+        places = [(s, i + n) for s, sq in enumerate(sequences) for i in range(len(sq) - n + 1) if list(sq[i:i + n]) == tail]
+        if not places:
+            continue
+        places = places[-corpus_drafts.MAX_PLACES:]
+        drafts = []
+        for j in range(max_drafts):
+            nxt = [sequences[s][e] if e < len(sequences[s]) else -1 for s, e in places]
+            counts = collections.Counter(nxt)
+            token, count = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))  # plurality; ties: the smallest id
+            if token < 0 or (j and 2 * count <= len(places)):
+                break
+            drafts.append(token)
+            places = [(s, e + 1) for (s, e), t in zip(places, nxt) if t == token]
+        return n, drafts
+    return 0, []
+
+
+def test_lookup_takes_the_longest_match_and_the_continuation_most_places_agree_on():
+    c = DraftCorpus([[1, 2, 3, 4, 5], [9, 2, 3, 4, 6], [7, 2, 3, 4, 6, 8], [1, 2, 3]])
+    # "3 4" occurs three times: 6 twice, 5 once -> 6; then only two places are left and agree on nothing past 6
+    assert c.match([0, 3, 4], max_drafts=4) == (2, [6])
+    # "1 2 3 4" occurs once: its continuation until the sequence ends (never across sequences)
+    assert c.match([1, 2, 3, 4], max_drafts=4) == (4, [5])
+    assert c.match([7, 2, 3], max_drafts=3) == (3, [4, 6, 8])
+    assert c.match([5, 5], max_drafts=3) == (0, [])  # no 2-gram matches (1-grams never count)
+    assert c.match([4], max_drafts=3) == (0, [])
+    assert c.match([2, 3], max_drafts=0) == (0, [])
+    # a match may not span two sequences: "5 9" only occurs across the separator
+    assert c.match([5, 9], max_drafts=2) == (0, [])
+    assert len(c) == 19
+
+
+def test_lookup_equals_a_brute_force_search():
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        sequences = [rng.integers(0, 4, size=int(rng.integers(1, 25))).tolist() for _ in range(int(rng.integers(1, 5)))]
+        c = DraftCorpus(sequences)
+        seq = rng.integers(0, 4, size=int(rng.integers(0, 12))).tolist()
+        max_drafts = int(rng.integers(1, 7))
+        assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
+
+
+def test_sources_by_match_length():
+    assert [corpus_drafts.source(n) for n in (2, 3, 4, 5, 6, 8)] == ["corpus2", "corpus3", "corpus4", "corpus4", "corpus6", "corpus6"]
+
+
+def test_a_corpus_file_round_trips_and_bad_files_name_themselves(tmp_path):
+    c = DraftCorpus([[5, 6, 7], [8, 9]])
+    c.save(tmp_path / "c.npz")
+    back = DraftCorpus.load(tmp_path / "c.npz")
+    assert back.tokens.tolist() == c.tokens.tolist() == [5, 6, 7, -1, 8, 9, -1]
+    assert back.match([5, 6], max_drafts=2) == (2, [7])
+    assert [p.name for p in tmp_path.iterdir()] == ["c.npz"]  # no temporary file left
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(CorpusError, match="junk.npz: cannot read a draft corpus"):
+        DraftCorpus.load(tmp_path / "junk.npz")
+    np.savez(tmp_path / "other.npz", weights=np.zeros(3))
+    with pytest.raises(CorpusError, match="other.npz: no 'tokens' array"):
+        DraftCorpus.load(tmp_path / "other.npz")
+    np.savez(tmp_path / "future.npz", tokens=np.array([1, 2, -1]), format=np.int32(99))
+    with pytest.raises(CorpusError, match="future.npz: draft corpus format 99"):
+        DraftCorpus.load(tmp_path / "future.npz")
+    with pytest.raises(CorpusError, match="token ids >= 0"):
+        DraftCorpus([[1, -5]])
+
+
+@pytest.mark.parametrize("cost", [None, CostCurve({1: 1.0, 64: 4.0}, refresh=0.0)])
+def test_corpus_drafts_keep_the_output_and_report_their_source(cost):
+    # The oracle's text at positions 6.. is in the corpus (as an earlier reply), never in the prompt.
+    prompt = [oracle(p) for p in range(6)]
+    reply = [oracle(p) for p in range(6, 46)]
+    book = DraftCorpus([[oracle(p) for p in range(3, 60)]])
+    plain = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6), cost=cost)
+    drafted = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=book), cost=cost)
+    assert plain.tokens == drafted.tokens == [reply]
+    sources = drafted.stats.by_source()
+    assert sources.get("corpus", 0) > len(reply) // 2
+    assert sum(sources.values()) == len(reply)
+    assert drafted.stats.forwards < plain.stats.forwards // 2
+    assert sum(drafted.stats.drafting.stats.kept.get("corpus6", [0])) > len(reply) // 2
+    # A corpus of other text drafts nothing that is kept, and changes nothing.
+    other = DraftCorpus([[EOS + 1 + (p % 3) for p in range(50)]])
+    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), cost=cost).tokens == [reply]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("curve", [{1: 1.0, 64: 1.0}, {1: 1.0, 64: 64.0}, {1: 1.0, 4: 1.2, 8: 1.5, 32: 3.0}])
+def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
+    tok = make_tokenizer()
+    tm = TorchModel(make_model(arch, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+    dec = TorchDecoder(tm)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+    ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens
+    # The model's own replies to the other prompts, and to a shifted copy of each prompt, as the corpus:
+    # what it says after a few tokens it has said before.
+    shifted = [p[1:] for p in prompts]
+    book = DraftCorpus([p + r for p, r in zip(shifted, generate(dec, shifted, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens)])
+    policy = FeedPolicy(CostCurve(dict(curve), refresh=0.0), 4, 4, explore=3)
+    kept = 0
+    for batch in (1, 3):
+        out = []
+        for start in range(0, len(prompts), batch):
+            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), cost=policy)
+            out += result.tokens
+            kept += result.stats.by_source().get("corpus", 0)
+        assert out == ar, (arch, batch)
+    if curve.get(64) != 64:  # on the steep curve (every fed token costs a forward) no draft pays
+        assert kept > 0  # corpus drafts were fed and kept
+
+
+def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
+    # `mars corpus` writes the file into a checkpoint directory; loading it, the decode settings carry it.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    ok(invoke("corpus", "--data", data, "--model", tiny, "--output", ckpt))
+    assert (ckpt / corpus_drafts.FILE).is_file()
+    book = DraftCorpus.load(ckpt / corpus_drafts.FILE)
+    assert len(book) > 20 * 5 and book.tokens[-1] == -1
+
+    class Loaded:
+        path = str(ckpt)
+        mars = None
+        eos_ids = (EOS,)
+        tokenizer = None
+
+    loaded = Loaded()
+    s = base.policy.decode_settings(None, mask_id=3, eos_ids=(EOS,), lossless=True, corpus=base.draft_corpus(loaded))
+    assert s.corpus is base.draft_corpus(loaded)  # read once
+    assert s.corpus.tokens.tolist() == book.tokens.tolist()
+    Loaded.path = str(tmp_path)  # no corpus there
+    assert base.draft_corpus(Loaded()) is None
+
+
+def test_mars_corpus_rejects_bad_input(tmp_path, tiny):
+    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "no train.jsonl")
+    (tmp_path / "train.jsonl").write_text('{"messages": 3}\n')
+    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "train.jsonl:1")
+    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "nowhere"), "not a directory")
+    assert not (tmp_path / "c.npz").exists()
