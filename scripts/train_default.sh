@@ -57,6 +57,9 @@ train "$WORK/b4w" 240 5e-4 0.03 120 --init-adapter "$WORK/b4z" --seed 3 --defaul
 gated=(--gate masks --objective distill --default-threshold 0.95 --default-mode lossless)
 train "$WORK/g1" 560 1e-3 0.03 280 --init-adapter "$WORK/b4w" --seed 7 "${gated[@]}"
 train "$WORK/g2" 480 7e-4 0.02 240 --init-adapter "$WORK/g1" --seed 11 "${gated[@]}"
+# The draft corpus lossless decoding drafts from (weights/README.md, "Draft corpus"): the
+# self-distilled training conversations, tokenized as training read them.
+"$MARS" corpus --data "$WORK/distilled" --model "$WORK/g2" --output "$WORK/g2"
 
 "$MARS" eval --model "$WORK/g2" --prompts data/prompts/test.jsonl --limit 32 --no-nll --max-tokens 128 \
     --threshold 1.0,0.95,0.9 --lossless --hedge 0,4 --outputs --output "$WORK/eval.json"

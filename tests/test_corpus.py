@@ -5,6 +5,7 @@ with its output unchanged."""
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -164,3 +165,13 @@ def test_mars_corpus_rejects_bad_input(tmp_path, tiny):
     one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "train.jsonl:1")
     one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "nowhere"), "not a directory")
     assert not (tmp_path / "c.npz").exists()
+
+
+def test_generate_takes_a_corpus_or_none(tmp_path, tiny, data):
+    book = tmp_path / "book.npz"
+    ok(invoke("corpus", "--data", data, "--model", tiny, "--output", book))
+    args = ("generate", "--model", tiny, "--prompt", "Spell from c", "--lossless", "--max-tokens", 6, "--json")
+    outputs = [ok(invoke(*args, *extra)).output for extra in ((), ("--corpus", book), ("--corpus", "none"))]
+    texts = [[json.loads(line)["text"] for line in out.splitlines() if line.startswith("{")] for out in outputs]
+    assert texts[0] and all(t == texts[0] for t in texts)  # corpus or not, the reply is AR's
+    one_line_error(invoke(*args, "--corpus", tmp_path / "missing.npz"), "missing.npz")

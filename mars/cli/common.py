@@ -178,6 +178,9 @@ def decode_options(f):
     f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
                      help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
                           "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
+    f = click.option("--corpus", default=None, metavar="PATH|none",
+                     help="With --ngram > 0: also draft from this draft corpus (`mars corpus`), where it is expected to keep "
+                          "more; 'none': no corpus drafts. Default: the checkpoint's draft_corpus.npz, if it has one.")(f)
     f = click.option("--alternatives", type=click.IntRange(min=0), default=DEFAULT_ALTERNATIVES, show_default=True,
                      help="Lossless, greedy, window or no cache: also feed up to N runners-up of the first draft, each with B "
                           "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "
@@ -186,11 +189,18 @@ def decode_options(f):
 
 
 def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                    lossless, hedge, ngram, feed="auto", verify=None, alternatives=0):
+                    lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
     """The DecodeSettings the decoding options ask for on the session's model, with a note for
     each option that has no effect."""
+    from ..core.corpus import DraftCorpus
     from ..core.decoding import Sampling
     from ..core.policy import check_threshold, metric_for
+
+    drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
+    if corpus is not None:
+        drafts["corpus"] = None if corpus.lower() == "none" else DraftCorpus.load(Path(corpus))
+        if drafts["corpus"] is not None and not ngram:
+            warn("--corpus is ignored with --ngram 0 (corpus drafts share the n-gram drafts' limit)")
 
     if threshold is not None:
         check_threshold(metric_for(session.mars, metric), threshold, name="--threshold")
@@ -201,6 +211,7 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
         warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
         sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed, alternatives=alternatives,
         verify=verify is not False,  # on unless --no-verify: it applies where it can (greedy threshold mode)
+        **drafts,
     )
     if verify and not settings.verified:  # asked for by name where it cannot apply
         warn(f"--verify is ignored here: {settings.not_verified}")
