@@ -86,3 +86,24 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
     # The knob: a looser threshold takes more tokens per forward (the distilled masks are
     # rarely confident: 1.27 at 0.6 on these prompts, weights/README.md).
     assert looser.stats.tokens_per_forward > max(1.2, at_threshold.stats.tokens_per_forward), looser.stats.tokens_per_forward
+
+
+def test_the_shipped_corpus_is_the_distilled_training_data_and_keeps_the_output(shipped):
+    # weights/draft_corpus.npz is `mars corpus --data data/distilled --output weights`: the
+    # training conversations, encoded as training reads them, and nothing held out.
+    from mars.backends import base
+    from mars.core.corpus import DraftCorpus, from_data
+
+    book = base.draft_corpus(shipped)
+    assert book is not None and book.tokens.tolist() == DraftCorpus.load(WEIGHTS_DIR / "draft_corpus.npz").tokens.tolist()
+    rebuilt = from_data(ROOT / "data" / "distilled", shipped.tokenizer, eos_id=shipped.tokenizer.eos_token_id)
+    assert rebuilt.tokens.tolist() == book.tokens.tolist()
+    # Lossless decoding with corpus drafts is AR's text, and takes some of its tokens from the corpus.
+    tok, mars = shipped.tokenizer, shipped.mars
+    prompts = [encode_prompt(tok, p) for p in held_out_prompts()]
+    common = dict(mask_id=mars.mask_token_id, eos_ids=shipped.eos_ids, block_size=mars.block_size, max_tokens=MAX_TOKENS)
+    dec = TorchDecoder(shipped)
+    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
+    drafted = generate(dec, prompts, DecodeSettings(lossless=True, ngram=16, corpus=book, **common))
+    assert drafted.tokens == ar.tokens
+    assert drafted.stats.by_source().get("corpus", 0) > 0
