@@ -206,10 +206,34 @@ def test_a_batch_pays_for_its_widest_row():
     policy = FeedPolicy(curve, 4, 4, stats=stats)
     tokens, mean_width, f = steady_state(stats.rates("masks", 2), stats.rates("spare", 2), 2, 0)
     assert 0 < f < 1
+    tokens = 1 + policy.used() * (tokens - 1)  # the masks' drafts count where they are taken
     assert policy.rate(2, 0, batch=1) == pytest.approx(tokens / curve.seconds(round(mean_width)))
     widest = 3 + 2 * (1 - (1 - f) ** 8)
     assert policy.rate(2, 0, batch=8) == pytest.approx(tokens / curve.seconds(round(8 * widest)))
     assert policy.rate(2, 0, batch=8) < tokens / curve.seconds(round(8 * mean_width))
+
+
+def test_masks_whose_drafts_other_sources_displace_count_for_less():
+    """The masks' drafts add tokens only where a row takes them: where n-gram or corpus drafts
+    win most steps, feeding masks pays less (FeedPolicy.used), and the loop counts it."""
+    stats = DraftStats(slots=4)
+    for _ in range(20):
+        stats.record("masks", 1, 1)
+    policy = FeedPolicy(fixed({1: 1.0, 4: 1.2, 64: 64.0}), 4, 0, stats=stats)
+    assert policy.used() == 0.5
+    taken = policy.rate(1, 0)
+    policy.mask_use = [98, 98]
+    assert policy.choose() == (1, 0) and policy.rate(1, 0) > taken
+    policy.mask_use = [0, 98]
+    assert policy.rate(1, 0) < taken and policy.choose() == (0, 0)
+    # In the loop: the oracle text repeats, lookup's drafts win, and the masks' are seldom taken.
+    period = 5
+    prompt = [oracle(p, period) for p in range(12)]
+    fresh = FeedPolicy(fixed(FLAT), 4, 0)  # hedge 0: no spare groups
+    result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), cost=fresh)
+    assert result.tokens == [[oracle(p, period) for p in range(12, 52)]]
+    used, offered = fresh.mask_use
+    assert offered > 3 and used < offered / 2, fresh.mask_use
 
 
 def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():

@@ -327,6 +327,9 @@ class FeedPolicy:
         self.stats = stats or DraftStats(slots=max_masks)
         self.explore = explore
         self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
+        # [used, offered]: a row's drafts from the masks (their own, a spare group's, an
+        # alternative group's) on offer at a step, and taken over lookup's and the corpus's.
+        self.mask_use = [0, 0]
         self._ar_run = 0
         self._probe = 0
         self._interval = explore  # AR steps in a row before the next probe
@@ -342,12 +345,19 @@ class FeedPolicy:
             for g in range(0, min(m, self.max_groups) + 1):
                 yield m, g
 
+    def used(self) -> float:
+        """How often the masks' drafts were taken where they were on offer (prior 1/2): n-gram
+        and corpus drafts, where a row has them, usually displace them."""
+        used, offered = self.mask_use
+        return (used + 1.0) / (offered + 2.0)
+
     def rate(self, masks: int, groups: int, batch: int = 1) -> float:
         """Expected tokens per second (per row) of feeding this forever (`steady_state`, whose
-        width is the batch's widest row's)."""
+        width is the batch's widest row's), the masks' drafts counted where they are taken
+        (`used`)."""
         s = self.stats
         tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups, batch)
-        return tokens / self.costs.seconds(batch, width)
+        return (1.0 + self.used() * (tokens - 1.0)) / self.costs.seconds(batch, width)
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
         ranked = sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)

@@ -64,7 +64,13 @@ class Drafting:
                     if found:
                         row_options.append(("corpus", corpus_drafts.source(n), found))
             options.append(row_options)
-        for i, own, choice in zip(live, owns, self._pick_all(options, m, g, batch)):
+        picks = self._pick_all(options, m, g, batch)
+        if self.policy is not None:  # how often the masks' drafts win where they are on offer (FeedPolicy.used)
+            for row_options, (source, _, drafts) in zip(options, picks):
+                if any(o[0] != "ngram" and o[0] != "corpus" for o in row_options):
+                    self.policy.mask_use[1] += 1
+                    self.policy.mask_use[0] += bool(drafts) and source not in ("ngram", "corpus")
+        for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
             if r.source in ("ngram", "corpus"):  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
