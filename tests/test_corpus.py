@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -137,26 +138,21 @@ def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
 
 
 def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
-    # `mars corpus` writes the file into a checkpoint directory; loading it, the decode settings carry it.
+    # `mars corpus` writes the file into a model directory; loaded from there, the decode
+    # settings carry it unless asked otherwise, and a model without one has none.
+    from mars.backends.torch.model import load
+
     ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
+    shutil.copytree(tiny, ckpt)
     ok(invoke("corpus", "--data", data, "--model", tiny, "--output", ckpt))
-    assert (ckpt / corpus_drafts.FILE).is_file()
     book = DraftCorpus.load(ckpt / corpus_drafts.FILE)
     assert len(book) > 20 * 5 and book.tokens[-1] == -1
-
-    class Loaded:
-        path = str(ckpt)
-        mars = None
-        eos_ids = (EOS,)
-        tokenizer = None
-
-    loaded = Loaded()
-    s = base.policy.decode_settings(None, mask_id=3, eos_ids=(EOS,), lossless=True, corpus=base.draft_corpus(loaded))
-    assert s.corpus is base.draft_corpus(loaded)  # read once
-    assert s.corpus.tokens.tolist() == book.tokens.tolist()
-    Loaded.path = str(tmp_path)  # no corpus there
-    assert base.draft_corpus(Loaded()) is None
+    loaded = load(str(ckpt), device="cpu", announce=lambda m: None)
+    s = base.decode_settings(loaded, lossless=True)
+    assert s.corpus is not None and s.corpus.tokens.tolist() == book.tokens.tolist()
+    assert base.decode_settings(loaded, lossless=True).corpus is s.corpus  # read once per loaded model
+    assert base.decode_settings(loaded, lossless=True, corpus=None).corpus is None
+    assert base.decode_settings(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).corpus is None
 
 
 def test_mars_corpus_rejects_bad_input(tmp_path, tiny):

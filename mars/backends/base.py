@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib
 import platform
-from pathlib import Path
 
 from ..core import policy
 from ..core.decoding import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
@@ -140,8 +139,7 @@ def draft_corpus(loaded):
     from ..core.corpus import beside
 
     if not hasattr(loaded, "_draft_corpus"):
-        path = Path(loaded.path) if getattr(loaded, "path", None) else None
-        object.__setattr__(loaded, "_draft_corpus", beside(path) if path is not None and path.is_dir() else None)
+        object.__setattr__(loaded, "_draft_corpus", beside(getattr(loaded, "path", None) or None))
     return loaded._draft_corpus
 
 

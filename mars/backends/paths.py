@@ -70,6 +70,11 @@ def portable_ref(base_ref: str) -> str | None:
     return base_ref
 
 
+def tokenizer_path(base: Path, adapter: Path | None) -> Path:
+    """Where a model's tokenizer lives: the adapter directory's, if it carries one, else the base's."""
+    return adapter if adapter is not None and (adapter / "tokenizer_config.json").is_file() else base
+
+
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 

@@ -15,25 +15,18 @@ from .common import friendly_errors, say
 @click.option("--model", default=None,
               help="The model (HF directory, .gguf, adapter directory) whose tokenizer encodes the data [default: the embedded default].")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
-              help=f"A checkpoint directory (writes its {'draft_corpus.npz'}: decoding it then drafts from the corpus) or an .npz file.")
+              help="A checkpoint directory (writes its draft_corpus.npz: decoding it then drafts from the corpus) or an .npz file.")
 @friendly_errors
 def corpus_command(data, model, output):
     """Build a draft corpus: lossless decoding (with --ngram > 0) also drafts what these replies
     say comes next, verified like every draft, so the output stays AR's."""
-    from ..backends.paths import load_tokenizer, resolve_model_path
+    from ..backends.paths import load_tokenizer, resolve_model_path, tokenizer_path
     from ..core.corpus import FILE, CorpusError, from_data
-    from ..core.tokens import eos_ids
 
     if output.suffix != ".npz":
         if not output.is_dir():
             raise CorpusError(f"{output}: not a directory; pass a checkpoint directory or a path ending in .npz")
         output = output / FILE
-    base, adapter = resolve_model_path(model)
-    source = adapter if adapter is not None and (adapter / "tokenizer_config.json").is_file() else base
-    tokenizer = load_tokenizer(source)
-    eos = eos_ids(tokenizer, None)
-    if not eos:
-        raise CorpusError(f"{source}: the tokenizer names no EOS token")
-    corpus = from_data(data, tokenizer, eos_id=eos[0], announce=say)
+    corpus = from_data(data, load_tokenizer(tokenizer_path(*resolve_model_path(model))), announce=say)
     corpus.save(output)
     click.echo(f"{len(corpus)} tokens -> {output}")

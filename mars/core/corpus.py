@@ -16,9 +16,12 @@ matching places.
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import numpy as np
+
+from .files import atomic_write_bytes
 
 FILE = "draft_corpus.npz"
 FORMAT = 1
@@ -132,25 +135,21 @@ class DraftCorpus:
 
     def save(self, path: Path) -> None:
         """Write `path` (an .npz) atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp.npz")
-        np.savez_compressed(tmp, tokens=self.tokens.astype(np.int32), format=np.int32(FORMAT))
-        tmp.replace(path)
+        buffer = io.BytesIO()
+        np.savez_compressed(buffer, tokens=self.tokens.astype(np.int32), format=np.int32(FORMAT))
+        atomic_write_bytes(path, buffer.getvalue())
 
     @classmethod
     def load(cls, path: Path) -> DraftCorpus:
         path = Path(path)
         try:
             with np.load(path) as f:
-                if "tokens" not in f.files:
-                    raise CorpusError(f"{path}: no 'tokens' array (not a draft corpus; build one with `mars corpus`)")
-                fmt = int(f["format"]) if "format" in f.files else FORMAT
-                tokens = f["tokens"]
+                arrays = {name: f[name] for name in f.files}
         except (OSError, ValueError) as e:
-            if isinstance(e, CorpusError):
-                raise
             raise CorpusError(f"{path}: cannot read a draft corpus ({e}); build one with `mars corpus`") from None
+        if "tokens" not in arrays:
+            raise CorpusError(f"{path}: no 'tokens' array (not a draft corpus; build one with `mars corpus`)")
+        tokens, fmt = arrays["tokens"], int(arrays.get("format", FORMAT))
         if fmt != FORMAT:
             raise CorpusError(f"{path}: draft corpus format {fmt}, this version reads {FORMAT}; rebuild it with `mars corpus`")
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
@@ -171,22 +170,17 @@ def beside(checkpoint) -> DraftCorpus | None:
     return DraftCorpus.load(path) if path.is_file() else None
 
 
-def from_data(data, tokenizer, *, eos_id: int, announce=None) -> DraftCorpus:
+def from_data(data, tokenizer, *, announce=None) -> DraftCorpus:
     """A draft corpus of every record of a data file (a .jsonl, or a data directory's
-    train.jsonl; the shapes `mars finetune` reads), each encoded as training encodes it:
-    prompt and reply through the chat template."""
-    from .data import DataError, encode_record, find_split_file, read_jsonl
+    train.jsonl; the shapes `mars finetune` reads), each encoded as training encodes it
+    (`load_split`, without its block padding): prompt and reply through the chat template."""
+    from .data import DataError, encode_record, read_split
 
-    path = find_split_file(data, "train")
-    if path is None:
-        raise DataError(f"{data}: no train.jsonl there (pass a .jsonl file or a data directory with train.jsonl)")
-    records = read_jsonl(path)
-    if not records:
-        raise DataError(f"{path}: no records (a draft corpus needs replies to draft from)")
-    sequences = []
-    for lineno, record in records:
-        ids, _ = encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")
-        sequences.append(ids)
+    eos_id = tokenizer.eos_token_id
+    if eos_id is None:
+        raise DataError("the tokenizer names no EOS token, which ends every reply of a draft corpus")
+    path, records = read_split(data, "train")
+    sequences = [encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")[0] for lineno, record in records]
     corpus = DraftCorpus(sequences)
     if announce is not None:
         announce(f"{len(sequences)} records, {len(corpus)} tokens from {path}")

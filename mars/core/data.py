@@ -286,6 +286,18 @@ def find_split_file(data, split) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
+def read_split(path_or_dir, split) -> tuple[Path, list[tuple[int, dict]]]:
+    """(the split's file, its records with their line numbers): `find_split_file`, validated
+    by `read_jsonl`; a missing or empty split raises DataError."""
+    path = find_split_file(path_or_dir, split)
+    if path is None:
+        raise _no_split_file(Path(path_or_dir), split)
+    records = read_jsonl(path)
+    if not records:
+        raise DataError(f"{path}: no records (the {split} split is empty; add at least one JSON line)")
+    return path, records
+
+
 def load_split(
     path_or_dir,
     split,
@@ -302,13 +314,7 @@ def load_split(
         eos_id = tokenizer.eos_token_id
         if eos_id is None:
             raise ValueError("the tokenizer has no eos token; pass eos_id explicitly")
-    path = find_split_file(path_or_dir, split)
-    if path is None:
-        raise _no_split_file(Path(path_or_dir), split)
-    records = read_jsonl(path)
-    if not records:
-        raise DataError(f"{path}: no records (the {split} split is empty; add at least one JSON line)")
-
+    path, records = read_split(path_or_dir, split)
     examples, skipped = [], 0
     for lineno, record in records:
         where = f"{path}:{lineno}"

@@ -12,6 +12,8 @@ from .decode_types import DecodeSettings, Row
 from .feed import Feed, lossless_width
 from .strategies import WindowStrategy
 
+LOOKUP = ("ngram", "corpus")  # draft sources found by lookup, not proposed by the model's masks
+
 
 class Drafting:
     """Lossless window decoding: which drafts each row feeds, and how wide a step is (greedy;
@@ -67,13 +69,13 @@ class Drafting:
         picks = self._pick_all(options, m, g, batch)
         if self.policy is not None:  # how often the masks' drafts win where they are on offer (FeedPolicy.used)
             for row_options, (source, _, drafts) in zip(options, picks):
-                if any(o[0] != "ngram" and o[0] != "corpus" for o in row_options):
+                if any(o[0] not in LOOKUP for o in row_options):
                     self.policy.mask_use[1] += 1
-                    self.policy.mask_use[0] += bool(drafts) and source not in ("ngram", "corpus")
+                    self.policy.mask_use[0] += bool(drafts) and source not in LOOKUP
         for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
-            if r.source in ("ngram", "corpus"):  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+            if r.source in LOOKUP:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
             strategy.alt_groups = self._alternatives(rows, m, g, batch)

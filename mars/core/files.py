@@ -78,12 +78,17 @@ def atomic_dir(target, write) -> Path:
 
 
 def atomic_write_text(target, text: str) -> Path:
+    return atomic_write_bytes(target, text.encode())
+
+
+def atomic_write_bytes(target, data: bytes) -> Path:
+    """Write `data` to a temporary sibling, then rename it to `target`."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:

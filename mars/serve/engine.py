@@ -356,7 +356,7 @@ class Engine:
             lossless=job.lossless,
             ngram=self.limits.ngram if self._drafting(job) else 0,
             alternatives=self.limits.alternatives if self._drafting(job) else 0,
-            corpus=base.draft_corpus(m.loaded) if self._drafting(job) and self.limits.ngram else None,
+            corpus=base.draft_corpus(m.loaded) if self._drafting(job) else None,
         )
 
     def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:

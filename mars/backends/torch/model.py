@@ -23,6 +23,7 @@ from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     check_model_path,
     load_tokenizer,
     resolve_model_path,
+    tokenizer_path,
 )
 
 def pick_device(device: str | None = None) -> torch.device:
@@ -172,7 +173,7 @@ def load(
     dt = pick_dtype(dtype, dev)
     check_model_path(base_path)
     source = adapter if adapter is not None else base_path
-    tokenizer = load_tokenizer(source if adapter is not None and (adapter / "tokenizer_config.json").is_file() else base_path)
+    tokenizer = load_tokenizer(tokenizer_path(base_path, adapter))
     model = load_hf_model(base_path, dtype=dt, device=dev)
     mars = None
     cfg_dir = source if source.is_dir() else None
