@@ -19,6 +19,25 @@ from clitools import spell_records, write_jsonl  # noqa: E402
 from tiny import save_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def mars_home(tmp_path_factory):
+    """The tests' own cache directory: the cost curves and path choices they measure never
+    land in the user's. The default model converted there before is reused (read, not written)."""
+    from mars.default_model import cache_root
+
+    real = cache_root()
+    home = tmp_path_factory.mktemp("mars_home")
+    if (real / "models").is_dir():
+        (home / "models").symlink_to(real / "models", target_is_directory=True)
+    before = os.environ.get("MARS_HOME")
+    os.environ["MARS_HOME"] = str(home)
+    yield home
+    if before is None:
+        os.environ.pop("MARS_HOME", None)
+    else:
+        os.environ["MARS_HOME"] = before
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama base model directory."""
