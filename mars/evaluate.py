@@ -51,6 +51,10 @@ class EvalSettings:
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
     alternatives: int = 0  # lossless and verified rows: runner-up groups (DecodeSettings.alternatives)
+    # Lossless and verified rows: also draft up to this many tokens a step from n-gram lookup in
+    # the prompt and reply and from the checkpoint's draft corpus (DecodeSettings.ngram, .corpus);
+    # 0: the masks' drafts only.
+    ngram: int = 0
     # Also decode each threshold below AR mode in verified threshold mode (DecodeSettings.verify):
     # one more row per threshold, named v<threshold>. Like the lossless rows, masks only (no n-gram
     # drafts) and a fixed feed: the weights' own figure.
@@ -209,12 +213,16 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     def run(threshold, lossless=False, hedge=None, verify=False):
         s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
                                  max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
-                                 verify=verify, alternatives=settings.alternatives)
+                                 verify=verify, alternatives=settings.alternatives,
+                                 ngram=settings.ngram if (lossless or verify) else 0)
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
+        if s.ngram:
+            alts += f", n-gram{' and corpus' if s.corpus is not None else ''} drafts of up to {s.ngram} tokens"
         what = (f"lossless ({s.spare_groups} spare groups{alts})" if lossless
                 else f"{'verified threshold mode ' if verify else ''}at threshold {threshold}")
         announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
-        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups}
+        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups,
+                                                                     "ngram": s.ngram, "corpus": s.ngram > 0 and s.corpus is not None}
 
     reference = run(ar)
     rows = []
@@ -242,6 +250,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             "seconds": d["seconds"],
             **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
             **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
+            **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
@@ -362,11 +371,13 @@ def write_json(report: dict, path, *, outputs: bool = False) -> Path:
 
 def _mode_name(row: dict, fmt: str) -> str:
     if row.get("mode") == "verified":
-        return "v" + format(row["threshold"], fmt)
-    if row.get("mode") != "lossless":
+        name = "v" + format(row["threshold"], fmt)
+    elif row.get("mode") != "lossless":
         return format(row["threshold"], fmt)
-    name = "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
-    return name + (f"/a{row['alternatives']}" if row.get("alternatives") else "")
+    else:
+        name = "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
+    name += f"/a{row['alternatives']}" if row.get("alternatives") else ""
+    return name + (f"/n{row['ngram']}{'c' if row.get('corpus') else ''}" if row.get("ngram") else "")
 
 
 def format_table(report: dict) -> str:
@@ -417,7 +428,8 @@ def format_table(report: dict) -> str:
 
 # What each column of the sweep table means (printed under it, and in the README).
 SWEEP_COLUMNS = (
-    ("tau", "the threshold (vX: verified threshold mode at X; lossless/hN: lossless mode with N spare mask groups)"),
+    ("tau", "the threshold (vX: verified threshold mode at X; lossless/hN: lossless mode with N spare mask groups; "
+            "/aN: N runner-up groups; /nN: n-gram drafts of up to N tokens, /nNc: and the draft corpus)"),
     ("tok/fwd", "tokens per forward pass (1.0 is plain AR)"),
     ("exact", "share of replies identical to the threshold-1.0 (AR) reply"),
     ("prefix", "mean tokens before a reply first differs from AR's"),

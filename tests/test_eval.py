@@ -274,3 +274,44 @@ def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
     assert all(x["exact_match"] == 1.0 for x in rows)
     bad = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--lossless", "--hedge", "two")
     assert bad.exit_code != 0 and "'two' is not a whole number" in bad.output
+
+
+def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path):
+    """`--ngram N`: lossless and verified rows also draft from n-gram lookup and the checkpoint's
+    draft corpus, as generate does; lossless stays AR's text, and a corpus of AR's own replies
+    makes far fewer forwards than the random masks alone."""
+    import shutil
+
+    from mars.backends import base
+    from mars.core import corpus
+    from mars.core.decoding import generate
+    from mars.core.tokens import encode_prompt
+
+    model = tmp_path / "mars"
+    shutil.copytree(paths["mars"], model)
+    em = ev.load_model(model, "torch", **QUIET)
+    prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    ar = base.decode_settings(em.tm, threshold=1.0, max_tokens=FAST["max_tokens"])
+    replies = [generate(em.decoder, [p], ar).tokens[0] for p in prompts]
+    corpus.DraftCorpus([p + r for p, r in zip(prompts, replies)]).save(model / corpus.FILE)
+
+    em = ev.load_model(model, "torch", **QUIET)
+    settings = ev.EvalSettings(**dict(FAST, thresholds=(1.0, 0.5), lossless=True, verify=True, ngram=8), nll=False)
+    report = ev.evaluate([em], data=paths["data"], settings=settings)
+    rows = report["models"][0]["sweep"]["thresholds"]
+    assert [(r["mode"], r.get("ngram"), r.get("corpus")) for r in rows] == [
+        ("threshold", None, None), ("threshold", None, None), ("verified", 8, True), ("lossless", 8, True)]
+    lossless = rows[-1]
+    assert lossless["outputs"] == rows[0]["outputs"] == replies and lossless["exact_match"] == 1.0
+    masks_only = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False))
+    assert lossless["forwards"] < 0.6 * masks_only["models"][0]["sweep"]["thresholds"][-1]["forwards"]
+    # The verified row is generate's verified threshold mode with the same drafts (fixed feed).
+    s = base.decode_settings(em.tm, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
+    assert s.corpus is not None
+    assert rows[2]["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
+    table = ev.format_table(report)
+    assert "lossless/h4/n8c" in table and "v0.5/n8c" in table
+    r = invoke("--backend", "torch", "--model", model, "--data", paths["data"], "--threshold", "1.0",
+               "--max-tokens", 8, "--no-nll", "--lossless", "--ngram", 4)
+    assert r.exit_code == 0, r.output
+    assert "lossless/h4/n4c" in r.output

