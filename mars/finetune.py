@@ -17,6 +17,11 @@ from .core.policy import DEFAULT_METRIC, ThresholdError, check_threshold
 from .core.training import CHECKPOINT, TrainSettings
 
 
+# The most tokens of training data `finetune` keeps as the checkpoint's draft corpus (about
+# 100 bytes of memory a token once decoding indexes it).
+CORPUS_TOKENS = 4_000_000
+
+
 class FinetuneError(ValueError):
     """Settings that cannot train together; `setting` names the one to change (a TrainSettings
     field or an argument of `finetune`)."""
@@ -28,15 +33,18 @@ class FinetuneError(ValueError):
 
 def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "auto", device: str = "auto",
              max_seq_length: int = 512, on_long: str = "error", resume: bool = False, default_threshold: float = 0.9,
-             default_mode: str = "threshold", fuse: bool = False, init_adapter=None, announce=print, **train) -> dict:
+             default_mode: str = "threshold", fuse: bool = False, init_adapter=None, draft_corpus: bool = True,
+             announce=print, **train) -> dict:
     """Fine-tune `model` (a base model; None: the embedded default) on `data` (a directory with
     train.jsonl and optionally valid.jsonl, or one .jsonl file) into `output`.
 
     `train` holds TrainSettings fields. Without `block_size`, a run from `init_adapter` keeps
     the adapter's block size, any other the default. `default_threshold` and `default_mode` are
     written to mars.json: how decoding runs the checkpoint when asked for no threshold. `fuse`
-    (LoRA) writes the adapter fused into a full model. Returns the trainer's result ("steps",
-    "seconds", "history") with "output"."""
+    (LoRA) writes the adapter fused into a full model. `draft_corpus` also writes the training
+    split as the checkpoint's draft corpus (mars.core.corpus, at most CORPUS_TOKENS tokens),
+    which lossless decoding drafts from. Returns the trainer's result ("steps", "seconds",
+    "history") with "output"."""
     from .backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
     from .core.data import find_split_file, load_split
     from .default_model import model_ref
@@ -98,6 +106,12 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     mars.default_threshold = default_threshold
     mars.default_mode = default_mode
     trainer.save(loaded.tokenizer, model_ref(base_path), fuse=fuse)
+    if draft_corpus:
+        from .core import corpus
+
+        built = corpus.from_data(data, tokenizer, announce=announce, max_tokens=CORPUS_TOKENS)
+        built.save(output / corpus.FILE)
+        announce(f"draft corpus: {len(built):,} tokens -> {output / corpus.FILE}")
     return {**result, "output": output}
 
 

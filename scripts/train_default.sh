@@ -58,7 +58,8 @@ gated=(--gate masks --objective distill --default-threshold 0.95 --default-mode 
 train "$WORK/g1" 560 1e-3 0.03 280 --init-adapter "$WORK/b4w" --seed 7 "${gated[@]}"
 train "$WORK/g2" 480 7e-4 0.02 240 --init-adapter "$WORK/g1" --seed 11 "${gated[@]}"
 # The draft corpus lossless decoding drafts from (weights/README.md, "Draft corpus"): the
-# self-distilled training conversations, tokenized as training read them.
+# self-distilled training conversations, tokenized as training read them (mars finetune
+# writes the same file into g2; rebuilt here for a g2 made before it did).
 "$MARS" corpus --data "$WORK/distilled" --model "$WORK/g2" --output "$WORK/g2"
 
 "$MARS" eval --model "$WORK/g2" --prompts data/prompts/test.jsonl --limit 32 --no-nll --max-tokens 128 \

@@ -222,6 +222,27 @@ def test_on_long(tiny, mixed_lengths, tmp_path, mode, kept, report):
 # --- 3. full fine-tune ----------------------------------------------------------------
 
 
+def test_finetune_keeps_its_training_data_as_the_draft_corpus(lora, full, tiny, data, tmp_path):
+    """Both checkpoints carry the training split as their draft corpus, encoded as training
+    encodes it, and decoding them drafts from it; --no-draft-corpus writes none."""
+    import numpy as np
+
+    from mars.backends import base
+    from mars.backends.paths import load_tokenizer
+    from mars.core import corpus
+
+    want = corpus.from_data(data, load_tokenizer(Path(tiny)))
+    assert len(want) > 0
+    for out, result in (lora, full):
+        assert np.array_equal(corpus.DraftCorpus.load(out / corpus.FILE).tokens, want.tokens)
+        assert f"draft corpus: {len(want):,} tokens" in result.output
+    loaded = base.load("torch", *lora[:1], device="cpu", announce=lambda m: None)
+    assert np.array_equal(base.decode_settings(loaded, lossless=True).corpus.tokens, want.tokens)
+    out = tmp_path / "none"
+    ok(invoke(*finetune_args(tiny, data, out, "--no-draft-corpus", iters=1)))
+    assert (out / "mars.json").is_file() and not (out / corpus.FILE).exists()
+
+
 def test_full_finetune_writes_a_plain_hf_model(full, tiny):
     import torch
     from safetensors.torch import load_file

@@ -53,6 +53,9 @@ FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumula
 @click.option("--gate", type=click.Choice(GATES), default=T["gate"], show_default=True,
               help="LoRA: masks = the adapter's deltas act at mask positions only, so every real token runs the base weights "
                    "and threshold 1.0 / lossless output is exactly the base model's (recorded in mars.json; cannot be fused).")
+@click.option("--draft-corpus/--no-draft-corpus", default=F["draft_corpus"], show_default=True,
+              help="Also write the training split's records as the checkpoint's draft_corpus.npz (at most 4M tokens), "
+                   "which lossless decoding drafts from (`mars corpus` builds one from other data).")
 @click.option("--seed", type=int, default=T["seed"], show_default=True)
 @device_options
 @backend_option

@@ -170,17 +170,28 @@ def beside(checkpoint) -> DraftCorpus | None:
     return DraftCorpus.load(path) if path.is_file() else None
 
 
-def from_data(data, tokenizer, *, announce=None) -> DraftCorpus:
+def from_data(data, tokenizer, *, announce=None, max_tokens: int | None = None) -> DraftCorpus:
     """A draft corpus of every record of a data file (a .jsonl, or a data directory's
     train.jsonl; the shapes `mars finetune` reads), each encoded as training encodes it
-    (`load_split`, without its block padding): prompt and reply through the chat template."""
+    (`load_split`, without its block padding): prompt and reply through the chat template.
+    With `max_tokens`, the records in file order up to that many tokens (the index costs
+    about 100 bytes of memory a token once loaded)."""
     from .data import DataError, encode_record, read_split
 
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise DataError("the tokenizer names no EOS token, which ends every reply of a draft corpus")
     path, records = read_split(data, "train")
-    sequences = [encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")[0] for lineno, record in records]
+    sequences, total = [], 0
+    for lineno, record in records:
+        ids = encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")[0]
+        if max_tokens is not None and total + len(ids) > max_tokens:
+            if announce is not None:
+                announce(f"{path}: the draft corpus keeps the first {len(sequences)} of {len(records)} records "
+                         f"(at most {max_tokens:,} tokens)")
+            break
+        sequences.append(ids)
+        total += len(ids)
     corpus = DraftCorpus(sequences)
     if announce is not None:
         announce(f"{len(sequences)} records, {len(corpus)} tokens from {path}")

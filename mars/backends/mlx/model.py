@@ -21,7 +21,7 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode_types import runners_up_of
 from ...core.decoding import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
-from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, resolve_model_path, rope_overrides
+from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 
@@ -212,11 +212,9 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
     except (FileNotFoundError, ValueError) as e:
         raise MlxModelError(f"{base}: could not load ({str(e).splitlines()[0]})") from None
     check_architecture(model, str(base))
-    tokenizer = _hf_tokenizer(wrapper)
-    if adapter is not None and (adapter / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    # The base's tokenizer is mlx-lm's; an adapter that carries its own (paths.tokenizer_path) wins.
+    where = tokenizer_path(base, adapter)
+    tokenizer = _hf_tokenizer(wrapper) if where == base else load_tokenizer(where)
     mars = read_config(source) if has_config(source) else None
     if mars is not None:
         ensure_mask_token(model, tokenizer, mars, announce=announce)
