@@ -51,3 +51,7 @@ def test_eval_reports_pass_at_1_per_mode(tiny, tmp_path):
     for r in rows:
         assert r["passed"] == 0 and r["pass_at_1"] == 0.0  # a random tiny model writes no working code
         assert "outputs" not in r
+    # --no-nll --no-decode still leaves HumanEval to decode.
+    alone = ok(invoke("eval", "--model", tiny, "--humaneval", 1, "--threshold", "1.0", "--max-tokens", 4, "--no-nll", "--no-decode",
+                      "--backend", "torch"))
+    assert "HumanEval: 1 prompts" in alone.output

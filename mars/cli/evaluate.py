@@ -85,8 +85,8 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
 
     if data is None and prompt_file is None and not humaneval:
         raise click.UsageError("give --data (a dataset), --prompts FILE or --humaneval N")
-    if no_nll and no_decode:
-        raise click.UsageError("--no-nll and --no-decode leave nothing to do")
+    if no_nll and no_decode and not humaneval:
+        raise click.UsageError("--no-nll and --no-decode leave nothing to do (add --humaneval N to decode HumanEval alone)")
     if prompt_file is not None and not prompt_file.is_file():
         raise click.ClickException(f"{prompt_file}: no such file")
     if data is not None:
