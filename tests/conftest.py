@@ -29,13 +29,9 @@ def mars_home(tmp_path_factory):
     home = tmp_path_factory.mktemp("mars_home")
     if (real / "models").is_dir():
         (home / "models").symlink_to(real / "models", target_is_directory=True)
-    before = os.environ.get("MARS_HOME")
-    os.environ["MARS_HOME"] = str(home)
-    yield home
-    if before is None:
-        os.environ.pop("MARS_HOME", None)
-    else:
-        os.environ["MARS_HOME"] = before
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MARS_HOME", str(home))
+        yield home
 
 
 @pytest.fixture(scope="module")
