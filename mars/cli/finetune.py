@@ -38,7 +38,7 @@ FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumula
 @click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default=T["normalize"], show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=T["steps_per_eval"], show_default=True)
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=T["steps_per_save"], show_default=True, help="Checkpoint every N steps (for --resume).")
-@click.option("--default-threshold", type=Finite(), default=F["default_threshold"], show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
+@click.option("--default-threshold", type=Finite(min=0.0), default=F["default_threshold"], show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--default-mode", type=click.Choice(MODES), default=F["default_mode"], show_default=True,
               help="How `mars generate` / `mars chat` decode this checkpoint when given neither --threshold nor --lossless "
                    "(recorded in mars.json): at the default threshold, or lossless (output identical to AR).")

@@ -110,8 +110,9 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     """Interactive chat that streams tokens as they are accepted.
 
     Commands: /threshold 0.9 (decode at this threshold), /lossless (decode losslessly),
-    /reset (forget the conversation), /help, /quit. A message that starts with "/" is sent
-    by doubling it: "//etc/hosts is a file" sends "/etc/hosts is a file".
+    /verify (verified threshold mode on or off), /reset (forget the conversation), /help,
+    /quit (or /exit). A message that starts with "/" is sent by doubling it:
+    "//etc/hosts is a file" sends "/etc/hosts is a file".
     """
     from ..core.tokens import encode_prompt
 
