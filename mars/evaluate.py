@@ -27,8 +27,9 @@ import numpy as np
 from .backends import base
 from .core.data import IGNORE, DataError, batches, load_split, read_jsonl
 from .core.decode_types import sum_ragged
+from .core.files import atomic_write_text
 from .core.policy import block_size_for, metric_for
-from .prompts import prompt_of, split_files
+from .prompts import RawText, prompt_of, split_files
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
 
@@ -206,7 +207,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     skipped = [] if settings.force else [t for t in others if not may_decode(em.mars is not None, metric, t)]
     others = [t for t in others if t not in skipped]
     tok = em.tm.tokenizer
-    prompt_ids = [encode_prompt(tok, p) for p in prompts]
+    prompt_ids = [encode_prompt(tok, p, chat=not isinstance(p, RawText)) for p in prompts]
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
@@ -363,10 +364,7 @@ def write_json(report: dict, path, *, outputs: bool = False) -> Path:
                     row.pop("outputs", None)
         return r
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(strip(report), indent=2) + "\n")
-    return path
+    return atomic_write_text(path, json.dumps(strip(report), indent=2) + "\n")  # never a half-written report
 
 
 def _mode_name(row: dict, fmt: str) -> str:
@@ -422,7 +420,8 @@ def format_table(report: dict) -> str:
             if sw.get("note"):
                 lines.append(f"  note: {sw['note']}")
     if any(m.get("sweep") or m.get("humaneval") for m in report["models"]):
-        lines += [f"  {name}: {meaning}" for name, meaning in SWEEP_COLUMNS]
+        humaneval = any(m.get("humaneval") for m in report["models"])
+        lines += [f"  {name}: {meaning}" for name, meaning in SWEEP_COLUMNS if humaneval or name != "pass@1"]
     return "\n".join(lines)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .backends import base
 from .core.config import GATED_FUSE_REFUSED, ConfigError, has_config, read_config
-from .core.files import OutputError, check_output
+from .core.files import OutputError, check_output, restore_swapped_dir
 from .core.policy import DEFAULT_METRIC, ThresholdError, check_threshold
 from .core.training import CHECKPOINT, TrainSettings
 
@@ -64,6 +64,11 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
         raise FinetuneError("gate", "gates LoRA deltas; it needs fine_tune_type lora")
     if fuse and gate == "masks":
         raise FinetuneError("fuse", GATED_FUSE_REFUSED)
+    val_batches = train.get("val_batches", TrainSettings.val_batches)
+    if val_batches == 0 or val_batches < -1:
+        raise FinetuneError("val_batches", "must be -1 (the whole validation set) or at least 1")
+    restore_swapped_dir(output)  # a run killed while it swapped in its output
+    restore_swapped_dir(output / CHECKPOINT)
     if not resume:
         check_output(output, sources=(data, model, init_adapter), fix="pass --resume to continue it, or choose a new --output")
     elif not (output / CHECKPOINT).is_dir():

@@ -5,7 +5,8 @@ prompt directory.
 
 A prompt is a string (sent through the chat template unless asked not to) or a list of chat
 messages. A prompt record is `{"prompt": "..."}` or `{"messages": [...]}`; a final assistant
-message (a finished example) is left out, so its reply is asked for anew.
+message (a finished example) is left out, so its reply is asked for anew. Where asked, a
+`{"text": "..."}` record is a RawText prompt: its text continued as it is, without the template.
 """
 
 from __future__ import annotations
@@ -17,13 +18,19 @@ from pathlib import Path
 from .core.data import DataError
 
 
-def prompt_of(record) -> str | list | None:
+class RawText(str):
+    """A `{"text": ...}` record's text as a prompt: fed as it is, without the chat template."""
+
+
+def prompt_of(record, *, text: bool = False) -> str | list | None:
     """A record's prompt: its 'prompt' string, or its 'messages' without a final assistant
-    message; None for a record with neither (a `text` record)."""
+    message, or with `text` a 'text' record's RawText; None for a record with none of these."""
     if not isinstance(record, dict):
         return None
     if isinstance(record.get("prompt"), str):
         return record["prompt"]
+    if text and isinstance(record.get("text"), str) and "messages" not in record:
+        return RawText(record["text"])
     messages = record.get("messages")
     if not isinstance(messages, list):
         return None
@@ -45,18 +52,19 @@ def json_lines(path) -> Iterator[tuple[str, object]]:
                 raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno} (each line must be one JSON object)") from None
 
 
-def read_prompts(path) -> list:
-    """A prompt file: JSONL of {"prompt": ...} or {"messages": [...]} records, or plain text
-    with one prompt per line."""
+def read_prompts(path, *, text: bool = False) -> list:
+    """A prompt file: JSONL of {"prompt": ...} or {"messages": [...]} records (with `text`,
+    {"text": ...} records too, as RawText prompts), or plain text with one prompt per line."""
     path = Path(path)
     if path.suffix != ".jsonl":
         prompts = [line for line in path.read_text(encoding="utf-8-sig").splitlines() if line.strip()]
     else:
         prompts = []
         for where, record in json_lines(path):
-            prompt = prompt_of(record)
+            prompt = prompt_of(record, text=text)
             if prompt is None:
-                raise DataError(f'{where}: expected {{"prompt": ...}} or {{"messages": [...]}}')
+                shapes = '{"prompt": ...}, {"messages": [...]} or {"text": ...}' if text else '{"prompt": ...} or {"messages": [...]}'
+                raise DataError(f"{where}: expected {shapes}")
             prompts.append(prompt)
     if not prompts:
         raise DataError(f"{path}: no prompts")

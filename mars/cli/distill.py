@@ -9,6 +9,7 @@ import click
 
 from ..distill import DistillSettings
 from .common import backend_option, defaults, friendly_errors, model_options, open_session, say
+from .interrupt import Interrupted, rerun_command
 
 D = defaults(DistillSettings)
 
@@ -38,6 +39,9 @@ def distill_command(model, adapter_path, dtype, device, prompts, output, max_tok
     base, adapter = resolve_model_path(model, adapter_path)
     ref = model_ref(base) + (f" + {adapter.resolve()}" if adapter is not None else "")
     settings = DistillSettings(max_tokens=max_tokens, batch_size=batch_size, limit=limit)
-    summary = distill(session.loaded, session.decoder, prompts, output, settings, model_ref=ref, log=say)
+    try:
+        summary = distill(session.loaded, session.decoder, prompts, output, settings, model_ref=ref, log=say)
+    except KeyboardInterrupt:
+        raise Interrupted(f"interrupted; the replies written so far are kept in {output}; continue with: {rerun_command()}") from None
     click.echo(json.dumps(summary["splits"]))
     click.echo(f"{summary['generated_tokens']} tokens in {summary['seconds']}s -> {output}")

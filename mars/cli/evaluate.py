@@ -41,7 +41,7 @@ def _hedges(ctx, param, value):
 @click.option("--baseline", default=None, help="A model whose NLL the others are compared with (e.g. the plain SFT model).")
 @click.option("--data", type=click.Path(path_type=Path), default=None, help="A data directory (test.jsonl, else valid.jsonl) or one .jsonl file.")
 @click.option("--split", default=None, help="The split of --data to use (default: test, falling back to valid).")
-@click.option("--prompts", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Decode these prompts instead of the dataset's: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
+@click.option("--prompts", "prompt_file", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Decode these prompts instead of the dataset's: JSONL ({\"prompt\"}, {\"messages\"} or {\"text\"}, the last continued without the chat template) or one per line.")
 @click.option("--threshold", "thresholds", multiple=True, callback=_thresholds, help=f"Thresholds to sweep (repeat, or comma-separated). Default: {','.join(map(str, DEFAULT_THRESHOLDS))}.")
 @click.option("--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's).")
 @click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: each checkpoint's block size).")
@@ -81,6 +81,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
+    from ..core.data import read_jsonl
     from ..prompts import read_prompts
 
     if data is None and prompt_file is None and not humaneval:
@@ -92,11 +93,16 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
     if data is not None:
         # A missing or malformed dataset fails before any model loads.
         path, _ = ev.eval_file(data, split)
-        if not ev.dataset_prompts(path) and prompt_file is None and not no_decode:
+        prompts = ev.dataset_prompts(path)
+        if not prompts and prompt_file is None and not no_decode:
             raise click.ClickException(f"{path}: no prompts to decode ({{\"text\"}} records have none); pass --prompts FILE or --no-decode")
+        texts = sum(1 for _ in read_jsonl(path)) - len(prompts)
+        if texts and prompt_file is None and not no_decode:
+            say(f"note: {path}: {texts} {{\"text\"}} record{'s' * (texts > 1)} without a prompt: in the NLL, not in the decoding "
+                "sweep (pass them with --prompts to decode them as raw text)")
     if data is None and baseline is not None:
         raise click.UsageError("--baseline compares NLL, which needs --data")
-    prompts = read_prompts(prompt_file) if prompt_file else None
+    prompts = read_prompts(prompt_file, text=True) if prompt_file else None
     settings = ev.EvalSettings(
         thresholds=thresholds or ev.DEFAULT_THRESHOLDS, metric=metric, block_size=block_size, max_tokens=max_tokens,
         batch_size=batch_size, cache=cache, block_cache=block_cache, max_seq_length=max_seq_length, on_long=on_long,

@@ -8,9 +8,10 @@ from pathlib import Path
 import click
 
 from ..core.config import GATES, MODES
-from ..core.training import TrainSettings
+from ..core.training import CHECKPOINT, TrainingInterrupted, TrainSettings
 from ..finetune import FinetuneError, finetune
 from .common import Finite, as_flags, backend_option, defaults, device_options, friendly_errors, quiet_libraries, say
+from .interrupt import Interrupted, rerun_command
 
 T, F = defaults(TrainSettings), defaults(finetune)  # the options' defaults
 FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumulation-steps", "normalize": "--loss-normalization"}
@@ -37,6 +38,8 @@ FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumula
 @click.option("--lora-dropout", type=Finite(0.0, 1.0, max_open=True), default=T["lora_dropout"], show_default=True)
 @click.option("--loss-normalization", "normalize", type=click.Choice(["row", "token"]), default=T["normalize"], show_default=True, help="row: mean per row, then over rows (reference); token: one mean over all tokens.")
 @click.option("--steps-per-eval", type=click.IntRange(min=1), default=T["steps_per_eval"], show_default=True)
+@click.option("--val-batches", type=click.IntRange(min=-1), default=T["val_batches"], show_default=True,
+              help="Batches of valid.jsonl per validation pass (the same ones each time); -1: all of them.")
 @click.option("--save-every", "steps_per_save", type=click.IntRange(min=1), default=T["steps_per_save"], show_default=True, help="Checkpoint every N steps (for --resume).")
 @click.option("--default-threshold", type=Finite(min=0.0), default=F["default_threshold"], show_default=True, help="The threshold recorded in mars.json, used when `mars generate` gets none.")
 @click.option("--default-mode", type=click.Choice(MODES), default=F["default_mode"], show_default=True,
@@ -65,10 +68,16 @@ def finetune_command(**opts):
     if click.get_current_context().get_parameter_source("block_size") != click.core.ParameterSource.COMMANDLINE:
         opts["block_size"] = None  # the init adapter's, else the default
     quiet_libraries()
+    output = opts["output"]
     try:
         result = finetune(opts.pop("data"), opts.pop("output"), announce=say, **opts)
     except FinetuneError as e:
         raise click.BadParameter(as_flags(str(e)), param_hint=FLAGS.get(e.setting, "--" + e.setting.replace("_", "-"))) from None
+    except TrainingInterrupted as e:
+        if e.saved is None:
+            raise Interrupted(f"{e}, before the first checkpoint: nothing to resume; start again with: {rerun_command()}") from None
+        raise Interrupted(f"{e}; the checkpoint of step {e.saved} is in {output / CHECKPOINT}; resume with: "
+                          f"{rerun_command(adding='--resume')}") from None
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
     click.echo(f"saved {result['output']} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")

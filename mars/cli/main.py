@@ -14,10 +14,11 @@ from .distill import distill_command
 from .evaluate import evaluate_command
 from .finetune import finetune_command
 from .generate import chat_command, generate_command
+from .interrupt import InterruptibleGroup
 from .serve import serve_command
 
 
-@click.group()
+@click.group(cls=InterruptibleGroup)
 @click.version_option(__version__, prog_name="mars")
 def cli():
     """MARS: fine-tune a causal LM to emit several tokens per forward pass, and decode it with a speed knob."""

@@ -54,6 +54,20 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def _as_umask_allows(root: Path) -> None:
+    """Give `root` and everything under it the modes the user's umask allows: mkdtemp makes a
+    private directory, and some writers (safetensors) make private files through temporaries."""
+    mask = _umask()
+    os.chmod(root, 0o777 & ~mask)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, (0o666 | (os.stat(path).st_mode & 0o111)) & ~mask)
+
+
 def atomic_dir(target, write) -> Path:
     """Call `write(tmp_dir)`, then swap `tmp_dir` in as `target` (replacing any old one, a
     directory or a file; nothing of it is left behind)."""
@@ -61,9 +75,9 @@ def atomic_dir(target, write) -> Path:
     target = Path(os.path.abspath(given))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp."))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; outputs are ordinary directories
     try:
         write(tmp)
+        _as_umask_allows(tmp)
         old = None
         if target.exists():
             old = target.parent / f".{target.name}.old.{os.getpid()}"
@@ -75,6 +89,23 @@ def atomic_dir(target, write) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return given
+
+
+def restore_swapped_dir(target) -> None:
+    """Undo what a kill between atomic_dir's two renames leaves: no `target`, only its previous
+    version (whole) as `.<name>.old.<pid>`, which goes back in place. Temporaries of writes cut
+    short go. Safe when another process does the same at once."""
+    target = Path(os.path.abspath(target))
+    if not target.parent.is_dir():
+        return
+    olds = sorted(target.parent.glob(f".{target.name}.old.*"), key=lambda p: p.stat().st_mtime)
+    if olds and not target.exists():
+        try:
+            os.replace(olds.pop(), target)
+        except FileNotFoundError:
+            pass
+    for path in olds + sorted(target.parent.glob(f".{target.name}.tmp.*")):
+        _remove(path)
 
 
 def atomic_write_text(target, text: str) -> Path:

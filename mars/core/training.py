@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ class TrainSettings:
     lora_dropout: float = 0.0
     steps_per_eval: int = 100
     steps_per_save: int = 100
+    val_batches: int = 25  # batches per validation pass (mlx-lm's default); -1: the whole validation set
     seed: int = 0
     normalize: str = "row"
     max_grad_norm: float = 1.0
@@ -65,6 +68,43 @@ def total_steps(n_examples: int, s: TrainSettings, shards: int = 1) -> tuple[int
     return total, warmup
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped training at `step` of `total`; `saved` is the step of the checkpoint kept in
+    the output directory (what --resume continues from), None when there is none yet."""
+
+    def __init__(self, step: int, total: int, saved: int | None):
+        super().__init__(f"interrupted at step {step}/{total}")
+        self.step, self.total, self.saved = step, total, saved
+
+
+class _StopRequest:
+    """While active, a first Ctrl-C asks the loop to stop after the step it is in (which then
+    saves a checkpoint: stopping mid-step would leave weights and optimizer out of step); a
+    second one interrupts at once. Only for one process in its main thread: several processes
+    cannot agree on a step to stop at, so there Ctrl-C interrupts at once."""
+
+    def __init__(self, enabled: bool, log):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.enabled = self.enabled and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        self.requested = False
+        self.log = log
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.log("stopping after this step to save a checkpoint (Ctrl-C again to stop at once)")
+
+    def __enter__(self):
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def write_history(history: list[dict], path: Path) -> None:
     """training_log.jsonl: one record per optimizer step (losses, learning rate, tokens/s, validation)."""
     with open(path, "w") as f:
@@ -92,7 +132,7 @@ class Steps(Protocol):
         returns the learning rate of the next step."""
         ...
 
-    def evaluate(self, examples) -> dict: ...
+    def evaluate(self, examples, *, progress: bool = False) -> dict: ...
 
     def save_checkpoint(self) -> None: ...
 
@@ -102,59 +142,93 @@ class Steps(Protocol):
 def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: int = 0, world: int = 1,
         resume: bool = False, log=print, progress: bool = True) -> dict:
     """The training loop both backends share: epochs of length-bucketed batches (process
-    `rank` of `world` takes every world-th), accumulation, history, validation, checkpoints."""
+    `rank` of `world` takes every world-th), accumulation, history, validation, checkpoints.
+    Ctrl-C raises TrainingInterrupted; alone, the first one stops after its step with a
+    checkpoint."""
+    from tqdm.auto import tqdm
+
+    from .files import restore_swapped_dir
+
+    saved = None
+    restore_swapped_dir(trainer.output / CHECKPOINT)
+    if resume and trainer.load_checkpoint():
+        saved = trainer.step
+        log(f"resumed from {trainer.output / CHECKPOINT} at step {trainer.step}/{total}")
+    bar = tqdm(total=total, initial=trainer.step, disable=not progress or rank != 0, unit="step")
+    t0 = time.perf_counter()
+    try:
+        with _StopRequest(world == 1, log) as stop:
+            _loop(trainer, train_examples, valid_examples, total, rank, world, bar, stop, saved, progress)
+    finally:
+        bar.close()
+    return {"steps": trainer.step, "seconds": time.perf_counter() - t0, "history": trainer.history}
+
+
+def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int, world: int, bar, stop: _StopRequest,
+          saved: int | None, progress: bool) -> None:
+    """Train up to step `total`; `saved` is the step of the checkpoint on disk, if any, which
+    a Ctrl-C's TrainingInterrupted names."""
+    from .data import batches
+
+    s = trainer.s
+    tokens = micro = 0
+    noisy_sum = clean_sum = 0.0
+    t0 = time.perf_counter()
+    try:
+        while trainer.step < total:
+            epoch = list(batches(train_examples, s.batch_size, pad_id=trainer.pad_id, seed=s.seed + trainer.epoch))
+            mine = epoch[rank::world]
+            for i in range(trainer.batch_in_epoch, len(mine)):
+                noisy, clean = trainer.accumulate(mine[i], first=micro % s.grad_accumulation == 0)
+                noisy_sum += noisy / s.grad_accumulation
+                clean_sum += clean / s.grad_accumulation
+                tokens += int(mine[i][2].sum())
+                micro += 1
+                trainer.batch_in_epoch = i + 1
+                if micro % s.grad_accumulation:
+                    continue
+                next_lr = trainer.apply_update()
+                trainer.step += 1
+                rate = tokens / max(1e-9, time.perf_counter() - t0)
+                record = {"step": trainer.step, "noisy": noisy_sum, "clean": clean_sum, "lr": next_lr, "tok_s": rate}
+                noisy_sum = clean_sum = 0.0
+                bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
+                bar.update(1)
+                if valid_examples and (trainer.step % s.steps_per_eval == 0 or trainer.step == total):
+                    record.update(trainer.evaluate(valid_examples, progress=progress and rank == 0))
+                    bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
+                trainer.history.append(record)
+                if trainer.step < total and (trainer.step % s.steps_per_save == 0 or stop.requested):
+                    trainer.save_checkpoint()
+                    saved = trainer.step
+                if stop.requested and trainer.step < total:
+                    raise KeyboardInterrupt
+                if trainer.step >= total:
+                    break
+            else:
+                trainer.epoch += 1
+                trainer.batch_in_epoch = 0
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(trainer.step, total, saved) from None
+
+
+def validation_losses(examples, s: TrainSettings, pad_id: int, losses, ar_weight: float, *, progress: bool = False) -> dict:
+    """Row-weighted mean of `losses(batch) -> (noisy, clean)` floats over `s.val_batches`
+    batches of the examples (all of them for -1): the same batches at every pass, drawn in a
+    fixed shuffled order, since the length-sorted order would take only the shortest."""
+    from itertools import islice
+
     from tqdm.auto import tqdm
 
     from .data import batches
 
-    s = trainer.s
-    if resume and trainer.load_checkpoint():
-        log(f"resumed from {trainer.output / CHECKPOINT} at step {trainer.step}/{total}")
-    bar = tqdm(total=total, initial=trainer.step, disable=not progress or rank != 0, unit="step")
-    tokens = micro = 0
-    noisy_sum = clean_sum = 0.0
-    t0 = time.perf_counter()
-    while trainer.step < total:
-        epoch = list(batches(train_examples, s.batch_size, pad_id=trainer.pad_id, seed=s.seed + trainer.epoch))
-        mine = epoch[rank::world]
-        for i in range(trainer.batch_in_epoch, len(mine)):
-            noisy, clean = trainer.accumulate(mine[i], first=micro % s.grad_accumulation == 0)
-            noisy_sum += noisy / s.grad_accumulation
-            clean_sum += clean / s.grad_accumulation
-            tokens += int(mine[i][2].sum())
-            micro += 1
-            trainer.batch_in_epoch = i + 1
-            if micro % s.grad_accumulation:
-                continue
-            next_lr = trainer.apply_update()
-            trainer.step += 1
-            rate = tokens / max(1e-9, time.perf_counter() - t0)
-            record = {"step": trainer.step, "noisy": noisy_sum, "clean": clean_sum, "lr": next_lr, "tok_s": rate}
-            noisy_sum = clean_sum = 0.0
-            bar.set_postfix(noisy=f"{record['noisy']:.3f}", clean=f"{record['clean']:.3f}", tok_s=f"{rate:.0f}")
-            bar.update(1)
-            if valid_examples and (trainer.step % s.steps_per_eval == 0 or trainer.step == total):
-                record.update(trainer.evaluate(valid_examples))
-                bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
-            trainer.history.append(record)
-            if trainer.step % s.steps_per_save == 0 and trainer.step < total:
-                trainer.save_checkpoint()
-            if trainer.step >= total:
-                break
-        else:
-            trainer.epoch += 1
-            trainer.batch_in_epoch = 0
-    bar.close()
-    return {"steps": trainer.step, "seconds": time.perf_counter() - t0, "history": trainer.history}
-
-
-def validation_losses(examples, s: TrainSettings, pad_id: int, losses, ar_weight: float) -> dict:
-    """Row-weighted mean of `losses(batch) -> (noisy, clean)` floats over the examples."""
-    from .data import batches
-
+    count = math.ceil(len(examples) / s.batch_size)
+    if s.val_batches >= 0:
+        count = min(count, s.val_batches)
+    chosen = islice(batches(examples, s.batch_size, pad_id=pad_id, seed=s.seed), count)
     noisy = clean = 0.0
     n = 0
-    for batch in batches(examples, s.batch_size, pad_id=pad_id, shuffle=False):
+    for batch in tqdm(chosen, total=count, desc="validation", unit="batch", leave=False, disable=not progress):
         a, b = losses(batch)
         rows = len(batch[0])
         noisy += a * rows

@@ -216,7 +216,7 @@ class MlxTrainer:
         return True
 
     # -- the loop ----------------------------------------------------------
-    def evaluate(self, examples) -> dict:
+    def evaluate(self, examples, *, progress: bool = False) -> dict:
         if not examples:
             return {}
         self.net.eval()
@@ -226,7 +226,7 @@ class MlxTrainer:
             mx.eval(a, b)
             return a.item(), b.item()
 
-        result = validation_losses(examples, self.s, self.pad_id, losses, self.mars.ar_weight)
+        result = validation_losses(examples, self.s, self.pad_id, losses, self.mars.ar_weight, progress=progress)
         self.net.train()
         return result
 

@@ -137,12 +137,13 @@ class TorchTrainer:
             return self.loss_module(**inputs)
 
     @torch.no_grad()
-    def evaluate(self, examples) -> dict:
+    def evaluate(self, examples, *, progress: bool = False) -> dict:
         if not examples:
             return {}
         self.loss_module.eval()
         result = validation_losses(
-            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch)), self.mars.ar_weight
+            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch)), self.mars.ar_weight,
+            progress=progress,
         )
         self.loss_module.train()
         return result
