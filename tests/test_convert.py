@@ -224,8 +224,13 @@ def test_mlx_adapter_to_peft_logits(tmp_path):
 
 @pytest.mark.parametrize("to", ["hf", "mlx"])
 def test_fuse(tmp_path, to):
+    from mars.core import corpus
+
     base = save_hf(tmp_path / "hf", "llama")
+    (tmp_path / "hf" / "README.md").write_text("the base model's own card")
     peft_model, row = peft_adapter(base, tmp_path / "peft")
+    corpus.DraftCorpus([[5, 6, 7, 8, 9]]).save(tmp_path / "peft" / corpus.FILE)
+    (tmp_path / "peft" / "training_log.jsonl").write_text(json.dumps({"step": 7, "noisy": 2.5, "clean": 1.25, "val_noisy": 3.5}) + "\n")
     r = invoke(tmp_path / "hf", "--to", to, "--output", tmp_path / "fused", "--adapter", tmp_path / "peft", "--fuse")
     assert r.exit_code == 0, r.output
     with torch.no_grad():
@@ -234,8 +239,15 @@ def test_fuse(tmp_path, to):
         ref = merged(torch.tensor([IDS])).logits[0].numpy()
     got = hf_logits(tmp_path / "fused") if to == "hf" else mlx_logits(tmp_path / "fused")
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
-    assert (tmp_path / "fused/mars.json").is_file()
+    assert (tmp_path / "fused/mars.json").read_text() == (tmp_path / "peft/mars.json").read_text()
     assert to_float32(tensors_of(tmp_path / "fused")["model.embed_tokens.weight"])[3].tolist() == row.tolist()
+    # what it needs to decode as the adapter did, and a model card of its own
+    assert (tmp_path / "fused" / corpus.FILE).read_bytes() == (tmp_path / "peft" / corpus.FILE).read_bytes()
+    card = (tmp_path / "fused/README.md").read_text()
+    assert "base model's own card" not in card
+    for needle in ("MARS objective", "| `block_size` | `4` |", "| `mask_token_id` | `3` |", "step 7", "noisy 2.5000", "val_noisy 3.5000",
+                   "AutoModelForCausalLM.from_pretrained", "mlx_lm generate --model", "vllm serve", "--to vllm"):
+        assert needle in card, needle
 
 
 # -- bad input -------------------------------------------------------------------------------

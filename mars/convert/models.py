@@ -9,6 +9,7 @@ settings from `rope_theta` rather than transformers 5's `rope_parameters`: every
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -262,8 +263,26 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
                     shutil.copy2(p, d / p.name)
         write_weights(d, tensors, to)
         (d / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
+        if adapter is not None:
+            _carry_fused(src, adapter, d, output)
 
     return atomic_dir(output, write)
+
+
+def _carry_fused(src: Path, adapter: Path, d: Path, output: Path) -> None:
+    """What a fused model needs to decode as the adapter did (its draft corpus; mars.json came
+    with the tokenizer files), and a model card in place of the base's."""
+    from ..core import corpus
+    from ..core.config import has_config
+    from ..core.config import read_config as read_mars
+    from ..default_model import model_ref
+    from .card import fused_card
+
+    if (adapter / corpus.FILE).is_file():
+        shutil.copy2(adapter / corpus.FILE, d / corpus.FILE)
+    mars = read_mars(adapter) if has_config(adapter) else None
+    card = fused_card(Path(os.path.abspath(output)), base=model_ref(src), adapter=adapter, mars=mars)
+    (d / "README.md").write_text(card)
 
 
 def import_gguf(gguf: Path, target: Path, announce=print) -> Path:
