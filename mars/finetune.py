@@ -14,7 +14,7 @@ from .backends import base
 from .core.config import GATED_FUSE_REFUSED, ConfigError, has_config, read_config
 from .core.files import OutputError, check_output, restore_swapped_dir
 from .core.policy import DEFAULT_METRIC, ThresholdError, check_threshold
-from .core.training import CHECKPOINT, TrainSettings
+from .core.training import CHECKPOINT, TrainSettings, process_rank
 
 
 # The most tokens of training data `finetune` keeps as the checkpoint's draft corpus (about
@@ -44,13 +44,17 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     (LoRA) writes the adapter fused into a full model. `draft_corpus` also writes the training
     split as the checkpoint's draft corpus (mars.core.corpus, at most CORPUS_TOKENS tokens),
     which lossless decoding drafts from. Returns the trainer's result ("steps", "seconds",
-    "history") with "output"."""
+    "history") with "output" and "main" (False in the processes other than rank 0 of a run
+    launched by torchrun, accelerate launch or mlx.launch: they write and announce nothing)."""
     from .backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
     from .core.data import find_split_file, load_split
     from .default_model import model_ref
 
     name = base.resolve(backend)
     output = Path(output)
+    main = process_rank() == 0
+    if not main:
+        announce = _silent
     block_size = train.pop("block_size", None)
     kind = train.get("fine_tune_type", TrainSettings.fine_tune_type)
     gate = train.get("gate", TrainSettings.gate)
@@ -111,13 +115,17 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     mars.default_threshold = default_threshold
     mars.default_mode = default_mode
     trainer.save(loaded.tokenizer, model_ref(base_path), fuse=fuse)
-    if draft_corpus:
+    if draft_corpus and main:
         from .core import corpus
 
         built = corpus.from_data(data, tokenizer, announce=announce, max_tokens=CORPUS_TOKENS)
         built.save(output / corpus.FILE)
         announce(f"draft corpus: {len(built):,} tokens -> {output / corpus.FILE}")
-    return {**result, "output": output}
+    return {**result, "output": output, "main": main}
+
+
+def _silent(message: str) -> None:
+    pass
 
 
 def read_init_adapter(path, base_path: Path, kind: str, block_size: int | None, announce=print):

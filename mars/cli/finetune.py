@@ -78,6 +78,8 @@ def finetune_command(**opts):
             raise Interrupted(f"{e}, before the first checkpoint: nothing to resume; start again with: {rerun_command()}") from None
         raise Interrupted(f"{e}; the checkpoint of step {e.saved} is in {output / CHECKPOINT}; resume with: "
                           f"{rerun_command(adding='--resume')}") from None
+    if not result["main"]:
+        return  # one process of several: rank 0 reports
     last = result["history"][-1] if result["history"] else {}
     summary = {k: round(v, 4) for k, v in last.items() if isinstance(v, float)}
     click.echo(f"saved {result['output']} after {result['steps']} steps in {result['seconds']:.0f}s {json.dumps(summary)}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import threading
 import time
@@ -47,6 +48,12 @@ class TrainSettings:
     objective: str = "ce"
     distill_temperature: float = 1.0
     distill_mix: float = 1.0
+
+
+def process_rank() -> int:
+    """This process's rank under `torchrun` / `accelerate launch` (RANK) or `mlx.launch`
+    (MLX_RANK); 0 alone. Only rank 0 writes outputs and speaks."""
+    return int(os.environ.get("RANK") or os.environ.get("MLX_RANK") or 0)
 
 
 def lr_lambda(total: int, warmup: int):
@@ -134,6 +141,10 @@ class Steps(Protocol):
 
     def evaluate(self, examples, *, progress: bool = False) -> dict: ...
 
+    def average(self, values: list[float]) -> list[float]:
+        """Each value's mean over the processes training together."""
+        ...
+
     def save_checkpoint(self) -> None: ...
 
     def load_checkpoint(self) -> bool: ...
@@ -189,6 +200,8 @@ def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int,
                     continue
                 next_lr = trainer.apply_update()
                 trainer.step += 1
+                if world > 1:  # the losses of the whole global batch, as one process would log them
+                    noisy_sum, clean_sum = trainer.average([noisy_sum, clean_sum])
                 rate = tokens / max(1e-9, time.perf_counter() - t0)
                 record = {"step": trainer.step, "noisy": noisy_sum, "clean": clean_sum, "lr": next_lr, "tok_s": rate}
                 noisy_sum = clean_sum = 0.0
@@ -196,7 +209,8 @@ def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int,
                 bar.update(1)
                 if valid_examples and (trainer.step % s.steps_per_eval == 0 or trainer.step == total):
                     record.update(trainer.evaluate(valid_examples, progress=progress and rank == 0))
-                    bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
+                    if rank == 0:  # tqdm.write prints even for a disabled bar
+                        bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
                 trainer.history.append(record)
                 if trainer.step < total and (trainer.step % s.steps_per_save == 0 or stop.requested):
                     trainer.save_checkpoint()

@@ -230,6 +230,11 @@ class MlxTrainer:
         self.net.train()
         return result
 
+    def average(self, values: list[float]) -> list[float]:
+        # Gathered and averaged in Python's float64, as one process adds up its micro-batches.
+        rows = mx.distributed.all_gather(mx.array([values], dtype=mx.float32), group=self._group).tolist()
+        return [sum(column) / self._world for column in zip(*rows)]
+
     def accumulate(self, batch, first: bool) -> tuple[float, float]:
         if first:
             # Dropout draws depend on the step only, so a resumed run draws the same.

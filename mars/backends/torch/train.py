@@ -148,6 +148,9 @@ class TorchTrainer:
         self.loss_module.train()
         return result
 
+    def average(self, values: list[float]) -> list[float]:
+        return self.acc.reduce(torch.tensor(values, dtype=torch.float64, device=self.device), reduction="mean").tolist()
+
     def accumulate(self, batch, first: bool) -> tuple[float, float]:
         noisy, clean = self._losses(batch)
         self.acc.backward((noisy + self.s.ar_weight * clean) / self.s.grad_accumulation)
@@ -165,7 +168,8 @@ class TorchTrainer:
         self.pad_id = self.tm.tokenizer.eos_token_id
         total, warmup = total_steps(len(train_examples), self.s, self.acc.num_processes)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(total, warmup))
-        self.loss_module, self.opt, self.sched = self.acc.prepare(self.loss, self.opt, self.sched)
+        # The schedule stays outside accelerate, which would step it once per process each step.
+        self.loss_module, self.opt = self.acc.prepare(self.loss, self.opt)
         return run(
             self, train_examples, valid_examples, total=total, rank=self.acc.process_index,
             world=self.acc.num_processes, resume=resume, log=log, progress=progress,
