@@ -11,7 +11,9 @@ from .common import friendly_errors, say
 
 @click.command("convert")
 @click.argument("src", type=click.Path(path_type=Path))
-@click.option("--to", "to", type=click.Choice(["hf", "mlx"]), required=True, help="Output format: Hugging Face (transformers / PEFT) or mlx-lm.")
+@click.option("--to", "to", type=click.Choice(["hf", "mlx", "vllm"]), required=True,
+              help="Output format: Hugging Face (transformers / PEFT), mlx-lm, or vllm: a MARS checkpoint as a vLLM "
+                   "parallel drafter, with its target, speculative_config.json and a README with the commands.")
 @click.option("--output", "-o", type=click.Path(path_type=Path), required=True, help="The directory to write (a new or empty one, unless --overwrite).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing --output (atomically, once the conversion has succeeded).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default=None, help="Cast float tensors (default: keep each tensor's type).")
@@ -26,10 +28,15 @@ def convert_command(src, to, output, overwrite, dtype, quantize, q_bits, q_group
     """Convert a model (HF / mlx-lm directory, or .gguf) or a LoRA adapter (PEFT <-> mlx-lm) into --to's format.
 
     SRC and --model may also be default:SmolLM2-135M-Instruct, the embedded default model."""
-    from ..convert import ConvertError, adapter_format, convert_adapter, convert_model
+    from ..convert import ConvertError, adapter_format, convert_adapter, convert_model, convert_vllm
     from ..default_model import DEFAULT_REF, default_model_dir
 
     src, base = (default_model_dir(announce=say) if p is not None and str(p) == DEFAULT_REF else p for p in (src, base))
+    if to == "vllm":
+        if adapter is not None or fuse or quantize or dtype or base is not None:
+            raise ConvertError("--to vllm exports a MARS checkpoint as it is; --adapter, --fuse, --model, --dtype and -q do not apply")
+        click.echo(f"wrote {convert_vllm(src, output, overwrite=overwrite, announce=say)}")
+        return
     if adapter is not None and not fuse:
         raise ConvertError("--adapter fuses an adapter into SRC; add --fuse (or give the adapter directory as SRC to convert it)")
     if fuse and adapter is None:

@@ -2,6 +2,7 @@
 
     convert_model(src, output, to="hf"|"mlx", dtype=None, q_bits=None, q_group_size=64, adapter=None)
     convert_adapter(src, output, to="hf"|"mlx", base=None)
+    convert_vllm(src, output)  a MARS checkpoint as a vLLM parallel drafter (mars.convert.vllm)
 
 Tensor I/O is safetensors + numpy (bfloat16 kept as its bit pattern), so HF <-> MLX needs neither
 torch nor mlx; only quantizing (-q) uses mlx and GGUF import uses transformers. Errors are
@@ -11,6 +12,7 @@ ConvertError (a ValueError) with a one-line message; nothing is written on failu
 from .adapters import adapter_format, convert_adapter, read_adapter
 from .models import SUPPORTED, convert_model, import_gguf
 from .tensors import ConvertError, Tensor, read_safetensors, write_safetensors
+from .vllm import convert_vllm
 
 __all__ = [
     "SUPPORTED",
@@ -19,6 +21,7 @@ __all__ = [
     "adapter_format",
     "convert_adapter",
     "convert_model",
+    "convert_vllm",
     "import_gguf",
     "read_adapter",
     "read_safetensors",

@@ -196,12 +196,13 @@ def refuse_gated(adapter: Path) -> None:
 
 
 def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None,
-                  overwrite: bool = False, announce=print) -> Path:
+                  overwrite: bool = False, announce=print, fuse_gated: bool = False) -> Path:
     """Convert a model directory (HF or mlx-lm, float or mlx-quantized) or a .gguf file into a
     Hugging Face (to='hf') or mlx-lm (to='mlx') directory at `output`, optionally fusing an adapter
     (PEFT or mlx-lm), casting float tensors (dtype 'float32'|'float16'|'bfloat16') and quantizing
     (to='mlx', q_bits). Nothing is written unless the whole conversion succeeds; an existing
-    non-empty `output` is refused unless `overwrite`, and the sources never are one."""
+    non-empty `output` is refused unless `overwrite`, and the sources never are one. A gated
+    adapter is refused unless `fuse_gated` (a drafter's use: it runs the deltas everywhere)."""
     src, output = Path(src), Path(output)
     safe_output(output, (src, adapter), overwrite)
     if to not in ("hf", "mlx"):
@@ -222,7 +223,7 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.gguf.") as tmp:
             imported = import_gguf(src, Path(tmp) / "hf", announce=announce)
             return convert_model(imported, output, to, dtype=dtype, q_bits=q_bits, q_group_size=q_group_size, adapter=adapter,
-                                 overwrite=overwrite, announce=announce)
+                                 overwrite=overwrite, announce=announce, fuse_gated=fuse_gated)
     config = read_config(src)
     if not _has_tokenizer(src) and not (adapter is not None and _has_tokenizer(Path(adapter))):
         raise ConvertError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them in from the original model")
@@ -231,7 +232,8 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
     lora = None
     if adapter is not None:
         adapter = Path(adapter)
-        refuse_gated(adapter)
+        if not fuse_gated:
+            refuse_gated(adapter)
         lora = read_adapter(adapter)
         fuse(tensors, config, lora, adapter)
     if dtype is not None:

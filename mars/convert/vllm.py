@@ -1,0 +1,138 @@
+"""`mars convert SRC --to vllm`: a MARS checkpoint as a vLLM parallel drafter.
+
+MARS trains the masks to predict the next tokens in one forward, which is what vLLM's parallel
+drafting asks of a draft model (`"parallel_drafting": true`: the drafter sees the mask token,
+named by `mask_token_id` in its config.json, in the positions still to be drafted). vLLM's
+target model then verifies every drafted token, so its greedy output is the target's own.
+
+    DIR/drafter/                 SRC fused at every position (a gated adapter too: the target
+                                 verifies every token), the mask row set, mask_token_id in config.json
+    DIR/target/                  the target, when it is not a directory the user already has
+    DIR/speculative_config.json  what `vllm serve --speculative-config` and `LLM(speculative_config=)` take
+    DIR/README.md                the commands
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+from pathlib import Path
+
+from ..core.config import MarsConfig, has_config, read_config as read_mars, write_config
+from ..core.files import atomic_dir
+from .adapters import adapter_format, safe_output
+from .models import convert_model, read_config
+from .tensors import ConvertError
+
+DRAFTER = "drafter"
+TARGET = "target"
+SPECULATIVE_CONFIG = "speculative_config.json"
+SPECULATIVE_TOKENS = 4  # drafted tokens per target step
+
+
+def speculative_config(drafter: Path) -> dict:
+    return {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": SPECULATIVE_TOKENS, "parallel_drafting": True}
+
+
+def _adapter_base(src: Path, mars: MarsConfig) -> Path:
+    from ..default_model import resolve_named_base
+
+    name = mars.base_model
+    if not name:
+        config = json.loads((src / "adapter_config.json").read_text())
+        name = config.get("base_model_name_or_path") or config.get("model") or ""
+    if not name:
+        raise ConvertError(f"{src}/mars.json: no base_model (the model the adapter was trained on); add it")
+    base = resolve_named_base(name)
+    if not base.exists():
+        raise ConvertError(f"{src}/mars.json: its base model {name} is not here; put it there (or fix base_model)")
+    return base
+
+
+def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Path:
+    """Write `output` (see the module's description) for the MARS checkpoint `src`: an adapter
+    directory with mars.json, or a full model directory with mars.json."""
+    from ..default_model import DEFAULT_REF, model_ref
+
+    src, output = Path(src), Path(output)
+    if not src.is_dir() or not has_config(src):
+        raise ConvertError(f"{src}: no mars.json (not a MARS checkpoint: its mask token is unknown); give a directory written by mars finetune")
+    safe_output(output, (src,), overwrite)
+    mars = read_mars(src)
+    final = Path(os.path.abspath(output))
+    drafter = final / DRAFTER
+    if adapter_format(src) is not None:
+        base = _adapter_base(src, mars)
+        if base.is_dir():
+            read_config(base)  # an unsupported architecture fails here, before any work
+        gated = mars.gate == "masks"
+        # A directory the user has is named; the cached default (or an imported GGUF) is written.
+        own = base.is_dir() and model_ref(base) != DEFAULT_REF
+        target = (base.resolve() if own else final / TARGET) if gated else drafter
+        why = ("the base model: the adapter is gated (its deltas act at mask positions only), so its greedy output is the base's"
+               if gated else "the fused model itself: its greedy output is the checkpoint's")
+    else:
+        read_config(src)
+        base, gated, own, target = None, False, True, drafter
+        why = "the fine-tuned model itself: its greedy output is the checkpoint's"
+
+    def write(d: Path):
+        announce(f"writing the drafter ({'the adapter fused at every position' if base is not None else 'the model'}) into {drafter}")
+        if base is not None:
+            convert_model(base, d / DRAFTER, "hf", adapter=src, fuse_gated=True, announce=announce)
+        else:
+            convert_model(src, d / DRAFTER, "hf", announce=announce)
+        config_file = d / DRAFTER / "config.json"
+        config = json.loads(config_file.read_text())
+        config["mask_token_id"] = mars.mask_token_id
+        config_file.write_text(json.dumps(config, indent=2) + "\n")
+        write_config(dataclasses.replace(mars, gate="none"), d / DRAFTER)  # every position runs the adapted weights
+        if base is not None and not own:
+            announce(f"writing the target ({base}) into {final / TARGET}")
+            convert_model(base, d / TARGET, "hf", announce=announce)
+        spec = speculative_config(drafter)
+        (d / SPECULATIVE_CONFIG).write_text(json.dumps(spec, indent=2) + "\n")
+        (d / "README.md").write_text(_readme(src, target, why, drafter, spec, mars))
+
+    atomic_dir(output, write)
+    return output
+
+
+def _readme(src: Path, target: Path, why: str, drafter: Path, spec: dict, mars: MarsConfig) -> str:
+    spec_json = json.dumps(spec)
+    return "\n".join([
+        "# A MARS checkpoint as a vLLM parallel drafter",
+        "",
+        f"Exported by `mars convert {src} --to vllm`.",
+        "",
+        f"- target: `{target}`: {why}.",
+        f"- drafter: `{drafter}`: {src} fused at every position, with the trained mask token "
+        f"`{mars.mask_token}` (id {mars.mask_token_id}, `mask_token_id` in its config.json). It drafts "
+        f"{spec['num_speculative_tokens']} tokens per target step in one forward (parallel drafting); the target verifies "
+        "every one, so greedy replies are the target's own.",
+        f"- `{SPECULATIVE_CONFIG}`: the speculative config below.",
+        "",
+        "## Serve",
+        "",
+        "```bash",
+        f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec_json)}",
+        "```",
+        "",
+        "## Python",
+        "",
+        "```python",
+        "from vllm import LLM, SamplingParams",
+        "",
+        'if __name__ == "__main__":  # vLLM starts worker processes',
+        f"    llm = LLM(model={str(target)!r}, speculative_config={spec!r})",
+        '    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=64))',
+        "    print(out[0].outputs[0].text)",
+        "```",
+        "",
+        "A drafter as large as its target costs a full forward per draft on a GPU; the recipe that pays is a small "
+        "MARS-trained drafter for a larger target sharing its tokenizer (`mars finetune` the small model, then "
+        "`mars convert` it and serve the larger one with this speculative config).",
+        "",
+    ])
