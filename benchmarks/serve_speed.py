@@ -82,7 +82,7 @@ def main(argv):
     session = Session(args.model, announce=lambda m: print(m, file=sys.stderr))
     ids = session.encode(read_prompts(args.prompts)[: args.limit], chat=True)
     levels = [int(c) for c in args.concurrency.split(",")]
-    ar_settings = session.settings(threshold=1.0, max_tokens=args.max_tokens)
+    ar_settings = session.plan(threshold=1.0, max_tokens=args.max_tokens)
     eos = set(session.loaded.eos_ids)
 
     def strip(t):

@@ -25,8 +25,8 @@ import numpy as np
 from tqdm import tqdm
 
 from .backends import base
-from .core.decode_types import FEEDS
 from .core.decoding import DecodeSettings, Sampling, generate
+from .core.plan import FEEDS
 from .core.masks import decode_mask
 from .core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
 from .default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
@@ -66,7 +66,7 @@ class BenchSettings:
     alternatives: int = DEFAULT_ALTERNATIVES  # lossless: runner-up groups of the default configuration
     llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
-    # chosen from the cost curve, mars.core.cost.ThresholdPolicy) and/or "fixed" (B every step).
+    # chosen from the cost curve, mars.core.cost.ThresholdFeed) and/or "fixed" (B every step).
     feeds: tuple[str, ...] = ("auto",)
     # Also time verified threshold mode (mars.core.decode_types.DecodeSettings.verify) at each
     # threshold, with the window cache, the cost-aware feed and n-gram drafts (`ngram`).
@@ -116,13 +116,12 @@ def metric_of(loaded, s: BenchSettings) -> str:
     return metric_for(loaded.mars, s.metric)
 
 
-def decode_settings(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
-                    hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False,
-                    alternatives: int = 0) -> DecodeSettings:
-    """The settings `mars generate` would use for this model (mask id, block size, metric, EOS)."""
-    return base.decode_settings(loaded, threshold=threshold, lossless=lossless, metric=s.metric, block_size=s.block_size, force=s.force,
-                                max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge, ngram=ngram,
-                                feed=feed, verify=verify, alternatives=alternatives)
+def plan(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
+         hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False, alternatives: int = 0) -> DecodeSettings:
+    """The plan `mars generate` would make for this model (mars.core.plan.decode_plan), greedy."""
+    return base.decode_plan(loaded, threshold=threshold, lossless=lossless, verify=verify, metric=s.metric, block_size=s.block_size,
+                            force=s.force, max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge,
+                            ngram=ngram, feed=feed, alternatives=alternatives)
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -230,12 +229,16 @@ def mlx_reference(loaded, max_tokens: int):
     return "mlx_lm.generate", run
 
 
-def _ours(decoder, settings: DecodeSettings, cost=None):
-    def run(prompts):
-        result = generate(decoder, prompts, settings, cost=cost)
-        return result.tokens, result.stats
+class _Ours:
+    """A configuration of this project's loop: prompts -> (tokens, statistics); `mode` names its plan."""
 
-    return run
+    def __init__(self, decoder, settings: DecodeSettings, cost=None):
+        self.decoder, self.settings, self.cost = decoder, settings, cost
+        self.mode = settings.name
+
+    def __call__(self, prompts):
+        result = generate(self.decoder, prompts, self.settings, cost=self.cost)
+        return result.tokens, result.stats
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
@@ -245,7 +248,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     from .core.cost import FeedPolicy
 
     ar_tau = ar_threshold(metric_of(loaded, s))
-    ar = Config("ar-kv-cache", "ar", _ours(decoder, decode_settings(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
+    ar = Config("ar-kv-cache", "ar", _Ours(decoder, plan(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
     name, ref = (mlx_reference if backend == "mlx" else torch_reference)(loaded, s.max_tokens)
     configs = [ar, Config(name, "reference", ref)]
     if backend == "torch" and s.prompt_lookup:  # one prompt at a time, whatever the batch size
@@ -262,37 +265,37 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     for tau in s.thresholds:
         for feed in s.feeds:
             # auto: each call picks its masks per step from the cost curve (a policy of its own,
-            # mars.core.cost.ThresholdPolicy), and may leave the block cache where it does not pay.
+            # mars.core.cost.ThresholdFeed), and may leave the block cache where it does not pay.
             fed, suffix = (stored, "") if feed == "auto" else (None, " fixed")
             if s.window:
-                window = _ours(decoder, decode_settings(loaded, tau, "window", 16, s, feed=feed), fed)
+                window = _Ours(decoder, plan(loaded, tau, "window", 16, s, feed=feed), fed)
                 configs.append(Config(f"mars-window t={tau:g}{suffix}", "mars", window, tau, "window"))
             for bc in s.block_caches:
-                run = _ours(decoder, decode_settings(loaded, tau, "block", bc, s, feed=feed), fed)
+                run = _Ours(decoder, plan(loaded, tau, "block", bc, s, feed=feed), fed)
                 configs.append(Config(f"mars-block{bc} t={tau:g}{suffix}", "mars", run, tau, "block", bc))
     if s.verify:
         for tau in s.thresholds:
             # The window cache (verified threshold mode runs no other), deciding on the stored curves.
-            verified = decode_settings(loaded, tau, "window", 16, s, ngram=s.ngram, verify=True, alternatives=s.alternatives)
-            configs.append(Config(f"verified t={tau:g}", "mars", _ours(decoder, verified, stored), tau, "window"))
+            verified = plan(loaded, tau, "window", 16, s, ngram=s.ngram, verify=True, alternatives=s.alternatives)
+            configs.append(Config(f"verified t={tau:g}", "mars", _Ours(decoder, verified, stored), tau, "window"))
     if s.lossless:
         if s.window:
-            auto = decode_settings(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
-            policy = FeedPolicy(cost, auto.block_size, auto.spare_groups) if cost is not None else None
-            configs.append(Config("lossless (default)", "lossless", _ours(decoder, auto, policy), None, "window"))
+            auto = plan(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
+            policy = FeedPolicy.for_plan(cost, auto) if cost is not None else None
+            configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, policy), None, "window"))
             if auto.corpus is not None:  # what the checkpoint's draft corpus adds (mars.core.corpus)
                 bare = dataclasses.replace(auto, corpus=None)
-                policy = FeedPolicy(cost, bare.block_size, bare.spare_groups) if cost is not None else None
-                configs.append(Config("lossless, no corpus", "lossless", _ours(decoder, bare, policy), None, "window"))
-            fixed = decode_settings(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
-            configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _ours(decoder, fixed), None, "window"))
-            configs.append(Config("lossless hedge 0", "lossless", _ours(decoder, decode_settings(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
+                policy = FeedPolicy.for_plan(cost, bare) if cost is not None else None
+                configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, policy), None, "window"))
+            fixed = plan(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
+            configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window"))
+            configs.append(Config("lossless hedge 0", "lossless", _Ours(decoder, plan(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
         for bc in s.block_caches:
-            block = decode_settings(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
+            block = plan(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
             # With a cost curve the loop may leave the block cache for the window cache where
             # that is faster (the row's "cache_ran" says which ran).
-            policy = FeedPolicy(cost, block.block_size, block.window_spare_groups) if cost is not None else None
-            configs.append(Config(f"lossless-block{bc}", "lossless", _ours(decoder, block, policy), None, "block", bc))
+            policy = FeedPolicy.for_plan(cost, block) if cost is not None else None
+            configs.append(Config(f"lossless-block{bc}", "lossless", _Ours(decoder, block, policy), None, "block", bc))
     return configs
 
 
@@ -377,6 +380,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
         rows.append({
             "name": c.name,
             "kind": c.kind,
+            "mode": getattr(c.run, "mode", None),
             "batch_size": batch,
             "threshold": c.threshold,
             "cache": c.cache,

@@ -10,7 +10,7 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from .backends.paths import add_rope_keys
+from .backends.hf_config import add_rope_keys
 from .core.files import atomic_dir
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"

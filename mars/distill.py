@@ -97,12 +97,12 @@ class Distiller:
     """Greedy replies from a loaded model, batched on the KV-cached decoding loop."""
 
     def __init__(self, loaded, decoder, settings: DistillSettings):
-        from .backends.base import decode_settings
+        from .backends.base import decode_plan
         from .core.policy import ar_threshold, metric_for
 
         self.tm, self.decoder, self.s = loaded, decoder, settings
         ar = ar_threshold(metric_for(loaded.mars))  # plain greedy AR
-        self.decode = decode_settings(loaded, threshold=ar, max_tokens=settings.max_tokens, cache="window")
+        self.decode = decode_plan(loaded, threshold=ar, max_tokens=settings.max_tokens, cache="window")
         self.generated = 0
 
     def replies(self, conversations: list[list]) -> list[tuple[str, str]]:

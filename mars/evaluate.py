@@ -212,10 +212,10 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
     def run(threshold, lossless=False, hedge=None, verify=False):
-        s = base.decode_settings(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
-                                 max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
-                                 verify=verify, alternatives=settings.alternatives,
-                                 ngram=settings.ngram if (lossless or verify) else 0)
+        s = base.decode_plan(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
+                             max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
+                             verify=verify, alternatives=settings.alternatives,
+                             ngram=settings.ngram if (lossless or verify) else 0)
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
         if s.ngram:
             alts += f", n-gram{' and corpus' if s.corpus is not None else ''} drafts of up to {s.ngram} tokens"
@@ -223,7 +223,8 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
                 else f"{'verified threshold mode ' if verify else ''}at threshold {threshold}")
         announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
         return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups,
-                                                                     "ngram": s.ngram, "corpus": s.ngram > 0 and s.corpus is not None}
+                                                                     "ngram": s.ngram, "corpus": s.ngram > 0 and s.corpus is not None,
+                                                                     "name": s.name}
 
     reference = run(ar)
     rows = []
@@ -239,6 +240,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
         rows.append({
             "mode": "lossless" if lossless else "verified" if verify else "threshold",
             "threshold": None if lossless else threshold,
+            "name": d["name"],  # the plan's printable name, as generate, chat, bench and the server print it
             "tokens": d["accepted"],
             "forwards": d["forwards"],
             "tokens_per_forward": d["accepted"] / max(1, d["forwards"]),

@@ -2,8 +2,7 @@
 eval and bench share.
 
 `Session` loads a model through the backend contract (mars.backends.base), makes its
-decoder, takes decode settings from its checkpoint plus what was asked (the decoding policy,
-mars.core.policy), keeps the per-forward cost curve and the cost-aware feed policies of its
+decoder, takes the plan of a request from its checkpoint plus what was asked (mars.core.plan), keeps the per-forward cost curve and the cost-aware feed policies of its
 lossless runs, and decodes prompts in batches (`decode_batches`).
 """
 
@@ -76,9 +75,10 @@ class Session:
     def tokenizer(self):
         return self.loaded.tokenizer
 
-    def settings(self, **asked) -> DecodeSettings:
-        """Decode settings from the checkpoint plus `asked` (mars.core.policy.decode_settings)."""
-        return base.decode_settings(self.loaded, **asked)
+    def plan(self, **asked) -> DecodeSettings:
+        """The plan a request decodes by: the checkpoint's defaults plus `asked`
+        (mars.core.plan.decode_plan)."""
+        return base.decode_plan(self.loaded, **asked)
 
     def cost_for(self, settings: DecodeSettings, batch: int = 1):
         """What the loop chooses its feed from, when `settings.feed` is "auto", else None:
@@ -87,7 +87,7 @@ class Session:
         faster; sampled decoding, on the window cache, the masks alone; each block size keeps
         one policy for greedy and one for sampled decoding, which learn across calls); threshold
         mode below AR mode, the cost curves themselves (each call then picks the masks it
-        feeds per step with a policy of its own, mars.core.cost.ThresholdPolicy). The
+        feeds per step with a policy of its own, mars.core.cost.ThresholdFeed). The
         per-forward cost curve is measured once per device (mars.backends.base.cost_curve),
         and with `batch` > 1 the curves of smaller and equal batches too."""
         if settings.feed != "auto":
@@ -110,7 +110,7 @@ class Session:
         # The window's spare groups, if the block cache gives way; sampled drafts keep at rates of their own.
         key = (settings.block_size, settings.window_spare_groups, settings.sampling.greedy)
         if key not in self._policies:
-            self._policies[key] = FeedPolicy(self._cost, *key[:2])
+            self._policies[key] = FeedPolicy.for_plan(self._cost, settings)
         return self._policies[key]
 
     def encode(self, prompts, *, chat: bool = True) -> list[list[int]]:

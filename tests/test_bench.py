@@ -20,7 +20,17 @@ def tiny(tmp_path_factory):
     return save_model(tmp_path_factory.mktemp("bench") / "model", "llama", seed=1)
 
 
-def check_report(report, reference, extra=()):
+def decoded(tiny, backend, threshold, batch, **asked):
+    """What `mars generate` decodes for PROMPTS in batches of `batch` (mars.session.Decoded), and its plan's name."""
+    from mars.session import Session
+
+    session = Session(str(tiny), backend=backend, device="cpu", announce=lambda m: None)
+    plan = session.plan(threshold=threshold, verify=False, force=True, max_tokens=SETTINGS["max_tokens"], **asked)
+    out = session.decode(session.encode(PROMPTS), plan, batch)
+    return out, plan.name
+
+
+def check_report(report, reference, tiny, backend, extra=()):
     assert report["ar_matches_reference"] is True
     assert [c["batch_size"] for c in report["reference_check"]] == [1, 2]
     expected = {"ar-kv-cache", reference, "mars-window t=0.9", "mars-block4 t=0.9", "mars-block8 t=0.9", *extra}
@@ -31,17 +41,27 @@ def check_report(report, reference, extra=()):
         assert ar["ratio_to_ar"] == 1.0 and ar["tokens_per_forward"] == 1.0 and ar["rows_equal_to_ar"] == 1.0
         assert runs[reference]["tokens"] == ar["tokens"] and runs[reference]["rows_equal_to_ar"] == 1.0
         assert runs["mars-block8 t=0.9"]["block_cache"] == 8 and runs["mars-window t=0.9"]["cache"] == "window"
+        # The numbers are what the loop decodes with the same plan outside the bench (AR's, and
+        # plain threshold mode's with a fixed feed, which depends on no timing), under its name.
+        want, name = decoded(tiny, backend, 1.0, batch)
+        assert ar["mode"] == name == "AR greedy" and runs[reference]["mode"] is None
+        assert ar["tokens"] == sum(map(len, want.tokens)) and ar["forwards"] == want.total.forwards
+        assert runs["mars-window t=0.9"]["mode"] == decoded(tiny, backend, 0.9, batch)[1] == "threshold 0.9 (probability)"
         for r in runs.values():
-            assert r["wall_s"] > 0 and r["tokens_per_s"] > 0 and r["ratio_to_ar"] > 0 and r["tokens"] > 0
-            assert len(r["wall_s_runs"]) == 1
-            assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"]
+            assert r["wall_s"] > 0 and r["tokens"] > 0 and len(r["wall_s_runs"]) == 1
+            assert r["wall_s"] == r["wall_s_runs"][0] and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+            assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"] and r["ratio_to_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+            if r["forwards"] is not None:  # this project's loop: tokens per counted row forward
+                assert 1.0 <= r["tokens_per_forward"] <= 1 + 4  # at most B masks and the AR token a forward
         assert runs["mars-window t=0.9"]["masks_fed"] and runs["ar-kv-cache"]["masks_fed"] is None
         for name in extra:  # transformers prompt lookup: greedy, so AR's tokens
             assert runs[name]["rows_equal_to_ar"] == 1.0
     curve = report["forward_cost"]
     assert [(p["batch_size"], p["k"]) for p in curve] == [(b, k) for b in (1, 2) for k in (1, 2, 3, 4)]
     assert all(p["median_s"] > 0 for p in curve)
-    assert all(p["ratio_to_first"] == 1.0 for p in curve if p["k"] == 1)
+    for b in (1, 2):
+        first = next(p for p in curve if p["batch_size"] == b and p["k"] == 1)["median_s"]
+        assert all(p["ratio_to_first"] == pytest.approx(p["median_s"] / first) for p in curve if p["batch_size"] == b)
     table = format_table(report)
     assert "mars-block4 t=0.9" in table and "k=4" in table
     json.dumps(report)  # JSON-ready as it is
@@ -50,14 +70,14 @@ def check_report(report, reference, extra=()):
 def test_torch_bench_reports_every_configuration(tiny):
     report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
     assert report["backend"] == "torch" and report["prompts"] == 4
-    check_report(report, "transformers.generate", extra=("transformers lookup 10",))
+    check_report(report, "transformers.generate", tiny, "torch", extra=("transformers lookup 10",))
 
 
 def test_mlx_bench_reports_every_configuration(tiny):
     pytest.importorskip("mlx_lm")
     report = benchmark(str(tiny), backend="mlx", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
     assert report["backend"] == "mlx"
-    check_report(report, "mlx_lm.generate")
+    check_report(report, "mlx_lm.generate", tiny, "mlx")
 
 
 def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
@@ -200,7 +220,7 @@ def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monke
 
     session = Session(str(tiny), backend="torch", announce=lambda m: None)
     ids = session.encode(PROMPTS[:2])
-    ar = bench.generate(session.decoder, [ids[0]], bench.decode_settings(session.loaded, 1.0, "window", 16, settings)).tokens[0]
+    ar = bench.generate(session.decoder, [ids[0]], bench.plan(session.loaded, 1.0, "window", 16, settings)).tokens[0]
     replies = {tuple(ids[0]): ar}
     report = bench.run_benchmark(session.loaded, session.decoder, "torch", ids, settings)
     runs = {r["name"]: r for r in report["runs"]}

@@ -237,7 +237,7 @@ def test_finetune_keeps_its_training_data_as_the_draft_corpus(lora, full, tiny, 
         assert np.array_equal(corpus.DraftCorpus.load(out / corpus.FILE).tokens, want.tokens)
         assert f"draft corpus: {len(want):,} tokens" in result.output
     loaded = base.load("torch", *lora[:1], device="cpu", announce=lambda m: None)
-    assert np.array_equal(base.decode_settings(loaded, lossless=True).corpus.tokens, want.tokens)
+    assert np.array_equal(base.decode_plan(loaded, lossless=True).corpus.tokens, want.tokens)
     out = tmp_path / "none"
     ok(invoke(*finetune_args(tiny, data, out, "--no-draft-corpus", iters=1)))
     assert (out / "mars.json").is_file() and not (out / corpus.FILE).exists()
@@ -491,9 +491,9 @@ def test_verify_runs_verified_threshold_mode(tiny):
     result = ok(invoke("chat", "--model", tiny, "--max-tokens", 6, "--device", "cpu", "--force",
                        input="/verify\n/threshold 0.5\nhi\n/verify\n/quit\n"))
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
-    said = [line for line in said if line.startswith(("lossless", "threshold", "verified"))]
-    assert said[0].startswith("threshold 1.0 (probability), B=4")  # the banner
-    assert said[1:] == ["threshold 1.0 (probability)", "threshold 0.5 (probability)", "verified threshold 0.5 (probability)"]
+    said = [line for line in said if line.startswith(("AR", "lossless", "threshold", "verified"))]
+    assert said[0].startswith("AR greedy, B=4")  # the banner
+    assert said[1:] == ["AR greedy", "threshold 0.5 (probability)", "verified threshold 0.5 (probability)"]
     # Verified threshold mode is the default of threshold mode; --no-verify is plain threshold mode.
     plain = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--no-verify", "--force")).stdout.splitlines()]
     default = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--force")).stdout.splitlines()]
@@ -516,7 +516,7 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     ar = [json.loads(line) for line in ok(invoke(*common, "--threshold", 1.0)).stdout.splitlines()]
     loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5)).stdout.splitlines()]
     assert [r["mode"] for r in default] == ["lossless greedy"] * 2
-    assert [r["mode"] for r in ar] == ["threshold 1.0 (probability)"] * 2
+    assert [r["mode"] for r in ar] == ["AR greedy"] * 2
     assert [r["mode"] for r in loose] == ["verified threshold 0.5 (probability)"] * 2
     assert [r["text"] for r in default] == [r["text"] for r in ar]
     plain = [json.loads(line) for line in ok(invoke(*common, "--hedge", 0)).stdout.splitlines()]
@@ -529,7 +529,7 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
                        input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
-    said = [line for line in said if line.startswith(("lossless", "threshold", "verified"))]
+    said = [line for line in said if line.startswith(("AR", "lossless", "threshold", "verified"))]
     assert said[0].startswith("lossless greedy, B=4")
     assert said[1:] == ["verified threshold 0.5 (probability)", "lossless greedy"]
     assert len([line for line in result.output.splitlines() if "tokens/forward" in line]) == 3

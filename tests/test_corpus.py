@@ -148,11 +148,11 @@ def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
     book = DraftCorpus.load(ckpt / corpus_drafts.FILE)
     assert len(book) > 20 * 5 and book.tokens[-1] == -1
     loaded = load(str(ckpt), device="cpu", announce=lambda m: None)
-    s = base.decode_settings(loaded, lossless=True)
+    s = base.decode_plan(loaded, lossless=True)
     assert s.corpus is not None and s.corpus.tokens.tolist() == book.tokens.tolist()
-    assert base.decode_settings(loaded, lossless=True).corpus is s.corpus  # read once per loaded model
-    assert base.decode_settings(loaded, lossless=True, corpus=None).corpus is None
-    assert base.decode_settings(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).corpus is None
+    assert base.decode_plan(loaded, lossless=True).corpus is s.corpus  # read once per loaded model
+    assert base.decode_plan(loaded, lossless=True, corpus=None).corpus is None
+    assert base.decode_plan(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).corpus is None
 
 
 def test_mars_corpus_rejects_bad_input(tmp_path, tiny):

@@ -15,7 +15,7 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core import ngram
-from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdPolicy, block_cache_pays, steady_state
+from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
 from mars.core.decoding import DecodeSettings, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
@@ -531,7 +531,7 @@ def threshold(**kw):
 
 
 def test_threshold_policy_rate_by_hand():
-    policy = ThresholdPolicy(fixed({1: 1.0, 2: 1.5, 5: 3.0}), 4)
+    policy = ThresholdFeed(fixed({1: 1.0, 2: 1.5, 5: 3.0}), 4)
     for _ in range(98):  # slot 0 passes 3 times in 4, slot 1 (once reached) half the time
         policy.record(2, 2)
         policy.record(2, 1)
@@ -552,7 +552,7 @@ def test_threshold_policy_rate_by_hand():
 def test_threshold_policy_decides_on_a_snapshot_of_the_curves():
     curve = CostCurve({1: 1.0, 8: 2.0}, refresh=0.5)
     costs = BatchCosts(curve)
-    policy = ThresholdPolicy(costs, 4)
+    policy = ThresholdFeed(costs, 4)
     before = policy.costs.seconds(1, 8)
     costs.observe(1, 8, 100.0)  # the shared curve learns from another loop's forwards
     assert curve.points[8] > 2.0

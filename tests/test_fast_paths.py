@@ -144,7 +144,7 @@ def _decoder(pack: bool = True):
 
 
 def test_a_step_with_holes_reads_what_the_full_step_reads():
-    from mars.core.decode_types import Sampling
+    from mars.core.plan import Sampling
 
     dec, vocab = _decoder()
     assert dec.skips_holes

@@ -351,3 +351,52 @@ def test_the_test_fails_when_the_rule_is_broken(sampler, broken):
     n = 4000
     counts, _ = lossless_samples(broken(tm), prompt, n, "window")
     assert chi_square_p(counts, expected, n) < 1e-3
+
+
+class NumpyOps:
+    """mars.core.acceptance.DeviceOps on numpy arrays: the rule checked on the host."""
+
+    arange = staticmethod(np.arange)
+    where = staticmethod(np.where)
+    minimum = staticmethod(np.minimum)
+    at_least = staticmethod(np.maximum)
+
+    def zeros_int(self, n):
+        return np.zeros(n, dtype=np.int64)
+
+    def zeros_like(self, x):
+        return np.zeros_like(x)
+
+    def take(self, x, ids):
+        return np.take_along_axis(x, ids[..., None], axis=-1)[..., 0]
+
+    def leading(self, ok):
+        return np.cumprod(ok, axis=1).sum(axis=1)
+
+    def row_sum(self, x):
+        return x.sum(-1, keepdims=True)
+
+
+def test_the_speculative_sampling_rule_both_backends_run():
+    """The rule of mars.core.acceptance, on exact cases: a draft from p itself is always kept;
+    a draft p never gives is rejected, and the token is then drawn from p less q; a draft
+    kept with chance p/q is kept exactly when the uniform draw falls below it; a row keeps
+    none of the drafts it did not feed; after the last kept draft the token comes from p."""
+    from mars.core.acceptance import speculative_sampling
+
+    p = np.array([[[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8]]] * 3)  # (3 rows, D + 1 = 3 slots, V = 3)
+    q = np.array([[[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]]] * 3)  # slot 1's drafts always token 2, where p gives 0.5
+    drafts = np.array([[0, 2], [2, 2], [1, 2]])  # row 1's first draft is a token p never gives at slot 0
+    n_drafts = np.array([2, 2, 1])
+    u = np.array([[0.99, 0.49], [0.0, 0.0], [0.99, 0.0]])
+    kept, dist = speculative_sampling(NumpyOps(), p, q, drafts, n_drafts, u)
+    # row 0: draft 0 kept (p = q), draft 1 kept (u 0.49 < p/q = 0.5): the token comes from p after the last draft
+    # row 1: draft 0 rejected (p = 0): the token from norm(max(0, p - q)) at slot 0 (q there has nothing on token 2)
+    # row 2: fed one draft, kept: its second draft slot is not verified, the token comes from slot 1's p
+    assert kept.tolist() == [2, 0, 1]
+    np.testing.assert_allclose(dist, [[0.1, 0.1, 0.8], [0.5, 0.5, 0.0], [0.2, 0.3, 0.5]])
+    u_above = u.copy()
+    u_above[0, 1] = 0.51  # above p/q: rejected, and the token from norm(max(0, p - q)) at slot 1
+    kept, dist = speculative_sampling(NumpyOps(), p, q, drafts, n_drafts, u_above)
+    assert kept.tolist() == [1, 0, 1]
+    np.testing.assert_allclose(dist[0], [0.4, 0.6, 0.0])

@@ -17,12 +17,12 @@ from mars.core.policy import (
     block_size_for,
     check_may_decode,
     checkpoint_mode,
-    decode_settings,
     looser,
     may_decode,
     metric_for,
     strict_and_loose,
 )
+from mars.core.plan import decode_plan
 from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model
 
@@ -31,7 +31,7 @@ LOSSLESS = MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, def
 
 
 def settings(mars, **asked):
-    return decode_settings(mars, mask_id=3, eos_ids=(2,), **asked)
+    return decode_plan(mars, mask_id=3, eos_ids=(2,), **asked)
 
 
 # -- the policy ------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_the_backend_contract(plain, name):
     (batch_ids, batch_labels, lengths), = batches([Example(ids, labels, "x", False)], 1, pad_id=2, shuffle=False)
     noisy, clean = base.losses(loaded)(batch_ids, batch_labels, lengths, 2, mars.mask_token_id)
     assert np.isfinite(noisy) and np.isfinite(clean)
-    s = base.decode_settings(loaded, max_tokens=3)
+    s = base.decode_plan(loaded, max_tokens=3)
     assert s.threshold == 1.0 and s.mask_id == base.mask_id_for(loaded) and s.eos_ids == loaded.eos_ids
 
 
@@ -159,14 +159,14 @@ def test_session_decodes_in_batches(plain):
     from mars.session import Session
 
     session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
-    s = session.settings(max_tokens=4)
+    s = session.plan(max_tokens=4)
     ids = session.encode(["hi", "there", "you"])
     decoded = session.decode(ids, s, batch_size=2)
     assert len(decoded.tokens) == len(decoded.finish) == 3 and len(decoded.stats) == 2
     assert decoded.total.accepted == sum(len(t) for t in decoded.tokens)
     assert decoded.tokens == [session.generate([i], s).tokens[0] for i in ids]
     with pytest.raises(UntrainedModelError):
-        session.settings(threshold=0.5)
+        session.plan(threshold=0.5)
     assert session.cost_for(s) is None  # AR mode feeds what AR feeds
 
 
@@ -180,10 +180,10 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the curves are measured and kept here
     session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
-    t = session.settings(threshold=0.5, force=True, max_tokens=6)
+    t = session.plan(threshold=0.5, verify=False, force=True, max_tokens=6)
     stored = session.cost_for(t, batch=2)
     assert isinstance(stored, BatchCosts) and session.cost_for(replace(t, feed="fixed")) is None
-    lossless = session.cost_for(session.settings(lossless=True, max_tokens=6))
+    lossless = session.cost_for(session.plan(lossless=True, max_tokens=6))
     assert isinstance(lossless, FeedPolicy) and lossless.costs is not stored
     ids = session.encode(["hi", "there"])
     stored_points = {b: dict(c.points) for b, c in stored.curves.items()}

@@ -432,8 +432,8 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
     with live(tm, engine_limits=EngineLimits(max_batch=8, block_cache=8, cache=cache)) as srv:
         msg = [{"role": "user", "content": PROMPTS[2]}]
         job_kinds = []
-        make = srv.engine._settings
-        srv.engine._settings = lambda job: job_kinds.append(make(job).cache) or make(job)
+        make = srv.engine._plan
+        srv.engine._plan = lambda job: job_kinds.append(make(job).cache) or make(job)
         r = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True})
         t = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5})
         policy = srv.engine._feed_policy
@@ -489,7 +489,8 @@ def test_stop_strings_are_cut_and_not_included(server, tm, tok):
 def test_many_requests_in_flight_equal_generate(server, tm, tok, cache):
     """Greedy requests decoded among others (mixed thresholds, lossless, streaming or not)
     equal the same prompts decoded alone: at threshold 1.0 and lossless, `mars generate
-    --threshold 1.0`; at 0.3, `generate()` on the cache the server uses, B masks a step."""
+    --threshold 1.0`; at 0.3 in plain threshold mode, `generate()` on the cache the server
+    uses, B masks a step."""
     refs = {t: reference(tm, encode_prompt(tok, t), 18)[1] for t in PROMPTS}
     fast = decode_settings(tm, threshold=0.3, max_tokens=18, cache=cache, block_cache=8)
     fast_refs = {t: tok.decode(generate(TorchDecoder(tm), [encode_prompt(tok, t)], fast).tokens[0], skip_special_tokens=True)
@@ -497,7 +498,7 @@ def test_many_requests_in_flight_equal_generate(server, tm, tok, cache):
 
     async def one(client, i):
         text = PROMPTS[i % len(PROMPTS)]
-        extra = [{"threshold": 1.0}, {"threshold": 0.3}, {"lossless": True}][i % 3]
+        extra = [{"threshold": 1.0}, {"threshold": 0.3, "verify": False}, {"lossless": True}][i % 3]
         kw = dict(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=18, extra_body=extra)
         if i % 2:
             stream = await client.chat.completions.create(stream=True, **kw)
@@ -567,9 +568,9 @@ def trained(tmp_path_factory):
 
 def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
     """Under a burst the threshold in force falls to the loose end and comes back once the
-    load is gone; the same burst runs faster than at a fixed 1.0. Each forward is padded
-    to >= 20 ms, as a real model's would take: the tiny model's own forward (about 1 ms)
-    costs less than the HTTP work around a request, which would hide the decoding speed."""
+    load is gone; the same burst takes fewer of the engine's forwards than at a fixed 1.0
+    (counted, not timed: speed claims are measured in benchmarks). Each forward is padded to
+    >= 20 ms, as a real model's would take, so that requests pile up as they would."""
     prompts = [r["prompt"] for r in spell_records()]
     policy = dict(policy="adaptive", min_threshold=0.6, max_threshold=1.0, full_load=8, hold=0.3)
     limits = EngineLimits(max_batch=8, max_queue=64, block_cache=16)
@@ -605,13 +606,17 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
         assert alone.usage.model_extra["threshold"] == 1.0  # one request: no load, the strict end
 
         admin(srv, policy="fixed", default_threshold=1.0)
+        before = srv.engine.tokens_total, srv.engine.forwards_total
         fixed_usages, fixed_seconds = asyncio.run(burst(srv))
+        fixed_engine = srv.engine.tokens_total - before[0], srv.engine.forwards_total - before[1]
         admin(srv, policy="adaptive")
         wait_for(lambda: srv.metric("mars_threshold") == 1.0, what="an idle adaptive server at the strict end")
         stop = threading.Event()
         watcher = threading.Thread(target=watch, args=(srv, stop))
         watcher.start()
+        before = srv.engine.tokens_total, srv.engine.forwards_total
         adaptive_usages, adaptive_seconds = asyncio.run(burst(srv))
+        adaptive_engine = srv.engine.tokens_total - before[0], srv.engine.forwards_total - before[1]
         burst_end = time.perf_counter()
         wait_for(lambda: srv.metric("mars_threshold") == 1.0, timeout=5, what="the threshold to return after the load")
         stop.set()
@@ -629,7 +634,10 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
     assert min(during) == pytest.approx(0.6)  # full load reached the loose end
     assert min(u.model_extra["threshold"] for u in adaptive_usages) < 1.0
     assert adaptive_tpf > 1.3
-    assert adaptive_tps > fixed_tps
+    # The engine's own counts: every token of each burst, and fewer batch forwards for them.
+    assert fixed_engine[0] == sum(u.completion_tokens for u in fixed_usages)
+    assert adaptive_engine[0] == sum(u.completion_tokens for u in adaptive_usages)
+    assert adaptive_engine[0] / adaptive_engine[1] > 1.2 * fixed_engine[0] / fixed_engine[1], (adaptive_engine, fixed_engine)
 
 
 # -- protection ----------------------------------------------------------------------------------------

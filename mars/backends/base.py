@@ -16,8 +16,8 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
   `.trainable`, `.train(train, valid, resume=..., log=...)` and `.save(tokenizer, base_ref,
   fuse=...)`; `ensure_mask_token(loaded, mars, ...)` readies the mask token before training;
 - `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
-- `context_length(loaded)`, `mask_id_for(loaded)`, `decode_settings(loaded, ...)` (the
-  decoding policy of mars.core.policy for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
+- `context_length(loaded)`, `mask_id_for(loaded)`, `decode_plan(loaded, ...)` (the
+  plan of mars.core.plan for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
 """
 
 from __future__ import annotations
@@ -125,12 +125,15 @@ def mask_id_for(loaded) -> int:
     return mask_id
 
 
-def decode_settings(loaded, **asked):
-    """mars.core.policy.decode_settings for a loaded model: its checkpoint, mask token and EOS
-    ids, plus what was asked (threshold, lossless, metric, block size, force, other fields)."""
+def decode_plan(loaded, **asked):
+    """mars.core.plan.decode_plan for a loaded model: its checkpoint, mask token, EOS ids and
+    draft corpus, plus what was asked (threshold, lossless, verify, metric, block size, force,
+    other fields)."""
+    from ..core.plan import decode_plan as plan_for
+
     if "corpus" not in asked:
         asked["corpus"] = draft_corpus(loaded)
-    return policy.decode_settings(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
+    return plan_for(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 
 
 def draft_corpus(loaded):

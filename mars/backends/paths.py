@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..core.config import has_config, read_config
-from ..core.files import atomic_write_text
+from .hf_config import add_rope_keys, rope_overrides  # noqa: F401  (the converters and trainers import them from here)
 
 # The trained mask-token row beside an adapter: the same name in both backends' adapter directories.
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"
@@ -81,28 +81,3 @@ def load_tokenizer(path: Path):
     if path.is_file() and path.suffix == ".gguf":
         return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def rope_overrides(config: dict) -> dict:
-    """transformers 5 writes RoPE settings as `rope_parameters`; mlx-lm reads `rope_theta` and
-    `rope_scaling`, and would otherwise fall back to its own per-architecture defaults."""
-    params = config.get("rope_parameters")
-    if not isinstance(params, dict) or "rope_theta" in config:
-        return {}
-    out = {"rope_theta": params["rope_theta"]} if "rope_theta" in params else {}
-    if params.get("rope_type", "default") != "default" and "rope_scaling" not in config:
-        out["rope_scaling"] = {k: v for k, v in params.items() if k != "rope_theta"}
-    return out
-
-
-def add_rope_keys(directory) -> bool:
-    """Give a written Hugging Face directory's config.json the RoPE keys mlx-lm reads
-    (`rope_overrides`), atomically; transformers reads the file as before. True if it changed."""
-    path = Path(directory) / "config.json"
-    config = json.loads(path.read_text())
-    extra = rope_overrides(config)
-    if not extra:
-        return False
-    config.update(extra)
-    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return True

@@ -1,5 +1,5 @@
 """Click pieces the `mars` subcommands share (no import of the command modules): option types
-and groups, error handling, opening a model, and decode settings from the decoding options."""
+and groups, error handling, opening a model, and the plan the decoding options ask for."""
 
 from __future__ import annotations
 
@@ -143,8 +143,7 @@ def open_session(model, adapter_path, dtype, device, backend):
 
 
 def decode_options(f):
-    from ..core.decode_types import FEEDS
-    from ..core.decoding import DecodeSettings, Sampling
+    from ..core.plan import FEEDS, DecodeSettings, Sampling
     from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     d, s = defaults(DecodeSettings), defaults(Sampling)
@@ -188,12 +187,12 @@ def decode_options(f):
     return f
 
 
-def decode_settings(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                    lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
-    """The DecodeSettings the decoding options ask for on the session's model, with a note for
-    each option that has no effect."""
+def decode_plan(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
+                lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
+    """The plan the decoding options ask for on the session's model (mars.core.plan), with a
+    note for each option that has no effect."""
     from ..core.corpus import DraftCorpus
-    from ..core.decoding import Sampling
+    from ..core.plan import Sampling
     from ..core.policy import check_threshold, metric_for
 
     drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
@@ -206,11 +205,10 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
         check_threshold(metric_for(session.mars, metric), threshold, name="--threshold")
         if lossless:
             warn("--threshold is ignored with --lossless (lossless output is AR's whatever the threshold)")
-    settings = session.settings(
-        threshold=threshold, lossless=lossless, metric=metric, block_size=block_size, force=force,
+    settings = session.plan(
+        threshold=threshold, lossless=lossless, verify=verify, metric=metric, block_size=block_size, force=force,
         warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
         sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed, alternatives=alternatives,
-        verify=verify is not False,  # on unless --no-verify: it applies where it can (greedy threshold mode)
         **drafts,
     )
     if verify and not settings.verified:  # asked for by name where it cannot apply
@@ -218,10 +216,3 @@ def decode_settings(session, threshold, block_size, metric, max_tokens, temp, to
     if hedge is not None and hedge > 0 and settings.no_spare_groups:
         warn(f"--hedge is ignored here: {settings.no_spare_groups}")
     return settings
-
-
-def describe(settings) -> str:
-    """How a run decodes, for the summary lines."""
-    if settings.lossless:
-        return "lossless" + (f" sampling (temp {settings.sampling.temperature:g})" if not settings.sampling.greedy else " greedy")
-    return f"{'verified ' if settings.verified else ''}threshold {settings.threshold} ({settings.metric})"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from .common import backend_option, decode_options, decode_settings, describe, friendly_errors, model_options, open_session
+from .common import backend_option, decode_options, decode_plan, friendly_errors, model_options, open_session
 
 
 @click.command("generate")
@@ -36,7 +36,7 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
     if not prompts:
         raise click.UsageError("give --prompt TEXT or --prompts FILE")
     session = open_session(model, adapter_path, dtype, device, backend)
-    settings = decode_settings(session, **decode)
+    settings = decode_plan(session, **decode)
     tok = session.tokenizer
     ids = session.encode(prompts, chat=not raw)
     runs = [settings]
@@ -57,14 +57,14 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
         if as_json:
             for s, r, text, run_rows in zip(runs, results, texts, rows):
                 row = run_rows[i]
-                click.echo(json.dumps({"prompt": p, "mode": describe(s), "text": text, "tokens": len(r.tokens[i]), "finish": r.finish[i],
+                click.echo(json.dumps({"prompt": p, "mode": s.name, "text": text, "tokens": len(r.tokens[i]), "finish": r.finish[i],
                                        "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3)}))
             continue
         click.echo(f"--- [{i}] {p if isinstance(p, str) else p[-1]['content']}")
         if compare:
-            click.echo(f"[{describe(runs[0])}]")
+            click.echo(f"[{runs[0].name}]")
             click.echo(texts[0])
-            click.echo(f"[{describe(runs[1])}]" + ("  (same text)" if texts[1] == texts[0] else ""))
+            click.echo(f"[{runs[1].name}]" + ("  (same text)" if texts[1] == texts[0] else ""))
         click.echo(texts[-1])
     lines = [summary(s, r) for s, r in zip(runs, results)]
     if compare:
@@ -88,7 +88,7 @@ def summary(settings, r) -> str:
     if total.cache and total.cache != cache:  # the block cache did not pay on this device
         cache = f"{total.cache} (the block cache would be slower here)"
     line = (
-        f"{describe(settings)}, B={settings.block_size}, cache={cache}: {n} tokens, {f} forwards, "
+        f"{settings.name}, B={settings.block_size}, cache={cache}: {n} tokens, {f} forwards, "
         f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
     )
     fed = total.masks_fed
@@ -117,10 +117,10 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     from ..core.tokens import encode_prompt
 
     session = open_session(model, adapter_path, dtype, device, backend)
-    settings = decode_settings(session, **decode)
+    settings = decode_plan(session, **decode)
     tok = session.tokenizer
     history = [{"role": "system", "content": system}] if system else []
-    click.echo(f"{describe(settings)}, B={settings.block_size}. /help lists the commands", err=True)
+    click.echo(f"{settings.name}, B={settings.block_size}. /help lists the commands", err=True)
     while True:
         try:
             line = input(">> ")
@@ -158,7 +158,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
         dt = time.perf_counter() - t0
         st = result.stats.rows[0]
         click.echo("")
-        click.echo(f"[{st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
+        click.echo(f"[{settings.name}: {st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
         history.append({"role": "assistant", "content": shown})
 
 
@@ -188,7 +188,7 @@ def chat_command_line(line: str, settings, session, *, force: bool) -> None:
             threshold = check_threshold(settings.metric, float(parts[1]))
         except ValueError as e:
             why = str(e) if isinstance(e, ThresholdError) else f"{parts[1]!r} is not a number"
-            click.echo(f"{why}; keeping {describe(settings)}", err=True)
+            click.echo(f"{why}; keeping {settings.name}", err=True)
             return
         try:
             check_may_decode(session.mars is not None, settings.metric, threshold, force=force)
@@ -197,13 +197,13 @@ def chat_command_line(line: str, settings, session, *, force: bool) -> None:
             threshold = ar_threshold(settings.metric)
         settings.threshold = threshold
         settings.lossless = False
-        click.echo(describe(settings), err=True)
+        click.echo(settings.name, err=True)
     elif command == "/lossless":
         settings.lossless = True
-        click.echo(describe(settings), err=True)
+        click.echo(settings.name, err=True)
     elif command == "/verify":
         settings.verify = not settings.verify
         why = settings.not_verified if settings.verify else None
-        click.echo(describe(settings) + (f" (verify is on, for threshold mode: {why})" if why else ""), err=True)
+        click.echo(settings.name + (f" (verify is on, for threshold mode: {why})" if why else ""), err=True)
     else:
         click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)

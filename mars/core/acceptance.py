@@ -1,4 +1,6 @@
-"""Confidence metrics and left-to-right prefix acceptance (docs/method.md §5).
+"""Confidence metrics, left-to-right prefix acceptance (docs/method.md §5) and the
+speculative-sampling rule lossless sampling verifies drafts by (§8), which both backends run
+on their device through `DeviceOps`.
 
 Backends compute confidences on the device and hand back small (batch, slots)
 arrays; the numpy versions here are the reference they are tested against.
@@ -7,6 +9,7 @@ arrays; the numpy versions here are the reference they are tested against.
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import numpy as np
 
@@ -127,3 +130,59 @@ def ar_mode_rows(metric: str, thresholds: np.ndarray) -> np.ndarray:
     check_metric(metric)
     thresholds = np.asarray(thresholds, dtype=np.float64)
     return thresholds <= 0.0 if metric == "entropy" else thresholds >= 1.0
+
+
+class DeviceOps(Protocol):
+    """The few array operations `speculative_sampling` needs, on a backend's device (torch
+    tensors, MLX arrays): each backend implements them in a handful of lines."""
+
+    def arange(self, n: int): ...
+
+    def zeros_int(self, n: int): ...
+
+    def zeros_like(self, x): ...
+
+    def take(self, x, ids):
+        """x (b, k, V), ids (b, k): x[r, j, ids[r, j]]."""
+        ...
+
+    def leading(self, ok):
+        """(b, k) bool -> (b,): the length of each row's run of leading True."""
+        ...
+
+    def where(self, condition, a, b): ...
+
+    def minimum(self, x, n: int): ...
+
+    def at_least(self, x, low: float): ...
+
+    def row_sum(self, x):
+        """(b, V) -> (b, 1)."""
+        ...
+
+
+def speculative_sampling(ops: DeviceOps, p, q, drafts, n_drafts, u):
+    """The speculative-sampling rule (docs/method.md §8), on the device, for a step that fed
+    each row's drafts: `p` (b, D + 1, V) the model's sampling distributions before each of the
+    D draft slots and after the last, `q` (b, D, V) the distributions the drafts were drawn
+    from, `drafts` (b, D) their ids, of which row r fed `n_drafts[r]`, `u` (b, D) uniform
+    draws. Draft j is kept with probability min(1, p(x) / q(x)) while every draft before it
+    was. Returns (kept (b,), the distribution (b, V) the step's token is drawn from:
+    norm(max(0, p - q)) at the first rejection, p after the last draft), so that the output
+    is distributed as AR sampling's."""
+    batch, width = drafts.shape
+    rows = ops.arange(batch)
+    kept = ops.zeros_int(batch)
+    q_at = ops.zeros_like(p[:, 0])
+    if width:
+        px = ops.take(p[:, :width], drafts)
+        qx = ops.take(q, drafts)
+        # q(x) > 0 since x was drawn from q
+        ok = (u * qx < px) & (ops.arange(width)[None, :] < n_drafts[:, None])
+        kept = ops.leading(ok)
+        rejected = kept < n_drafts
+        q_at = ops.where(rejected[:, None], q[rows, ops.minimum(kept, width - 1)], q_at)
+    p_at = p[rows, kept]
+    residual = ops.at_least(p_at - q_at, 0.0)
+    total = ops.row_sum(residual)
+    return kept, ops.where(total > 0, residual / ops.at_least(total, 1e-30), p_at)

@@ -48,8 +48,10 @@ def _hashes(values: np.ndarray, n: int) -> np.ndarray:
 
 
 class DraftCorpus:
-    """Token sequences (`sequences`, or one flat array with -1 between them) indexed for
+    """A draft source (mars.core.drafting.LookupSource, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
     `match`. Immutable once built: copies share it."""
+
+    name = "corpus"
 
     def __init__(self, sequences=None, *, tokens: np.ndarray | None = None):
         if tokens is None:
@@ -118,6 +120,12 @@ class DraftCorpus:
                 continue
             return n, self._continue(places, max_drafts)
         return 0, []
+
+    def propose(self, seq, max_drafts: int) -> tuple[str, list[int]] | None:
+        """mars.core.drafting.LookupSource: the drafts of `match` and the statistics key of
+        their match length (`source`), or None."""
+        n, found = self.match(seq, max_drafts=max_drafts)
+        return (source(n), found) if found else None
 
     def _continue(self, places: np.ndarray, max_drafts: int) -> list[int]:
         t = self.tokens

@@ -17,7 +17,7 @@ expected tokens per second of a steady state (a three-state chain: a step has ma
 drafts, spare-group drafts or none), AR's own feed (no masks) included. When nothing
 pays, it feeds what AR feeds, so decoding is never meaningfully slower than AR.
 
-Threshold mode feeds only masks; `ThresholdPolicy` picks how many per step, from a frozen
+Threshold mode feeds only masks; `ThresholdFeed` picks how many per step, from a frozen
 copy of the curves (its choice changes the text, so it must not follow timing noise).
 """
 
@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from .plan import Sampling
 
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's curve
@@ -172,8 +174,6 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     (a lossless step's cost). The widths are interleaved so drift hits them alike. The new
     tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR step, which
     feeds no mask (a gated adapter does no work there)."""
-    from .decoding import Sampling
-
     greedy = Sampling()
     n = len(prompt)
     ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
@@ -334,6 +334,13 @@ class FeedPolicy:
         self._probe = 0
         self._interval = explore  # AR steps in a row before the next probe
 
+    @classmethod
+    def for_plan(cls, curve: CostCurve | BatchCosts, plan) -> FeedPolicy:
+        """The policy of a plan's (mars.core.plan.DecodeSettings) lossless loop: its block
+        size, and the spare groups it may feed on the window cache (where the block cache
+        gives way to the window's too). Every caller builds its policy here."""
+        return cls(curve, plan.block_size, plan.window_spare_groups)
+
     @property
     def curve(self) -> CostCurve:
         """The one-row cost curve."""
@@ -387,7 +394,7 @@ class FeedPolicy:
         return 1.0 + self.stats.expected_kept(self.source, slots)
 
 
-class ThresholdPolicy(FeedPolicy):
+class ThresholdFeed(FeedPolicy):
     """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9).
 
     A threshold step feeding m masks takes the AR token plus the run of leading masks whose
@@ -439,7 +446,7 @@ def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int,
     """Whether decoding `batch` rows with the block cache is expected to be faster than with
     the window cache and the cost-aware feed (which falls back to AR's own feed when nothing
     pays): greedy lossless decoding with a FeedPolicy (or a curve), threshold mode with a
-    ThresholdPolicy.
+    ThresholdFeed.
 
     A block step feeds every row's B_cache slots, and once per block the finished block in
     front of them: about B_cache + t tokens a row for t tokens taken, where t is one AR

@@ -32,11 +32,12 @@ from typing import Any, Callable
 import numpy as np
 
 from .acceptance import ar_mode_rows, check_threshold
-from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdPolicy, block_cache_pays, frozen_costs
-from .decode_types import STRATEGIES, DecodeResult, DecodeSettings, DecodeStats, Row, RowStats, Sampling, StepBackend
+from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdFeed, block_cache_pays, frozen_costs
+from .decode_types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
 from .drafting import Drafting
 from .feed import Columns, Feed, feed_mask
 from .modes import accept_by_threshold, count_drafts, take_confident, verify
+from .plan import STRATEGIES, DecodeSettings, Mode, Sampling
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "DecodeResult",
     "DecodeSettings",
     "DecodeStats",
+    "Mode",
     "Drafting",
     "Feed",
     "Row",
@@ -78,7 +80,7 @@ def generate(
     instead (`stats.cache` says which ran). The output is the same either way.
 
     Threshold mode (below AR mode) with `cost` chooses per step how many masks to feed
-    (mars.core.cost.ThresholdPolicy: a fresh policy per call on a frozen copy of the curves,
+    (mars.core.cost.ThresholdFeed: a fresh policy per call on a frozen copy of the curves,
     so the text depends on the prompts and the device's curves, not on the run's timings),
     and likewise leaves the block cache where it does not pay. Its text can then differ
     from a fixed feed's: a mask not fed cannot be accepted."""
@@ -87,37 +89,12 @@ def generate(
     s = settings
     slots = s.masks_per_step + 1
     rows = [Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
-    ran, threshold_feed = s.cache, None
-    if s.feed == "fixed":
-        cost = None
-    confident = s.verified
-    if confident:
-        # Verified threshold mode: lossless mode's loop, window cache (or none), taking
-        # confident drafts unverified (modes.take_confident). What it feeds changes the text,
-        # so, as in threshold mode, a fresh policy per call decides on a frozen copy of the
-        # curves (Drafting does not refresh them from the run's timings).
-        s = replace(s, lossless=True, cache="none" if s.cache == "none" else "window")
-        ran = s.cache
-        if cost is not None:
-            cost = FeedPolicy(frozen_costs(cost), s.block_size, s.spare_groups)
-    if cost is not None and not s.lossless and s.masks_per_step:
-        # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdPolicy).
-        threshold_feed = ThresholdPolicy(cost, s.block_size)
-        if s.cache == "block" and not block_cache_pays(threshold_feed, s.block_size, s.block_cache, 0, len(rows)):
-            s, ran = replace(s, cache="window"), "window"
-    if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy:
-        if not block_cache_pays(cost, s.block_size, s.block_cache, s.window_spare_groups, len(rows)):
-            s, ran = replace(s, cache="window"), "window"
+    s, stats = loop_plan(settings, cost, len(rows))
+    stats.rows = [r.stats for r in rows]
     strategy = make_strategy(s, rows)
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
         cache = None
-    stats = DecodeStats(rows=[r.stats for r in rows], cache=ran, threshold_feed=threshold_feed)
-    if s.lossless and isinstance(strategy, WindowStrategy) and (s.sampling.greedy or cost is not None):
-        # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
-        # how many of its drafts to verify) alone; the output distribution stays AR sampling's,
-        # whatever is fed (the choice is made before the step's draws).
-        stats.drafting = Drafting(s, cost, confident=confident)
 
     live = list(range(len(rows)))  # rows still in the batch (finished ones are dropped in bulk)
     everyone = rows
@@ -132,6 +109,43 @@ def generate(
 
     rows = everyone
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
+
+
+def loop_plan(settings: DecodeSettings, cost, batch: int, *, served: bool = False) -> tuple[DecodeSettings, DecodeStats]:
+    """How the loop runs a plan, for `generate` and `ContinuousBatch` alike: the settings the
+    loop runs (verified threshold mode runs lossless mode's loop, window cache or none; the
+    block cache gives way to the window's where it does not pay against the cost-aware feed)
+    and the statistics that carry the feed it chooses per step (`drafting` for the lossless
+    loop, `threshold_feed` for threshold mode). `cost`: see `generate`; None, or a "fixed"
+    feed, feeds what the settings say. A served batch (`served`) keeps its cache and
+    feeds threshold mode's masks as its rows' thresholds ask."""
+    s, threshold_feed = settings, None
+    if s.feed == "fixed":
+        cost = None
+    confident = s.verified or (served and s.verify and s.sampling.greedy and not s.lossless)
+    if confident:
+        # Verified threshold mode: lossless mode's loop, taking confident drafts unverified
+        # (modes.take_confident). What it feeds changes the text, so, as in threshold mode, a
+        # fresh policy per call (per served batch) decides on a frozen copy of the curves
+        # (Drafting does not refresh them from the run's timings).
+        s = replace(s, lossless=True, cache="none" if s.cache == "none" else "window")
+        if cost is not None:
+            cost = FeedPolicy.for_plan(frozen_costs(cost), s)
+    if cost is not None and not s.lossless and s.masks_per_step and not served:
+        # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdFeed).
+        threshold_feed = ThresholdFeed(cost, s.block_size)
+        if s.cache == "block" and not block_cache_pays(threshold_feed, s.block_size, s.block_cache, 0, batch):
+            s = replace(s, cache="window")
+    if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy and not served:
+        if not block_cache_pays(cost, s.block_size, s.block_cache, s.window_spare_groups, batch):
+            s = replace(s, cache="window")
+    stats = DecodeStats(rows=[], cache=s.cache, threshold_feed=threshold_feed)
+    if s.lossless and s.cache != "block" and (s.sampling.greedy or cost is not None) and (not served or s.sampling.greedy):
+        # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
+        # how many of its drafts to verify) alone; the output distribution stays AR sampling's,
+        # whatever is fed (the choice is made before the step's draws).
+        stats.drafting = Drafting(s, cost, confident=confident)
+    return s, stats
 
 
 def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats: DecodeStats) -> list[list[int]]:
@@ -151,11 +165,11 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
     if s.lossless:
         t0 = time.perf_counter()
         confident = drafting is not None and drafting.confident
-        accepted, proposals, conf = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None,
-                                           runners_up=s.alternative_groups)
+        verdict = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None, runners_up=s.alternative_groups)
         if drafting is not None:
-            drafting.after_step(feed, rows, time.perf_counter() - t0)
-        taken = take_confident(accepted, proposals, conf, rows, s.metric) if confident else None
+            drafting.after_step(feed, verdict, rows, time.perf_counter() - t0)
+        accepted, proposals = verdict.accepted, verdict.nxt
+        taken = take_confident(accepted, proposals, verdict.conf, rows, s.metric) if confident else None
     else:
         accepted = accept_by_threshold(backend, cache, feed, mask, rows, s)
         stats.masks_fed[feed.columns.masks] = stats.masks_fed.get(feed.columns.masks, 0) + 1
@@ -174,18 +188,18 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
             r.stats.waited += 1
             continue
         if s.lossless:
-            count_drafts(r, int(feed.n_drafts[i]), int(feed.kept[i]), proposals[i], s.masks_per_step)
+            count_drafts(r, int(feed.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
             # The runners-up of the row's next first draft: after confident drafts taken
             # unverified (verified threshold mode), of the first draft left.
             first = taken[i] if taken is not None else 0
-            r.alts = feed.next_alts[i][first] if feed.next_alts is not None and first < len(feed.next_alts[i]) else []
-            if feed.alt_hit is not None and feed.alt_hit[i] >= 0:
+            r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
+            if verdict.alt_hit[i] >= 0:
                 r.stats.by_source["alt"] = r.stats.by_source.get("alt", 0) + 1
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
-            before[i] += int(feed.kept[i])
+            before[i] += int(verdict.kept[i])
         accepted[i] = _take(r, accepted[i], eos)
-    strategy.commit(backend, cache, rows, feed, before)
+    strategy.commit(backend, cache, rows, feed, before, verdict.kept if s.lossless else None)
     return accepted
 
 
@@ -239,6 +253,9 @@ class ContinuousBatch:
     the drafts of the masks, the spare groups and n-gram lookup (`settings.ngram`), and with
     `cost` (a FeedPolicy, kept by the caller across batches, or the curves to build one on)
     the cost-aware feed. A row's tokens are its greedy AR tokens whatever else is in the batch.
+    Greedy threshold mode with `settings.verify` runs verified threshold mode as `generate`
+    does (`loop_plan`), each row at its own threshold; a batch of one row then says what
+    `generate` says for its prompt on the same curves.
 
     Lossless mode and sampling belong to the batch, since a backend step samples every row
     alike; each row stops at its own max_tokens. A finished or removed row leaves at once.
@@ -253,15 +270,12 @@ class ContinuousBatch:
         if settings.cache not in ("block", "window"):
             raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend
-        self.s = settings
-        self.keep_keys = keep_keys
-        self.rows: list[Row] = []
-        self.window = settings.cache == "window"
         # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
         # window decoding the drafting (its feed policy learns across the batch's life).
-        self.stats = DecodeStats(rows=[], cache=settings.cache)
-        if self.window and settings.lossless and settings.sampling.greedy:
-            self.stats.drafting = Drafting(settings, None if settings.feed == "fixed" else cost)
+        self.s, self.stats = loop_plan(settings, cost, 1, served=True)
+        self.keep_keys = keep_keys
+        self.rows: list[Row] = []
+        self.window = self.s.cache == "window"
         self.strategy = self._new_strategy()
         self.cache = None
 

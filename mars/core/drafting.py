@@ -3,16 +3,44 @@ feeds, and how many masks and spare groups a step feeds."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-from . import corpus as corpus_drafts
-from . import ngram
+from .corpus import DraftCorpus
 from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
-from .decode_types import DecodeSettings, Row
+from .decode_types import Row
+from .plan import DecodeSettings
 from .feed import Feed, lossless_width
+from .modes import Verdict
+from .ngram import NgramLookup
 from .strategies import WindowStrategy
 
-LOOKUP = ("ngram", "corpus")  # draft sources found by lookup, not proposed by the model's masks
+class LookupSource(Protocol):
+    """A draft source that finds a row's drafts in what the row has seen, as vLLM's proposers
+    do; the loop feeds and verifies them like the masks' own. The masks, spare groups and
+    runner-up alternatives are the model's own proposals (mars.core.modes.verify); these are
+    the others. A new one is a class with `name` and `propose`, registered in
+    `lookup_sources`."""
+
+    name: str
+
+    def propose(self, seq: list[int], max_drafts: int) -> tuple[str, list[int]] | None:
+        """Up to `max_drafts` drafts to follow `seq` and the statistics key they count under
+        (`DraftStats`: one per source and match length), or None."""
+        ...
+
+
+def lookup_sources(settings: DecodeSettings) -> list[LookupSource]:
+    """The lookup sources a plan drafts from: n-gram lookup in the prompt and reply, and the
+    draft corpus, up to `ngram` drafts a step, greedy only (a sampled draft needs the
+    distribution it came from)."""
+    if not settings.ngram or not settings.sampling.greedy:
+        return []
+    return [NgramLookup()] + ([settings.corpus] if settings.corpus is not None else [])
+
+
+LOOKUP = (NgramLookup.name, DraftCorpus.name)  # draft sources found by lookup, not proposed by the model's masks
 
 
 class Drafting:
@@ -36,12 +64,13 @@ class Drafting:
         # Verified threshold mode (mars.core.modes.take_confident): what a step feeds changes
         # the text, so the cost curves are not refreshed from the run's timings.
         self.confident = confident
-        if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.spare_groups):
+        if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.window_spare_groups):
             cost = cost.costs  # another block size or spare-group cap: start a policy for it
         if isinstance(cost, (CostCurve, BatchCosts)):
-            cost = FeedPolicy(cost, settings.block_size, settings.spare_groups)
+            cost = FeedPolicy.for_plan(cost, settings)
         self.policy = cost
         self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
+        self.lookups = lookup_sources(settings)
         self._keys: list[str] = []  # per row of the step: the statistics its drafts count under
 
     def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
@@ -57,14 +86,10 @@ class Drafting:
             live.append(i)
             owns.append(r.drafts[:1])
             row_options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
-            if self.s.ngram and self.s.sampling.greedy:  # a sampled draft needs the distribution it came from
-                n, found = ngram.match(r.seq, max_drafts=self.s.ngram)
-                if found:
-                    row_options.append(("ngram", ngram.source(n), found))
-                if self.s.corpus is not None:  # what the model's own earlier replies say comes next
-                    n, found = self.s.corpus.match(r.seq, max_drafts=self.s.ngram)
-                    if found:
-                        row_options.append(("corpus", corpus_drafts.source(n), found))
+            for lookup in self.lookups:
+                found = lookup.propose(r.seq, self.s.ngram)
+                if found is not None:
+                    row_options.append((lookup.name, *found))
             options.append(row_options)
         picks = self._pick_all(options, m, g, batch)
         if self.policy is not None:  # how often the masks' drafts win where they are on offer (FeedPolicy.used)
@@ -145,12 +170,12 @@ class Drafting:
                 picks.append((source, key, drafts[: chosen[1]]))
         return picks
 
-    def after_step(self, feed: Feed, rows: list[Row], seconds: float) -> None:
+    def after_step(self, feed: Feed, verdict: Verdict, rows: list[Row], seconds: float) -> None:
         for i, r in enumerate(rows):
             if feed.limit[i] > 0 and feed.n_drafts[i]:
-                self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(feed.kept[i]))
-                if feed.n_alts is not None and feed.n_alts[i] and not feed.kept[i]:
-                    self.stats.record_alternatives(int(feed.n_alts[i]), int(feed.alt_hit[i]))
+                self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(verdict.kept[i]))
+                if feed.n_alts is not None and feed.n_alts[i] and not verdict.kept[i]:
+                    self.stats.record_alternatives(int(feed.n_alts[i]), int(verdict.alt_hit[i]))
         if self.policy is not None and not self.confident:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

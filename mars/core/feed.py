@@ -102,19 +102,13 @@ class Feed:
     valid: np.ndarray  # (b, q) bool: False for holes
     limit: np.ndarray  # (b,) tokens row r may accept this step; 0 = it waits
     columns: Columns  # where each row's parts sit; slot j of row r is read at read[r, j]
-    # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r]. `kept` (b,)
-    # is filled in by the loop: drafts that passed verification.
+    # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r].
     drafts: np.ndarray | None = None
-    kept: np.ndarray | None = None
     # With spare or alternative groups: (b, q, q), which fed columns each fed query may see.
     attend: np.ndarray | None = None
     # With alternative groups: (b, A) the runners-up fed, padded, of which row r fed n_alts[r].
     alts: np.ndarray | None = None
     n_alts: np.ndarray | None = None
-    # Filled in by the loop: the alternative group whose runner-up was AR's token (-1: none).
-    alt_hit: np.ndarray | None = None
-    # Filled in by the loop (greedy, runners-up asked for): per row and next draft, its runners-up.
-    next_alts: list[list[list[int]]] | None = None
 
     @cached_property
     def read(self) -> np.ndarray:

@@ -7,10 +7,13 @@ kept drafts, and picks the next drafts: the masks', a spare group's or none."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .acceptance import accept_counts, ar_mode_rows
-from .decode_types import DecodeSettings, Row, Sampling
+from .decode_types import Row
+from .plan import DecodeSettings, Sampling
 from .feed import Feed
 
 
@@ -28,20 +31,32 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
 
-def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0):
+@dataclass
+class Verdict:
+    """What a lossless step decided, per row (see `verify`)."""
+
+    accepted: list[list[int]]  # the tokens it takes: kept drafts, one AR token (none for a waiting row)
+    nxt: list[tuple[str, list[int]]]  # its next drafts, (source, ids)
+    kept: np.ndarray  # (b,) drafts that passed verification
+    alt_hit: np.ndarray  # (b,) the alternative group whose runner-up was AR's token (-1: none)
+    next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
+    conf: list | None = None  # with a metric: per row, the confidence of each next draft
+
+
+def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
     """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
     a waiting row) and its next drafts, (source, ids): the masks' proposals if every draft
     passed, else those of the spare group after the last kept draft if there is one, else
-    none. Sets `feed.kept`.
+    none.
 
     With alternative groups fed (`feed.alts`): a row whose first draft was rejected and whose
     AR token there is one of its runners-up also takes the AR token its group read after it,
-    and the group's proposals become its next drafts (`feed.alt_hit`: which group, -1 none).
+    and the group's proposals become its next drafts (`alt_hit`: which group, -1 none).
     With `runners_up` n (greedy) each row's next drafts come with the n runners-up of each
-    (`feed.next_alts`), for the next step's alternative groups.
+    (`next_alts`), for the next step's alternative groups.
 
-    With `metric` (greedy only) also returns, per row, the confidence of each next draft
-    (see `take_confident`); else None."""
+    With `metric` (greedy only) also gives, per row, the confidence of each next draft
+    (`conf`, see `take_confident`)."""
     columns, width = feed.columns, feed.columns.draft_slots
     b = len(feed.ids)
     spare = conf_masks = conf_spare = conf_alt = alt = second = None
@@ -74,8 +89,6 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
             cache, feed.ids, feed.positions, mask, feed.read, feed.drafts, feed.n_drafts, sampling=sampling
         )
         kept = np.asarray(kept, dtype=np.int64)
-    feed.kept = np.where(feed.limit > 0, kept, 0)
-    feed.alt_hit = hit
     accepted = []
     for i in range(b):
         if feed.limit[i] <= 0:
@@ -106,8 +119,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
         nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
-    feed.next_alts = nxt_alts
-    return accepted, nxt, (nxt_conf if metric is not None else None)
+    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), hit, nxt_alts, nxt_conf if metric is not None else None)
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:

@@ -58,6 +58,16 @@ def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_n
     return match(seq, max_drafts=max_drafts, max_ngram=max_ngram, min_ngram=min_ngram)[1]
 
 
+class NgramLookup:
+    """The prompt-lookup draft source (mars.core.drafting.LookupSource)."""
+
+    name = "ngram"
+
+    def propose(self, seq: list[int], max_drafts: int) -> tuple[str, list[int]] | None:
+        n, found = match(seq, max_drafts=max_drafts)
+        return (source(n), found) if found else None
+
+
 def source(n: int) -> str:
     """The draft source a match of n tokens counts under: "ngram" plus its bucket."""
     return f"ngram{max(b for b in BUCKETS if b <= n)}"

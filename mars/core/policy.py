@@ -1,6 +1,5 @@
 """The decoding policy: what a model decodes at when nothing is asked, and what it may decode at
-(docs/method.md §5, §7). `mars generate`, `mars chat`, the server, eval, bench and distill all
-take their decode settings from `decode_settings` here.
+(docs/method.md §5, §7): the rules mars.core.plan.decode_plan applies for every entry point.
 
 - A checkpoint's defaults: a model without mars.json decodes with MarsConfig's block size and
   metric (`block_size_for`, `metric_for`).
@@ -31,12 +30,11 @@ from .acceptance import (
     strict_and_loose,
 )
 from .config import MarsConfig
-from .decoding import DecodeSettings
 
 __all__ = [
     "DEFAULT_ALTERNATIVES", "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
     "ar_threshold", "block_size_for", "check_may_decode", "check_metric", "check_threshold", "checkpoint_mode",
-    "decode_settings", "is_ar_mode", "loosen", "looser", "may_decode", "metric_for", "strict_and_loose",
+    "is_ar_mode", "loosen", "looser", "may_decode", "metric_for", "strict_and_loose",
 ]
 
 # What a model without mars.json decodes with: a checkpoint's defaults (MarsConfig's fields).
@@ -97,19 +95,3 @@ def check_may_decode(trained: bool, metric: str, threshold: float, *, lossless: 
         raise UntrainedModelError(untrained_message(metric))
     if warn is not None:
         warn(f"decoding a model without MARS training below threshold {ar_threshold(metric)}: expect wrong tokens")
-
-
-def decode_settings(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool = False,
-                    metric: str | None = None, block_size: int | None = None, force: bool = False,
-                    warn: Callable[[str], None] | None = None, **fields) -> DecodeSettings:
-    """Decode settings from a checkpoint (`mars`, None for a model without mars.json) plus what
-    was asked: the metric and block size default to the checkpoint's, the checkpoint's default
-    mode applies when no threshold is given, and a model without mars.json is held to AR mode
-    or lossless decoding unless `force`. `fields`: the other DecodeSettings fields."""
-    metric = metric_for(mars, metric)
-    if threshold is not None:
-        threshold = check_threshold(metric, threshold)
-    threshold, lossless = checkpoint_mode(mars, metric, threshold, lossless)
-    check_may_decode(mars is not None, metric, threshold, lossless=lossless, force=force, warn=warn)
-    return DecodeSettings(mask_id=mask_id, eos_ids=eos_ids, block_size=block_size_for(mars, block_size), threshold=threshold,
-                          metric=metric, lossless=lossless, **fields)

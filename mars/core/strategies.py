@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode_types import DecodeSettings, Row
+from .decode_types import Row
+from .plan import DecodeSettings
 from .feed import Columns, Feed, consecutive_positions, pad_drafts, right_aligned
 
 
@@ -76,15 +77,16 @@ class WindowStrategy:
             return feed.valid
         return np.concatenate([self.key_valid, feed.valid], axis=1)
 
-    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int]) -> None:
+    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
+        """Keep what the step fed for real (`kept`, lossless: the drafts each row kept)."""
         if not self.cached:
             return
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
         columns = feed.columns
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(feed)[:, : old + columns.keep].copy()
-        if feed.kept is not None:  # rejected drafts were computed from wrong ids: make them holes
-            for r, k in enumerate(feed.kept):
+        if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
+            for r, k in enumerate(kept):
                 self.key_valid[r, old + columns.last[r] + 1 + k : old + columns.first_mask[r]] = False
             # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
             # row attends leaves the cache at once (at batch 1, every rejected draft).
@@ -210,7 +212,7 @@ class BlockStrategy:
             return feed.valid
         return np.concatenate([self.key_valid, feed.valid], axis=1)
 
-    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int]) -> None:
+    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(feed)[:, : old + feed.columns.keep]
         backend.crop(cache, self.key_valid.shape[1])

@@ -3,8 +3,10 @@
 Every way a request can be wrong becomes an `ApiError` with an OpenAI-style body
 (`{"error": {"message", "type", "param", "code"}}`) and a 4xx status, never a 500.
 Beyond OpenAI's fields a request may carry `threshold` (float), `lossless` (bool),
-`adaptive` (bool: false pins the request's threshold under the adaptive policy) and
-`top_k` (int, as mlx_lm.server takes it).
+`verify` (bool, default true: greedy threshold mode verifies the drafts it does not take, as
+`mars generate` does; false: plain threshold mode), `adaptive` (bool: false pins the
+request's threshold under the adaptive policy) and `top_k` (int, as mlx_lm.server takes it).
+The usage of a reply names the mode it ran in (`usage.mode`), as `mars generate --json` does.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ class Completion:
     include_usage: bool = False
     threshold: float | None = None
     lossless: bool = False
+    verify: bool = True
     pinned: bool = False
 
 
@@ -201,6 +204,7 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
         raise _bad("stream_options", "'stream_options' must be an object like {\"include_usage\": true}")
     include_usage = _boolean(options or {}, "include_usage", False)
     lossless = _boolean(body, "lossless", None)
+    verify = _boolean(body, "verify", True)
     adaptive = _boolean(body, "adaptive", True)
     threshold = _number(body, "threshold", None)
     if threshold is not None:
@@ -259,6 +263,7 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
         include_usage=include_usage,
         threshold=None if lossless else threshold,
         lossless=lossless,
+        verify=verify,
         pinned=not adaptive,
     )
 
@@ -331,13 +336,16 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: float | None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: float | None, mode: str) -> dict:
+    """OpenAI's usage numbers, and this server's: tokens per forward, the loosest threshold the
+    request decoded at, and `mode`, its plan's name (mars.core.plan.DecodeSettings.name)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "tokens_per_forward": round(completion_tokens / forwards, 4) if forwards else 0.0,
         "threshold": threshold,
+        "mode": mode,
     }
 
 

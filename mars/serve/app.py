@@ -70,7 +70,7 @@ class Reader:
 
     def usage(self) -> dict:
         threshold = None if self.req.lossless else self.job.outbox.threshold
-        return api.usage(len(self.req.prompt), self.completion_tokens, self.forwards, threshold)
+        return api.usage(len(self.req.prompt), self.completion_tokens, self.forwards, threshold, self.engine.mode_name(self.job, threshold))
 
 
 def sse(obj) -> str:
@@ -167,6 +167,7 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
             outbox=engine.new_outbox(asyncio.get_running_loop()),
             sampling=req.sampling,
             lossless=req.lossless,
+            verify=req.verify,
             threshold=req.threshold,
             pinned=req.pinned,
         )

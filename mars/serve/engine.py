@@ -9,11 +9,15 @@ needs (AR's one token when every row is at threshold 1.0), and greedy lossless r
 default mode of a checkpoint whose mars.json says so) run `mars generate`'s lossless loop
 (mask, spare-group and n-gram drafts, the feed chosen per step from the device's cost curves
 by one policy that learns for the server's life), so they are as fast as in `mars generate`
-and say what greedy AR says. `cache="block"` decodes on the block-level cache instead
-(docs/method.md §6; requests join at block boundaries). Rows that decode differently cannot
-share a forward (a backend step samples every row alike), so the engine keeps one batch per
-kind of decoding, each with its own decoder and cache, and runs them in turn: all greedy
-threshold-mode requests share one batch whatever their thresholds.
+and say what greedy AR says. Each request is planned as `mars generate` plans it
+(mars.core.plan.decode_plan): a greedy request below AR mode runs verified threshold mode
+unless it says `"verify": false`, deciding on the stored cost curves as `mars generate`
+does. `cache="block"` decodes on the block-level cache instead (docs/method.md §6; requests
+join at block boundaries). Rows that decode differently cannot share a forward (a backend
+step samples every row alike), so the engine keeps one batch per kind of decoding (the
+request's mode, or its sampling), each with its own decoder and cache, and runs them in
+turn: all greedy AR and plain threshold-mode requests share one batch whatever their
+thresholds, as do all verified ones.
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ import time
 import traceback
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 
 from ..backends import base
-from ..core.decoding import ContinuousBatch, DecodeSettings, Sampling
+from ..core.cost import FeedPolicy
+from ..core.decoding import ContinuousBatch
+from ..core.plan import DecodeSettings, Mode, Sampling
 from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
 from .policy import ThresholdPolicy
 
@@ -145,14 +151,19 @@ class Job:
     sampling: Sampling = field(default_factory=Sampling)
     lossless: bool = False
     threshold: float | None = None  # the request's own; None: the policy's
+    verify: bool = True  # greedy threshold mode verifies the drafts it does not take (as `mars generate`)
     pinned: bool = False  # the request opted out of the adaptive policy
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: bool = False
+    # The request's plan (mars.core.plan), made when it is admitted (with the threshold in force
+    # then) and as its batch runs it: its mode decides the batch, its name the reply's usage.mode.
+    plan: DecodeSettings | None = None
 
     def kind(self) -> tuple:
-        """Jobs of one kind share a batch (and its forwards)."""
+        """Jobs of one kind share a batch (and its forwards); `plan` must be set."""
         if self.sampling.greedy:
-            return ("greedy", self.lossless)
+            # AR and threshold rows share one batch, each at its own threshold.
+            return ("greedy", Mode.THRESHOLD if self.plan.mode is Mode.AR else self.plan.mode)
         if self.sampling.seed is not None:  # its own random stream, as when decoded alone
             return ("seeded", self.id)
         s = self.sampling
@@ -194,8 +205,13 @@ class Engine:
         self._waiting: deque[Job] = deque()
         self._batches: dict[tuple, _Batch] = {}
         # Greedy lossless window batches' feed policy (mars.core.cost.FeedPolicy): built on the
-        # first such batch's decoder, it keeps what it learns for the server's life.
+        # first such request, it keeps what it learns for the server's life.
         self._feed_policy = None
+        # The cost curves as measured (or read from the cache directory): verified threshold
+        # batches decide on a frozen copy of them, as `mars generate` does, never on what
+        # lossless decoding's refreshed copy learned since.
+        self._stored_costs = None
+        self._costs = None  # the curves lossless decoding refreshes from the forwards it times
         # Decoders of greedy batches that emptied, for the next greedy batch: making one costs
         # time (the torch decoder packs the weights, about 0.25 s on the default model on a CPU),
         # and a greedy decoder keeps no state between batches (a sampling one keeps its generator).
@@ -328,6 +344,7 @@ class Engine:
         for job in self._waiting:
             if job.cancelled:
                 continue
+            job.plan = self._plan(job)
             batch = self._batches.get(job.kind())
             if room > 0 and (batch is None or batch.batch.can_join):
                 admitted.append(job)
@@ -338,53 +355,57 @@ class Engine:
         self._in_flight += len(admitted)  # counted at once, so `submit` never sees their rows as free
         return admitted
 
-    def _drafting(self, job: Job) -> bool:
-        """Whether the job runs the lossless loop's drafting (greedy lossless on the window cache)."""
-        return job.lossless and job.sampling.greedy and self.limits.cache == "window"
-
-    def _settings(self, job: Job) -> DecodeSettings:
+    def _plan(self, job: Job) -> DecodeSettings:
+        """The job's plan (mars.core.plan.decode_plan, as every entry point makes it) at the
+        threshold it decodes at now; a threshold-mode job that runs in the plain threshold
+        batch (AR mode when admitted, or `verify` off) is planned without verification."""
         m = self.model
-        return DecodeSettings(
-            mask_id=m.mask_id,
-            eos_ids=tuple(m.loaded.eos_ids),
-            block_size=m.block_size,
-            metric=m.metric,
-            max_tokens=job.max_tokens,
-            cache=self.limits.cache,
-            block_cache=self.limits.block_cache,
-            sampling=job.sampling,
-            lossless=job.lossless,
-            ngram=self.limits.ngram if self._drafting(job) else 0,
-            alternatives=self.limits.alternatives if self._drafting(job) else 0,
-            corpus=base.draft_corpus(m.loaded) if self._drafting(job) else None,
+        drafts = job.sampling.greedy and (job.lossless or job.verify)  # the lossless loop's draft sources
+        plan = base.decode_plan(
+            m.loaded, threshold=self._threshold(job), lossless=job.lossless, verify=job.verify, metric=m.metric,
+            block_size=m.block_size, max_tokens=job.max_tokens, cache=self.limits.cache, block_cache=self.limits.block_cache,
+            sampling=job.sampling, ngram=self.limits.ngram if drafts else 0, alternatives=self.limits.alternatives if drafts else 0,
+            **({} if drafts else {"corpus": None}),
         )
+        return plan if plan.mode is not Mode.AR else replace(plan, verify=False)
+
+    def mode_name(self, job: Job, threshold: float | None) -> str:
+        """The printable name of the mode a job ran in (`usage.mode`), at the loosest
+        threshold it decoded at: what `mars generate --json` prints as "mode"."""
+        plan = job.plan if job.plan is not None else self._plan(job)
+        if threshold is None or plan.lossless:
+            return plan.name
+        return replace(plan, threshold=threshold).name
 
     def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:
-        """Build the greedy lossless window batches' feed policy (when the model has cost
-        curves): the curves of every batch size up to `max_batch` are measured now (or read
-        from the cache directory). `mars serve` does it before serving, so that no measurement
-        falls inside a request; otherwise the first greedy lossless request does it."""
-        if self.model.costs is None or self.limits.cache != "window" or self._feed_policy is not None:
+        """Read (or measure now) the model's cost curves, of every batch size up to
+        `max_batch`, and build the greedy lossless window batches' feed policy on them. `mars
+        serve` does it before serving, so that no measurement falls inside a request;
+        otherwise the first request that needs the curves does it."""
+        if self.model.costs is None or self._stored_costs is not None:
             return
-        from ..core.cost import FeedPolicy
-
         m = self.model
         costs = m.costs(m.make_decoder(), announce)
         costs.prepare(self.limits.max_batch)
-        # Greedy lossless window settings with no `hedge` cap: up to B spare groups.
-        self._feed_policy = FeedPolicy(costs, m.block_size, m.block_size)
+        self._stored_costs = costs.snapshot()
+        self._costs = costs
 
     def _join(self, job: Job) -> None:
         kind = job.kind()
         batch = self._batches.get(kind)
         if batch is None:
             cost = None
-            if self._drafting(job):
+            plan = job.plan
+            if plan.sampling.greedy and plan.feed == "auto" and plan.mode in (Mode.LOSSLESS, Mode.VERIFIED):
                 self.prepare_feed()
-                cost = self._feed_policy
+                cost = self._stored_costs
+                if plan.lossless and plan.cache == "window" and self._costs is not None:
+                    if self._feed_policy is None:  # one policy for the server's life: it keeps what it learns
+                        self._feed_policy = FeedPolicy.for_plan(self._costs, plan)
+                    cost = self._feed_policy
             greedy = job.sampling.greedy
             decoder = self._idle_decoders.pop() if greedy and self._idle_decoders else self.model.make_decoder()
-            batch = self._batches[kind] = _Batch(decoder, self._settings(job), cost)
+            batch = self._batches[kind] = _Batch(decoder, plan, cost)
         row = batch.batch.join(job.prompt, threshold=self._threshold(job), max_tokens=job.max_tokens)
         batch.jobs[id(row)] = job
 

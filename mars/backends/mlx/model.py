@@ -17,9 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...core.acceptance import speculative_sampling
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode_types import runners_up_of
-from ...core.decoding import Sampling
+from ...core.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
@@ -367,25 +368,11 @@ class MlxDecoder:
         masks = logits.shape[1] - width - 1  # none when a cost-aware step fed AR's feed alone
         q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1) if masks else logits[:, :0]
         batch = p.shape[0]
-        rows = mx.arange(batch)
-        kept = mx.zeros((batch,), dtype=mx.int32)
-        q_at = mx.zeros(p[:, 0].shape)
-        if width:
-            dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)[..., None]
-            n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
-            q = self._drafted[:, :width]
-            px = mx.take_along_axis(p[:, :width], dr, axis=-1)[..., 0]
-            qx = mx.take_along_axis(q, dr, axis=-1)[..., 0]
-            u = mx.random.uniform(shape=px.shape, key=self._next_key(sampling))
-            # accept with probability min(1, p/q); q(x) > 0 since x was drawn from q
-            ok = (u * qx < px) & (mx.arange(width)[None, :] < n[:, None])
-            kept = mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
-            rejected = kept < n
-            q_at = mx.where(rejected[:, None], q[rows, mx.minimum(kept, width - 1)], q_at)
-        p_at = p[rows, kept]
-        residual = mx.maximum(p_at - q_at, 0.0)
-        total = residual.sum(axis=-1, keepdims=True)
-        dist = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p_at)
+        dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)
+        n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
+        u = mx.random.uniform(shape=dr.shape, key=self._next_key(sampling)) if width else None
+        q = self._drafted[:, :width] if width else None
+        kept, dist = speculative_sampling(MLX_OPS, p, q, dr, n, u)
         token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
         if masks:
             proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
@@ -394,6 +381,40 @@ class MlxDecoder:
         self._drafted = q_next
         mx.eval(kept, token, proposals, q_next)
         return np.array(kept), np.array(token), np.array(proposals)
+
+
+class MlxOps:
+    """mars.core.acceptance.DeviceOps on MLX arrays."""
+
+    def arange(self, n):
+        return mx.arange(n)
+
+    def zeros_int(self, n):
+        return mx.zeros((n,), dtype=mx.int32)
+
+    def zeros_like(self, x):
+        return mx.zeros(x.shape)
+
+    def take(self, x, ids):
+        return mx.take_along_axis(x, ids[..., None], axis=-1)[..., 0]
+
+    def leading(self, ok):
+        return mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+
+    def where(self, condition, a, b):
+        return mx.where(condition, a, b)
+
+    def minimum(self, x, n):
+        return mx.minimum(x, n)
+
+    def at_least(self, x, low):
+        return mx.maximum(x, low)
+
+    def row_sum(self, x):
+        return x.sum(axis=-1, keepdims=True)
+
+
+MLX_OPS = MlxOps()
 
 
 # -- training forward ------------------------------------------------------------------------

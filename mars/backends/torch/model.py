@@ -10,9 +10,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ...core.acceptance import speculative_sampling
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode_types import runners_up_of
-from ...core.decoding import Sampling
+from ...core.plan import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
@@ -395,29 +396,50 @@ class TorchDecoder:
         width = drafts.shape[1]
         p = sampling_probs(logits[:, : width + 1], sampling)
         q_next = sampling_probs(logits[:, width + 1 :], sampling)
-        rows = torch.arange(p.shape[0], device=p.device)
-        kept = torch.zeros(p.shape[0], dtype=torch.long, device=p.device)
-        q_at = torch.zeros_like(p[:, 0])
-        if width:
-            dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(p.device)
-            n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(p.device)
-            q = self._drafted[:, :width]
-            px = p[:, :width].gather(-1, dr[..., None])[..., 0]
-            qx = q.gather(-1, dr[..., None])[..., 0]
-            u = torch.rand(px.shape, generator=gen, device=p.device)
-            # accept with probability min(1, p/q); q(x) > 0 since x was drawn from q
-            ok = (u * qx < px) & (torch.arange(width, device=p.device)[None, :] < n[:, None])
-            kept = ok.long().cumprod(1).sum(1)
-            rejected = kept < n
-            q_at = torch.where(rejected[:, None], q[rows, kept.clamp(max=width - 1)], q_at)
-        p_at = p[rows, kept]
-        residual = (p_at - q_at).clamp(min=0)
-        total = residual.sum(-1, keepdim=True)
-        dist = torch.where(total > 0, residual / total.clamp(min=1e-30), p_at)
+        device = p.device
+        dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(device)
+        n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(device)
+        u = torch.rand(dr.shape, generator=gen, device=device) if width else None
+        q = self._drafted[:, :width] if width else None
+        kept, dist = speculative_sampling(TorchOps(device), p, q, dr, n, u)
         token = torch.multinomial(dist, 1, generator=gen)[:, 0]
         proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
         self._drafted = q_next
         return kept.cpu().numpy(), token.cpu().numpy(), proposals.cpu().numpy()
+
+
+class TorchOps:
+    """mars.core.acceptance.DeviceOps on torch tensors of one device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def arange(self, n):
+        return torch.arange(n, device=self.device)
+
+    def zeros_int(self, n):
+        return torch.zeros(n, dtype=torch.long, device=self.device)
+
+    def zeros_like(self, x):
+        return torch.zeros_like(x)
+
+    def take(self, x, ids):
+        return x.gather(-1, ids[..., None])[..., 0]
+
+    def leading(self, ok):
+        return ok.long().cumprod(1).sum(1)
+
+    def where(self, condition, a, b):
+        return torch.where(condition, a, b)
+
+    def minimum(self, x, n):
+        return x.clamp(max=n)
+
+    def at_least(self, x, low):
+        return x.clamp(min=low)
+
+    def row_sum(self, x):
+        return x.sum(-1, keepdim=True)
 
 
 def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
