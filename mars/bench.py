@@ -343,25 +343,27 @@ def _strip_eos(rows, eos):
     return [[t for t in row if t not in eos] for row in rows]
 
 
-def _no_tick(what: str) -> None:
+def _no_tick(what: str, tokens: int) -> None:
     pass
 
 
 def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None, tick=_no_tick) -> dict:
     """Time every configuration on `prompts` in batches of `batch`, interleaved; medians and ratios to AR.
-    `tick(name)` is called after each pass (warm-up or timed), for a progress bar."""
+    `tick(name, tokens)` is called after each pass (warm-up or timed) with the tokens it may
+    decode (its prompts x max_tokens), for a progress bar that counts tokens: passes of
+    different lengths weigh what they cost."""
     chunks = _chunks(prompts, batch)
     for c in configs:  # warm-up: one batch each
         c.run(chunks[0])
         c.walls, c.ratios, c.tokens = [], [], []
-        tick(f"batch {batch} warm-up {c.name}")
+        tick(f"batch {batch} warm-up {c.name}", len(chunks[0]) * s.max_tokens)
     for rep in range(s.repeats):
         speeds = {}
         # Every other round runs the configurations in reverse, so none always follows the
         # same one (a run can leave the process or the machine slower for the next).
         for c in configs if rep % 2 == 0 else configs[::-1]:
             wall, tokens, count, forwards, row_forwards = _timed_pass(c, chunks)
-            tick(f"batch {batch} round {rep + 1} {c.name}")
+            tick(f"batch {batch} round {rep + 1} {c.name}", len(prompts) * s.max_tokens)
             c.walls.append(wall)
             speeds[c.name] = count / wall
             if rep == 0:
@@ -438,12 +440,12 @@ def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, ti
 
     for k in ks:  # warm-up
         one(k)
-        tick(f"batch {batch} forward cost k={k}")
+        tick(f"batch {batch} forward cost k={k}", batch * k)
     samples = {k: [] for k in ks}
     for _ in range(repeats):
         for k in ks:
             samples[k].append(one(k))
-            tick(f"batch {batch} forward cost k={k}")
+            tick(f"batch {batch} forward cost k={k}", batch * k)
     base = statistics.median(samples[ks[0]])
     return [
         {"batch_size": batch, "cache_length": int(width), "k": k, "median_s": statistics.median(samples[k]),
@@ -477,12 +479,15 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []
     ks = tuple(s.forward_ks)
-    passes = len(s.batch_sizes) * (len(configs) * (1 + s.repeats) + len(ks) * (1 + s.forward_repeats))
-    with tqdm(total=passes, desc="bench", unit="pass", disable=not progress, leave=False) as bar:
+    # Progress in tokens (decoded, or fed to a timed forward), so that the estimate of the time
+    # left weighs a long decoding pass and a one-token forward for what they are.
+    tokens = sum(len(configs) * (min(batch, len(prompts)) + s.repeats * len(prompts)) * s.max_tokens
+                 + (1 + s.forward_repeats) * batch * sum(ks) for batch in s.batch_sizes)
+    with tqdm(total=tokens, desc="bench", unit="token", disable=not progress, leave=False) as bar:
 
-        def tick(what: str) -> None:
+        def tick(what: str, n: int) -> None:
             bar.set_postfix_str(what, refresh=False)
-            bar.update(1)
+            bar.update(n)
 
         for batch in s.batch_sizes:
             result = bench_batch(configs, prompts, batch, s, eos, log, tick)

@@ -57,9 +57,11 @@ class Session:
     """A loaded model (`loaded`: what the backend's load returned), its decoder, and what its
     decoding keeps between calls."""
 
-    def __init__(self, model=None, adapter_path=None, *, backend: str = "auto", dtype=None, device=None, announce=print):
+    def __init__(self, model=None, adapter_path=None, *, backend: str = "auto", dtype=None, device=None, announce=print,
+                 remeasure_cost: bool = False):
         self.backend = base.resolve(backend)
         self.announce = announce
+        self.remeasure_cost = remeasure_cost  # measure the cost curves again instead of reading the kept ones
         self.loaded = base.load(self.backend, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.decoder = base.decoder(self.loaded)
         self._cost = None  # lossless: refreshed by the forwards it times
@@ -101,17 +103,22 @@ class Session:
             # Curves of their own, as stored: lossless decoding refreshes its copy from the
             # forwards it times, and threshold-mode text must not follow that.
             if self._stored_cost is None:
-                self._stored_cost = base.costs(self.loaded, self.decoder, announce=self.announce)
+                self._stored_cost = self._measured_costs()
             self._stored_cost.prepare(batch)
             return self._stored_cost
         if self._cost is None:
-            self._cost = base.costs(self.loaded, self.decoder, announce=self.announce)
+            self._cost = self._measured_costs()
         self._cost.prepare(batch)
         # The window's spare groups, if the block cache gives way; sampled drafts keep at rates of their own.
         key = (settings.block_size, settings.window_spare_groups, settings.sampling.greedy)
         if key not in self._policies:
             self._policies[key] = FeedPolicy.for_plan(self._cost, settings)
         return self._policies[key]
+
+    def _measured_costs(self):
+        costs = base.costs(self.loaded, self.decoder, announce=self.announce, remeasure=self.remeasure_cost)
+        self.remeasure_cost = False  # measured now: the next call reads what this one kept
+        return costs
 
     def encode(self, prompts, *, chat: bool = True) -> list[list[int]]:
         """Token ids of each prompt (a string or chat messages), through the chat template unless `chat` is False."""

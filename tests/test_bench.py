@@ -84,7 +84,33 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the cost curve is measured and kept here
     settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0,), block_caches=(4,), repeats=2, forward_ks=(), max_tokens=12,
                              lossless=True, prompt_lookup=0)
-    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None)
+    bars = []
+
+    class Bar:
+        """tqdm as the bench drives it: what it counts, its total and each update."""
+
+        def __init__(self, total, unit, **kw):
+            self.total, self.unit, self.updates = total, unit, []
+            bars.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def set_postfix_str(self, what, refresh=True):
+            pass
+
+        def update(self, n):
+            self.updates.append(n)
+
+    monkeypatch.setattr("mars.bench.tqdm", Bar)
+    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None, progress=True)
+    # Progress counts tokens, each pass weighed by the tokens it may decode: it ends at its total.
+    (bar,) = bars
+    assert bar.unit == "token" and sum(bar.updates) == bar.total
+    assert sorted(set(bar.updates)) == [1 * settings.max_tokens, len(PROMPTS) * settings.max_tokens]  # warm-up, timed
     runs = {r["name"]: r for r in report["runs"]}
     assert {"lossless (default)", "lossless hedge 4", "lossless hedge 0", "lossless-block4"} <= set(runs)
     for name in ("lossless (default)", "lossless hedge 4", "lossless hedge 0", "lossless-block4"):

@@ -100,7 +100,11 @@ def test_cost_curve_interpolates_extrapolates_and_never_falls():
     assert c.points[16] == pytest.approx(3.0)
     c.observe(3, 1.2)
     assert 3 in c.points and list(c.points) == sorted(c.points)
-    assert CostCurve.from_dict(c.to_dict()).points == c.points
+    # Kept as its non-decreasing fit (what `seconds` reads), the timings beside it.
+    kept = c.to_dict()
+    assert kept["measured"] == list(c.points.values()) and kept["seconds"] == sorted(kept["seconds"])
+    back = CostCurve.from_dict(kept)
+    assert all(back.seconds(k) == pytest.approx(c.seconds(k)) for k in range(1, 40))
     with pytest.raises(ValueError):
         CostCurve({1: 0.0})
 
@@ -630,3 +634,76 @@ def test_a_batch_decides_its_drafts_together():
     plain = Drafting(s, None)
     assert plain._pick_all([[("masks", "masks", [5]), ("ngram", "ngram", [7, 8, 9])], []], 1, 0, 2) == [
         ("ngram", "ngram", [7, 8, 9]), ("masks", "masks", [])]
+
+
+# -- the kept cost curve ------------------------------------------------------------------------
+
+
+def test_a_kept_curve_that_falls_is_measured_again(tmp_path, monkeypatch):
+    """With MARS_HOME set, a lossless `mars generate` keeps its cost curve there, said in one
+    line before it is measured (what, about how long, where, how to measure again); a kept
+    curve whose seconds fall (here: reversed, as a busy machine can leave it) is measured
+    again by the same command, and every kept curve is non-decreasing; --remeasure-cost
+    measures it again on demand."""
+    import json
+
+    from clitools import invoke, ok
+    from tiny import save_model
+
+    monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
+    model = save_model(tmp_path / "model", "llama", seed=0)
+    command = ("generate", "--model", model, "--prompt", "hi", "--max-tokens", 4, "--lossless", "--device", "cpu")
+
+    def kept():
+        return {p: json.loads(p.read_text()) for p in sorted((tmp_path / "home" / "cost").glob("*.json"))}
+
+    first = ok(invoke(*command))
+    said = [line for line in first.stderr.splitlines() if line.startswith("measuring what a forward costs")]
+    assert len(said) == 1 and " s; kept in " in said[0] and "--remeasure-cost" in said[0]
+    curves = kept()
+    assert curves and all(str(path) in said[0] for path in curves)
+    for path, curve in curves.items():
+        assert curve["seconds"] == sorted(curve["seconds"]) and len(curve["measured"]) == len(curve["seconds"])
+        curve["seconds"] = curve["seconds"][::-1]  # a wider forward now cheaper than a narrower one
+        path.write_text(json.dumps(curve))
+    again = ok(invoke(*command))
+    assert "again (the kept curve was not non-decreasing)" in again.stderr
+    for curve in kept().values():
+        assert curve["seconds"] == sorted(curve["seconds"]) and curve["seconds"][0] < curve["seconds"][-1]
+    assert "measuring" not in ok(invoke(*command)).stderr  # a good curve is read, not measured
+    assert "measuring what a forward costs" in ok(invoke(*command, "--remeasure-cost")).stderr
+
+
+def test_calibration_keeps_each_widths_fastest_round_and_times_more_when_noisy():
+    """Load only adds time: each width keeps its fastest round; rounds that disagree much
+    (a busy machine) make calibration time as many rounds again; before the rounds it says
+    about how long they take."""
+    from mars.core import cost
+
+    class Clocked:
+        """A backend whose forward of k tokens takes k ms, plus 5 ms on two calls of every three when `busy`."""
+
+        def __init__(self, busy):
+            self.busy, self.calls, self.now = busy, 0, 0.0
+
+        def new_cache(self, batch):
+            return None
+
+        def crop(self, cache, length):
+            pass
+
+        def step(self, cache, ids, positions, mask, read, **kw):
+            self.calls += 1
+            self.now += ids.shape[1] * 1e-3 + (5e-3 if self.busy and self.calls % 3 else 0.0)
+            return np.zeros(read.shape, dtype=np.int64), np.zeros(read.shape)
+
+    widths = (1, 2, 4, 8)
+    for busy, passes in ((False, 1), (True, 2)):
+        backend, heard = Clocked(busy), []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cost.time, "perf_counter", lambda: backend.now)
+            curve = cost.calibrate(backend, [1, 2, 3], widths=widths, repeats=3, before=heard.append)
+        assert curve.points == pytest.approx({k: k * 1e-3 for k in widths})  # the fastest rounds, not the slow ones
+        assert len(heard) == 1 and heard[0] >= 4 * len(widths) * (1e-3 + 8e-3) / 2  # said before the rounds
+        # per pass: a prefill and a warm-up round before the 3 timed rounds; the first pass's estimate, 2 forwards
+        assert backend.calls == passes * (1 + 4 * len(widths)) + 2, (busy, backend.calls)

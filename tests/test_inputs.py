@@ -244,9 +244,9 @@ def test_bench_shows_progress(tiny, tmp_path):
     prompts.write_text("hi\nho\n")
     result = ok(invoke("bench", "--model", tiny, "--prompts", prompts, "--batch-sizes", 1, "--block-cache", 4, "--repeats", 1,
                        "--forward-k", "1,2", "--forward-repeats", 1, "--max-tokens", 2, "--threshold", 1.0))
-    # 5 configurations (AR, transformers, transformers prompt lookup, window, block4) x (warm-up + 1 round)
-    # + 2 k x (warm-up + 1)
-    assert "bench:" in result.output and "0/14 [" in result.output
+    # counted in tokens: 5 configurations (AR, transformers, transformers prompt lookup, window, block4) x
+    # (warm-up: 1 prompt + 1 round: 2 prompts) x 2 tokens, + the forwards of k = 1 and 2 tokens x (warm-up + 1)
+    assert "bench:" in result.output and "0/36 [" in result.output and "token/s" in result.output
 
 
 def test_eval_table_explains_its_columns(tiny, tmp_path):

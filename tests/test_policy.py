@@ -153,6 +153,30 @@ def test_the_backend_contract(plain, name):
     assert np.isfinite(noisy) and np.isfinite(clean)
     s = base.decode_plan(loaded, max_tokens=3)
     assert s.threshold == 1.0 and s.mask_id == base.mask_id_for(loaded) and s.eos_ids == loaded.eos_ids
+    # The step protocol (mars.core.decode_types.StepBackend): a forward on a cache equals the
+    # same forward without one, a crop undoes what a step added, a row kept is that row.
+    from mars.core.plan import Sampling
+    from mars.core.tokens import encode_prompt
+
+    greedy = Sampling()
+    prompt = np.array([encode_prompt(loaded.tokenizer, "Hello there")])
+    n = prompt.shape[1]
+    positions = np.arange(n)[None]
+    whole, conf = decoder.step(None, prompt, positions, None, positions, metric="probability", sampling=greedy)
+    assert whole.shape == conf.shape == (1, n) and ((conf > 0) & (conf <= 1)).all()
+    cache = decoder.new_cache(1)
+    first = decoder.step(cache, prompt[:, :-1], positions[:, :-1], None, np.array([[n - 2]]), metric=None, sampling=greedy)[0]
+    last = decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0]
+    assert first[0, 0] == whole[0, n - 2] and last[0, 0] == whole[0, n - 1]
+    decoder.crop(cache, n - 1)
+    assert decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0][0, 0] == whole[0, n - 1]
+    other = np.roll(prompt, 3, axis=1)  # another row beside it
+    both = decoder.new_cache(2)
+    decoder.step(both, np.concatenate([other, prompt])[:, :-1], np.tile(positions[:, :-1], (2, 1)), None, np.full((2, 1), n - 2),
+                 metric=None, sampling=greedy)
+    decoder.keep_rows(both, [1])  # the second row alone, as if decoded alone
+    kept = decoder.step(both, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0]
+    assert kept[0, 0] == whole[0, n - 1]
 
 
 def test_session_decodes_in_batches(plain):

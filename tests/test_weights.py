@@ -75,8 +75,9 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
     # The default mode keeps the checkpoint's AR output exactly, at more than 1.3 tokens per forward.
     assert default.tokens == ar.tokens
     assert default.stats.tokens_per_forward > 1.3, default.stats.tokens_per_forward
-    # Threshold mode: the 1.3 the weights were meant to reach at 0.95 is not met (weights/README.md).
-    assert at_threshold.stats.tokens_per_forward > 1.0, at_threshold.stats.tokens_per_forward
+    # Threshold mode: the 1.3 the weights were meant to reach at 0.95 is not met (weights/README.md);
+    # on these prompts it took 1.18 tokens per forward (2026-12-04).
+    assert at_threshold.stats.tokens_per_forward > 1.1, at_threshold.stats.tokens_per_forward
     # Verified threshold mode (threshold mode's default in generate and chat) reaches it, close to AR.
     verified = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, verify=True, **common))
     kept = sum(common_prefix(v, r) for v, r in zip(verified.tokens, ar.tokens))

@@ -146,42 +146,55 @@ def draft_corpus(loaded):
     return loaded._draft_corpus
 
 
-def costs(loaded, decoder, *, announce=None):
+def costs(loaded, decoder, *, announce=None, remeasure: bool = False):
     """The decoder's per-forward costs for the cost-aware policy (mars.core.cost.BatchCosts):
-    the one-row curve now, a batch's curve when a batch of that size first decodes."""
+    the one-row curve now, a batch's curve when a batch of that size first decodes.
+    `remeasure`: measure them again rather than read the kept ones."""
     from ..core.cost import BatchCosts
 
-    return BatchCosts(cost_curve(loaded, decoder, announce=announce),
-                      measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch))
+    return BatchCosts(cost_curve(loaded, decoder, announce=announce, remeasure=remeasure),
+                      measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch, remeasure=remeasure))
 
 
-def cost_curve(loaded, decoder, *, announce=None, batch: int = 1):
+REMEASURE_HINT = "--remeasure-cost measures it again"
+
+
+def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: bool = False):
     """The decoder's per-forward cost curve (mars.core.cost) for forwards of `batch` rows:
     measured once per model, device, dtype, thread count, backend version and batch size
     and kept under the cache directory (`MARS_HOME`, default ~/.cache/mars/cost), then
-    loaded. The decoding loop refreshes its copy from the forwards it times."""
+    loaded; measured again where the kept one is not non-decreasing, or with `remeasure`.
+    `announce` hears, before a measurement, what it is, about how long it takes and where
+    its result is kept. The decoding loop refreshes its copy from the forwards it times."""
     from ..core.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
     from ..default_model import keyed_cache_file
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
-    # "calibration" 2: one-token forwards timed as AR (no mask); 3: the median of
-    # CALIBRATION_ROUNDS rounds, not 3. Curves of the earlier ways are stale.
-    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 3,
+    # "calibration" 2: one-token forwards timed as AR (no mask); 3: over CALIBRATION_ROUNDS
+    # rounds, not 3; 4: each width's fastest round, kept non-decreasing. Curves of the
+    # earlier ways are stale.
+    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 4,
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     if batch > 1:
         key["batch"] = batch
     path = keyed_cache_file("cost", key)
-    curve = CostCurve.load(path)
+    curve = None if remeasure else CostCurve.load(path)
     if curve is not None:
         return curve
-    if announce:
-        rows = f" of {batch} rows" if batch > 1 else ""
-        announce(f"measuring what a forward{rows} costs on this device (once; kept under the cache directory)")
+    rows = f" of {batch} rows" if batch > 1 else ""
+    why = " again (the kept curve was not non-decreasing)" if path.exists() and not remeasure else ""
+
+    def before(seconds: float) -> None:
+        if announce:
+            announce(f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s; "
+                     f"kept in {path}; {REMEASURE_HINT})")
+
     mask_id = mask_id_for(loaded)
     # Wide forwards feed masks (a gated adapter works there), a one-token forward is AR.
     # A batch's widths are per row; its curve is in total fed tokens.
     widths = CALIBRATION_WIDTHS if batch == 1 else BATCH_CALIBRATION_WIDTHS
-    curve = calibrate(decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch)
+    curve = calibrate(decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch,
+                      before=before)
     try:
         curve.save(path, key=key)
     except OSError:

@@ -131,12 +131,12 @@ def quiet_libraries() -> None:
         pass
 
 
-def open_session(model, adapter_path, dtype, device, backend):
+def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bool = False):
     """The model loaded for decoding (mars.session.Session), notes on stderr."""
     from ..session import Session
 
     quiet_libraries()
-    return Session(model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say)
+    return Session(model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say, remeasure_cost=remeasure_cost)
 
 
 # -- decoding options (generate, chat) ---------------------------------------------------------------
@@ -180,6 +180,9 @@ def decode_options(f):
     f = click.option("--corpus", default=None, metavar="PATH|none",
                      help="With --ngram > 0: also draft from this draft corpus (`mars corpus`), where it is expected to keep "
                           "more; 'none': no corpus drafts. Default: the checkpoint's draft_corpus.npz, if it has one.")(f)
+    f = click.option("--remeasure-cost", is_flag=True,
+                     help="Measure again what a forward costs on this device (the curve --feed auto decides on, measured "
+                          "once and kept under the cache directory), e.g. after it was measured on a busy machine.")(f)
     f = click.option("--alternatives", type=click.IntRange(min=0), default=DEFAULT_ALTERNATIVES, show_default=True,
                      help="Lossless, greedy, window or no cache: also feed up to N runners-up of the first draft, each with B "
                           "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "

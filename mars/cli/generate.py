@@ -35,7 +35,7 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
     if not prompts:
         raise click.UsageError("give --prompt TEXT or --prompts FILE")
-    session = open_session(model, adapter_path, dtype, device, backend)
+    session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
     settings = decode_plan(session, **decode)
     tok = session.tokenizer
     ids = session.encode(prompts, chat=not raw)
@@ -116,11 +116,12 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     """
     from ..core.tokens import encode_prompt
 
-    session = open_session(model, adapter_path, dtype, device, backend)
+    session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
     settings = decode_plan(session, **decode)
     tok = session.tokenizer
     history = [{"role": "system", "content": system}] if system else []
     click.echo(f"{settings.name}, B={settings.block_size}. /help lists the commands", err=True)
+    session.cost_for(settings)  # a first measurement of the device happens now, not inside the first reply
     while True:
         try:
             line = input(">> ")

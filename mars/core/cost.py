@@ -89,7 +89,9 @@ class CostCurve:
         return CostCurve(dict(self.points), refresh=0.0)
 
     def to_dict(self) -> dict:
-        return {"tokens": list(self.points), "seconds": list(self.points.values())}
+        """`seconds` non-decreasing (the fit `seconds()` reads), `measured` as timed."""
+        seconds = non_decreasing(np.fromiter(self.points.values(), dtype=np.float64))
+        return {"tokens": list(self.points), "seconds": [float(s) for s in seconds], "measured": list(self.points.values())}
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
@@ -103,8 +105,14 @@ class CostCurve:
 
     @classmethod
     def load(cls, path: Path) -> CostCurve | None:
+        """The curve kept at `path`; None when there is none, or when its `seconds` fall
+        somewhere (a wider forward cheaper than a narrower one: measured on a busy machine,
+        or edited), since a curve like that is never kept: it is measured again."""
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            d = json.loads(Path(path).read_text())
+            if any(b < a for a, b in zip(d["seconds"], d["seconds"][1:])):
+                return None
+            return cls.from_dict(d)
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -168,45 +176,70 @@ class BatchCosts:
 
 
 def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1,
-                  ar_filler: int | None = None) -> dict[int, float]:
-    """Median seconds of one cached forward of k new tokens (per k in `widths`) on a cache
-    prefilled with `prompt` (`batch` copies), cropped back after each; greedy, no metric
-    (a lossless step's cost). The widths are interleaved so drift hits them alike. The new
-    tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR step, which
-    feeds no mask (a gated adapter does no work there)."""
+                  ar_filler: int | None = None, before=None) -> dict[int, list[float]]:
+    """Seconds of one cached forward of k new tokens (per k in `widths`), one per round, on a
+    cache prefilled with `prompt` (`batch` copies), cropped back after each; greedy, no metric
+    (a lossless step's cost). The widths are interleaved round by round so drift hits them
+    alike. The new tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR
+    step, which feeds no mask (a gated adapter does no work there). `before(seconds)`, when
+    given, hears how long the rounds should take, from a first forward of the narrowest and
+    the widest width, before they start."""
     greedy = Sampling()
     n = len(prompt)
     ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
     cache = backend.new_cache(batch)
     backend.step(cache, ids, np.tile(np.arange(n), (batch, 1)), None, np.full((batch, 1), n - 1), metric=None, sampling=greedy)
+
+    def forward(k: int) -> float:
+        new = np.full((batch, k), filler if k > 1 or ar_filler is None else ar_filler, dtype=np.int64)
+        pos = np.tile(n + np.arange(k), (batch, 1))
+        read = np.tile(np.arange(k), (batch, 1))
+        t0 = time.perf_counter()
+        backend.step(cache, new, pos, None, read, metric=None, sampling=greedy)
+        seconds = time.perf_counter() - t0
+        backend.crop(cache, n)
+        return seconds
+
+    if before is not None:
+        narrow, wide = forward(widths[0]), forward(widths[-1])
+        before((repeats + 1) * len(widths) * (narrow + wide) / 2)
     samples: dict[int, list[float]] = {k: [] for k in widths}
     for rep in range(repeats + 1):  # the first round warms up
         for k in widths:
-            new = np.full((batch, k), filler if k > 1 or ar_filler is None else ar_filler, dtype=np.int64)
-            pos = np.tile(n + np.arange(k), (batch, 1))
-            read = np.tile(np.arange(k), (batch, 1))
-            t0 = time.perf_counter()
-            backend.step(cache, new, pos, None, read, metric=None, sampling=greedy)
-            seconds = time.perf_counter() - t0
-            backend.crop(cache, n)
+            seconds = forward(k)
             if rep:
                 samples[k].append(seconds)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
 
 
-# Rounds a stored curve is the median of. With 3, on a shared 2-core machine, a batch-2 curve
+# Rounds a stored curve is measured over. With 3, on a shared 2-core machine, a batch-2 curve
 # came out with its 2-token point 13% above its 4-token one, though both run the same 4-row
 # product (packed.PAD_ROWS); after the non-decreasing fit a mask looked free at batch 2,
 # where one mask a row made a real forward (rows of different lengths) cost 12% more.
 CALIBRATION_ROUNDS = 7
+# Where a width's median round is this much slower than its fastest (the median over the
+# widths), the machine was busy: as many rounds again are timed before the curve is kept.
+NOISY = 0.25
+
+
+def noise(samples: dict[int, list[float]]) -> float:
+    """How much slower a typical round was than the fastest, per width, in the median over
+    the widths: 0 on a quiet machine."""
+    return float(statistics.median(statistics.median(v) / min(v) - 1.0 for v in samples.values()))
 
 
 def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = CALIBRATION_ROUNDS, filler: int = 0,
-              ar_filler: int | None = None, batch: int = 1) -> CostCurve:
+              ar_filler: int | None = None, batch: int = 1, before=None) -> CostCurve:
     """A cost curve for `backend` measured now (a few seconds on a small model); with
-    `batch` > 1, of forwards of that many rows (the curve in total fed tokens)."""
-    times = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch)
-    return CostCurve({batch * k: sec for k, sec in times.items()})
+    `batch` > 1, of forwards of that many rows (the curve in total fed tokens). Load only
+    ever adds time, so each width keeps its fastest round; where the rounds disagree by more
+    than `NOISY` (`noise`), as many rounds again are timed first. `before`: see
+    `time_forwards`."""
+    samples = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch, before=before)
+    if noise(samples) > NOISY:
+        more = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch)
+        samples = {k: v + more[k] for k, v in samples.items()}
+    return CostCurve({batch * k: min(v) for k, v in samples.items()})
 
 
 @dataclass
