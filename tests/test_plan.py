@@ -87,8 +87,8 @@ def chatted(path, prompt: str) -> tuple[str, str]:
     return reply, line[1:].split(": ")[0]
 
 
-def served(path) -> list[tuple[str, str]]:
-    """`mars serve` with no mode fields in the request (temperature 0): (text, usage.mode)."""
+def served(path, **fields) -> list[tuple[str, str]]:
+    """`mars serve` with no mode fields in the request but `fields` (temperature 0): (text, usage.mode)."""
     from mars.backends import base
     from mars.backends.torch.model import TorchDecoder
     from mars.serve import EngineLimits
@@ -99,7 +99,8 @@ def served(path) -> list[tuple[str, str]]:
     with live(loaded, TorchDecoder, engine_limits=EngineLimits(max_batch=1)) as srv:
         client = srv.client()
         for p in PROMPTS:
-            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0)
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
+                                               extra_body=fields)
             out.append((r.choices[0].message.content, r.usage.model_extra["mode"]))
     return out
 
@@ -152,3 +153,15 @@ def test_every_entry_point_decodes_the_default_mode_alike(checkpoint, flat_costs
         assert texts == ar  # lossless: AR's text
     else:
         assert texts != ar  # the masks' confident guesses were taken: the mode really ran below AR
+
+
+def test_a_request_asks_for_plain_threshold_mode_as_the_cli_does(tmp_path):
+    """`"verify": false` in a request is `--no-verify`: plain threshold mode, under the same
+    name, with the text of its fixed feed (B masks a step; a served batch feeds no fewer)."""
+    path = save_model(tmp_path / "model", "llama", seed=0)
+    write_config(mask_config(default_threshold=THRESHOLD, default_mode="threshold"), path)
+    args = ["generate", "--model", path, "--max-tokens", MAX_TOKENS, "--json", "--device", "cpu", "--no-verify", "--feed", "fixed"]
+    rows = [json.loads(line) for line in ok(invoke(*args, *[a for p in PROMPTS for a in ("--prompt", p)])).stdout.splitlines()]
+    want = [(r["text"], r["mode"]) for r in rows]
+    assert {m for _, m in want} == {f"threshold {THRESHOLD:g} (probability)"}
+    assert served(path, verify=False) == want

@@ -53,18 +53,22 @@ S = _serve_defaults()
 @click.option("--default-max-tokens", type=click.IntRange(min=1), default=S["default_max_tokens"], show_default=True, help="max_tokens for a request that gives none.")
 @click.option("--temp", type=Finite(0.0, 2.0), default=S["temperature"], show_default=True, help="Temperature for a request that gives none (0: greedy).")
 @click.option("--admin-from-anywhere", is_flag=True, help="Let non-loopback clients use /admin/* (default: loopback only).")
+@click.option("--remeasure-cost", is_flag=True, help="Measure again what a forward costs on this device (the curves the feed is chosen "
+                                                  "from, measured once and kept under the cache directory).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info", show_default=True)
 @device_options
 @backend_option
 @friendly_errors
 def serve_command(model, adapter_path, served_model_name, host, port, policy, threshold, default_mode, min_threshold, max_threshold,
                   full_load, hold, block_size, block_cache, cache, ngram, alternatives, max_batch, max_queue, max_prompt_tokens, max_tokens_limit,
-                  default_max_tokens, temp, admin_from_anywhere, log_level, dtype, device, backend):
+                  default_max_tokens, temp, admin_from_anywhere, remeasure_cost, log_level, dtype, device, backend):
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
     Requests decode in the checkpoint's default mode (mars.json default_mode) unless --threshold
-    or --default-mode says otherwise. Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's)
-    and, under --policy adaptive, "adaptive": false (keep the request's own threshold).
+    or --default-mode says otherwise. Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's),
+    "verify": false (plain threshold mode; greedy threshold requests are verified by default, as in mars generate)
+    and, under --policy adaptive, "adaptive": false (keep the request's own threshold). usage.mode names the mode a
+    reply ran in, as mars generate --json does.
     GET /metrics for Prometheus; POST /admin/policy changes the policy live (loopback only).
     """
     try:
@@ -101,6 +105,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                                      default_max_tokens=min(default_max_tokens, max_tokens_limit), temperature=temp),
             admin_from_anywhere=admin_from_anywhere,
+            remeasure_cost=remeasure_cost,
         )
     except PolicyError as e:
         raise click.ClickException(str(e)) from None
@@ -109,7 +114,8 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             f"full at load {described['full_load']}" if described["policy"] == "adaptive"
             else f"lossless by default (threshold {described['default_threshold']} ({described['metric']}) on request)"
             if engine.policy.lossless_by_default
-            else f"fixed threshold {described['default_threshold']} ({described['metric']})")
+            else f"fixed threshold {described['default_threshold']} ({described['metric']}; greedy requests verified unless they say "
+                 f"\"verify\": false)")
     engine.prepare_feed(announce=lambda m: click.echo(m, err=True))
     untrained = "" if engine.model.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
     click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.model.block_size}, "

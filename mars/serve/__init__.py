@@ -18,17 +18,18 @@ from .policy import PolicySettings, ThresholdPolicy
 
 def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size: int | None = None,
           policy: dict | None = None, engine_limits: EngineLimits | None = None, serve_limits: ServeLimits | None = None,
-          admin_from_anywhere: bool = False):
+          admin_from_anywhere: bool = False, remeasure_cost: bool = False):
     """(app, engine) for a loaded model (what a backend's `load` returned) and its decoder class.
 
     `policy` holds PolicySettings fields; unset ones default from the checkpoint: the default
     mode is its mars.json default_mode (but "threshold" when a default threshold or the
     adaptive policy is given), the fixed threshold is its mars.json default_threshold (else
     AR mode), the adaptive range runs from AR mode to the metric's default loose end, and
-    full load is the batch size."""
+    full load is the batch size. `remeasure_cost`: measure the model's cost curves again
+    rather than read the kept ones."""
     from .app import create_app
 
-    model = ServedModel.from_loaded(loaded, decoder_cls, name, aliases=aliases, block_size=block_size)
+    model = ServedModel.from_loaded(loaded, decoder_cls, name, aliases=aliases, block_size=block_size, remeasure_cost=remeasure_cost)
     engine_limits = engine_limits or EngineLimits()
     given = dict(policy or {})
     # The checkpoint's default mode, unless the server is given a threshold or a policy that turns it.

@@ -64,11 +64,13 @@ class ServedModel:
     metric: str
     aliases: tuple[str, ...] = ()
     # (decoder, announce) -> its per-forward cost curves (mars.core.cost.BatchCosts), for the
-    # cost-aware feed of greedy lossless requests; None: they feed a fixed width.
+    # cost-aware feed of greedy lossless and verified threshold requests; None: they feed a fixed width.
     costs: Callable[[Any, Callable[[str], None]], Any] | None = None
 
     @classmethod
-    def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None):
+    def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None,
+                    remeasure_cost: bool = False):
+        """`remeasure_cost`: measure the cost curves again rather than read the kept ones."""
         return cls(
             name=name,
             loaded=loaded,
@@ -77,7 +79,7 @@ class ServedModel:
             block_size=block_size_for(loaded.mars, block_size),
             metric=metric_for(loaded.mars, metric),
             aliases=tuple(a for a in aliases if a and a != name),
-            costs=lambda decoder, announce: base.costs(loaded, decoder, announce=announce),
+            costs=lambda decoder, announce: base.costs(loaded, decoder, announce=announce, remeasure=remeasure_cost),
         )
 
     @property
