@@ -182,8 +182,8 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     (a lossless step's cost). The widths are interleaved round by round so drift hits them
     alike. The new tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR
     step, which feeds no mask (a gated adapter does no work there). `before(seconds)`, when
-    given, hears how long the rounds should take, from a first forward of the narrowest and
-    the widest width, before they start."""
+    given, hears how long the rounds should take, from a forward of the narrowest and of the
+    widest width (after one to warm up), before they start."""
     greedy = Sampling()
     n = len(prompt)
     ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
@@ -200,9 +200,11 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
         backend.crop(cache, n)
         return seconds
 
-    if before is not None:
+    if before is not None:  # a forward's cost taken as linear in its width, between the two ends, once warm
+        forward(widths[0])
         narrow, wide = forward(widths[0]), forward(widths[-1])
-        before((repeats + 1) * len(widths) * (narrow + wide) / 2)
+        span = max(widths[-1] - widths[0], 1)
+        before((repeats + 1) * sum(narrow + (wide - narrow) * (k - widths[0]) / span for k in widths))
     samples: dict[int, list[float]] = {k: [] for k in widths}
     for rep in range(repeats + 1):  # the first round warms up
         for k in widths:
