@@ -659,7 +659,7 @@ def test_a_kept_curve_that_falls_is_measured_again(tmp_path, monkeypatch):
 
     first = ok(invoke(*command))
     said = [line for line in first.stderr.splitlines() if line.startswith("measuring what a forward costs")]
-    assert len(said) == 1 and " s; kept in " in said[0] and "--remeasure-cost" in said[0]
+    assert len(said) == 1 and "once, about " in said[0] and "; kept in " in said[0] and "--remeasure-cost" in said[0]
     curves = kept()
     assert curves and all(str(path) in said[0] for path in curves)
     for path, curve in curves.items():

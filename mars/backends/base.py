@@ -186,7 +186,7 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
 
     def before(seconds: float) -> None:
         if announce:
-            announce(f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s; "
+            announce(f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, more on a busy machine; "
                      f"kept in {path}; {REMEASURE_HINT})")
 
     mask_id = mask_id_for(loaded)
