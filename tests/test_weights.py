@@ -72,21 +72,22 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
     looser = generate(dec, prompts, DecodeSettings(threshold=0.6, **common))
     print("tokens/forward: default (lossless)", default.stats.tokens_per_forward, f"threshold {mars.default_threshold}",
           at_threshold.stats.tokens_per_forward, "0.6", looser.stats.tokens_per_forward)
-    # The default mode keeps the checkpoint's AR output exactly, at more than 1.3 tokens per forward.
+    # The default mode keeps the checkpoint's AR output exactly, at more than 1.6 tokens per forward (1.82 measured).
     assert default.tokens == ar.tokens
-    assert default.stats.tokens_per_forward > 1.3, default.stats.tokens_per_forward
-    # Threshold mode: the 1.3 the weights were meant to reach at 0.95 is not met (weights/README.md);
-    # on these prompts it took 1.18 tokens per forward (2026-12-04).
-    assert at_threshold.stats.tokens_per_forward > 1.1, at_threshold.stats.tokens_per_forward
+    assert default.stats.tokens_per_forward > 1.6, default.stats.tokens_per_forward
+    # Threshold mode at 0.95 takes a second token only where the masks are near-certain: 1.09
+    # tokens per forward on these prompts (weights/README.md, "Stage 6"; stage 5 took 1.18 at a
+    # lower agreement with AR).
+    assert at_threshold.stats.tokens_per_forward > 1.05, at_threshold.stats.tokens_per_forward
     # Verified threshold mode (threshold mode's default in generate and chat) reaches it, close to AR.
     verified = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, verify=True, **common))
     kept = sum(common_prefix(v, r) for v, r in zip(verified.tokens, ar.tokens))
     print("verified", verified.stats.tokens_per_forward, kept / sum(map(len, ar.tokens)))
     assert verified.stats.tokens_per_forward > 1.3, verified.stats.tokens_per_forward
     assert kept >= 0.9 * sum(map(len, ar.tokens))
-    # The knob: a looser threshold takes more tokens per forward (the distilled masks are
-    # rarely confident: 1.27 at 0.6 on these prompts, weights/README.md).
-    assert looser.stats.tokens_per_forward > max(1.2, at_threshold.stats.tokens_per_forward), looser.stats.tokens_per_forward
+    # The knob: a looser threshold takes more tokens per forward (1.46 at 0.6 on these prompts;
+    # stage 5's masks took 1.27, weights/README.md).
+    assert looser.stats.tokens_per_forward > max(1.35, at_threshold.stats.tokens_per_forward), looser.stats.tokens_per_forward
 
 
 def test_the_shipped_corpus_is_the_distilled_training_data_and_keeps_the_output(shipped):
