@@ -36,7 +36,10 @@ def env():
 
 
 def start(args):
-    return subprocess.Popen([mars_exe(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env())
+    # Ctrl-C's default action, as in a terminal: a shell that runs the tests in the background
+    # (`cmd &`) starts them with SIGINT ignored, and a child inherits that.
+    return subprocess.Popen([mars_exe(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_checkpoint(out: Path, proc, timeout=120):
