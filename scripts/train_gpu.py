@@ -33,7 +33,6 @@ import hashlib
 import io
 import json
 import math
-import os
 import random
 import sys
 import tarfile
@@ -56,15 +55,11 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 # -- prompts ----------------------------------------------------------------------------------
 def first_turns(path: Path) -> list[str]:
-    return [json.loads(line)["messages"][0]["content"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    from mars.prompts import json_lines
+
+    return [record["messages"][0]["content"] for _, record in json_lines(path)]
 
 
 def template_prompts(n: int, held_out: set[str], seed: int) -> list[str]:
@@ -171,6 +166,8 @@ def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eo
 def pack(adapter: Path, out: Path, summary: dict) -> None:
     """The adapter's files as one tar cut into OUT/adapter.tar.NN parts, then summary.json
     naming them and the tar's sha256 (written last: a summary always describes whole parts)."""
+    from mars.core.files import atomic_write_bytes
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for name in ADAPTER_FILES:
@@ -179,12 +176,12 @@ def pack(adapter: Path, out: Path, summary: dict) -> None:
     data = buf.getvalue()
     parts = [f"adapter.tar.{i:02d}" for i in range(math.ceil(len(data) / PART_BYTES))]
     for i, name in enumerate(parts):
-        write_atomic(out / name, data[i * PART_BYTES : (i + 1) * PART_BYTES])
+        atomic_write_bytes(out / name, data[i * PART_BYTES : (i + 1) * PART_BYTES])
     for stale in out.glob("adapter.tar.*"):
         if stale.name not in parts:
             stale.unlink()
     summary["adapter"] = {"parts": parts, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    write_atomic(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
+    atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
 
 
 def unpack(out: Path, dest: Path) -> Path:
@@ -403,9 +400,11 @@ def main(argv=None) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", records), ("valid", valid)):
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    from mars.core.files import atomic_write_bytes
+
     packed = gzip.compress((data_dir / "train.jsonl").read_bytes())
     if len(packed) <= PART_BYTES:
-        write_atomic(out / "distilled.jsonl.gz", packed)
+        atomic_write_bytes(out / "distilled.jsonl.gz", packed)
     summary["distil"] = {"prompts_template": len(templates), "prompts_sampled": len(sampled), "replies": len(records),
                          "cut_by_max_tokens": sum(r["finish"] == "length" for r in records), "valid": len(valid),
                          "seconds": round(time.time() - t0, 1), "max_tokens": args.max_tokens}
