@@ -36,18 +36,17 @@ def speculative_config(drafter: Path) -> dict:
     return {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": SPECULATIVE_TOKENS, "parallel_drafting": True}
 
 
-def _adapter_base(src: Path, mars: MarsConfig) -> Path:
-    from ..default_model import resolve_named_base
+def _adapter_base(src: Path) -> Path:
+    """The base an adapter was trained on, found as every loader finds it (mars.json, else
+    adapter_config.json)."""
+    from ..backends.paths import ModelError, resolve_model_path
 
-    name = mars.base_model
-    if not name:
-        config = json.loads((src / "adapter_config.json").read_text())
-        name = config.get("base_model_name_or_path") or config.get("model") or ""
-    if not name:
-        raise ConvertError(f"{src}/mars.json: no base_model (the model the adapter was trained on); add it")
-    base = resolve_named_base(name)
+    try:
+        base, _ = resolve_model_path(src)
+    except ModelError:
+        raise ConvertError(f"{src}/mars.json: no base_model (the model the adapter was trained on); add it") from None
     if not base.exists():
-        raise ConvertError(f"{src}/mars.json: its base model {name} is not here; put it there (or fix base_model)")
+        raise ConvertError(f"{src}/mars.json: its base model {base} is not here; put it there (or fix base_model)")
     return base
 
 
@@ -64,7 +63,7 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
     final = Path(os.path.abspath(output))
     drafter = final / DRAFTER
     if adapter_format(src) is not None:
-        base = _adapter_base(src, mars)
+        base = _adapter_base(src)
         if base.is_dir():
             read_config(base)  # an unsupported architecture fails here, before any work
         gated = mars.gate == "masks"
