@@ -1,10 +1,10 @@
 """A MARS checkpoint as vLLM's parallel drafter, measured in vLLM itself.
 
-Runs in the vLLM venv (scripts/setup.sh --vllm), on what `mars convert SRC --to vllm -o DIR`
-wrote:
+Runs where vLLM is installed beside mars (scripts/setup.sh --vllm), on what
+`mars convert SRC --to vllm -o DIR` wrote:
 
     .venv/bin/mars convert weights --to vllm -o /tmp/vllm-weights
-    .venv-vllm/bin/python benchmarks/vllm_drafter.py /tmp/vllm-weights
+    .venv/bin/python benchmarks/vllm_drafter.py /tmp/vllm-weights
 
 For each method (no speculation; the MARS drafter with parallel drafting; vLLM's own n-gram
 prompt lookup) it starts vLLM once, in a process of its own, and decodes the test prompts
@@ -140,12 +140,13 @@ def main() -> None:
 def target_of(export: Path) -> str:
     if (export / "target").is_dir():
         return str((export / "target").resolve())
-    for line in (export / "README.md").read_text().splitlines():
-        if line.startswith("vllm serve "):
-            import shlex
+    import shlex
 
-            return shlex.split(line)[2]
-    sys.exit(f"{export}: no target directory and no `vllm serve` line in README.md; pass --target")
+    for line in (export / "README.md").read_text().splitlines():
+        if "vllm.entrypoints.openai.api_server" in line and "--model" in line:
+            words = shlex.split(line)
+            return words[words.index("--model") + 1]
+    sys.exit(f"{export}: no target directory and no serve line in README.md; pass --target")
 
 
 def summarize(runs: list[dict], args, target: str, prompts: list) -> dict:

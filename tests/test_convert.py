@@ -246,7 +246,7 @@ def test_fuse(tmp_path, to):
     card = (tmp_path / "fused/README.md").read_text()
     assert "base model's own card" not in card
     for needle in ("MARS objective", "| `block_size` | `4` |", "| `mask_token_id` | `3` |", "step 7", "noisy 2.5000", "val_noisy 3.5000",
-                   "AutoModelForCausalLM.from_pretrained", "mlx_lm generate --model", "vllm serve", "--to vllm"):
+                   "AutoModelForCausalLM.from_pretrained", "mlx_lm generate --model", "python -m vllm.entrypoints.openai.api_server --model", "--dtype float32", "--to vllm"):
         assert needle in card, needle
 
 

@@ -4,6 +4,7 @@ speculative config and the README's commands; one-line errors for what it cannot
 
 import json
 import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +14,37 @@ from clitools import invoke, ok, one_line_error
 from tiny import save_model
 
 IDS = [1, 10, 20, 3, 3, 3, 30, 40, 11, 3, 12]  # mask tokens (id 3) among real ones
+
+
+def serve_line(readme: str) -> list[str]:
+    """The words of the README's serve command (the environment assignment first)."""
+    line = next(line for line in readme.splitlines() if "vllm.entrypoints.openai.api_server" in line and not line.startswith(("#", "`")))
+    return shlex.split(line)
+
+
+def option(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def check_cards(out):
+    """What the export's READMEs say matches the files beside them: every absolute path they
+    name exists (none is the temporary directory the export wrote through), the drafter's card
+    shows its own mars.json, and the training step it quotes is its adapter's last."""
+    import re
+
+    from mars.core.config import read_config
+
+    for card in (out / "README.md", out / "drafter" / "README.md"):
+        text = card.read_text()
+        assert ".tmp." not in text, card
+        for path in re.findall(r"(?<![\w.])(/[^\s`'\"(),]+)", text):
+            if not path.startswith(("/v1/", "/dev/")):
+                assert Path(path).exists(), (card, path)
+    mars = read_config(out / "drafter")
+    card = (out / "drafter" / "README.md").read_text()
+    for name in ("gate", "mask_token_id", "block_size", "default_mode"):
+        assert f"| `{name}` | `{json.dumps(getattr(mars, name))}` |" in card, name
+    return card
 
 
 def finetune(tiny, data, out, *extra):
@@ -61,11 +93,15 @@ def test_adapter_exports_as_a_drafter_with_its_target(tiny, data, tmp_path, gate
     spec = json.loads((out / "speculative_config.json").read_text())
     assert spec == {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True}
     readme = (out / "README.md").read_text()
-    serve = next(line for line in readme.splitlines() if line.startswith("vllm serve "))
-    words = shlex.split(serve)
-    assert words[2] == str(target) and words[3] == "--speculative-config" and json.loads(words[4]) == spec
-    assert f"LLM(model={str(target)!r}, speculative_config={spec!r})" in readme
+    words = serve_line(readme)
+    assert words[:4] == ["VLLM_CPU_KVCACHE_SPACE=2", "python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert option(words, "--model") == str(target) and option(words, "--dtype") == "float32"
+    assert json.loads(option(words, "--speculative-config")) == spec
+    assert f"LLM(model={str(target)!r}, dtype=\"float32\", speculative_config={spec!r})" in readme
     assert "wrote" in result.output
+    card = check_cards(out)
+    assert "step 3" in card  # the adapter's last training step
+    assert json.loads((adapter / "training_log.jsonl").read_text().splitlines()[-1])["step"] == 3
 
 
 def test_full_fine_tune_exports_itself_as_drafter_and_target(tiny, data, tmp_path):
@@ -76,7 +112,8 @@ def test_full_fine_tune_exports_itself_as_drafter_and_target(tiny, data, tmp_pat
     assert json.loads((drafter / "config.json").read_text())["mask_token_id"] == 3
     np.testing.assert_array_equal(logits(plain(drafter)), logits(plain(model)))
     assert json.loads((out / "speculative_config.json").read_text())["model"] == str(drafter.resolve())
-    assert f"vllm serve {drafter.resolve()} " in (out / "README.md").read_text()
+    assert option(serve_line((out / "README.md").read_text()), "--model") == str(drafter.resolve())
+    check_cards(out)
 
 
 def test_what_cannot_be_exported_fails_in_one_line(tiny, data, tmp_path):
@@ -116,7 +153,10 @@ def test_shipped_weights_export_for_vllm(tmp_path):
     # the gated adapter's target is the embedded base, which is no directory the user has: written too
     target = plain(out / "target")
     assert json.loads((out / "speculative_config.json").read_text())["parallel_drafting"] is True
-    assert f"vllm serve {(out / 'target').resolve()} " in (out / "README.md").read_text()
+    assert option(serve_line((out / "README.md").read_text()), "--model") == str((out / "target").resolve())
+    card = check_cards(out)
+    log = (weights / "training_log.jsonl").read_text().splitlines()
+    assert f"step {json.loads(log[-1])['step']}," in card  # the shipped weights' own last step
     ids = torch.tensor([[1, 504, 3, 3, 3]])
     with torch.no_grad():
         assert not torch.equal(drafter(ids).logits, target(ids).logits)  # the adapter acts everywhere in the drafter

@@ -17,7 +17,7 @@ _MARS_FIELDS = {
     "default_mode": "how mars decodes when asked for no mode",
     "default_threshold": "the threshold mars decodes at when asked for none",
     "ar_weight": "weight of the clean-stream (AR) loss in training",
-    "gate": "masks: the adapter acted at mask positions only",
+    "gate": "masks: the adapter acts at mask positions only; none: at every position",
 }
 
 
@@ -48,12 +48,14 @@ def measured(source: Path) -> str:
     figures = [f"{key} {last[key]:.4f}" for key in ("noisy", "clean", "val_noisy", "val_clean") if isinstance(last.get(key), float)]
     if not figures:
         return ""
-    return (f"At the end of training (step {last.get('step', '?')}, from `{TRAINING_LOG}`): cross-entropy "
+    return (f"At the end of training (step {last.get('step', '?')}, from `{log.resolve()}`): cross-entropy "
             f"{', '.join(figures)} (noisy: the masks' predictions; clean: the ordinary next-token loss).")
 
 
-def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfig | None) -> str:
-    """README.md of a base model with a (MARS) LoRA adapter fused in by `mars convert --fuse`."""
+def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfig | None, note: str = "") -> str:
+    """README.md of a base model with a (MARS) LoRA adapter fused in by `mars convert --fuse`
+    (or as a vLLM drafter): `output` is where the model will be read from, `mars` what its
+    mars.json says, `note` a paragraph on what this particular model is for."""
     out = shlex.quote(str(output))
     name = output.name
     method = (
@@ -70,6 +72,8 @@ def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfi
         + (", with the trained mask-token row in the embedding." if mars is not None else "."),
         "",
     ]
+    if note:
+        parts += [note, ""]
     if mars is not None:
         parts += ["## What mars.json says\n", mars_table(mars), ""]
     figures = measured(adapter)
@@ -87,9 +91,10 @@ def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfi
         "```bash",
         f"python -m mlx_lm generate --model {out} --prompt 'Hello'",
         "```\n",
-        "vLLM, as a plain model, or exported as a parallel drafter for speculative decoding:\n",
+        "vLLM, as a plain model (`--dtype float32`: vLLM would load float32 weights as bfloat16; "
+        "`VLLM_CPU_KVCACHE_SPACE` for its CPU build), or exported as a parallel drafter for speculative decoding:\n",
         "```bash",
-        f"vllm serve {out}",
+        f"VLLM_CPU_KVCACHE_SPACE=2 python -m vllm.entrypoints.openai.api_server --model {out} --dtype float32",
         f"mars convert {out} --to vllm -o {shlex.quote(name + '-vllm')}",
         "```\n",
     ]

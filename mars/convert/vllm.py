@@ -23,6 +23,7 @@ from pathlib import Path
 from ..core.config import MarsConfig, has_config, read_config as read_mars, write_config
 from ..core.files import atomic_dir
 from .adapters import adapter_format, safe_output
+from .card import fused_card
 from .models import convert_model, read_config
 from .tensors import ConvertError
 
@@ -87,7 +88,11 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
         config = json.loads(config_file.read_text())
         config["mask_token_id"] = mars.mask_token_id
         config_file.write_text(json.dumps(config, indent=2) + "\n")
-        write_config(dataclasses.replace(mars, gate="none"), d / DRAFTER)  # every position runs the adapted weights
+        drafted = dataclasses.replace(mars, gate="none")  # every position runs the adapted weights
+        write_config(drafted, d / DRAFTER)
+        # The card names where the drafter will be (not this temporary directory) and its own mars.json.
+        (d / DRAFTER / "README.md").write_text(fused_card(drafter, base=model_ref(base) if base is not None else None,
+                                                          adapter=src, mars=drafted, note=_drafter_note(src, gated, target)))
         if base is not None and not own:
             announce(f"writing the target ({base}) into {final / TARGET}")
             convert_model(base, d / TARGET, "hf", announce=announce)
@@ -99,8 +104,23 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
     return output
 
 
+def serve_command(target: Path, spec: dict) -> str:
+    """The shell line that serves `target` with the drafter of `spec`, on any vLLM build."""
+    return (f"VLLM_CPU_KVCACHE_SPACE=2 python -m vllm.entrypoints.openai.api_server --model {shlex.quote(str(target))} "
+            f"--dtype float32 --speculative-config {shlex.quote(json.dumps(spec))}")
+
+
+def _drafter_note(src: Path, gated: bool, target: Path) -> str:
+    if gated:
+        return (f"This is a vLLM parallel drafter exported by `mars convert {src} --to vllm`. The adapter was trained "
+                "gated (its deltas act at mask positions only); here it is fused at every position, so this model's own "
+                f"greedy output is not the base's. Serve the target `{target}` with this model as its drafter: the "
+                "target verifies every drafted token.")
+    return (f"This is a vLLM parallel drafter exported by `mars convert {src} --to vllm`, the checkpoint itself with "
+            "`mask_token_id` in its config.json; as its own target it verifies every drafted token.")
+
+
 def _readme(src: Path, target: Path, why: str, drafter: Path, spec: dict, mars: MarsConfig) -> str:
-    spec_json = json.dumps(spec)
     return "\n".join([
         "# A MARS checkpoint as a vLLM parallel drafter",
         "",
@@ -110,22 +130,33 @@ def _readme(src: Path, target: Path, why: str, drafter: Path, spec: dict, mars: 
         f"- drafter: `{drafter}`: {src} fused at every position, with the trained mask token "
         f"`{mars.mask_token}` (id {mars.mask_token_id}, `mask_token_id` in its config.json). It drafts "
         f"{spec['num_speculative_tokens']} tokens per target step in one forward (parallel drafting); the target verifies "
-        "every one, so greedy replies are the target's own.",
+        f"every one, so greedy replies are the target's own, in the dtype the target runs in: `--dtype float32` below "
+        "gives the float32 model's greedy output, token for token (vLLM's default, `auto`, loads a float32 checkpoint "
+        "as bfloat16, whose greedy replies can differ from the float32 ones).",
         f"- `{SPECULATIVE_CONFIG}`: the speculative config below.",
         "",
         "## Serve",
         "",
+        "An OpenAI-compatible server on port 8000 (the module form starts on every vLLM build; the `vllm` command "
+        "fails on a CPU build installed as `vllm-cpu`, which looks its own version up under the name `vllm`). "
+        "`VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) is for vLLM's CPU build: without it vLLM asks for 92% of the "
+        "machine's memory and refuses to start on a machine that is not idle; GPU builds ignore it.",
+        "",
         "```bash",
-        f"vllm serve {shlex.quote(str(target))} --speculative-config {shlex.quote(spec_json)}",
+        serve_command(target, spec),
         "```",
         "",
         "## Python",
         "",
         "```python",
+        "import os",
+        "",
         "from vllm import LLM, SamplingParams",
         "",
+        'os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM\'s CPU build: 2 GiB of KV cache (GPU builds ignore it)',
+        "",
         'if __name__ == "__main__":  # vLLM starts worker processes',
-        f"    llm = LLM(model={str(target)!r}, speculative_config={spec!r})",
+        f"    llm = LLM(model={str(target)!r}, dtype=\"float32\", speculative_config={spec!r})",
         '    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=64))',
         "    print(out[0].outputs[0].text)",
         "```",

@@ -81,3 +81,24 @@ def growing_cache(config):
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+def cache_argument(body, cache) -> dict:
+    """The keyword a transformers model's forward takes its cache by: `cache` from transformers
+    5.24, `past_key_values` before (mars supports 5.17 and later). Read off the forward's own
+    signature, once per model class: an unknown keyword would be swallowed by `**kwargs` and
+    the model would run with no cache at all."""
+    kind = type(body)
+    name = _CACHE_KEYWORD.get(kind)
+    if name is None:
+        import inspect
+
+        params = inspect.signature(kind.forward).parameters
+        name = "cache" if "cache" in params else "past_key_values"
+        if name not in params:
+            raise TypeError(f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers is not supported")
+        _CACHE_KEYWORD[kind] = name
+    return {name: cache}
+
+
+_CACHE_KEYWORD: dict[type, str] = {}

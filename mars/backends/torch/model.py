@@ -17,6 +17,7 @@ from ...core.plan import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
+from .cache import cache_argument
 from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
@@ -369,7 +370,8 @@ class TorchDecoder:
         distinct, where = np.unique(flat, return_inverse=True)
         with packed.active():
             with real:  # the body alone: the head's rows are reads, not positions
-                out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, cache=cache, use_cache=cache is not None)
+                out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=cache is not None,
+                                **cache_argument(self.body, cache))
             hidden = out.last_hidden_state
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
@@ -525,11 +527,12 @@ class MarsLoss(torch.nn.Module):
         with torch.no_grad():
             self.gate.set(input_ids[:, n:])
             out_c = self.body(inputs_embeds=self.embed(input_ids[:, n:]), position_ids=positions[:, n:],
-                              attention_mask=attn[:, :, n:, n:], cache=cache, use_cache=True)
+                              attention_mask=attn[:, :, n:, n:], use_cache=True,
+                              **cache_argument(self.body, cache))
         self.gate.set(input_ids[:, :n])
         mask = torch.cat([attn[:, :, :n, n:], attn[:, :, :n, :n]], dim=-1)  # keys: the cached clean stream, then the noisy
         out_n = self.body(inputs_embeds=self.embed(input_ids[:, :n]), position_ids=positions[:, :n], attention_mask=mask,
-                          cache=cache, use_cache=True)
+                          use_cache=True, **cache_argument(self.body, cache))
         return torch.cat([out_n.last_hidden_state, out_c.last_hidden_state], dim=1)
 
     def hidden(self, input_ids, positions, attn):
