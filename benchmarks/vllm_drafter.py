@@ -7,7 +7,7 @@ Runs where vLLM is installed beside mars (scripts/setup.sh --vllm), on what
     .venv/bin/python benchmarks/vllm_drafter.py /tmp/vllm-weights
 
 For each method (no speculation; the MARS drafter with parallel drafting; vLLM's own n-gram
-prompt lookup) it starts vLLM once, in a process of its own, and decodes the test prompts
+prompt lookup) it starts vLLM once (float32), in a process of its own, and decodes the test prompts
 greedily at batch 1 (one request at a time) and batch 8 (eight at once). It records the wall
 time, the replies (the speculative ones must equal the plain ones: the target verifies every
 token), and from vLLM's spec-decode counters the tokens per target step (1 + accepted drafts

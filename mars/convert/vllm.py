@@ -3,7 +3,8 @@
 MARS trains the masks to predict the next tokens in one forward, which is what vLLM's parallel
 drafting asks of a draft model (`"parallel_drafting": true`: the drafter sees the mask token,
 named by `mask_token_id` in its config.json, in the positions still to be drafted). vLLM's
-target model then verifies every drafted token, so its greedy output is the target's own.
+target model then verifies every drafted token, so its greedy output is the target's own in the dtype it
+runs in (the commands written name float32: vLLM would load a float32 checkpoint as bfloat16).
 
     DIR/drafter/                 SRC fused at every position (a gated adapter too: the target
                                  verifies every token), the mask row set, mask_token_id in config.json
