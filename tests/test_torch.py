@@ -278,3 +278,34 @@ def test_float_mask_path_with_eager_attention(tok):
     a = generate(TorchDecoder(TorchModel(sdpa, tok, None, "", torch.device("cpu"), torch.float32)), prompts, s)
     b = generate(TorchDecoder(TorchModel(eager, tok, None, "", torch.device("cpu"), torch.float32)), prompts, s)
     assert a.tokens == b.tokens
+
+
+def test_the_cache_goes_under_the_keyword_the_models_forward_takes(tm):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache`; an unknown keyword
+    would vanish into `**kwargs` and the model would decode with no cache at all, so the
+    backend reads the name off the forward's signature (mars supports 5.17 and later)."""
+    import inspect
+
+    from mars.backends.torch.cache import cache_argument
+    from mars.backends.torch.model import body_and_head
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return cache
+
+    class Neither(torch.nn.Module):
+        def forward(self, input_ids=None, **kwargs):
+            return None
+
+    marker = object()
+    assert Old()(**cache_argument(Old(), marker)) is marker
+    assert New()(**cache_argument(New(), marker)) is marker
+    with pytest.raises(TypeError, match="neither"):
+        cache_argument(Neither(), marker)
+    body, _ = body_and_head(tm.model)  # the installed transformers' own model takes it by that name
+    assert list(cache_argument(body, marker)) == [name for name in ("cache", "past_key_values")
+                                                  if name in inspect.signature(type(body).forward).parameters][:1]
