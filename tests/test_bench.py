@@ -2,7 +2,7 @@
 and the project's AR loop emits the same tokens as transformers / mlx-lm greedy generation."""
 
 import json
-import time
+import types
 
 import pytest
 from click.testing import CliRunner
@@ -304,24 +304,30 @@ def test_forward_cost_times_k1_as_an_ar_step():
     assert any(f.shape[1] == 1 for f in timed) and any(f.shape[1] == 3 for f in timed)
 
 
-def test_rounds_alternate_the_order_and_ratios_stay_within_a_round():
+def test_rounds_alternate_the_order_and_ratios_stay_within_a_round(monkeypatch):
+    from mars import bench
     from mars.bench import BenchSettings, Config, bench_batch
 
+    # The bench's clock moves only when a configuration runs (AR takes 2 s, the others 1 s), so
+    # the ratios are exact whatever else the machine is doing.
+    clock = [0.0]
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     calls = []
 
     def runner(name, seconds):
         def run(chunk):
             calls.append(name)
-            time.sleep(seconds)
+            clock[0] += seconds
             return [[7, 8]] * len(chunk), None
         return run
 
-    configs = [Config("ar", "ar", runner("ar", 0.002)), Config("ref", "reference", runner("ref", 0.0)),
-               Config("fast", "mars", runner("fast", 0.0))]
+    configs = [Config("ar", "ar", runner("ar", 2.0)), Config("ref", "reference", runner("ref", 1.0)),
+               Config("fast", "mars", runner("fast", 1.0))]
     report = bench_batch(configs, [[1, 2]], 1, BenchSettings(repeats=3), eos={2})
     assert calls[3:] == ["ar", "ref", "fast", "fast", "ref", "ar", "ar", "ref", "fast"]  # after the warm-up
     fast = next(r for r in report["runs"] if r["name"] == "fast")
-    assert fast["ratio_min"] > 1.0 and len(configs[2].ratios) == 3
+    assert configs[2].ratios == [2.0, 2.0, 2.0] and fast["ratio_min"] == fast["ratio_to_ar"] == fast["ratio_max"] == 2.0
+    assert next(r for r in report["runs"] if r["name"] == "ar")["wall_s_runs"] == [2.0, 2.0, 2.0]
 
 
 def test_cli_times_humaneval_problems(tiny, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -450,6 +451,88 @@ def test_generate_prints_tokens_per_forward(full):
     assert "--- [0] Spell from c" in result.stdout
     last = [line for line in result.output.splitlines() if line.strip()][-1]
     assert "threshold 0.5" in last and "tokens/forward" in last
+
+
+MODE_LINE = re.compile(
+    r"^(?P<mode>[^,]+), B=\d+, cache=[^:]+: (?P<tokens>\d+) tokens, (?P<forwards>\d+) forwards, [\d.]+ tokens/forward, "
+    r"(?P<seconds>[\d.]+)s \((?P<speed>[\d.]+) tok/s; median of (?P<rounds>\d+) rounds, range (?P<low>[\d.]+)-(?P<high>[\d.]+) tok/s\)")
+RATIO_LINE = re.compile(
+    r"^(?P<same>\d+)/(?P<prompts>\d+) replies identical to AR; (?P<mode>[^:]+): (?P<ratio>[\d.]+)x AR's tokens/s "
+    r"\((?P<speed>[\d.]+) / (?P<ar>[\d.]+) tok/s, the medians above; round by round (?P<low>[\d.]+)-(?P<high>[\d.]+)x\)$")
+
+
+def compare_figures(output: str) -> tuple[list[dict], dict]:
+    """--compare's two summary lines and its ratio line, parsed."""
+    lines = [line for line in output.splitlines() if line.strip()][-3:]
+    modes = [MODE_LINE.match(line) for line in lines[:2]]
+    ratio = RATIO_LINE.match(lines[2])
+    assert all(modes) and ratio, lines
+    num = lambda m: {k: v if k == "mode" else float(v) for k, v in m.groupdict().items()}  # noqa: E731
+    return [num(m) for m in modes], num(ratio)
+
+
+def check_compare_figures(modes: list[dict], ratio: dict, rounds: int) -> None:
+    """What --compare prints agrees with itself: each mode's tokens/s is its tokens over its
+    seconds and lies within its rounds' range; the ratio is the two printed tokens/s, which it
+    repeats, and lies within the per-round ratios' range."""
+    ar, mode = modes
+    assert [ar["mode"], ratio["mode"]] == ["AR greedy", mode["mode"]]
+    for m in modes:
+        assert m["rounds"] == rounds and m["low"] <= m["speed"] <= m["high"]
+        # seconds are printed to 0.01 s, tokens/s to 0.1: the same figure within that rounding
+        assert m["tokens"] / (m["seconds"] + 0.005) - 0.05 <= m["speed"] <= m["tokens"] / max(m["seconds"] - 0.005, 1e-9) + 0.05
+    assert (ratio["speed"], ratio["ar"]) == (mode["speed"], ar["speed"])
+    assert ratio["ratio"] == pytest.approx(mode["speed"] / ar["speed"], abs=0.005 + 0.05 * (1 / ar["speed"] + mode["speed"] / ar["speed"] ** 2))
+    assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
+
+
+def test_compare_prints_one_set_of_figures(full, monkeypatch):
+    """--compare's summary lines and its ratio tell the same story: each mode's line reports
+    its median round, and the ratio is the ratio of the two tokens/s printed above it (it used
+    to follow the first round's lines with the median of the rounds' ratios, and a reader could
+    see lossless both slower and faster than AR). The rounds' wall times are scripted here so
+    the median round differs from the first."""
+    import mars.session
+
+    out, _ = full
+    args = ("generate", "--model", out, "--prompt", "Spell from c", "--prompt", "hi", "--max-tokens", 8, "--device", "cpu",
+            "--lossless", "--compare")
+    # Wall times per round, AR then lossless (AR then lossless within each round): the first
+    # round has lossless slowest, the median rounds have it faster.
+    script = iter([1.0, 4.0, 4.0, 1.0, 2.0, 1.5])
+    real = mars.session.decode_batches
+
+    def scripted(*a, **kw):
+        decoded = real(*a, **kw)
+        decoded.seconds = next(script)
+        return decoded
+
+    monkeypatch.setattr(mars.session, "decode_batches", scripted)
+    result = ok(invoke(*args))
+    modes, ratio = compare_figures(result.output)
+    check_compare_figures(modes, ratio, 3)
+    ar, lossless = modes
+    assert (ar["seconds"], lossless["seconds"]) == (2.0, 1.5)  # the median rounds, not the first
+    n_ar, n_lossless = ar["tokens"], lossless["tokens"]
+    assert ar["low"] == pytest.approx(n_ar / 4, abs=0.05) and ar["high"] == pytest.approx(n_ar / 1, abs=0.05)
+    assert ratio["ratio"] == pytest.approx(round((n_lossless / 1.5) / (n_ar / 2.0), 2))
+    assert (ratio["low"], ratio["high"]) == (round((n_lossless / 4) / n_ar, 2), round(n_lossless / (n_ar / 4), 2))
+
+    # Unscripted, and under --json (the lines then go to stderr): the same agreement, and the
+    # JSON rows add up to the summary line of their mode.
+    monkeypatch.setattr(mars.session, "decode_batches", real)
+    result = ok(invoke(*args, "--json", "--rounds", 4))
+    modes, ratio = compare_figures(result.stderr)
+    check_compare_figures(modes, ratio, 4)
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    for m in modes:
+        mine = [r for r in rows if r["mode"] == m["mode"]]
+        assert len(mine) == 2
+        assert (sum(r["tokens"] for r in mine), sum(r["forwards"] for r in mine)) == (m["tokens"], m["forwards"])
+    assert ratio["same"] == sum(a["text"] == b["text"] for a, b in zip(rows[::2], rows[1::2]))
+
+    one = ok(invoke(*args, "--rounds", 1)).output.splitlines()
+    assert "median" not in one[-2] and "(one round)" not in one[-2] and one[-1].endswith("tok/s, one round)")
 
 
 def test_generate_json_and_prompts_file(full, tmp_path):

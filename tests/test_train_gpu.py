@@ -35,14 +35,17 @@ def gated(tiny, data, tmp_path_factory):
 
 
 def test_the_gpu_script_dry_runs_on_the_cpu_and_returns_a_usable_adapter(tiny, gated, tmp_path):
+    # A budget of 0 minutes: every phase does its minimum (one distillation batch, --min-steps
+    # steps, a snapshot after each), so the run is the same on a fast machine and a busy one.
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = [sys.executable, str(ROOT / "scripts" / "train_gpu.py"), "--out", str(out), "--work", str(work), "--model", str(tiny),
-           "--init-adapter", str(gated), "--device", "cpu", "--minutes", "0.35", "--template-prompts", "24",
+           "--init-adapter", str(gated), "--device", "cpu", "--minutes", "0", "--min-steps", "10", "--template-prompts", "24",
            "--sampled-prompts", "8", "--valid", "4", "--gen-batch", "8", "--max-tokens", "8", "--batch-size", "4",
-           "--save-seconds", "2", "--reserve-seconds", "3"]
-    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=300)
+           "--save-seconds", "0", "--reserve-seconds", "0"]
+    run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert run.stdout.count("snapshot at step") >= 2  # periodic snapshots, then the final one
+    assert run.stdout.count("snapshot at step") == 11  # one after each step, then the final one
+    assert "distil: time's up after 1 of 3 batches" in run.stdout
 
     # Only what may come back from a device call: at most 8 plain files, no folders.
     returned = sorted(p.name for p in out.iterdir())
@@ -52,7 +55,11 @@ def test_the_gpu_script_dry_runs_on_the_cpu_and_returns_a_usable_adapter(tiny, g
     assert summary["distil"]["replies"] > 0 and summary["distil"]["valid"] == 4
     steps = summary["train"]["steps"]
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
-    assert steps >= 3 and [r["step"] for r in log] == list(range(1, steps + 1))
+    assert steps == 10 and [r["step"] for r in log] == list(range(1, steps + 1))
+    # The steps outlast the clock, so they pace the schedule: the rate (logged as set for the
+    # next step) decays over them to zero at the last.
+    lrs = [r["lr"] for r in log]
+    assert lrs == sorted(lrs, reverse=True) and lrs[-2] > 0 and lrs[-1] == pytest.approx(0.0, abs=1e-12)
     assert summary["train"]["valid_after"]["val_noisy"] < summary["train"]["valid_before"]["val_noisy"]
 
     script = load_script("scripts/train_gpu.py")
@@ -79,6 +86,102 @@ def test_the_gpu_script_dry_runs_on_the_cpu_and_returns_a_usable_adapter(tiny, g
     with torch.no_grad():
         ours, theirs = tm.model(input_ids=ids).logits[..., keep], base.model(input_ids=ids).logits[..., keep]
     assert torch.allclose(ours, theirs, atol=1e-5)
+
+
+class SlowClock:
+    """A clock on a machine so busy that an hour passes between any two looks at it."""
+
+    def __init__(self):
+        self.t = 1.7e9
+
+    def __call__(self) -> float:
+        self.t += 3600.0
+        return self.t
+
+
+def dry_run_args(tiny, gated, tmp_path, *extra) -> list[str]:
+    return ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--model", str(tiny), "--init-adapter", str(gated),
+            "--device", "cpu", "--template-prompts", "24", "--sampled-prompts", "8", "--valid", "4", "--gen-batch", "8",
+            "--max-tokens", "8", "--batch-size", "4", *map(str, extra)]
+
+
+def test_every_phase_runs_one_batch_however_late_it_starts(tiny, gated, tmp_path, monkeypatch, capsys):
+    """Each deadline has passed by the time its phase first looks: sampling prompts still does
+    one round, distillation one batch (it used to do none, and training then failed on an empty
+    train.jsonl), training one step, and the run returns its adapter."""
+    script = load_script("scripts/train_gpu.py")
+    monkeypatch.setattr(script, "now", SlowClock())
+    calls = []
+    generate = script.generate_rows
+    monkeypatch.setattr(script, "generate_rows", lambda *a, **kw: calls.append(kw["sample"]) or generate(*a, **kw))
+
+    assert script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 10)) == 0
+    printed = capsys.readouterr().out
+    assert "distil: time's up after 1 of 3 batches" in printed
+    assert calls.count(True) == 1  # sampling user turns: one round
+    assert calls.count(False) == 2  # greedy replies: one batch for validation, one for training
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["final"] is True and summary["train"]["steps"] == 1
+    assert 0 < summary["distil"]["replies"] <= 8 and summary["distil"]["valid"] == 4
+    assert (tmp_path / "out" / "train_log.jsonl").read_text().count("\n") == 1
+    assert (script.unpack(tmp_path / "out", tmp_path / "adapter") / "adapter_model.safetensors").is_file()
+
+
+def test_sampling_prompts_runs_one_round_however_late_it_starts(monkeypatch):
+    script = load_script("scripts/train_gpu.py")
+    monkeypatch.setattr(script, "now", SlowClock())
+    monkeypatch.setattr(script, "user_prefix", lambda tokenizer: [1, 2])
+    rounds = []
+
+    def generate_rows(model, tokenizer, prompts_ids, **kw):
+        rounds.append(kw["seed"])
+        return [([len(rounds), i], True) for i in range(len(prompts_ids))]
+
+    monkeypatch.setattr(script, "generate_rows", generate_rows)
+
+    class Tokenizer:
+        def decode(self, ids, skip_special_tokens):
+            return f"Write a short poem number {ids[0]}.{ids[1]}"
+
+    found = script.sampled_prompts(None, Tokenizer(), 100, batch=3, eos=(0,), held_out=set(), deadline=0.0, seed=5)
+    assert rounds == [5] and len(found) == 3
+
+
+def test_a_run_left_with_nothing_to_train_on_stops_with_one_line_naming_the_option(tiny, gated, tmp_path):
+    script = load_script("scripts/train_gpu.py")
+    with pytest.raises(SystemExit) as stop:
+        script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 0, "--template-prompts", 0, "--sampled-prompts", 0))
+    message = str(stop.value.code)
+    assert "\n" not in message and message.startswith("train_gpu.py: no training prompts")
+    assert "--template-prompts" in message and "--sampled-prompts" in message
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+    # Replies, but none short enough to train on.
+    with pytest.raises(SystemExit) as stop:
+        script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 0, "--max-seq-length", 8))
+    message = str(stop.value.code)
+    assert "\n" not in message and message.startswith("train_gpu.py: no distilled train example fits in --max-seq-length 8")
+    assert message.endswith("pass a larger --max-seq-length")
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_replies_all_empty_stop_with_one_line(tiny, gated, tmp_path, monkeypatch):
+    """Past its deadline, distillation goes on through every batch while none has a reply; with
+    none at all the run stops with one line."""
+    script = load_script("scripts/train_gpu.py")
+    greedy = []
+
+    def empty_replies(model, tokenizer, prompts_ids, **kw):
+        greedy.extend([len(prompts_ids)] if not kw["sample"] else [])
+        return [([], True) for _ in prompts_ids]
+
+    monkeypatch.setattr(script, "generate_rows", empty_replies)
+    with pytest.raises(SystemExit) as stop:
+        script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 0))
+    assert greedy == [4, 8, 8, 8]  # the 4 validation prompts, then every batch of the 24 training ones
+    message = str(stop.value.code)
+    assert "\n" not in message and message.startswith("train_gpu.py: distillation gave no training replies"), message
+    assert "its 24 prompts" in message and "--model" in message
 
 
 def test_the_learning_rate_warms_up_then_decays_to_zero_with_the_clock():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,7 +22,8 @@ from .common import backend_option, decode_options, decode_plan, friendly_errors
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
 @click.option("--compare", is_flag=True, help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="--compare: timed rounds, AR and the mode interleaved; the speed ratio is their median.")
+              help="--compare: timed rounds, AR and the mode interleaved; each mode reports its median round, "
+                   "and the speed ratio is the ratio of those two.")
 @decode_options
 @backend_option
 @friendly_errors
@@ -44,13 +44,10 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
         runs = [dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False), settings]
     for s in runs:
         session.cost_for(s, batch=min(batch_size, len(ids)))  # measured (once per device) before anything is timed
-    results = [session.decode(ids, s, batch_size) for s in runs]
-    ratios = []
-    if compare:
-        # Rounds interleave AR and the mode, so drift on a busy machine hits both alike.
-        for n in range(rounds):
-            timed = results if n == 0 else [session.decode(ids, s, batch_size) for s in runs]
-            ratios.append((timed[1].total.accepted / timed[1].seconds) / max(1e-9, timed[0].total.accepted / timed[0].seconds))
+    # Rounds interleave AR and the mode, so drift on a busy machine hits both alike.
+    timed = [[session.decode(ids, s, batch_size) for s in runs] for _ in range(rounds if compare else 1)]
+    # Every figure printed for a mode (texts, JSON rows, its summary line) comes from one round: its median.
+    results = [median_round([t[k] for t in timed]) for k in range(len(runs))]
     rows = [r.total.rows for r in results]
     for i, p in enumerate(prompts):
         texts = [tok.decode(r.tokens[i], skip_special_tokens=True) for r in results]
@@ -66,22 +63,46 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
             click.echo(texts[0])
             click.echo(f"[{runs[1].name}]" + ("  (same text)" if texts[1] == texts[0] else ""))
         click.echo(texts[-1])
-    lines = [summary(s, r) for s, r in zip(runs, results)]
-    if compare:
-        same = sum(a == b for a, b in zip(results[0].tokens, results[1].tokens))
-        spread = f" (median of {rounds} interleaved rounds, {min(ratios):.2f}-{max(ratios):.2f})" if rounds > 1 else " (one round)"
-        lines.append(f"{same}/{len(prompts)} replies identical to AR; {statistics.median(ratios):.2f}x AR's tokens/s{spread}")
+    if not compare:
+        lines = [summary(runs[0], results[0])]
+    else:
+        lines = [summary(s, r, [speed(t[k]) for t in timed]) for k, (s, r) in enumerate(zip(runs, results))]
+        lines.append(compare_line(runs, results, timed, len(prompts)))
     for line in lines:
         click.echo(line, err=as_json)
+
+
+def speed(r) -> float:
+    """Decoded tokens per second of wall time."""
+    return r.total.accepted / max(r.seconds, 1e-9)
+
+
+def median_round(decoded: list):
+    """The round whose speed is the median (the lower of the middle two for an even count)."""
+    return sorted(decoded, key=speed)[(len(decoded) - 1) // 2]
+
+
+def compare_line(runs, results, timed, prompts: int) -> str:
+    """--compare's last line: replies equal to AR's, and the mode's speed over AR's, from the
+    two tokens/s the summary lines above print, with the per-round ratios' range."""
+    same = sum(a == b for a, b in zip(results[0].tokens, results[1].tokens))
+    ar, mode = speed(results[0]), speed(results[1])
+    line = (f"{same}/{prompts} replies identical to AR; {runs[1].name}: {mode / max(ar, 1e-9):.2f}x AR's tokens/s "
+            f"({mode:.1f} / {ar:.1f} tok/s")
+    if len(timed) == 1:
+        return line + ", one round)"
+    per_round = [speed(t[1]) / max(speed(t[0]), 1e-9) for t in timed]
+    return line + f", the medians above; round by round {min(per_round):.2f}-{max(per_round):.2f}x)"
 
 
 SOURCES = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "corpus": "corpus drafts", "alt": "alternative groups", "ar": "AR",
            "threshold": "unverified (threshold)"}
 
 
-def summary(settings, r) -> str:
+def summary(settings, r, round_speeds: list[float] | None = None) -> str:
     """One run's totals; lossless runs add where the tokens came from (drafts kept, by source;
-    one AR token a step)."""
+    one AR token a step). With `round_speeds` (the tokens/s of every round, `r` the median
+    one) the time says it is the median round, and the rounds' range."""
     total = r.total
     n, f, sec = total.accepted, total.row_forwards, r.seconds
     cache = settings.cache
@@ -89,8 +110,11 @@ def summary(settings, r) -> str:
         cache = f"{total.cache} (the block cache would be slower here)"
     line = (
         f"{settings.name}, B={settings.block_size}, cache={cache}: {n} tokens, {f} forwards, "
-        f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({n / max(sec, 1e-9):.1f} tok/s)"
+        f"{n / max(1, f):.2f} tokens/forward, {sec:.2f}s ({speed(r):.1f} tok/s"
     )
+    if round_speeds and len(round_speeds) > 1:
+        line += f"; median of {len(round_speeds)} rounds, range {min(round_speeds):.1f}-{max(round_speeds):.1f} tok/s"
+    line += ")"
     fed = total.masks_fed
     if fed and settings.masks_per_step and set(fed) != {settings.masks_per_step}:  # threshold mode, --feed auto
         line += "; masks fed a step: " + ", ".join(f"{m} ({n} forwards)" for m, n in sorted(fed.items()))
