@@ -71,6 +71,9 @@ class BenchSettings:
     # Also time verified threshold mode (mars.core.decode_types.DecodeSettings.verify) at each
     # threshold, with the window cache, the cost-aware feed and n-gram drafts (`ngram`).
     verify: bool = False
+    # --lossless: also time the default configuration's variants (no corpus, fixed spare groups);
+    # False times the default lossless configuration alone (what `mars generate` runs).
+    lossless_variants: bool = True
 
     def __post_init__(self):
         # Each configuration is named by its values; a repeated value would time one twice under one name.
@@ -283,13 +286,14 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             auto = plan(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
             policy = FeedPolicy.for_plan(cost, auto) if cost is not None else None
             configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, policy), None, "window"))
-            if auto.corpus is not None:  # what the checkpoint's draft corpus adds (mars.core.corpus)
+            if auto.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.corpus)
                 bare = dataclasses.replace(auto, corpus=None)
                 policy = FeedPolicy.for_plan(cost, bare) if cost is not None else None
                 configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, policy), None, "window"))
-            fixed = plan(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
-            configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window"))
-            configs.append(Config("lossless hedge 0", "lossless", _Ours(decoder, plan(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
+            if s.lossless_variants:
+                fixed = plan(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
+                configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window"))
+                configs.append(Config("lossless hedge 0", "lossless", _Ours(decoder, plan(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
         for bc in s.block_caches:
             block = plan(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
             # With a cost curve the loop may leave the block cache for the window cache where
