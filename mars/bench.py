@@ -25,6 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .backends import base
+from .core.decode_types import masks_share
 from .core.decoding import DecodeSettings, Sampling, generate
 from .core.plan import FEEDS
 from .core.masks import decode_mask
@@ -401,6 +402,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
             "ratio_min": min(c.ratios),
             "ratio_max": max(c.ratios),
             "tokens_by_source": c.by_source,
+            "masks_share": None if masks_share(c.by_source) is None else round(masks_share(c.by_source), 4),
             "masks_fed": c.masks_fed,
             "cache_ran": c.cache_ran,
             "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
@@ -545,13 +547,14 @@ def format_table(report: dict) -> str:
     lines = [
         head,
         "",
-        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'min-max':>11} {'=AR':>5}",
+        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'min-max':>11} {'=AR':>5} {'masks':>6}",
     ]
     for r in report["runs"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] is not None else "-"
         lines.append(
             f"{r['batch_size']:>5}  {r['name']:<24} {r['tokens']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
-            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['rows_equal_to_ar']:>5.2f}"
+            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['rows_equal_to_ar']:>5.2f} "
+            f"{'-' if r.get('masks_share') is None else format(r['masks_share'], '.0%'):>6}"
             + (f"  (ran the {r['cache_ran']} cache)" if r.get("cache_ran") and r["cache_ran"] != r.get("cache") else "")
         )
     if report["forward_cost"]:

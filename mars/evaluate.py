@@ -26,7 +26,7 @@ import numpy as np
 
 from .backends import base
 from .core.data import IGNORE, DataError, batches, load_split, read_jsonl
-from .core.decode_types import sum_ragged
+from .core.decode_types import masks_share, sum_ragged
 from .core.files import atomic_write_text
 from .core.policy import block_size_for, metric_for
 from .prompts import RawText, prompt_of, split_files
@@ -190,7 +190,7 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
     totals = [stats.draft_totals() for stats in decoded.stats]  # each batch's draft slots
     drafts = {name: sum_ragged(t[name] for t in totals) for name in (totals[0] if totals else {})}
     return {"outputs": decoded.tokens, "accepted": total.accepted, "forwards": total.row_forwards, "per_slot": per_slot,
-            "drafts": drafts, "seconds": decoded.seconds}
+            "drafts": drafts, "seconds": decoded.seconds, "by_source": total.by_source()}
 
 
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
@@ -252,6 +252,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
             "seconds": d["seconds"],
             **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
+            **({"tokens_by_source": d["by_source"], "masks_share": masks_share(d["by_source"])} if d["by_source"] else {}),
             **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
             **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
             "outputs": d["outputs"],

@@ -530,6 +530,24 @@ def test_compare_prints_one_set_of_figures(full, monkeypatch):
         assert len(mine) == 2
         assert (sum(r["tokens"] for r in mine), sum(r["forwards"] for r in mine)) == (m["tokens"], m["forwards"])
     assert ratio["same"] == sum(a["text"] == b["text"] for a, b in zip(rows[::2], rows[1::2]))
+    # Where the tokens came from, per reply and in the lossless line: the masks' share of the
+    # extra tokens (mask drafts and spare groups over every token not computed as AR's own).
+    lossless_rows = [r for r in rows if r["mode"] == modes[1]["mode"]]
+    totals = {}
+    for r in lossless_rows:
+        sources = r["tokens_by_source"]
+        assert sum(sources.values()) == r["tokens"]
+        extra = r["tokens"] - sources.get("ar", 0)
+        assert r["masks_share"] == (None if extra == 0 else round((sources.get("masks", 0) + sources.get("spare", 0)) / extra, 4))
+        for k, v in sources.items():
+            totals[k] = totals.get(k, 0) + v
+    line = next(line for line in result.stderr.splitlines() if line.startswith(modes[1]["mode"] + ","))
+    extra = sum(totals.values()) - totals.get("ar", 0)
+    if extra:
+        assert f"the masks' share of the extra tokens {(totals.get('masks', 0) + totals.get('spare', 0)) / extra:.0%}" in line
+    else:
+        assert "masks' share" not in line
+    assert all("tokens_by_source" not in r for r in rows if r["mode"] == modes[0]["mode"])  # AR takes no drafts
 
     one = ok(invoke(*args, "--rounds", 1)).output.splitlines()
     assert "median" not in one[-2] and "(one round)" not in one[-2] and one[-1].endswith("tok/s, one round)")

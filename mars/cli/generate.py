@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from ..core.decode_types import masks_share
 from .common import backend_option, decode_options, decode_plan, friendly_errors, model_options, open_session
 
 
@@ -55,7 +56,8 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
             for s, r, text, run_rows in zip(runs, results, texts, rows):
                 row = run_rows[i]
                 click.echo(json.dumps({"prompt": p, "mode": s.name, "text": text, "tokens": len(r.tokens[i]), "finish": r.finish[i],
-                                       "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3)}))
+                                       "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3),
+                                       **sources_fields(row.by_source)}))
             continue
         click.echo(f"--- [{i}] {p if isinstance(p, str) else p[-1]['content']}")
         if compare:
@@ -121,7 +123,18 @@ def summary(settings, r, round_speeds: list[float] | None = None) -> str:
     sources = total.by_source()
     if sources:
         line += "; tokens from " + ", ".join(f"{SOURCES[k]} {sources[k]}" for k in SOURCES if sources.get(k))
+        share = masks_share(sources)
+        if share is not None:
+            line += f"; the masks' share of the extra tokens {share:.0%}"
     return line
+
+
+def sources_fields(sources: dict) -> dict:
+    """--json: where a reply's tokens came from and the masks' share of its extra tokens."""
+    if not sources:
+        return {}
+    share = masks_share(sources)
+    return {"tokens_by_source": dict(sources), "masks_share": None if share is None else round(share, 4)}
 
 
 @click.command("chat")

@@ -144,6 +144,21 @@ class DecodeStats:
         return out
 
 
+MASK_SOURCES = ("masks", "spare", "threshold")  # what the masks bring: drafts, spare groups, unverified threshold tokens
+
+
+def masks_share(sources: dict[str, int] | None) -> float | None:
+    """The masks' share of the extra tokens: the tokens the masks brought (mask drafts, spare
+    groups, unverified threshold tokens) over every token not computed as AR's own (n-gram
+    lookup, the draft corpus and runner-up groups bring the rest). None without extra tokens."""
+    if not sources:
+        return None
+    extra = sum(n for k, n in sources.items() if k != "ar")
+    if not extra:
+        return None
+    return sum(sources.get(k, 0) for k in MASK_SOURCES) / extra
+
+
 @dataclass
 class DecodeResult:
     tokens: list[list[int]]  # generated ids per row, an accepted EOS included
