@@ -10,7 +10,10 @@ One call does what scripts/train_default.sh did over days on 2 CPU cores, at GPU
      data/prompts/{test,valid}.jsonl prompts are left out (valid's first ones become the
      validation set below);
   2. self-distillation: the base's own greedy replies (float32, large batches), for a share of
-     the time budget; whatever is done when that share ends is the training set;
+     the time budget; whatever is done when that share ends, with every reply earlier runs
+     distilled (--store, data/distilled/gpu_replies.npz: token ids, reused when made with the
+     same base, vocabulary and --max-tokens; this run's prompts are all new ones), is the
+     training set;
   3. training: the gated adapter given by --init-adapter (its rank, gate and defaults) trained
      on with the distillation objective at GPU batch sizes (bfloat16 autocast on CUDA), the
      learning rate warmed up, then cosine-decayed over the remaining wall time (or over
@@ -18,8 +21,10 @@ One call does what scripts/train_default.sh did over days on 2 CPU cores, at GPU
   4. every --save-seconds and at the end: the adapter (what weights/ holds, but the draft
      corpus) written as OUT/adapter.tar.NN parts of at most 15 MiB, then OUT/summary.json with
      their sha256, so a call cut off at any moment still returns a usable adapter.
-OUT also holds train_log.jsonl (one record a step) and distilled.jsonl.gz (the replies, if
-they fit in 15 MiB). The script stops itself by --minutes; give the call more than that.
+OUT also holds train_log.jsonl (one record a step) and the store grown by this run's replies
+as OUT/distilled.npz.NN parts (named in summary.json; `--unpack OUT DEST` rebuilds it at
+--store, which the repository keeps, so the next run starts further on). The script stops
+itself by --minutes; give the call more than that.
 
 The clock never empties a phase: however late a phase starts, it does one batch (sampling
 prompts: one round; distillation: batches until it has a reply; training: --min-steps steps),
@@ -34,7 +39,6 @@ runs it with a tiny model for a few steps.
 from __future__ import annotations
 
 import argparse
-import gzip
 import hashlib
 import io
 import json
@@ -56,6 +60,8 @@ PART_BYTES = 15 * 2**20  # what one returned file may hold, with room to spare
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "mask_embedding.safetensors", "mars.json",
                  "training_log.jsonl")
 HELD_OUT = ("test.jsonl", "valid.jsonl")
+STORE = "distilled.npz"  # the base's replies as token ids: what every run distilled, kept across runs
+DEFAULT_STORE = ROOT / "data" / "distilled" / "gpu_replies.npz"  # the repository's copy, which the next run starts from
 
 
 def now() -> float:
@@ -157,11 +163,23 @@ def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[
     return list(found.values())[:n]
 
 
-def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float) -> list[dict]:
+def record(tokenizer, prompt: str, body: list[int], ended: bool) -> dict | None:
+    """A training record (chat shape, with "finish") of the base's reply `body` (token ids
+    before EOS) to `prompt`; None for an empty reply."""
+    text = tokenizer.decode(body, skip_special_tokens=True)
+    if not text.strip():
+        return None
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
+            "finish": "eos" if ended else "length"}
+
+
+def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float,
+           rows: list | None = None) -> list[dict]:
     """The base's greedy reply to each prompt (chat shape, with "finish"), batched by prompt
     length, until `deadline`; the prompts not reached are left out. A deadline already past
     still gets one batch, and more while none has given a reply: the clock alone never
-    leaves the phase empty."""
+    leaves the phase empty. `rows` collects (prompt, reply ids, ended) for every prompt
+    distilled, empty replies included, for the store."""
     from mars.core.tokens import encode_prompt
 
     encoded = sorted(((encode_prompt(tokenizer, p), p) for p in prompts), key=lambda e: len(e[0]))
@@ -173,13 +191,69 @@ def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eo
             log(f"distil: time's up after {k} of {len(chunks)} batches")
             break
         for (ids, prompt), (body, ended) in zip(chunk, generate_rows(model, tokenizer, [c[0] for c in chunk], max_new=max_new, eos=eos, sample=False)):
-            text = tokenizer.decode(body, skip_special_tokens=True)
-            if text.strip():
-                records.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
-                                "finish": "eos" if ended else "length"})
+            if rows is not None:
+                rows.append((prompt, body, ended))
+            made = record(tokenizer, prompt, body, ended)
+            if made is not None:
+                records.append(made)
         if k % 10 == 0:
             log(f"distil: {len(records)} replies, {len(records) / max(1e-9, now() - started):.0f}/s")
     return records
+
+
+# -- the store of distilled replies ---------------------------------------------------------------
+def store_key(base_ref: str, tokenizer, max_tokens: int) -> dict:
+    """What replies in a store must have been made with to be reused: the same base (as
+    mars records it), vocabulary and reply length limit."""
+    return {"format": 1, "base": base_ref, "vocab": len(tokenizer), "max_tokens": max_tokens}
+
+
+def read_store(path: Path | None, key: dict) -> list[tuple[str, list[int], bool]]:
+    """(prompt, the base's greedy reply as token ids before EOS, ended with EOS) for every
+    prompt a store holds; none when there is no store or it was made under another key."""
+    if path is None or not path.is_file():
+        return []
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes().decode())
+        if meta != key:
+            log(f"{path}: replies made with {meta}, not {key}: none reused")
+            return []
+        prompts = json.loads(z["prompts"].tobytes().decode())
+        ids, offsets, ended = z["ids"], z["offsets"], z["ended"]
+    return [(p, ids[offsets[i] : offsets[i + 1]].tolist(), bool(ended[i])) for i, p in enumerate(prompts)]
+
+
+def store_bytes(key: dict, rows: list[tuple[str, list[int], bool]]) -> bytes:
+    """A store (compressed npz): the key, the prompts (UTF-8 JSON), every reply's ids end to
+    end (uint32) with their offsets, and whether each ended with EOS."""
+    buf = io.BytesIO()
+    ids = np.concatenate([np.asarray(r[1], dtype=np.uint32) for r in rows]) if rows else np.zeros(0, np.uint32)
+    np.savez_compressed(buf, meta=np.frombuffer(json.dumps(key).encode(), np.uint8),
+                        prompts=np.frombuffer(json.dumps([r[0] for r in rows], ensure_ascii=False).encode(), np.uint8),
+                        ids=ids, offsets=np.cumsum([0] + [len(r[1]) for r in rows]).astype(np.int64),
+                        ended=np.array([r[2] for r in rows], dtype=bool))
+    return buf.getvalue()
+
+
+def write_parts(out: Path, name: str, data: bytes) -> dict:
+    """`data` as OUT/name.NN parts of at most PART_BYTES (stale parts of `name` removed); what
+    summary.json records of them."""
+    from mars.core.files import atomic_write_bytes
+
+    parts = [f"{name}.{i:02d}" for i in range(max(1, math.ceil(len(data) / PART_BYTES)))]
+    for i, part in enumerate(parts):
+        atomic_write_bytes(out / part, data[i * PART_BYTES : (i + 1) * PART_BYTES])
+    for stale in out.glob(f"{name}.*"):
+        if stale.name not in parts:
+            stale.unlink()
+    return {"parts": parts, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def joined(out: Path, info: dict, what: str) -> bytes:
+    data = b"".join((out / name).read_bytes() for name in info["parts"])
+    if hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise SystemExit(f"{out}: the {what} parts do not match summary.json's sha256 (a part from another snapshot)")
+    return data
 
 
 # -- packing --------------------------------------------------------------------------------------
@@ -193,27 +267,24 @@ def pack(adapter: Path, out: Path, summary: dict) -> None:
         for name in ADAPTER_FILES:
             if (adapter / name).is_file():
                 tar.add(adapter / name, arcname=name)
-    data = buf.getvalue()
-    parts = [f"adapter.tar.{i:02d}" for i in range(math.ceil(len(data) / PART_BYTES))]
-    for i, name in enumerate(parts):
-        atomic_write_bytes(out / name, data[i * PART_BYTES : (i + 1) * PART_BYTES])
-    for stale in out.glob("adapter.tar.*"):
-        if stale.name not in parts:
-            stale.unlink()
-    summary["adapter"] = {"parts": parts, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    summary["adapter"] = write_parts(out, "adapter.tar", buf.getvalue())
     atomic_write_bytes(out / "summary.json", (json.dumps(summary, indent=2) + "\n").encode())
 
 
-def unpack(out: Path, dest: Path) -> Path:
-    """Rebuild the adapter a run's OUT holds into `dest`, checking the parts against summary.json."""
+def unpack(out: Path, dest: Path, store: Path | None = None) -> Path:
+    """Rebuild the adapter a run's OUT holds into `dest`, checking the parts against
+    summary.json; with `store`, also the run's store of distilled replies into that file (the
+    repository keeps it at data/distilled/gpu_replies.npz, where the next run starts from)."""
     summary = json.loads((out / "summary.json").read_text())
-    info = summary["adapter"]
-    data = b"".join((out / name).read_bytes() for name in info["parts"])
-    if hashlib.sha256(data).hexdigest() != info["sha256"]:
-        raise SystemExit(f"{out}: the adapter parts do not match summary.json's sha256 (a part from another snapshot)")
+    data = joined(out, summary["adapter"], "adapter")
+    kept = joined(out, summary["store"], "store of distilled replies") if store is not None and "store" in summary else None
     dest.mkdir(parents=True, exist_ok=False)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
+    if kept is not None:
+        from mars.core.files import atomic_write_bytes
+
+        atomic_write_bytes(store, kept)
     return dest
 
 
@@ -364,6 +435,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mars-train-gpu"),
                     help="scratch space for the data and the adapter (kept out of --out, which holds only what returns)")
     ap.add_argument("--unpack", nargs=2, type=Path, metavar=("OUT", "DEST"), help="rebuild the adapter of a finished run")
+    ap.add_argument("--store", type=Path, default=DEFAULT_STORE,
+                    help="the base's replies earlier runs distilled (token ids): reused, and only new prompts are distilled; "
+                         "OUT gets the store grown by this run's replies (with --unpack: where to rebuild it)")
     ap.add_argument("--model", default="default", help="the base model directory, or 'default' (the embedded default)")
     ap.add_argument("--init-adapter", type=Path, default=ROOT / "weights", help="the gated MARS adapter to continue")
     ap.add_argument("--device", default="cuda")
@@ -385,7 +459,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if args.unpack:
-        print(unpack(*args.unpack))
+        print(unpack(*args.unpack, store=args.store))
+        if "store" in json.loads((args.unpack[0] / "summary.json").read_text()):
+            print(args.store)
         return 0
     if args.out is None:
         ap.error("--out is required")
@@ -419,19 +495,31 @@ def main(argv=None) -> int:
     prompts_dir = ROOT / "data" / "prompts"
     held = {make_prompts.normalise(p) for name in HELD_OUT for p in first_turns(prompts_dir / name)}
     valid_prompts = first_turns(prompts_dir / "valid.jsonl")[: args.valid]
-    templates = template_prompts(args.template_prompts, held, args.seed)
-    sampled = sampled_prompts(model, tokenizer, args.sampled_prompts, batch=args.gen_batch, eos=eos, held_out=held | {
+    # Replies earlier runs distilled are reused; this run's prompts are all new ones.
+    from mars.default_model import model_ref
+
+    key = store_key(model_ref(base_path), tokenizer, args.max_tokens)
+    stored = [r for r in read_store(args.store, key) if make_prompts.normalise(r[0]) not in held]
+    known = {make_prompts.normalise(r[0]) for r in stored}
+    templates = template_prompts(args.template_prompts, held | known, args.seed)
+    sampled = sampled_prompts(model, tokenizer, args.sampled_prompts, batch=args.gen_batch, eos=eos, held_out=held | known | {
         make_prompts.normalise(p) for p in templates}, deadline=now() + 0.08 * (end - now()), seed=args.seed)
     prompts = templates + sampled
     random.Random(args.seed).shuffle(prompts)
-    log(f"prompts: {len(templates)} template, {len(sampled)} sampled from the base, {now() - t0:.0f}s in")
-    if not prompts:
+    log(f"prompts: {len(stored)} with replies in {args.store}, new: {len(templates)} template, {len(sampled)} sampled "
+        f"from the base, {now() - t0:.0f}s in")
+    if not prompts and not stored:
         fail("no training prompts to distil; pass --template-prompts or --sampled-prompts above 0")
 
     distil_end = now() + args.distil_share * (end - now())
     valid = distil(model, tokenizer, valid_prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=end)
-    records = distil(model, tokenizer, prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=distil_end)
-    for name, rows, asked in (("training", records, prompts), ("validation", valid, valid_prompts)):
+    new_rows: list = []
+    fresh = distil(model, tokenizer, prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=distil_end,
+                   rows=new_rows) if prompts else []
+    reused = [made for made in (record(tokenizer, *r) for r in stored) if made is not None]
+    records = reused + fresh
+    random.Random(args.seed).shuffle(records)
+    for name, rows, asked in (("training", records, prompts + [r[0] for r in stored]), ("validation", valid, valid_prompts)):
         if not rows:
             fail(f"distillation gave no {name} replies: the base's reply to each of its {len(asked)} prompts was empty "
                  f"(check --model)")
@@ -439,15 +527,13 @@ def main(argv=None) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", records), ("valid", valid)):
         (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    from mars.core.files import atomic_write_bytes
-
-    packed = gzip.compress((data_dir / "train.jsonl").read_bytes())
-    if len(packed) <= PART_BYTES:
-        atomic_write_bytes(out / "distilled.jsonl.gz", packed)
+    summary["store"] = write_parts(out, STORE, store_bytes(key, stored + new_rows)) | {"replies": len(stored) + len(new_rows)}
     summary["distil"] = {"prompts_template": len(templates), "prompts_sampled": len(sampled), "replies": len(records),
+                         "reused": len(reused), "distilled": len(fresh), "stored_before": len(stored),
                          "cut_by_max_tokens": sum(r["finish"] == "length" for r in records), "valid": len(valid),
                          "seconds": round(now() - t0, 1), "max_tokens": args.max_tokens}
-    log(f"distilled {len(records)} replies ({summary['distil']['cut_by_max_tokens']} cut), {now() - t0:.0f}s in")
+    log(f"{len(records)} replies ({len(reused)} reused, {len(fresh)} distilled now; {summary['distil']['cut_by_max_tokens']} cut), "
+        f"the store now {summary['store']['replies']}, {now() - t0:.0f}s in")
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

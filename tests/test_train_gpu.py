@@ -215,3 +215,35 @@ def test_a_batch_split_in_chunks_gives_the_whole_batchs_losses_and_gradient(tmp_
     assert l1 == pytest.approx(l2, rel=1e-5)
     assert len(g1) == len(g2) > 0 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g1, g2))
     assert np.isfinite(l1).all()
+
+
+def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_prompts(tiny, gated, tmp_path):
+    """The campaign compounds: a run's store of the base's replies (token ids) comes back in
+    parts, is rebuilt by --unpack, and the next run given it trains on every stored reply and
+    distils only prompts the store does not hold; its own store is the union."""
+    script = load_script("scripts/train_gpu.py")
+    first, second, store = tmp_path / "first", tmp_path / "second", tmp_path / "store.npz"
+    base = ["--minutes", 0, "--min-steps", 1, "--save-seconds", 0, "--reserve-seconds", 0]
+    assert script.main(dry_run_args(tiny, gated, first, *base, "--store", tmp_path / "none.npz")) == 0
+    summary = json.loads((first / "out" / "summary.json").read_text())
+    assert summary["distil"]["reused"] == 0 and summary["distil"]["stored_before"] == 0
+    assert summary["store"]["replies"] == 8 and summary["store"]["parts"] == ["distilled.npz.00"]  # one batch of --gen-batch 8
+    script.unpack(first / "out", tmp_path / "adapter1", store=store)
+    from mars.backends.paths import load_tokenizer
+
+    key = script.store_key(str(tiny.resolve()), load_tokenizer(tiny), 8)
+    kept = script.read_store(store, key)
+    assert len(kept) == 8 and all(len(ids) <= 8 for _, ids, _ in kept)
+
+    assert script.main(dry_run_args(tiny, gated, second, *base, "--store", store)) == 0
+    summary = json.loads((second / "out" / "summary.json").read_text())
+    usable = sum(script.record(load_tokenizer(tiny), *r) is not None for r in kept)
+    assert summary["distil"]["stored_before"] == 8 and summary["distil"]["reused"] == usable
+    assert summary["distil"]["distilled"] > 0 and summary["distil"]["replies"] == usable + summary["distil"]["distilled"]
+    grown = tmp_path / "grown.npz"
+    script.unpack(second / "out", tmp_path / "adapter2", store=grown)
+    union = script.read_store(grown, key)
+    assert union[:8] == kept  # the first run's replies carried over as they were
+    assert len(union) == 16 and not {p for p, _, _ in union[8:]} & {p for p, _, _ in kept}  # only new prompts distilled
+    # Another base (or reply limit) reuses nothing.
+    assert script.read_store(grown, {**key, "max_tokens": 9}) == []
