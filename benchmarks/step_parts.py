@@ -1,0 +1,651 @@
+"""Where a decoding step's time goes outside the model forward: AR and the default lossless mode.
+
+    python benchmarks/step_parts.py                         # torch, the embedded default, 8 test prompts, 64 tokens
+    python benchmarks/step_parts.py --backend mlx           # the same prompts through the MLX backend
+    python benchmarks/step_parts.py --device cuda           # on a GPU: the forward timed between synchronisations
+
+Decodes the prompts through `mars.session.Session` as `mars generate` does (the plan from the
+command's own option defaults, the checkpoint's default mode and its cost-aware feed), once
+at threshold 1.0 (AR) and once in the checkpoint's default lossless mode, after a short
+warm-up of each, and splits the wall time of every loop step into three parts:
+
+- forward: the model's body and LM head (torch: from the body's forward pre-hook to the
+  head's forward hook, synchronising the device at both ends on CUDA; MLX: from the body's
+  first layer to the evaluated logits of the reads, forced with `mx.eval`, so building MLX's
+  lazy graph counts here);
+- reduce + D2H: what `step`/`speculate` do after the forward: argmax, top-k and
+  confidences, the device-to-host copies and the numpy conversions of their results;
+- host: everything else the loop does, total - forward - reduce + D2H, itemised as step
+  inputs (inside the decoder, before the forward: ids, positions, the additive mask, the
+  gate, host-to-device copies), cache (crop, keep_rows, new_cache), feed plan (the strategy's
+  plan and keys, the attention mask), drafting (which drafts and how wide, before the step;
+  statistics and cost curve after it), acceptance (verification or threshold acceptance,
+  after the step's results are on the host), commit (the strategy's cache bookkeeping) and
+  loop (the rest: rows taking tokens, compaction, statistics, setting up each call).
+
+Timers wrap the decoder's methods and the loop's functions from this script (nothing in
+`mars` changes); host work is what the loop's clock saw minus the two timed device parts.
+Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
+`.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
+`.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
+backend; on CUDA, torch's sync debug mode also counts every synchronising operation. On a CPU
+a "transfer" copies nothing: it is the place where a device would have to. Each mode reports
+ms per step by part, each part's share, tokens per forward, transfers and bytes per step, and
+the code locations of the transfers. Prints a table; writes JSON to --output (default
+benchmarks/results/step_parts_<backend>_<UTC time>.json). The instrumented replies are the
+plain ones: `tests/test_step_parts.py` checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import types
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# torch's own Python code: a transfer is located at the first frame outside it.
+TORCH_DIR = str(Path(importlib.util.find_spec("torch").origin).parent) + os.sep if importlib.util.find_spec("torch") else "\0"
+# The host part's items, in the order printed.
+HOST_ITEMS = ("step inputs", "cache", "feed plan", "drafting", "acceptance", "commit", "loop")
+PART_NAMES = ("forward", "reduce + D2H", "host")
+
+
+def parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="default: the embedded default with its shipped MARS weights")
+    p.add_argument("--adapter-path", default=None)
+    p.add_argument("--prompts", default=str(ROOT / "data" / "prompts" / "test.jsonl"))
+    p.add_argument("--limit", type=int, default=8, help="the first N prompts")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    p.add_argument("--backend", choices=["torch", "mlx"], default="torch")
+    p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1, mps or auto")
+    p.add_argument("--dtype", default="auto", help="torch: auto, float32, float16 or bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--rounds", type=int, default=1, help="timed rounds, AR and lossless interleaved (every other round reversed)")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up of each mode (0: none)")
+    p.add_argument("--remeasure-cost", action="store_true",
+                   help="measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), e.g. once the machine is quiet")
+    p.add_argument("--output", default=None)
+    return p.parse_args(argv)
+
+
+class Clock:
+    """Nested wall-clock regions: each region's inclusive and exclusive seconds (exclusive:
+    less the regions opened inside it). Records only while `active`."""
+
+    def __init__(self):
+        self.active = False
+        self.stack: list[list] = []  # [label, start, seconds of children]
+        self.exclusive: dict[str, float] = defaultdict(float)
+        self.inclusive: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+
+    def enter(self, label: str) -> None:
+        self.stack.append([label, time.perf_counter(), 0.0])
+
+    def leave(self, label: str) -> float:
+        now = time.perf_counter()
+        top, start, children = self.stack.pop()
+        if top != label:
+            raise RuntimeError(f"step_parts: region {label!r} closed inside {top!r}")
+        spent = now - start
+        self.inclusive[label] += spent
+        self.exclusive[label] += spent - children
+        self.calls[label] += 1
+        if self.stack:
+            self.stack[-1][2] += spent
+        return spent
+
+    def timed(self, label: str, fn):
+        clock = self
+
+        def wrapper(*args, **kwargs):
+            if not clock.active:
+                return fn(*args, **kwargs)
+            clock.enter(label)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock.leave(label)
+
+        wrapper.__wrapped__ = fn
+        wrapper.__name__ = getattr(fn, "__name__", label)
+        wrapper.__doc__ = getattr(fn, "__doc__", None)
+        return wrapper
+
+    def reset(self) -> None:
+        self.stack.clear()
+        self.exclusive.clear()
+        self.inclusive.clear()
+        self.calls.clear()
+
+
+class Transfers:
+    """Device-to-host reads counted while `active`: count, bytes and the code location of each."""
+
+    def __init__(self):
+        self.active = False
+        self.count = 0
+        self.bytes = 0
+        self.sites: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # "file:line (function)" -> [count, bytes]
+        self.syncs = 0  # CUDA: synchronising operations torch's sync debug mode flagged
+        self.per_step: list[int] = []
+
+    def record(self, nbytes: int, depth: int = 2) -> None:
+        frame = sys._getframe(depth)
+        # The first frame outside this script and torch's own Python code: where the read was asked for.
+        while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH_DIR)):
+            frame = frame.f_back
+        where = "?" if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        self.count += 1
+        self.bytes += int(nbytes)
+        site = self.sites[where]
+        site[0] += 1
+        site[1] += int(nbytes)
+
+    def reset(self) -> None:
+        self.count = self.bytes = self.syncs = 0
+        self.sites.clear()
+        self.per_step = []
+
+
+def short_path(path: str) -> str:
+    p = Path(path)
+    try:
+        return str(p.resolve().relative_to(ROOT))
+    except ValueError:
+        parts = p.parts
+        return str(Path(*parts[parts.index("site-packages") + 1 :])) if "site-packages" in parts else path
+
+
+class Patches:
+    """Attributes replaced for the measurement, put back by `undo`."""
+
+    _MISSING = object()
+
+    def __init__(self):
+        self.undo_list: list[tuple] = []
+
+    def set(self, obj, name: str, value) -> None:
+        # What the object itself holds (an inherited attribute is deleted again, not copied in).
+        self.undo_list.append((obj, name, vars(obj).get(name, self._MISSING)))
+        setattr(obj, name, value)
+
+    def undo(self) -> None:
+        while self.undo_list:
+            obj, name, old = self.undo_list.pop()
+            if old is self._MISSING:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
+class Profiler:
+    """Installs the timers and transfer counters on a session's decoder and the decoding loop."""
+
+    def __init__(self, session):
+        self.session = session
+        self.clock = Clock()
+        self.transfers = Transfers()
+        self.patches = Patches()
+        self.handles: list = []
+        self.backend = session.backend
+        self.cuda = False
+        self.forward_graph = 0.0  # MLX: seconds of the forward spent building the lazy graph
+        self.from_cpu: set[int] = set()  # torch: see _torch
+
+    # -- the loop's own functions and classes ------------------------------------------------
+
+    def _loop(self) -> None:
+        from mars.core import decoding, drafting, strategies
+
+        c, P = self.clock, self.patches
+        transfers, profiler = self.transfers, self
+
+        advance = decoding._advance
+
+        def loop_step(*args, **kwargs):
+            if not c.active:
+                return advance(*args, **kwargs)
+            before = transfers.count
+            profiler.from_cpu.clear()
+            c.enter("loop")
+            try:
+                return advance(*args, **kwargs)
+            finally:
+                c.leave("loop")
+                transfers.per_step.append(transfers.count - before)
+
+        P.set(decoding, "_advance", loop_step)
+        for name in ("verify", "accept_by_threshold", "take_confident"):
+            P.set(decoding, name, c.timed("acceptance", getattr(decoding, name)))
+        P.set(decoding, "feed_mask", c.timed("feed plan", decoding.feed_mask))
+        for cls in (strategies.WindowStrategy, strategies.BlockStrategy):
+            for name in ("plan", "keys"):
+                P.set(cls, name, c.timed("feed plan", cls.__dict__[name]))
+            P.set(cls, "commit", c.timed("commit", cls.__dict__["commit"]))
+        for name in ("before_step", "after_step"):
+            P.set(drafting.Drafting, name, c.timed("drafting", drafting.Drafting.__dict__[name]))
+
+    # -- the decoder ---------------------------------------------------------------------------
+
+    def _decoder(self) -> None:
+        d, c, P = self.session.decoder, self.clock, self.patches
+        for name in ("new_cache", "crop", "keep_rows", "keep_keys"):
+            if hasattr(d, name):
+                P.set(d, name, c.timed("cache", getattr(d, name)))
+        for name in ("step", "speculate"):
+            P.set(d, name, c.timed("reduce + D2H", getattr(d, name)))
+        if self.backend == "mlx":
+            self._mlx(d)
+        else:
+            self._torch(d)
+
+    def _torch(self, d) -> None:
+        import torch
+
+        c, P, t = self.clock, self.patches, self.transfers
+        self.cuda = d.tm.device.type == "cuda"
+        cuda = self.cuda
+        P.set(d, "_read_logits", c.timed("step inputs", d._read_logits))
+
+        def sync():
+            if cuda:
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.synchronize(d.tm.device)
+                torch.cuda.set_sync_debug_mode(mode)
+
+        def forward_begins(module, args):
+            if c.active:
+                sync()  # what was queued before belongs to the inputs' time
+                c.enter("forward")
+
+        def forward_ends(module, args, out):
+            if c.active and c.stack and c.stack[-1][0] == "forward":
+                sync()
+                c.leave("forward")
+
+        self.handles.append(d.body.register_forward_pre_hook(forward_begins))
+        self.handles.append(d.head.register_forward_hook(forward_ends))
+
+        from_cpu = self.from_cpu  # ids of what a counted `.cpu()` returned: their `.numpy()` is no second transfer
+
+        def size(x) -> int:
+            return x.numel() * x.element_size()
+
+        def wrap(name, nbytes, mark=False, skip_marked=False, when=None):
+            original = getattr(torch.Tensor, name)
+
+            def method(self, *args, **kwargs):
+                out = original(self, *args, **kwargs)
+                if t.active and (when is None or when(self, args, kwargs)) and not (skip_marked and id(self) in from_cpu):
+                    t.record(nbytes(self), depth=2)
+                    if mark and isinstance(out, torch.Tensor):
+                        from_cpu.add(id(out))
+                return out
+
+            method.__name__ = name
+            P.set(torch.Tensor, name, method)
+
+        def to_host(self, args, kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, torch.Tensor):
+                target = target.device
+            try:
+                return self.device.type != "cpu" and target is not None and torch.device(target).type == "cpu"
+            except (TypeError, RuntimeError):
+                return False
+
+        wrap("cpu", size, mark=True)
+        if cuda:  # on a CPU no `.to` reads a device: leave the forward's many dtype casts unwrapped
+            wrap("to", size, mark=True, when=to_host)
+        wrap("numpy", size, skip_marked=True)
+        wrap("tolist", size, skip_marked=True)
+        wrap("item", lambda x: x.element_size(), skip_marked=True)
+        for dunder in ("__bool__", "__int__", "__float__"):
+            wrap(dunder, lambda x: x.element_size(), skip_marked=True)
+
+    def _mlx(self, d) -> None:
+        import mlx.core as mx
+        import numpy as np
+
+        from mars.backends.mlx import model as mlx_model
+
+        c, P, t = self.clock, self.patches, self.transfers
+        profiler = self
+        logits = d.logits
+        hidden_states = mlx_model.hidden_states
+        marks: dict = {}
+
+        def timed_hidden_states(*args, **kwargs):
+            if c.active and c.stack and c.stack[-1][0] == "step inputs":
+                c.enter("forward")
+                marks["start"] = time.perf_counter()
+            return hidden_states(*args, **kwargs)
+
+        def timed_logits(*args, **kwargs):
+            if not c.active:
+                return logits(*args, **kwargs)
+            c.enter("step inputs")
+            try:
+                out = logits(*args, **kwargs)
+                if c.stack[-1][0] == "forward":
+                    profiler.forward_graph += time.perf_counter() - marks["start"]
+                    mx.eval(out)  # the forward's compute, which would otherwise run inside the step's reduction
+                    c.leave("forward")
+                return out
+            finally:
+                c.leave("step inputs")
+
+        P.set(mlx_model, "hidden_states", timed_hidden_states)
+        P.set(d, "logits", timed_logits)
+
+        # The backend's numpy, with array/asarray counting what they read from an mx.array.
+        counted = types.ModuleType("numpy")
+        counted.__dict__.update(np.__dict__)
+
+        def reading(fn):
+            def read(obj, *args, **kwargs):
+                out = fn(obj, *args, **kwargs)
+                if t.active and isinstance(obj, mx.array):
+                    t.record(out.nbytes, depth=2)
+                return out
+
+            return read
+
+        counted.array = reading(np.array)
+        counted.asarray = reading(np.asarray)
+        P.set(mlx_model, "np", counted)
+
+    # -- on and off ----------------------------------------------------------------------------
+
+    def install(self) -> None:
+        self._loop()
+        self._decoder()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.patches.undo()
+
+    def measure(self, fn):
+        """Run `fn()` with the clock and the counters on, inside one "loop" region of the
+        clock's (what no other region covers is the loop's); returns its result and the
+        seconds it took."""
+        import contextlib
+        import warnings
+
+        c, t = self.clock, self.transfers
+        sync_mode = contextlib.nullcontext()
+        if self.cuda:
+            import torch
+
+            sync_mode = warnings.catch_warnings(record=True)
+        with sync_mode as caught:
+            if self.cuda:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode(1)
+            c.active = t.active = True
+            c.enter("loop")
+            try:
+                out = fn()
+            finally:
+                seconds = c.leave("loop")
+                c.active = t.active = False
+                if self.cuda:
+                    torch.cuda.set_sync_debug_mode(0)
+                    t.syncs += sum("synchroniz" in str(w.message) for w in caught)
+        self.from_cpu.clear()
+        return out, seconds
+
+
+def mode_plans(session, max_tokens: int):
+    """(AR, lossless) plans as `mars generate` makes them: its options' own defaults, then
+    threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
+    shipped weights; --lossless where a checkpoint's default is not)."""
+    from mars.cli.common import decode_plan
+    from mars.cli.generate import generate_command
+
+    names = set(decode_plan.__code__.co_varnames[1 : decode_plan.__code__.co_argcount])
+    given = generate_command.make_context("generate", ["--prompt", "-"]).params  # every option at its default
+    options = {k: v for k, v in given.items() if k in names}
+    options["max_tokens"] = max_tokens
+    ar = decode_plan(session, **dict(options, threshold=1.0))
+    default = decode_plan(session, **options)
+    if not default.lossless:
+        default = decode_plan(session, **dict(options, lossless=True))
+    return {"AR": ar, "lossless": default}
+
+
+def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward_graph: float) -> dict:
+    t = decoded.total
+    steps = t.forwards
+    ex = clock.exclusive
+    forward = ex.get("forward", 0.0)
+    reduce = ex.get("reduce + D2H", 0.0)
+    host = total - forward - reduce
+    items = {k: ex.get(k, 0.0) for k in HOST_ITEMS}
+    # The loop's own time is whatever no other region covered; make the items sum to the host part exactly.
+    items["loop"] = host - sum(v for k, v in items.items() if k != "loop")
+    per = 1000.0 / max(steps, 1)
+    parts = {"forward": forward, "reduce + D2H": reduce, "host": host}
+    return {
+        "steps": steps,
+        "step_calls": clock.calls.get("reduce + D2H", 0),
+        "row_forwards": t.row_forwards,
+        "tokens": t.accepted,
+        "tokens_per_forward": t.accepted / max(t.row_forwards, 1),
+        "fed_tokens_per_step": t.fed_tokens / max(steps, 1),
+        "seconds": total,
+        "ms_per_step": total * per,
+        "parts_ms_per_step": {k: v * per for k, v in parts.items()},
+        "parts_share": {k: v / total if total > 0 else 0.0 for k, v in parts.items()},
+        "host_ms_per_step": {k: v * per for k, v in items.items()},
+        "host_share_of_step": {k: v / total if total > 0 else 0.0 for k, v in items.items()},
+        "forward_graph_ms_per_step": forward_graph * per if forward_graph else None,
+        "d2h_transfers": transfers.count,
+        "d2h_bytes": transfers.bytes,
+        "d2h_per_step": transfers.count / max(steps, 1),
+        "d2h_bytes_per_step": transfers.bytes / max(steps, 1),
+        "d2h_per_step_range": [min(transfers.per_step, default=0), max(transfers.per_step, default=0)],
+        "d2h_sites": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(transfers.sites.items(), key=lambda kv: -kv[1][0])},
+        "cuda_syncs_per_step": transfers.syncs / max(steps, 1) if transfers.syncs else None,
+        "by_source": t.by_source(),
+        "seconds_by_region_inclusive": dict(clock.inclusive),
+    }
+
+
+def machine(args, session) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_model(), "cores": os.cpu_count()}
+    if hasattr(os, "getloadavg"):
+        info["load_average"] = list(os.getloadavg())
+    if session.backend == "torch":
+        import torch
+
+        tm = session.loaded
+        info.update(device=str(tm.device), dtype=str(tm.dtype).replace("torch.", ""), threads=torch.get_num_threads(),
+                    torch=torch.__version__)
+        if tm.device.type == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(tm.device)
+    else:
+        import mlx.core as mx
+
+        info.update(device=str(mx.default_device()), mlx=getattr(mx, "__version__", ""))
+    return info
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str | None:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+        return (head + ("+changes" if dirty else "")) or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def table(report: dict) -> str:
+    modes = report["modes"]
+    lines = [f"{'mode':<10} {'steps':>5} {'tok/fwd':>7} {'ms/step':>8}  " + "  ".join(f"{p:>16}" for p in PART_NAMES)
+             + f"  {'D2H/step':>8} {'bytes/step':>10}"]
+    for name, m in modes.items():
+        cells = "  ".join(f"{m['parts_ms_per_step'][p]:7.2f} ({100 * m['parts_share'][p]:5.1f}%)" for p in PART_NAMES)
+        lo, hi = m["d2h_per_step_range"]
+        lines.append(f"{name:<10} {m['steps']:>5} {m['tokens_per_forward']:7.2f} {m['ms_per_step']:8.2f}  {cells}  "
+                     f"{m['d2h_per_step']:8.2f} {m['d2h_bytes_per_step']:10.0f}")
+    lines.append("")
+    lines.append("host part by item, ms per step (share of the step):")
+    for name, m in modes.items():
+        lines.append(f"  {name:<10} " + ", ".join(f"{k} {m['host_ms_per_step'][k]:.2f} ({100 * m['host_share_of_step'][k]:.1f}%)"
+                                                for k in HOST_ITEMS))
+    for name, m in modes.items():
+        lo, hi = m["d2h_per_step_range"]
+        extra = f"; CUDA synchronising operations {m['cuda_syncs_per_step']:.2f} a step" if m["cuda_syncs_per_step"] else ""
+        graph = f"; the forward's graph building {m['forward_graph_ms_per_step']:.2f} ms a step" if m["forward_graph_ms_per_step"] else ""
+        lines.append(f"{name} D2H reads: {lo}-{hi} a step{extra}{graph}")
+        for site, v in m["d2h_sites"].items():
+            lines.append(f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
+    same = report["replies_equal_to_ar"]
+    lines.append(f"replies of lossless equal to AR's: {same}/{report['prompts']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv if argv is not None else sys.argv[1:])
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.backend == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from mars.cli.common import quiet_libraries
+    from mars.prompts import read_prompts
+    from mars.session import Session
+
+    quiet_libraries()
+
+    def say(m):
+        print(m, file=sys.stderr)
+
+    session = Session(args.model, args.adapter_path, backend=args.backend, dtype=args.dtype, device=args.device, announce=say,
+                      remeasure_cost=args.remeasure_cost)
+    prompts = read_prompts(Path(args.prompts))[: args.limit]
+    ids = session.encode(prompts)
+    plans = mode_plans(session, args.max_tokens)
+    batch = max(1, min(args.batch, len(ids)))
+    for s in plans.values():
+        session.cost_for(s, batch=batch)  # measured (once per device) before anything is timed, as `mars generate` does
+    if args.warmup_tokens:
+        from dataclasses import replace
+
+        for s in plans.values():
+            session.decode(ids[:batch], replace(s, max_tokens=args.warmup_tokens), batch)
+
+    profiler = Profiler(session)
+    profiler.install()
+    results = {name: {"seconds": 0.0, "decoded": []} for name in plans}
+    clocks = {name: (Clock(), Transfers(), [0.0]) for name in plans}
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    try:
+        for rnd in range(args.rounds):
+            order = list(plans) if rnd % 2 == 0 else list(plans)[::-1]
+            for name in order:
+                clock, transfers, graph = clocks[name]
+                # Each mode keeps its own totals: point the profiler at them for this run.
+                profiler.clock.reset()
+                profiler.transfers.reset()
+                profiler.forward_graph = 0.0
+                decoded, seconds = profiler.measure(lambda: session.decode(ids, plans[name], batch))
+                merge(clock, profiler.clock)
+                merge_transfers(transfers, profiler.transfers)
+                graph[0] += profiler.forward_graph
+                results[name]["seconds"] += seconds
+                results[name]["decoded"].append(decoded)
+    finally:
+        profiler.remove()
+
+    from mars.session import Decoded
+
+    modes, tokens = {}, {}
+    for name, r in results.items():
+        joined = Decoded(tokens=[t for d in r["decoded"] for t in d.tokens], stats=[s for d in r["decoded"] for s in d.stats])
+        clock, transfers, graph = clocks[name]
+        modes[name] = summarise(clock, transfers, r["seconds"], joined, graph[0])
+        modes[name]["plan"] = plans[name].name
+        tokens[name] = r["decoded"][0].tokens
+    report = {
+        "what": "where a decoding step's time goes: forward, reduce + D2H, host (benchmarks/step_parts.py)",
+        "started_utc": started,
+        "commit": commit(),
+        "backend": session.backend,
+        "model": str(getattr(session.loaded, "path", "")),
+        "prompts": len(ids),
+        "prompts_file": args.prompts,
+        "max_tokens": args.max_tokens,
+        "batch": batch,
+        "rounds": args.rounds,
+        "warmup_tokens": args.warmup_tokens,
+        "machine": dict(machine(args, session), load_average_before=load_before),
+        "modes": modes,
+        "replies_equal_to_ar": sum(a == b for a, b in zip(tokens["AR"], tokens["lossless"])),
+        "tokens": tokens,
+    }
+    out = Path(args.output) if args.output else ROOT / "benchmarks" / "results" / (
+        f"step_parts_{session.backend}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    m = report["machine"]
+    how = ", ".join(x for x in (m.get("dtype"), f"{m['threads']} threads" if "threads" in m else None) if x)
+    print(f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, {len(ids)} prompts x {args.max_tokens} "
+          f"tokens, batch {batch}, {args.rounds} round(s); load {' '.join(f'{x:.2f}' for x in load_before or [])}")
+    for name, mm in modes.items():
+        print(f"{name}: {mm['plan']}")
+    print(table(report))
+    print(f"wrote {out}")
+    report["output"] = str(out)
+    return report
+
+
+def merge(into: Clock, new: Clock) -> None:
+    for k, v in new.exclusive.items():
+        into.exclusive[k] += v
+    for k, v in new.inclusive.items():
+        into.inclusive[k] += v
+    into.calls.update(new.calls)
+
+
+def merge_transfers(into: Transfers, new: Transfers) -> None:
+    into.count += new.count
+    into.bytes += new.bytes
+    into.syncs += new.syncs
+    into.per_step += new.per_step
+    for k, (n, b) in new.sites.items():
+        into.sites[k][0] += n
+        into.sites[k][1] += b
+
+
+if __name__ == "__main__":
+    main()

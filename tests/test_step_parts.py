@@ -1,0 +1,88 @@
+"""benchmarks/step_parts.py on a tiny MARS checkpoint (random weights, mars.json with default
+mode lossless), torch and MLX: every part of a step is measured and the parts add up, the
+transfers are counted, and the instrumented decoding gives the replies plain decoding gives
+(lossless equal to AR). No timing is compared with anything: the machine's speed does not matter."""
+
+import json
+import math
+
+import pytest
+
+from clitools import write_jsonl
+from tiny import load_script, save_model
+
+PARTS = ("forward", "reduce + D2H", "host")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    from mars.core.config import MarsConfig, write_config
+
+    path = save_model(tmp_path_factory.mktemp("step_parts") / "model", "llama", seed=1)
+    write_config(MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    records = [{"prompt": p} for p in ("Hello there", "abc abc abc abc", "Why is the sky blue?")]
+    return write_jsonl(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", records)
+
+
+@pytest.mark.parametrize("backend,batch", [("torch", 1), ("torch", 2), ("mlx", 1)])
+def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, backend, batch):
+    if backend == "mlx":
+        pytest.importorskip("mlx.core")
+        pytest.importorskip("mlx_lm")
+    script = load_script("benchmarks/step_parts.py")
+    out = tmp_path / "parts.json"
+    report = script.main(["--model", str(checkpoint), "--backend", backend, "--prompts", str(prompts), "--limit", "3",
+                          "--max-tokens", "10", "--batch", str(batch), "--warmup-tokens", "3", "--output", str(out)]
+                         + (["--device", "cpu", "--dtype", "float32"] if backend == "torch" else []))
+    assert json.loads(out.read_text())["modes"].keys() == {"AR", "lossless"}
+    assert report["modes"]["lossless"]["plan"].startswith("lossless")
+    for name, m in report["modes"].items():
+        assert m["steps"] > 0 and m["step_calls"] == m["steps"], name
+        parts = m["parts_ms_per_step"]
+        assert all(parts[p] >= 0 for p in PARTS), (name, parts)
+        assert parts["forward"] > 0
+        assert math.isclose(sum(parts.values()), m["ms_per_step"], rel_tol=1e-6, abs_tol=1e-9)
+        assert math.isclose(sum(m["parts_share"].values()), 1.0, rel_tol=1e-6)
+        items = m["host_ms_per_step"]
+        assert all(v >= 0 for v in items.values()), (name, items)
+        assert math.isclose(sum(items.values()), parts["host"], rel_tol=1e-6, abs_tol=1e-9)
+        assert isinstance(m["d2h_transfers"], int) and m["d2h_transfers"] > 0
+        assert isinstance(m["d2h_bytes"], int) and m["d2h_bytes"] > 0
+        lo, hi = m["d2h_per_step_range"]
+        assert isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi
+        assert sum(site["count"] for site in m["d2h_sites"].values()) == m["d2h_transfers"]
+    # Lossless decoding is AR's, and the timers change nothing that is decoded.
+    assert report["tokens"]["lossless"] == report["tokens"]["AR"]
+    assert report["replies_equal_to_ar"] == report["prompts"] == 3
+    plain = plain_replies(checkpoint, prompts, backend, batch)
+    assert report["tokens"]["AR"] == plain
+    # Everything the script patched is back as it was.
+    from mars.core import decoding, strategies
+
+    assert decoding._advance.__module__ == "mars.core.decoding"
+    assert strategies.WindowStrategy.plan.__module__ == "mars.core.strategies"
+    if backend == "torch":
+        import torch
+
+        assert "cpu" not in vars(torch.Tensor) and "__bool__" not in vars(torch.Tensor)
+    else:
+        import numpy as np
+
+        from mars.backends.mlx import model as mlx_model
+
+        assert mlx_model.np is np
+
+
+def plain_replies(checkpoint, prompts, backend, batch):
+    from mars.prompts import read_prompts
+    from mars.session import Session
+
+    kw = {"device": "cpu", "dtype": "float32"} if backend == "torch" else {}
+    session = Session(str(checkpoint), backend=backend, announce=lambda m: None, **kw)
+    ids = session.encode(read_prompts(prompts))
+    return session.decode(ids, session.plan(threshold=1.0, max_tokens=10), batch).tokens
