@@ -309,3 +309,53 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_takes(tm):
     body, _ = body_and_head(tm.model)  # the installed transformers' own model takes it by that name
     assert list(cache_argument(body, marker)) == [name for name in ("cache", "past_key_values")
                                                   if name in inspect.signature(type(body).forward).parameters][:1]
+
+
+def test_a_steps_results_cross_to_the_host_in_one_copy_bit_for_bit():
+    """On a device, `step` and `speculate` pack their results (ids, confidences, runners-up)
+    into one int64 tensor, a float32 by its bits, and copy it once; unpacked, every value and
+    dtype is what a copy of each would give."""
+    from mars.backends.torch.model import to_host
+
+    conf = torch.tensor([[0.1, -2.5e-38, float("inf")], [float("-inf"), 1.0, 3.4e38]], dtype=torch.float32)
+    ids = torch.tensor([[0, 49151, 2**40], [-1, 7, 3]], dtype=torch.int64)
+    flags, small = torch.tensor([True, False, True]), torch.tensor([5, -6], dtype=torch.int32)
+    packed = to_host(ids, conf, flags, small, pack=True)
+    for got, want in zip(packed, (ids, conf, flags, small)):
+        assert got.dtype == want.numpy().dtype and got.shape == tuple(want.shape)
+        assert got.tobytes() == want.numpy().tobytes()
+    nan = to_host(torch.tensor([float("nan")]), pack=True)[0]
+    assert np.isnan(nan).all() and nan.dtype == np.float32
+
+
+def test_a_decoding_gate_reads_the_masks_places_off_the_host(tm):
+    """The decoding gate set from the host's ids equals the one set from the device's, so a
+    step needs no copy back to find its masks."""
+    from mars.backends.torch.gate import DecodeGate
+
+    ids = np.array([[5, 3, 3, 9], [3, 1, 2, 3]])
+    for rows in (ids, ids[:1]):
+        a, b = DecodeGate(3), DecodeGate(3)
+        a.set(torch.from_numpy(rows))
+        b.set_host(rows, torch.device("cpu"))
+        assert a.rows == b.rows and torch.equal(a.column, b.column) and b.column.dtype == torch.float32
+    none = DecodeGate(3)
+    none.set_host(np.array([[1, 2]]), torch.device("cpu"))
+    assert none.column is None and none.rows is None
+
+
+def test_decoding_is_the_same_when_every_step_packs_its_results(tm, tok, monkeypatch):
+    """The packed copy a device makes, forced here on the CPU: AR, threshold mode with its
+    confidences, lossless with runners-up and lossless sampling decode the same tokens."""
+    import mars.backends.torch.model as torch_model
+    from mars.core.plan import Sampling
+
+    prompts = prompts_of(tok, PROMPTS)
+    plans = [settings(threshold=1.0), settings(threshold=0.3), settings(lossless=True, alternatives=2, ngram=4),
+             settings(lossless=True, sampling=Sampling(temperature=0.8, seed=3))]
+    plain = [generate(TorchDecoder(tm), prompts, s).tokens for s in plans]
+    real = torch_model.to_host
+    calls = []
+    monkeypatch.setattr(torch_model, "to_host", lambda *a, **kw: calls.append(len(a)) or real(*a, pack=True))
+    assert [generate(TorchDecoder(tm), prompts, s).tokens for s in plans] == plain
+    assert calls and max(calls) == 3  # ids, confidences and runners-up (or kept, token, proposals) in one copy

@@ -14,6 +14,7 @@ base layers alone, as fast as the plain base. Training keeps PEFT and the hooks 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -67,11 +68,20 @@ class DecodeGate:
 
     def set(self, input_ids: torch.Tensor) -> None:
         is_mask = (input_ids == self.mask_id).reshape(-1)
-        where = torch.nonzero(is_mask).reshape(-1).tolist()
+        self._place(torch.nonzero(is_mask).reshape(-1).tolist(), lambda: is_mask.to(self.dtype).reshape(-1, 1))
+
+    def set_host(self, input_ids: np.ndarray, device) -> None:
+        """`set` from the host's copy of the ids: where the masks are is read on the host, so
+        the step makes no device-to-host copy for it."""
+        is_mask = (np.asarray(input_ids) == self.mask_id).reshape(-1)
+        self._place(np.flatnonzero(is_mask).tolist(),
+                    lambda: torch.from_numpy(is_mask.astype(np.float32)).to(device=device, dtype=self.dtype).reshape(-1, 1))
+
+    def _place(self, where: list[int], column) -> None:
         if not where:
             self.column, self.rows = None, None
             return
-        self.column = is_mask.to(self.dtype).reshape(-1, 1)
+        self.column = column()
         first, last = where[0], where[-1]
         # One run (a batch-1 step: its masks and spare groups end the row): the delta is
         # computed on those rows alone, and the real tokens' outputs are not touched at all.

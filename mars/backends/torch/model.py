@@ -355,8 +355,9 @@ class TorchDecoder:
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
-        if self.tm.gate is not None:
-            self.tm.gate.set(ids)
+        gate = self.tm.gate
+        if gate is not None:  # a decoding gate reads the masks' places off the host's ids
+            gate.set_host(input_ids, dev) if hasattr(gate, "set_host") else gate.set(ids)
         b, q = ids.shape
         read = np.asarray(read)
         real = contextlib.nullcontext()
@@ -380,15 +381,18 @@ class TorchDecoder:
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
         if not sampling.greedy:  # every read draws its own token: the reads stay apart
             logits = self.logits(cache, input_ids, positions, mask, read, valid)
-            chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling))
-            return chosen.cpu().numpy(), conf.cpu().numpy()
+            return tuple(to_host(*slot_predictions(logits, metric, sampling, self.rng(sampling))))
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
         chosen, conf = slot_predictions(unique, metric, sampling)
-        ids = chosen.cpu().numpy()[where]
+        # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros)
+        # and the runners-up together.
+        wanted = [chosen] + ([conf] if metric is not None else []) + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else [])
+        host = [a[where] for a in to_host(*wanted)]
+        ids = host[0]
+        conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
         if not runners_up:
-            return ids, conf.cpu().numpy()[where]
-        top = unique.topk(runners_up + 1, dim=-1).indices.cpu().numpy()[where]
-        return ids, conf.cpu().numpy()[where], runners_up_of(top, ids, runners_up)
+            return ids, conf
+        return ids, conf, runners_up_of(host[-1], ids, runners_up)
 
     @torch.inference_mode()
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
@@ -407,7 +411,28 @@ class TorchDecoder:
         token = torch.multinomial(dist, 1, generator=gen)[:, 0]
         proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
         self._drafted = q_next
-        return kept.cpu().numpy(), token.cpu().numpy(), proposals.cpu().numpy()
+        return tuple(to_host(kept, token, proposals))
+
+
+_HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
+def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]:
+    """Device tensors (integers, booleans, float32) copied to the host in one transfer: each
+    flattened to int64 (a float32 by its bits), joined, copied, then split and given back its
+    dtype and shape, bit for bit. Tensors already on the CPU are read as they are (`pack`
+    True packs them anyway, as a device would)."""
+    if not (pack if pack is not None else any(a.device.type != "cpu" for a in arrays)):
+        return [a.numpy() for a in arrays]
+    flat = [a.reshape(-1).view(torch.int32).long() if a.dtype == torch.float32 else a.reshape(-1).long() for a in arrays]
+    host = torch.cat(flat).cpu().numpy()
+    out, at = [], 0
+    for a in arrays:
+        part = host[at : at + a.numel()]
+        at += a.numel()
+        part = part.astype(np.int32).view(np.float32) if a.dtype == torch.float32 else part.astype(_HOST_DTYPES[a.dtype])
+        out.append(part.reshape(tuple(a.shape)))
+    return out
 
 
 class TorchOps:
