@@ -189,6 +189,11 @@ class Row:
     def out(self) -> list[int]:
         return self.seq[self.prompt_len :]
 
+    @property
+    def produced(self) -> int:
+        """len(out), without copying the reply (asked per row every step)."""
+        return len(self.seq) - self.prompt_len
+
 
 def runners_up_of(top: np.ndarray, chosen: np.ndarray, n: int) -> np.ndarray:
     """(b, k, n) the n most likely ids of each read other than its chosen one, from `top`

@@ -218,7 +218,7 @@ def _take(r: Row, new: list[int], eos: set[int]) -> list[int]:
     per_slot.extend([0] * (len(new) - len(per_slot)))  # n-gram drafts may outnumber the masks
     for j in range(len(new)):
         per_slot[j] += 1
-    if not r.done and len(r.out) >= r.max_tokens:
+    if not r.done and r.produced >= r.max_tokens:
         r.done, r.finish = True, "length"
     return new
 

@@ -136,7 +136,7 @@ def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], 
         if drafts:
             slots[i, 1 : 1 + len(drafts)] = conf[i][: len(drafts)]
     # A row that took nothing (finished, or waiting) takes no more: limit 0.
-    limits = [r.max_tokens - len(r.out) - len(accepted[i]) + 1 if accepted[i] else 0 for i, r in enumerate(rows)]
+    limits = [r.max_tokens - r.produced - len(accepted[i]) + 1 if accepted[i] else 0 for i, r in enumerate(rows)]
     counts = accept_counts(slots, metric, np.asarray([r.threshold for r in rows], dtype=np.float64), np.maximum(limits, 0))
     taken = [max(int(c) - 1, 0) for c in counts]
     for i, c in enumerate(taken):

@@ -36,7 +36,7 @@ class WindowStrategy:
     def plan(self, rows: list[Row]) -> Feed:
         s, m = self.s, self.masks
         # Lossless: as many drafts as leave room for the AR token after them.
-        drafts = [[] if r.done else r.drafts[: r.max_tokens - len(r.out) - 1] for r in rows]
+        drafts = [[] if r.done else r.drafts[: r.max_tokens - r.produced - 1] for r in rows]
         parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
         width = max(len(p) for p in parts) + m
         ids, valid = right_aligned(parts, width, s.mask_id, [0 if r.done else m for r in rows])
@@ -51,7 +51,7 @@ class WindowStrategy:
         columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m,
                           spare_groups=spare, alt_groups=alt_ids.shape[1])
         if not s.lossless:
-            limit = [0 if r.done else min(m + 1, r.max_tokens - len(r.out)) for r in rows]
+            limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
             return Feed(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
         if not (spare or columns.alt_groups):
@@ -165,7 +165,7 @@ class BlockStrategy:
         fold_ids, fold_valid = right_aligned(fold, width_fold, s.mask_id, [0] * len(rows))
         fill = [len(r.seq) - start for r, start in zip(rows, self.block_start)]
         waiting = [r.done or f >= size for r, f in zip(rows, fill)]
-        room = [min(size - f, r.max_tokens - len(r.out)) for r, f in zip(rows, fill)]
+        room = [min(size - f, r.max_tokens - r.produced) for r, f in zip(rows, fill)]
         # Lossless: drafts fill the slots after the row's real ones, leaving room for the AR token.
         drafts = [[] if w or not s.lossless else r.drafts[: k - 1] for r, w, k in zip(rows, waiting, room)]
         blk_ids = np.full((len(rows), size), s.mask_id, dtype=np.int64)
