@@ -468,7 +468,9 @@ def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward
 
 
 def machine(args, session) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_model(), "cores": os.cpu_count()}
+    from mars.backends.torch.model import cpu_name
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_name(), "cores": os.cpu_count()}
     if hasattr(os, "getloadavg"):
         info["load_average"] = list(os.getloadavg())
     if session.backend == "torch":
@@ -484,17 +486,6 @@ def machine(args, session) -> dict:
 
         info.update(device=str(mx.default_device()), mlx=getattr(mx, "__version__", ""))
     return info
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return platform.processor() or platform.machine()
 
 
 def commit() -> str | None:
@@ -541,6 +532,7 @@ def main(argv=None) -> dict:
 
         torch.set_num_threads(args.threads)
     from mars.cli.common import quiet_libraries
+    from mars.core.files import atomic_write_text
     from mars.prompts import read_prompts
     from mars.session import Session
 
@@ -615,8 +607,7 @@ def main(argv=None) -> dict:
     }
     out = Path(args.output) if args.output else ROOT / "benchmarks" / "results" / (
         f"step_parts_{session.backend}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
+    atomic_write_text(out, json.dumps(report, indent=1) + "\n")
     m = report["machine"]
     how = ", ".join(x for x in (m.get("dtype"), f"{m['threads']} threads" if "threads" in m else None) if x)
     print(f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, {len(ids)} prompts x {args.max_tokens} "

@@ -344,6 +344,10 @@ def _prefix_kept(rows, ar_rows) -> float:
     return round(kept / max(1, sum(len(a) for a in ar_rows)), 4)
 
 
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
+
+
 def _strip_eos(rows, eos):
     return [[t for t in row if t not in eos] for row in rows]
 
@@ -402,7 +406,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
             "ratio_min": min(c.ratios),
             "ratio_max": max(c.ratios),
             "tokens_by_source": c.by_source,
-            "masks_share": None if masks_share(c.by_source) is None else round(masks_share(c.by_source), 4),
+            "masks_share": _rounded(masks_share(c.by_source)),
             "masks_fed": c.masks_fed,
             "cache_ran": c.cache_ran,
             "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),

@@ -92,8 +92,10 @@ def environment(device: str) -> dict:
     import torch
     import transformers
 
+    from mars.backends.torch.model import cpu_name
+
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "device": device, "cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads()}
+           "device": device, "cpu": cpu_name(), "torch_threads": torch.get_num_threads()}
     if device.startswith("cuda") and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
     return env

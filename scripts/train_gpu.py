@@ -285,6 +285,7 @@ def unpack(out: Path, dest: Path, store: Path | None = None) -> Path:
         from mars.core.files import atomic_write_bytes
 
         atomic_write_bytes(store, kept)
+        log(f"the store of distilled replies: {store}")
     return dest
 
 
@@ -353,7 +354,7 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
                  f"({data_dir / name}.jsonl); pass a larger --max-seq-length")
 
     train_examples, valid_examples = split("train"), split("valid")
-    min_steps = max(1, args.min_steps)
+    min_steps = args.min_steps  # at least 1 (main refuses less)
     loaded = base.load("torch", base_path, dtype="float32", device=args.device, announce=log)
     mars = base.ensure_mask_token(loaded, init, block_size=block_size, announce=log)
     settings = TrainSettings(
@@ -460,8 +461,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.unpack:
         print(unpack(*args.unpack, store=args.store))
-        if "store" in json.loads((args.unpack[0] / "summary.json").read_text()):
-            print(args.store)
         return 0
     if args.out is None:
         ap.error("--out is required")

@@ -46,6 +46,10 @@ class MaskGate:
     def set(self, input_ids: torch.Tensor) -> None:
         self.value = (input_ids == self.mask_id)[..., None]
 
+    def set_host(self, input_ids: np.ndarray, device) -> None:
+        """`set` from the host's copy of the ids (as DecodeGate.set_host)."""
+        self.value = torch.from_numpy(np.asarray(input_ids) == self.mask_id)[..., None].to(device)
+
     def clear(self) -> None:
         self.value = None
 

@@ -355,9 +355,8 @@ class TorchDecoder:
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
-        gate = self.tm.gate
-        if gate is not None:  # a decoding gate reads the masks' places off the host's ids
-            gate.set_host(input_ids, dev) if hasattr(gate, "set_host") else gate.set(ids)
+        if self.tm.gate is not None:  # the masks' places read off the host's ids: no copy back
+            self.tm.gate.set_host(input_ids, dev)
         b, q = ids.shape
         read = np.asarray(read)
         real = contextlib.nullcontext()
