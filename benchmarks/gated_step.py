@@ -34,8 +34,8 @@ def main() -> None:
 
     from mars.backends.torch.gate import MaskGate
     from mars.backends.torch.model import MarsLoss, ensure_mask_token, load, loss_inputs
-    from mars.core.data import batches, load_split
-    from mars.core.training import LORA_TARGETS
+    from mars.core.train.data import batches, load_split
+    from mars.core.train.loop import LORA_TARGETS
 
     torch.set_num_threads(args.threads)
     tm = load(args.model, announce=lambda m: None)

@@ -44,7 +44,7 @@ def parse(argv):
 
 async def _serve(engine, ids, max_tokens, extra, concurrency):
     """Every prompt through the engine, `concurrency` in flight; returns the replies' tokens."""
-    from mars.core.decoding import Sampling
+    from mars.core.decode.loop import Sampling
     from mars.serve.engine import Job
 
     loop = asyncio.get_running_loop()
@@ -74,7 +74,7 @@ def main(argv):
     import torch
 
     torch.set_num_threads(args.threads)
-    from mars.core.decoding import generate
+    from mars.core.decode.loop import generate
     from mars.prompts import read_prompts
     from mars.serve import EngineLimits, build
     from mars.session import Session

@@ -207,7 +207,7 @@ class Profiler:
     # -- the loop's own functions and classes ------------------------------------------------
 
     def _loop(self) -> None:
-        from mars.core import decoding, drafting, strategies
+        from mars.core.decode import drafting, loop as decoding, strategies
 
         c, P = self.clock, self.patches
         transfers, profiler = self.transfers, self

@@ -41,7 +41,7 @@ def main(argv=None) -> dict:
     import numpy as np
 
     from mars.backends.torch.model import MarsLoss, loss_inputs
-    from mars.core.data import batches
+    from mars.core.train.data import batches
     from mars.evaluate import load_examples, load_model
 
     em = load_model(args.model, "torch")

@@ -25,11 +25,11 @@ import numpy as np
 from tqdm import tqdm
 
 from .backends import base
-from .core.decode_types import masks_share
-from .core.decoding import DecodeSettings, Sampling, generate
-from .core.plan import FEEDS
+from .core.decode.types import masks_share
+from .core.decode.loop import DecodeSettings, Sampling, generate
+from .core.decode.plan import FEEDS
 from .core.masks import decode_mask
-from .core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
+from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
 from .default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 
 DEFAULT_PROMPTS = [
@@ -55,8 +55,8 @@ class BenchSettings:
     block_caches: tuple[int, ...] = (4, 8, 16, 32)
     max_tokens: int = 64
     repeats: int = 3
-    block_size: int | None = None  # default: the checkpoint's (mars.core.policy.block_size_for)
-    metric: str | None = None  # default: the checkpoint's (mars.core.policy.metric_for)
+    block_size: int | None = None  # default: the checkpoint's (mars.core.decode.rules.block_size_for)
+    metric: str | None = None  # default: the checkpoint's (mars.core.decode.rules.metric_for)
     forward_ks: tuple[int, ...] = tuple(range(1, 33))  # the cost curve; empty: skip it
     forward_repeats: int = 5
     force: bool = False  # allow thresholds < 1 on a model without mars.json
@@ -67,9 +67,9 @@ class BenchSettings:
     alternatives: int = DEFAULT_ALTERNATIVES  # lossless: runner-up groups of the default configuration
     llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
-    # chosen from the cost curve, mars.core.cost.ThresholdFeed) and/or "fixed" (B every step).
+    # chosen from the cost curve, mars.core.decode.cost.ThresholdFeed) and/or "fixed" (B every step).
     feeds: tuple[str, ...] = ("auto",)
-    # Also time verified threshold mode (mars.core.decode_types.DecodeSettings.verify) at each
+    # Also time verified threshold mode (mars.core.decode.types.DecodeSettings.verify) at each
     # threshold, with the window cache, the cost-aware feed and n-gram drafts (`ngram`).
     verify: bool = False
     # --lossless: also time the default configuration's variants (no corpus, fixed spare groups);
@@ -122,7 +122,7 @@ def metric_of(loaded, s: BenchSettings) -> str:
 
 def plan(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
          hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False, alternatives: int = 0) -> DecodeSettings:
-    """The plan `mars generate` would make for this model (mars.core.plan.decode_plan), greedy."""
+    """The plan `mars generate` would make for this model (mars.core.decode.plan.decode_plan), greedy."""
     return base.decode_plan(loaded, threshold=threshold, lossless=lossless, verify=verify, metric=s.metric, block_size=s.block_size,
                             force=s.force, max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge,
                             ngram=ngram, feed=feed, alternatives=alternatives)
@@ -246,10 +246,10 @@ class _Ours:
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
-    """`cost`: the decoder's per-forward cost curves (mars.core.cost.BatchCosts); the default
+    """`cost`: the decoder's per-forward cost curves (mars.core.decode.cost.BatchCosts); the default
     lossless configuration (what `mars generate --lossless` runs) and threshold mode's "auto"
     feed choose what they feed from them."""
-    from .core.cost import FeedPolicy
+    from .core.decode.cost import FeedPolicy
 
     ar_tau = ar_threshold(metric_of(loaded, s))
     ar = Config("ar-kv-cache", "ar", _Ours(decoder, plan(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
@@ -269,7 +269,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     for tau in s.thresholds:
         for feed in s.feeds:
             # auto: each call picks its masks per step from the cost curve (a policy of its own,
-            # mars.core.cost.ThresholdFeed), and may leave the block cache where it does not pay.
+            # mars.core.decode.cost.ThresholdFeed), and may leave the block cache where it does not pay.
             fed, suffix = (stored, "") if feed == "auto" else (None, " fixed")
             if s.window:
                 window = _Ours(decoder, plan(loaded, tau, "window", 16, s, feed=feed), fed)
@@ -287,7 +287,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             auto = plan(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
             policy = FeedPolicy.for_plan(cost, auto) if cost is not None else None
             configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, policy), None, "window"))
-            if auto.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.corpus)
+            if auto.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.decode.drafts.corpus)
                 bare = dataclasses.replace(auto, corpus=None)
                 policy = FeedPolicy.for_plan(cost, bare) if cost is not None else None
                 configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, policy), None, "window"))

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .core.data import DataError
+from .core.train.data import DataError
 from .core.files import atomic_write_text
 from .prompts import json_lines, prompt_of, split_files
 
@@ -98,7 +98,7 @@ class Distiller:
 
     def __init__(self, loaded, decoder, settings: DistillSettings):
         from .backends.base import decode_plan
-        from .core.policy import ar_threshold, metric_for
+        from .core.decode.rules import ar_threshold, metric_for
 
         self.tm, self.decoder, self.s = loaded, decoder, settings
         ar = ar_threshold(metric_for(loaded.mars))  # plain greedy AR
@@ -107,7 +107,7 @@ class Distiller:
 
     def replies(self, conversations: list[list]) -> list[tuple[str, str]]:
         """(text, finish) for each conversation ending with a user turn."""
-        from .core.decoding import generate
+        from .core.decode.loop import generate
         from .core.tokens import encode_prompt
 
         tok = self.tm.tokenizer

@@ -25,10 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from .backends import base
-from .core.data import IGNORE, DataError, batches, load_split, read_jsonl
-from .core.decode_types import masks_share, sum_ragged
+from .core.train.data import IGNORE, DataError, batches, load_split, read_jsonl
+from .core.decode.types import masks_share, sum_ragged
 from .core.files import atomic_write_text
-from .core.policy import block_size_for, metric_for
+from .core.decode.rules import block_size_for, metric_for
 from .prompts import RawText, prompt_of, split_files
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
@@ -196,7 +196,7 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
     """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
     output (threshold 1.0, or 0.0 for entropy), which is always run first."""
-    from .core.policy import ar_threshold, is_ar_mode, may_decode
+    from .core.decode.rules import ar_threshold, is_ar_mode, may_decode
     from .core.tokens import encode_prompt
 
     metric = metric_for(em.mars, settings.metric)
@@ -275,7 +275,7 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
     The baseline gets the NLL only; each model's NLL is compared with it.
     """
-    from .core.policy import check_threshold
+    from .core.decode.rules import check_threshold
 
     s = settings or EvalSettings()
     if data is None and prompts is None and not s.humaneval:

@@ -13,8 +13,8 @@ from pathlib import Path
 from .backends import base
 from .core.config import GATED_FUSE_REFUSED, ConfigError, has_config, read_config
 from .core.files import OutputError, check_output, restore_swapped_dir
-from .core.policy import DEFAULT_METRIC, ThresholdError, check_threshold
-from .core.training import CHECKPOINT, TrainSettings, process_rank
+from .core.decode.rules import DEFAULT_METRIC, ThresholdError, check_threshold
+from .core.train.loop import CHECKPOINT, TrainSettings, process_rank
 
 
 # The most tokens of training data `finetune` keeps as the checkpoint's draft corpus (about
@@ -42,12 +42,12 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     the adapter's block size, any other the default. `default_threshold` and `default_mode` are
     written to mars.json: how decoding runs the checkpoint when asked for no threshold. `fuse`
     (LoRA) writes the adapter fused into a full model. `draft_corpus` also writes the training
-    split as the checkpoint's draft corpus (mars.core.corpus, at most CORPUS_TOKENS tokens),
+    split as the checkpoint's draft corpus (mars.core.decode.drafts.corpus, at most CORPUS_TOKENS tokens),
     which lossless decoding drafts from. Returns the trainer's result ("steps", "seconds",
     "history") with "output" and "main" (False in the processes other than rank 0 of a run
     launched by torchrun, accelerate launch or mlx.launch: they write and announce nothing)."""
     from .backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
-    from .core.data import find_split_file, load_split
+    from .core.train.data import find_split_file, load_split
     from .default_model import model_ref
 
     name = base.resolve(backend)
@@ -116,7 +116,7 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     mars.default_mode = default_mode
     trainer.save(loaded.tokenizer, model_ref(base_path), fuse=fuse)
     if draft_corpus and main:
-        from .core import corpus
+        from .core.decode.drafts import corpus
 
         built = corpus.from_data(data, tokenizer, announce=announce, max_tokens=CORPUS_TOKENS)
         built.save(output / corpus.FILE)

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from .core.data import DataError
+from .core.train.data import DataError
 
 
 class RawText(str):

@@ -2,7 +2,7 @@
 eval and bench share.
 
 `Session` loads a model through the backend contract (mars.backends.base), makes its
-decoder, takes the plan of a request from its checkpoint plus what was asked (mars.core.plan), keeps the per-forward cost curve and the cost-aware feed policies of its
+decoder, takes the plan of a request from its checkpoint plus what was asked (mars.core.decode.plan), keeps the per-forward cost curve and the cost-aware feed policies of its
 lossless runs, and decodes prompts in batches (`decode_batches`).
 """
 
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from .backends import base
-from .core.decoding import DecodeSettings, DecodeStats, generate
+from .core.decode.loop import DecodeSettings, DecodeStats, generate
 from .core.tokens import encode_prompt
 
 
@@ -79,7 +79,7 @@ class Session:
 
     def plan(self, **asked) -> DecodeSettings:
         """The plan a request decodes by: the checkpoint's defaults plus `asked`
-        (mars.core.plan.decode_plan)."""
+        (mars.core.decode.plan.decode_plan)."""
         return base.decode_plan(self.loaded, **asked)
 
     def cost_for(self, settings: DecodeSettings, batch: int = 1):
@@ -89,7 +89,7 @@ class Session:
         faster; sampled decoding, on the window cache, the masks alone; each block size keeps
         one policy for greedy and one for sampled decoding, which learn across calls); threshold
         mode below AR mode, the cost curves themselves (each call then picks the masks it
-        feeds per step with a policy of its own, mars.core.cost.ThresholdFeed). The
+        feeds per step with a policy of its own, mars.core.decode.cost.ThresholdFeed). The
         per-forward cost curve is measured once per device (mars.backends.base.cost_curve),
         and with `batch` > 1 the curves of smaller and equal batches too."""
         if settings.feed != "auto":
@@ -97,7 +97,7 @@ class Session:
         threshold_mode = not settings.lossless and settings.masks_per_step > 0
         if not (threshold_mode or (settings.lossless and settings.hedge is None)):
             return None
-        from .core.cost import FeedPolicy
+        from .core.decode.cost import FeedPolicy
 
         if threshold_mode:
             # Curves of their own, as stored: lossless decoding refreshes its copy from the
@@ -129,6 +129,6 @@ class Session:
         return decode_batches(self.decoder, ids, settings, batch_size, cost=self.cost_for(settings))
 
     def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
-        """One batch through the decoding loop (mars.core.decoding.generate), with the cost-aware
+        """One batch through the decoding loop (mars.core.decode.loop.generate), with the cost-aware
         feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
         return generate(self.decoder, ids, settings, cost=self.cost_for(settings), **kwargs)

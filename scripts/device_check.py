@@ -22,9 +22,9 @@ from tiny import make_model, make_tokenizer  # noqa: E402
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load  # noqa: E402
 from mars.backends.torch.train import TorchTrainer  # noqa: E402
-from mars.core.training import TrainSettings  # noqa: E402
-from mars.core.data import Example, encode_record, pad_to_block  # noqa: E402
-from mars.core.decoding import DecodeSettings, generate  # noqa: E402
+from mars.core.train.loop import TrainSettings  # noqa: E402
+from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402
+from mars.core.decode.loop import DecodeSettings, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]

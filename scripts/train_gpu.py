@@ -337,8 +337,8 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
 
     from mars.backends import base
     from mars.backends.paths import load_tokenizer
-    from mars.core.data import DataError, batches, load_split
-    from mars.core.training import TRAINING_LOG, TrainSettings, write_history
+    from mars.core.train.data import DataError, batches, load_split
+    from mars.core.train.loop import TRAINING_LOG, TrainSettings, write_history
     from mars.default_model import model_ref
     from mars.finetune import read_init_adapter
 

@@ -12,9 +12,9 @@ from tiny import make_tokenizer
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load
 from mars.backends.torch.train import TorchTrainer
-from mars.core.data import Example, encode_record, pad_to_block
-from mars.core.decoding import DecodeSettings, Sampling, generate
-from mars.core.training import TrainSettings
+from mars.core.train.data import Example, encode_record, pad_to_block
+from mars.core.decode.loop import DecodeSettings, Sampling, generate
+from mars.core.train.loop import TrainSettings
 
 QUIET = {"announce": lambda m: None}
 IDS = [1, 30, 12, 7, 44, 9, 60, 5, 18, 71, 26, 33, 40, 13, 55, 21]

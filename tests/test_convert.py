@@ -224,7 +224,7 @@ def test_mlx_adapter_to_peft_logits(tmp_path):
 
 @pytest.mark.parametrize("to", ["hf", "mlx"])
 def test_fuse(tmp_path, to):
-    from mars.core import corpus
+    from mars.core.decode.drafts import corpus
 
     base = save_hf(tmp_path / "hf", "llama")
     (tmp_path / "hf" / "README.md").write_text("the base model's own card")

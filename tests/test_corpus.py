@@ -1,4 +1,4 @@
-"""Corpus drafts (mars.core.corpus): lookup in the model's own earlier replies, the file that
+"""Corpus drafts (mars.core.decode.drafts.corpus): lookup in the model's own earlier replies, the file that
 keeps them beside a checkpoint, `mars corpus`, and lossless decoding that drafts from them
 with its output unchanged."""
 
@@ -15,10 +15,10 @@ import torch
 from clitools import invoke, ok, one_line_error
 from mars.backends import base
 from mars.backends.torch.model import TorchDecoder, TorchModel
-from mars.core import corpus as corpus_drafts
-from mars.core.corpus import CorpusError, DraftCorpus
-from mars.core.cost import CostCurve, FeedPolicy
-from mars.core.decoding import generate
+from mars.core.decode.drafts import corpus as corpus_drafts
+from mars.core.decode.drafts.corpus import CorpusError, DraftCorpus
+from mars.core.decode.cost import CostCurve, FeedPolicy
+from mars.core.decode.loop import generate
 from test_cost import EOS, OracleBackend, oracle, settings
 from tiny import PROMPTS, make_model, make_tokenizer
 

@@ -1,4 +1,4 @@
-"""Cost-aware lossless decoding (mars.core.cost), n-gram drafts (mars.core.ngram) and the
+"""Cost-aware lossless decoding (mars.core.decode.cost), n-gram drafts (mars.core.decode.drafts.ngram) and the
 cache width of lossless window decoding.
 
 The feed-width tests run the real decoding loop on a fake backend: an "oracle" text where
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
-from mars.core import ngram
-from mars.core.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.decode.drafts import ngram
+from mars.core.decode.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
+from mars.core.decode.loop import DecodeSettings, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
 MASK, EOS = 3, 2
@@ -504,7 +504,7 @@ def test_block_lossless_with_a_finished_row_still_in_the_batch(good):
 def test_draft_totals_sum_rows_whose_slot_lists_differ_in_length():
     """At batch > 1 a row whose n-gram drafts outnumbered the masks counts more draft slots
     than the others; the totals pad the shorter lists instead of failing."""
-    from mars.core.decode_types import DecodeStats, RowStats, sum_ragged
+    from mars.core.decode.types import DecodeStats, RowStats, sum_ragged
 
     long = RowStats(accepted_per_slot=[5, 3, 2, 1, 1, 1, 1], drafted_per_slot=[4, 4, 4, 4, 2, 2], verified_per_slot=[4, 4, 3, 3, 2, 2],
                     kept_per_slot=[3, 2, 1, 1, 1, 1])
@@ -617,8 +617,8 @@ def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
 
 def test_a_batch_decides_its_drafts_together():
     """A step is as wide as its widest row: one row's draft widens it for all 8 rows and
-    does not pay alone, the 8 rows' drafts together do (mars.core.drafting)."""
-    from mars.core.drafting import Drafting
+    does not pay alone, the 8 rows' drafts together do (mars.core.decode.drafting)."""
+    from mars.core.decode.drafting import Drafting
 
     s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
     # 8 rows: 16 tokens (1 mask a row, no drafts) cost 1.0, 24 (a draft a row) 1.3
@@ -684,7 +684,7 @@ def test_calibration_keeps_each_widths_fastest_round_and_times_more_when_noisy()
     """Load only adds time: each width keeps its fastest round; rounds that disagree much
     (a busy machine) make calibration time as many rounds again; before the rounds it says
     about how long they take."""
-    from mars.core import cost
+    from mars.core.decode import cost
 
     class Clocked:
         """A backend whose forward of k tokens takes k ms, plus 5 ms on two calls of every three when `busy`."""

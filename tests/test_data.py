@@ -1,4 +1,4 @@
-"""mars.core.data: JSONL shapes, labels, block padding, length limits, batching."""
+"""mars.core.train.data: JSONL shapes, labels, block padding, length limits, batching."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mars.core.data import (
+from mars.core.train.data import (
     IGNORE,
     DataError,
     Example,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, load
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.decode.loop import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
 from mars.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from mars.cli.main import cli
-from mars.core.data import IGNORE, DataError, load_split
+from mars.core.train.data import IGNORE, DataError, load_split
 from tiny import make_tokenizer, save_model
 
 PROMPTS = [
@@ -39,7 +39,7 @@ def model(tmp_path_factory):
 
 def greedy(model_dir, conversation, max_tokens):
     """Reference: the reply plain greedy decoding gives, one conversation alone."""
-    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.decode.loop import DecodeSettings, generate
     from mars.core.tokens import encode_prompt
     from mars.evaluate import load_model
 

@@ -11,7 +11,7 @@ from tiny import save_model
 from mars import evaluate as ev
 from mars.cli.evaluate import evaluate_command
 from mars.core.config import MarsConfig, write_config
-from mars.core.data import IGNORE, DataError
+from mars.core.train.data import IGNORE, DataError
 
 RECORDS = [
     {"messages": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How are you?"}]},
@@ -234,7 +234,7 @@ def test_verified_rows_follow_their_thresholds(paths, tmp_path):
                                                             ("verified", 0.5), ("verified", 0.0)]
     # Each verified row is what generate gives in verified threshold mode at its threshold (fixed feed, masks only).
     from mars.backends import base
-    from mars.core.decoding import generate
+    from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
 
     prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
@@ -283,8 +283,8 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     import shutil
 
     from mars.backends import base
-    from mars.core import corpus
-    from mars.core.decoding import generate
+    from mars.core.decode.drafts import corpus
+    from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
 
     model = tmp_path / "mars"

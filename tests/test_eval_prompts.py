@@ -8,7 +8,7 @@ import pytest
 
 from clitools import invoke, ok, write_jsonl
 from mars import evaluate
-from mars.core.data import DataError
+from mars.core.train.data import DataError
 from mars.prompts import RawText, read_prompts
 
 RECORDS = [{"text": "abc abc abc"}, {"prompt": "Spell from a"}, {"messages": [{"role": "user", "content": "Hi"}]}]

@@ -144,7 +144,7 @@ def _decoder(pack: bool = True):
 
 
 def test_a_step_with_holes_reads_what_the_full_step_reads():
-    from mars.core.plan import Sampling
+    from mars.core.decode.plan import Sampling
 
     dec, vocab = _decoder()
     assert dec.skips_holes
@@ -174,7 +174,7 @@ def test_a_step_with_holes_reads_what_the_full_step_reads():
 
 
 def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
-    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.decode.loop import DecodeSettings, generate
 
     dec, vocab = _decoder()
     rng = np.random.default_rng(1)
@@ -246,7 +246,7 @@ def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, 
 
 
 def test_lossless_decoding_is_ar_with_small_products_on_f_linear():
-    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.decode.loop import DecodeSettings, generate
 
     dec, vocab = _decoder()
     packed.use_linear_rows(dec.tm.model, [2, 3])
@@ -334,7 +334,7 @@ def test_the_growing_cache_holds_what_the_concatenating_one_holds():
 def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(monkeypatch):
     from transformers import DynamicCache
 
-    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.decode.loop import DecodeSettings, generate
 
     dec, vocab = _decoder()
     rng = np.random.default_rng(2)

@@ -8,8 +8,8 @@ import stat
 import pytest
 
 from clitools import invoke, ok, spell_records, write_jsonl
-from mars.core import training
-from mars.core.training import TrainSettings, validation_losses
+from mars.core.train import loop as training
+from mars.core.train.loop import TrainSettings, validation_losses
 
 BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(
     __import__("importlib").util.find_spec("mlx") is None, reason="mlx is not installed"))]

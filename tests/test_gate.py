@@ -12,7 +12,7 @@ import torch
 from clitools import invoke, ok, one_line_error
 from mars.backends.torch.model import TorchDecoder
 from mars.backends.torch.model import load as torch_load
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.decode.loop import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
 
 PROMPTS = ["Spell from c", "Spell from k", "hello there"]
@@ -164,7 +164,7 @@ def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path)
 
 
 def _batch(tok):
-    from mars.core.data import encode_record, pad_to_block
+    from mars.core.train.data import encode_record, pad_to_block
 
     rows = [encode_record({"prompt": "Spell from c", "completion": "c d e f g"}, tok, eos_id=tok.eos_token_id),
             encode_record({"prompt": "hi", "completion": "hello there, friend"}, tok, eos_id=tok.eos_token_id)]

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from mars.convert import ConvertError, convert_model
 from mars.core.acceptance import THRESHOLD_RANGES, ThresholdError, check_threshold
 from mars.core.config import ConfigError, MarsConfig
-from mars.core.decoding import DecodeSettings
+from mars.core.decode.loop import DecodeSettings
 from clitools import invoke, ok, one_line_error
 
 

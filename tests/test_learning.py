@@ -3,7 +3,7 @@
 import pytest
 
 from mars.backends.torch.model import TorchDecoder
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.decode.loop import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
 from tiny import load_script, spell_records, train_spelling
 
@@ -59,7 +59,7 @@ def test_slot_precision_reads_the_decoding_window(trained):
     import numpy as np
     import torch
 
-    from mars.core.data import Example, encode_record, pad_to_block
+    from mars.core.train.data import Example, encode_record, pad_to_block
     from mars.evaluate import EvalModel, response_labels
 
     tm, mars, _ = trained

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
-from mars.core.decoding import DecodeSettings, Row, Sampling, WindowStrategy, feed_mask, generate
+from mars.core.decode.loop import DecodeSettings, Row, Sampling, WindowStrategy, feed_mask, generate
 from tiny import PROMPTS, make_model, make_tokenizer
 
 MASK, EOS = 3, 2
@@ -175,7 +175,7 @@ def test_an_alternative_group_sees_only_what_precedes_it(tm, tok, cached):
 
 
 def test_runners_up_are_the_next_most_likely_ids(tm, tok):
-    from mars.core.decode_types import runners_up_of
+    from mars.core.decode.types import runners_up_of
 
     dec = TorchDecoder(tm)
     p = prompts_of(tok, PROMPTS[:1])[0]
@@ -320,7 +320,7 @@ def test_lossless_sampling_with_the_cost_aware_feed_matches_ar_sampling(sampler,
     """Sampled lossless decoding with a cost curve chooses per step how many masks to feed
     (and how many drafts to verify); a flat curve feeds them, a steep one mostly feeds none
     (AR's feed, with probes). Either way the samples follow AR sampling's distribution."""
-    from mars.core.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve, FeedPolicy
 
     tm, prompt, expected = sampler
     n = 4000

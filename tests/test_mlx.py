@@ -16,7 +16,7 @@ from mars.backends.mlx.model import slot_predictions as mlx_slots  # noqa: E402
 from mars.backends.torch.model import MarsLoss, TorchDecoder, loss_inputs  # noqa: E402
 from mars.backends.torch.model import load as torch_load  # noqa: E402
 from mars.core.acceptance import confidence_from_logits  # noqa: E402
-from mars.core.decoding import DecodeSettings, Sampling, generate  # noqa: E402
+from mars.core.decode.loop import DecodeSettings, Sampling, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 from tiny import save_model  # noqa: E402
 
@@ -233,7 +233,7 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     where the backend draws no proposals), a few probe with masks."""
     from collections import Counter
 
-    from mars.core.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve, FeedPolicy
 
     from test_lossless import N_TOKENS, chi_square_p, exact_distribution
 
@@ -261,7 +261,7 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
 
 @pytest.mark.parametrize("curve", [{1: 1.0, 64: 1.0}, {1: 1.0, 64: 64.0}, {1: 1.0, 4: 1.2, 16: 2.0}])
 def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curve):
-    from mars.core.cost import CostCurve
+    from mars.core.decode.cost import CostCurve
 
     m, t = pair
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
@@ -276,8 +276,8 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
 
 
 def test_lossless_with_corpus_drafts_is_ar_on_both_backends(pair):
-    from mars.core.corpus import DraftCorpus
-    from mars.core.cost import CostCurve
+    from mars.core.decode.drafts.corpus import DraftCorpus
+    from mars.core.decode.cost import CostCurve
 
     m, t = pair
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]

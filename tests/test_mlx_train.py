@@ -22,10 +22,10 @@ from mars.backends.mlx.model import (
     load,
 )
 from mars.backends.mlx.train import MlxTrainer
-from mars.core.data import Example, encode_record, pad_to_block
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.train.data import Example, encode_record, pad_to_block
+from mars.core.decode.loop import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
-from mars.core.training import CHECKPOINT, TrainSettings
+from mars.core.train.loop import CHECKPOINT, TrainSettings
 
 QUIET = {"announce": lambda m: None}
 

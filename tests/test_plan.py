@@ -1,4 +1,4 @@
-"""One plan everywhere (mars.core.plan): a request's mode is resolved by one function and
+"""One plan everywhere (mars.core.decode.plan): a request's mode is resolved by one function and
 named once, and every entry point (generate, chat, the server, bench) decodes a checkpoint's
 default mode the same way, with the same text and the same mode name."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from clitools import invoke, ok
 from mars.core.config import MarsConfig, write_config
-from mars.core.plan import DecodeSettings, Mode, decode_plan
+from mars.core.decode.plan import DecodeSettings, Mode, decode_plan
 from tiny import make_tokenizer, save_model
 
 pytest.importorskip("starlette")
@@ -48,7 +48,7 @@ def test_one_function_resolves_the_mode_and_names_it(mars, asked, mode, name):
 
 
 def test_sampling_and_verify_where_it_cannot_apply():
-    from mars.core.plan import Sampling
+    from mars.core.decode.plan import Sampling
 
     sampled = decode_plan(mask_config(default_threshold=0.8), mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
     assert sampled.mode is Mode.THRESHOLD and sampled.not_verified  # a sampled draft's check needs its distribution
@@ -125,7 +125,7 @@ def flat_costs(monkeypatch, tmp_path):
     """Cost curves kept in a fresh cache directory, measured as a device whose forward costs
     the same at any width would measure them (a GPU's regime): the cost-aware feed then feeds
     the masks, so the default mode's text depends on the curves every entry point reads."""
-    from mars.core import cost
+    from mars.core.decode import cost
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(cost, "calibrate", lambda backend, prompt, *, widths=cost.CALIBRATION_WIDTHS, batch=1, **kw:

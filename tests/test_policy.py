@@ -1,4 +1,4 @@
-"""The decoding policy (mars.core.policy), the prompt reader (mars.prompts), the backend
+"""The decoding policy (mars.core.decode.rules), the prompt reader (mars.prompts), the backend
 contract (mars.backends.base) and the library entry points (mars.session, mars.finetune)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 
 from mars.core.config import MarsConfig
-from mars.core.data import DataError
-from mars.core.policy import (
+from mars.core.train.data import DataError
+from mars.core.decode.rules import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_METRIC,
     UntrainedModelError,
@@ -22,7 +22,7 @@ from mars.core.policy import (
     metric_for,
     strict_and_loose,
 )
-from mars.core.plan import decode_plan
+from mars.core.decode.plan import decode_plan
 from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model
 
@@ -133,7 +133,7 @@ def test_the_backend_contract(plain, name):
     import numpy as np
 
     from mars.backends import base
-    from mars.core.data import Example, batches, encode_record, pad_to_block
+    from mars.core.train.data import Example, batches, encode_record, pad_to_block
 
     if name == "mlx":
         pytest.importorskip("mlx_lm")
@@ -153,9 +153,9 @@ def test_the_backend_contract(plain, name):
     assert np.isfinite(noisy) and np.isfinite(clean)
     s = base.decode_plan(loaded, max_tokens=3)
     assert s.threshold == 1.0 and s.mask_id == base.mask_id_for(loaded) and s.eos_ids == loaded.eos_ids
-    # The step protocol (mars.core.decode_types.StepBackend): a forward on a cache equals the
+    # The step protocol (mars.core.decode.types.StepBackend): a forward on a cache equals the
     # same forward without one, a crop undoes what a step added, a row kept is that row.
-    from mars.core.plan import Sampling
+    from mars.core.decode.plan import Sampling
     from mars.core.tokens import encode_prompt
 
     greedy = Sampling()
@@ -199,7 +199,7 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
     refreshed copy never reaches: one session gives the same text call after call."""
     from dataclasses import replace
 
-    from mars.core.cost import BatchCosts, FeedPolicy
+    from mars.core.decode.cost import BatchCosts, FeedPolicy
     from mars.session import Session
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the curves are measured and kept here

@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from mars.backends.torch.model import TorchDecoder, TorchModel  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
-from mars.core.decoding import ContinuousBatch, DecodeSettings, generate  # noqa: E402
+from mars.core.decode.loop import ContinuousBatch, DecodeSettings, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
 from mars.serve.api import TextStream  # noqa: E402
@@ -238,7 +238,7 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     beside the others' drafts and masks), leave when done or removed, and each takes exactly
     its greedy AR tokens; with a cost curve the feed is chosen per step. Dead keys of rows
     that left are dropped."""
-    from mars.core.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve, FeedPolicy
 
     prompts = [encode_prompt(tok, p) for p in PROMPTS] * 2
     s = decode_settings(tm, threshold=1.0, max_tokens=20, lossless=True, cache="window", ngram=8)

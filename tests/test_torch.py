@@ -11,7 +11,7 @@ import torch
 
 from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, slot_predictions
 from mars.core.acceptance import confidence_from_logits
-from mars.core.decoding import DecodeSettings, Sampling, generate
+from mars.core.decode.loop import DecodeSettings, Sampling, generate
 from mars.core.loss import IGNORE
 from mars.core.masks import training_inputs
 from tiny import make_model, make_tokenizer
@@ -348,7 +348,7 @@ def test_decoding_is_the_same_when_every_step_packs_its_results(tm, tok, monkeyp
     """The packed copy a device makes, forced here on the CPU: AR, threshold mode with its
     confidences, lossless with runners-up and lossless sampling decode the same tokens."""
     import mars.backends.torch.model as torch_model
-    from mars.core.plan import Sampling
+    from mars.core.decode.plan import Sampling
 
     prompts = prompts_of(tok, PROMPTS)
     plans = [settings(threshold=1.0), settings(threshold=0.3), settings(lossless=True, alternatives=2, ngram=4),

@@ -5,8 +5,8 @@ import torch
 
 from mars.backends.torch.model import TorchModel, ensure_mask_token
 from mars.backends.torch.train import TorchTrainer
-from mars.core.training import TrainSettings, lr_lambda
-from mars.core.data import Example, encode_record, pad_to_block
+from mars.core.train.loop import TrainSettings, lr_lambda
+from mars.core.train.data import Example, encode_record, pad_to_block
 from tiny import make_model, make_tokenizer
 
 RECORDS = [
@@ -56,7 +56,7 @@ def test_warmup_then_cosine():
 
 def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
     from mars.backends.torch.model import TorchDecoder, load
-    from mars.core.decoding import DecodeSettings, generate
+    from mars.core.decode.loop import DecodeSettings, generate
     from mars.core.tokens import encode_prompt
     from tiny import save_model
 

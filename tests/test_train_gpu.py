@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from clitools import invoke, ok
 from mars.backends.torch.model import load as torch_load
 from mars.backends.torch.train import TorchTrainer
-from mars.core.data import Example, batches, encode_record, pad_to_block
-from mars.core.training import TrainSettings
+from mars.core.train.data import Example, batches, encode_record, pad_to_block
+from mars.core.train.loop import TrainSettings
 from tiny import load_script, spell_records, train_spelling
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
-from mars.core.cost import BatchCosts, CostCurve
-from mars.core.decoding import DecodeSettings, Sampling, generate
+from mars.core.decode.cost import BatchCosts, CostCurve
+from mars.core.decode.loop import DecodeSettings, Sampling, generate
 from test_cost import PROMPT, ConfidentOracle, OracleBackend, RunnerUpBackend, fixed, oracle
 from test_lossless import EOS, MASK, prompts_of
 from tiny import PROMPTS, make_model, make_tokenizer

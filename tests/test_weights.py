@@ -11,7 +11,7 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, load
 from mars.core.config import read_config
-from mars.core.decoding import DecodeSettings, generate
+from mars.core.decode.loop import DecodeSettings, generate
 from mars.core.tokens import encode_prompt
 from mars.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weights
 from mars.evaluate import common_prefix
@@ -94,7 +94,7 @@ def test_the_shipped_corpus_is_the_distilled_training_data_and_keeps_the_output(
     # weights/draft_corpus.npz is `mars corpus --data data/distilled --output weights`: the
     # training conversations, encoded as training reads them, and nothing held out.
     from mars.backends import base
-    from mars.core.corpus import DraftCorpus, from_data
+    from mars.core.decode.drafts.corpus import DraftCorpus, from_data
 
     book = base.draft_corpus(shipped)
     assert book is not None and book.tokens.tolist() == DraftCorpus.load(WEIGHTS_DIR / "draft_corpus.npz").tokens.tolist()

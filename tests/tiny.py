@@ -107,8 +107,8 @@ def train_spelling(out_dir, *, steps: int = 150):
 
     from mars.backends.torch.model import TorchModel, ensure_mask_token
     from mars.backends.torch.train import TorchTrainer
-    from mars.core.data import Example, encode_record, pad_to_block
-    from mars.core.training import TrainSettings
+    from mars.core.train.data import Example, encode_record, pad_to_block
+    from mars.core.train.loop import TrainSettings
 
     tok = make_tokenizer()
     model = make_model("llama", len(tok), seed=0, scale=0.1)

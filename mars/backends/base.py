@@ -9,7 +9,7 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
   `.vocab_rows`, `.context_length` (the position limit, or None), `.device` and `.backend`
   (its backend's name);
 - `decoder(loaded)` / `decoder_class(name)`: the decoding step, a StepBackend (defined with
-  the loop in mars.core.decoding: `new_cache`, `crop`, `keep_rows`, `step`, `speculate`,
+  the loop in mars.core.decode.loop: `new_cache`, `crop`, `keep_rows`, `step`, `speculate`,
   `cost_key`, and `keep_keys(cache, columns)` for the server's batch); `loader(name)` gives
   `(load, decoder class)` together;
 - `trainer(name)`: the trainer class, `Trainer(loaded, mars, TrainSettings, output)` with
@@ -17,7 +17,7 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
   fuse=...)`; `ensure_mask_token(loaded, mars, ...)` readies the mask token before training;
 - `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
 - `context_length(loaded)`, `mask_id_for(loaded)`, `decode_plan(loaded, ...)` (the
-  plan of mars.core.plan for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
+  plan of mars.core.decode.plan for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 import importlib
 import platform
 
-from ..core import policy
-from ..core.decoding import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
+from ..core.decode import rules as policy
+from ..core.decode.loop import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
 
 BACKENDS = ("torch", "mlx")
 
@@ -126,10 +126,10 @@ def mask_id_for(loaded) -> int:
 
 
 def decode_plan(loaded, **asked):
-    """mars.core.plan.decode_plan for a loaded model: its checkpoint, mask token, EOS ids and
+    """mars.core.decode.plan.decode_plan for a loaded model: its checkpoint, mask token, EOS ids and
     draft corpus, plus what was asked (threshold, lossless, verify, metric, block size, force,
     other fields)."""
-    from ..core.plan import decode_plan as plan_for
+    from ..core.decode.plan import decode_plan as plan_for
 
     if "corpus" not in asked:
         asked["corpus"] = draft_corpus(loaded)
@@ -137,9 +137,9 @@ def decode_plan(loaded, **asked):
 
 
 def draft_corpus(loaded):
-    """The draft corpus kept beside the loaded checkpoint (mars.core.corpus.FILE), or None;
+    """The draft corpus kept beside the loaded checkpoint (mars.core.decode.drafts.corpus.FILE), or None;
     read once per loaded model."""
-    from ..core.corpus import beside
+    from ..core.decode.drafts.corpus import beside
 
     if not hasattr(loaded, "_draft_corpus"):
         object.__setattr__(loaded, "_draft_corpus", beside(getattr(loaded, "path", None) or None))
@@ -147,10 +147,10 @@ def draft_corpus(loaded):
 
 
 def costs(loaded, decoder, *, announce=None, remeasure: bool = False):
-    """The decoder's per-forward costs for the cost-aware policy (mars.core.cost.BatchCosts):
+    """The decoder's per-forward costs for the cost-aware policy (mars.core.decode.cost.BatchCosts):
     the one-row curve now, a batch's curve when a batch of that size first decodes.
     `remeasure`: measure them again rather than read the kept ones."""
-    from ..core.cost import BatchCosts
+    from ..core.decode.cost import BatchCosts
 
     return BatchCosts(cost_curve(loaded, decoder, announce=announce, remeasure=remeasure),
                       measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch, remeasure=remeasure))
@@ -160,13 +160,13 @@ REMEASURE_HINT = "--remeasure-cost measures it again"
 
 
 def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: bool = False):
-    """The decoder's per-forward cost curve (mars.core.cost) for forwards of `batch` rows:
+    """The decoder's per-forward cost curve (mars.core.decode.cost) for forwards of `batch` rows:
     measured once per model, device, dtype, thread count, backend version and batch size
     and kept under the cache directory (`MARS_HOME`, default ~/.cache/mars/cost), then
     loaded; measured again where the kept one is not non-decreasing, or with `remeasure`.
     `announce` hears, before a measurement, what it is, about how long it takes and where
     its result is kept. The decoding loop refreshes its copy from the forwards it times."""
-    from ..core.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
+    from ..core.decode.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
     from ..default_model import keyed_cache_file
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"

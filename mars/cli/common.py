@@ -65,7 +65,7 @@ def as_flags(text: str) -> str:
 def error_line(error: Exception) -> str:
     """An error as one line, naming flags where the library names settings; refusing to decode
     an untrained model below AR mode adds how to insist."""
-    from ..core.policy import UntrainedModelError
+    from ..core.decode.rules import UntrainedModelError
 
     text = as_flags(str(error).splitlines()[0]) if str(error) else type(error).__name__
     untrained = isinstance(error, UntrainedModelError) or isinstance(error.__cause__, UntrainedModelError)
@@ -81,10 +81,10 @@ def friendly_errors(fn):
         from ..backends.paths import ModelError
         from ..convert import ConvertError
         from ..core.config import ConfigError
-        from ..core.corpus import CorpusError
-        from ..core.data import DataError
+        from ..core.decode.drafts.corpus import CorpusError
+        from ..core.train.data import DataError
         from ..core.files import OutputError
-        from ..core.policy import ThresholdError, UntrainedModelError
+        from ..core.decode.rules import ThresholdError, UntrainedModelError
         from ..default_model import DefaultModelError
 
         known = (BackendUnavailable, ConfigError, ConvertError, CorpusError, DataError, DefaultModelError, FileNotFoundError, ModelError,
@@ -143,8 +143,8 @@ def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bo
 
 
 def decode_options(f):
-    from ..core.plan import FEEDS, DecodeSettings, Sampling
-    from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
+    from ..core.decode.plan import FEEDS, DecodeSettings, Sampling
+    from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     d, s = defaults(DecodeSettings), defaults(Sampling)
     f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
@@ -192,11 +192,11 @@ def decode_options(f):
 
 def decode_plan(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
                 lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
-    """The plan the decoding options ask for on the session's model (mars.core.plan), with a
+    """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
-    from ..core.corpus import DraftCorpus
-    from ..core.plan import Sampling
-    from ..core.policy import check_threshold, metric_for
+    from ..core.decode.drafts.corpus import DraftCorpus
+    from ..core.decode.plan import Sampling
+    from ..core.decode.rules import check_threshold, metric_for
 
     drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
     if corpus is not None:

@@ -21,7 +21,7 @@ def corpus_command(data, model, output):
     """Build a draft corpus: lossless decoding (with --ngram > 0) also drafts what these replies
     say comes next, verified like every draft, so the output stays AR's."""
     from ..backends.paths import load_tokenizer, resolve_model_path, tokenizer_path
-    from ..core.corpus import FILE, CorpusError, from_data
+    from ..core.decode.drafts.corpus import FILE, CorpusError, from_data
 
     if output.suffix != ".npz":
         if not output.is_dir():

@@ -81,7 +81,7 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
                      plot_x, dtype, device, backend):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
     from .. import evaluate as ev
-    from ..core.data import read_jsonl
+    from ..core.train.data import read_jsonl
     from ..prompts import read_prompts
 
     if data is None and prompt_file is None and not humaneval:

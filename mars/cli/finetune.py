@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..core.config import GATES, MODES
-from ..core.training import CHECKPOINT, TrainingInterrupted, TrainSettings
+from ..core.train.loop import CHECKPOINT, TrainingInterrupted, TrainSettings
 from ..finetune import FinetuneError, finetune
 from .common import Finite, as_flags, backend_option, defaults, device_options, friendly_errors, quiet_libraries, say
 from .interrupt import Interrupted, rerun_command

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..core.decode_types import masks_share
+from ..core.decode.types import masks_share
 from .common import backend_option, decode_options, decode_plan, friendly_errors, model_options, open_session
 
 
@@ -30,7 +30,7 @@ from .common import backend_option, decode_options, decode_plan, friendly_errors
 @friendly_errors
 def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
     """Generate replies; prints the text and tokens per forward."""
-    from ..core.policy import ar_threshold
+    from ..core.decode.rules import ar_threshold
     from ..prompts import read_prompts
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
@@ -212,7 +212,7 @@ a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
 
 def chat_command_line(line: str, settings, session, *, force: bool) -> None:
     """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends text to the model."""
-    from ..core.policy import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
+    from ..core.decode.rules import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
 
     parts = line.split()
     command = parts[0]

@@ -7,7 +7,7 @@ import shlex
 from pathlib import Path
 
 from ..core.config import MarsConfig
-from ..core.training import TRAINING_LOG
+from ..core.train.loop import TRAINING_LOG
 
 _MARS_FIELDS = {
     "block_size": "masks per block (tokens a forward may add beyond the first)",

@@ -274,7 +274,7 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
 def _carry_fused(src: Path, adapter: Path, d: Path, output: Path) -> None:
     """What a fused model needs to decode as the adapter did (its draft corpus; mars.json came
     with the tokenizer files), and a model card in place of the base's."""
-    from ..core import corpus
+    from ..core.decode.drafts import corpus
     from ..core.config import has_config
     from ..core.config import read_config as read_mars
     from ..default_model import model_ref

@@ -10,7 +10,7 @@ Needs the `serve` extra (starlette, uvicorn); mars.core stays free of it.
 
 from __future__ import annotations
 
-from ..core.policy import checkpoint_mode
+from ..core.decode.rules import checkpoint_mode
 from .api import ServeLimits
 from .engine import Engine, EngineLimits, ServedModel
 from .policy import PolicySettings, ThresholdPolicy

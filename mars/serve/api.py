@@ -16,8 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.decoding import Sampling
-from ..core.policy import ThresholdError, UntrainedModelError, check_threshold
+from ..core.decode.loop import Sampling
+from ..core.decode.rules import ThresholdError, UntrainedModelError, check_threshold
 from ..core.tokens import encode_prompt
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
@@ -338,7 +338,7 @@ def new_id(chat: bool) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: float | None, mode: str) -> dict:
     """OpenAI's usage numbers, and this server's: tokens per forward, the loosest threshold the
-    request decoded at, and `mode`, its plan's name (mars.core.plan.DecodeSettings.name)."""
+    request decoded at, and `mode`, its plan's name (mars.core.decode.plan.DecodeSettings.name)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

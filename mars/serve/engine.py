@@ -3,14 +3,14 @@
 HTTP handlers (on the asyncio loop) submit a `Job` and read its tokens from the job's
 `Outbox`; the engine thread never waits on a handler. Requests join a batch when there is
 room (`max_batch` rows) and leave it the step they finish or are cancelled, on
-`mars.core.decoding.ContinuousBatch`, by default on the window cache: a request joins at
+`mars.core.decode.loop.ContinuousBatch`, by default on the window cache: a request joins at
 once (its prompt fed beside the other rows' tokens), a step feeds each row only what it
 needs (AR's one token when every row is at threshold 1.0), and greedy lossless requests (the
 default mode of a checkpoint whose mars.json says so) run `mars generate`'s lossless loop
 (mask, spare-group and n-gram drafts, the feed chosen per step from the device's cost curves
 by one policy that learns for the server's life), so they are as fast as in `mars generate`
 and say what greedy AR says. Each request is planned as `mars generate` plans it
-(mars.core.plan.decode_plan): a greedy request below AR mode runs verified threshold mode
+(mars.core.decode.plan.decode_plan): a greedy request below AR mode runs verified threshold mode
 unless it says `"verify": false`, deciding on the stored cost curves as `mars generate`
 does. `cache="block"` decodes on the block-level cache instead (docs/method.md §6; requests
 join at block boundaries). Rows that decode differently cannot share a forward (a backend
@@ -35,10 +35,10 @@ from typing import Any, Callable
 
 
 from ..backends import base
-from ..core.cost import FeedPolicy
-from ..core.decoding import ContinuousBatch
-from ..core.plan import DecodeSettings, Mode, Sampling
-from ..core.policy import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
+from ..core.decode.cost import FeedPolicy
+from ..core.decode.loop import ContinuousBatch
+from ..core.decode.plan import DecodeSettings, Mode, Sampling
+from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -63,7 +63,7 @@ class ServedModel:
     block_size: int
     metric: str
     aliases: tuple[str, ...] = ()
-    # (decoder, announce) -> its per-forward cost curves (mars.core.cost.BatchCosts), for the
+    # (decoder, announce) -> its per-forward cost curves (mars.core.decode.cost.BatchCosts), for the
     # cost-aware feed of greedy lossless and verified threshold requests; None: they feed a fixed width.
     costs: Callable[[Any, Callable[[str], None]], Any] | None = None
 
@@ -106,7 +106,7 @@ class Outbox:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, looser: Callable[[float, float], float] = min):
         self._loop = loop
-        self._looser = looser  # of two thresholds, the looser (mars.core.policy.looser)
+        self._looser = looser  # of two thresholds, the looser (mars.core.decode.rules.looser)
         self._lock = threading.Lock()
         self._ready = asyncio.Event()
         self._wake_due = False
@@ -157,7 +157,7 @@ class Job:
     pinned: bool = False  # the request opted out of the adaptive policy
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: bool = False
-    # The request's plan (mars.core.plan), made when it is admitted (with the threshold in force
+    # The request's plan (mars.core.decode.plan), made when it is admitted (with the threshold in force
     # then) and as its batch runs it: its mode decides the batch, its name the reply's usage.mode.
     plan: DecodeSettings | None = None
 
@@ -206,7 +206,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._batches: dict[tuple, _Batch] = {}
-        # Greedy lossless window batches' feed policy (mars.core.cost.FeedPolicy): built on the
+        # Greedy lossless window batches' feed policy (mars.core.decode.cost.FeedPolicy): built on the
         # first such request, it keeps what it learns for the server's life.
         self._feed_policy = None
         # The cost curves as measured (or read from the cache directory): verified threshold
@@ -358,7 +358,7 @@ class Engine:
         return admitted
 
     def _plan(self, job: Job) -> DecodeSettings:
-        """The job's plan (mars.core.plan.decode_plan, as every entry point makes it) at the
+        """The job's plan (mars.core.decode.plan.decode_plan, as every entry point makes it) at the
         threshold it decodes at now; a threshold-mode job that runs in the plain threshold
         batch (AR mode when admitted, or `verify` off) is planned without verification."""
         m = self.model

@@ -18,7 +18,7 @@ Per request:
   to its own threshold (else the server default).
 
 A model without mars.json was never trained to fill masks: only AR mode (or lossless decoding)
-is allowed (mars.core.policy).
+is allowed (mars.core.decode.rules).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import threading
 from dataclasses import asdict, dataclass, replace
 
 from ..core.config import MODES
-from ..core.policy import (
+from ..core.decode.rules import (
     ThresholdError,
     UntrainedModelError,
     ar_threshold,

@@ -19,8 +19,8 @@ import numpy as np
 
 from ...core.acceptance import speculative_sampling
 from ...core.config import MarsConfig, has_config, read_config
-from ...core.decode_types import runners_up_of
-from ...core.plan import Sampling
+from ...core.decode.types import runners_up_of
+from ...core.decode.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
@@ -361,7 +361,7 @@ class MlxDecoder:
         return ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up)
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
+        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
         width = drafts.shape[1]
         p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)

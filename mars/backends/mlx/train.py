@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
-from ...core.training import (
+from ...core.train.loop import (
     CHECKPOINT,
     LORA_TARGETS,
     TRAINING_LOG,

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from ...core.acceptance import speculative_sampling
 from ...core.config import MarsConfig, has_config, read_config
-from ...core.decode_types import runners_up_of
-from ...core.plan import Sampling
+from ...core.decode.types import runners_up_of
+from ...core.decode.plan import Sampling
 from ...core.loss import Alignment
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
@@ -258,7 +258,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
 
 
 class TorchDecoder:
-    """The decoding step of docs/method.md §5 for the core loop (mars.core.decoding.StepBackend).
+    """The decoding step of docs/method.md §5 for the core loop (mars.core.decode.loop.StepBackend).
 
     `pack` (default: on the CPU where oneDNN is available): the linear layers also keep
     their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
@@ -395,7 +395,7 @@ class TorchDecoder:
 
     @torch.inference_mode()
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        """Lossless sampling (mars.core.decoding.StepBackend.speculate), on the device."""
+        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read)
         gen = self.rng(sampling)
         width = drafts.shape[1]

@@ -11,7 +11,7 @@ import torch
 
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
-from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
+from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
 from ..paths import add_rope_keys, portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs
 

@@ -7,19 +7,19 @@ from typing import Protocol
 
 import numpy as np
 
-from .corpus import DraftCorpus
+from .drafts.corpus import DraftCorpus
 from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
-from .decode_types import Row
+from .types import Row
 from .plan import DecodeSettings
-from .feed import Feed, lossless_width
-from .modes import Verdict
-from .ngram import NgramLookup
+from .layout import Feed, lossless_width
+from .verify import Verdict
+from .drafts.ngram import NgramLookup
 from .strategies import WindowStrategy
 
 class LookupSource(Protocol):
     """A draft source that finds a row's drafts in what the row has seen, as vLLM's proposers
     do; the loop feeds and verifies them like the masks' own. The masks, spare groups and
-    runner-up alternatives are the model's own proposals (mars.core.modes.verify); these are
+    runner-up alternatives are the model's own proposals (mars.core.decode.verify.verify); these are
     the others. A new one is a class with `name` and `propose`, registered in
     `lookup_sources`."""
 
@@ -61,7 +61,7 @@ class Drafting:
 
     def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None, *, confident: bool = False):
         self.s = settings
-        # Verified threshold mode (mars.core.modes.take_confident): what a step feeds changes
+        # Verified threshold mode (mars.core.decode.verify.take_confident): what a step feeds changes
         # the text, so the cost curves are not refreshed from the run's timings.
         self.confident = confident
         if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.window_spare_groups):

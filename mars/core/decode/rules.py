@@ -1,5 +1,5 @@
 """The decoding policy: what a model decodes at when nothing is asked, and what it may decode at
-(docs/method.md §5, §7): the rules mars.core.plan.decode_plan applies for every entry point.
+(docs/method.md §5, §7): the rules mars.core.decode.plan.decode_plan applies for every entry point.
 
 - A checkpoint's defaults: a model without mars.json decodes with MarsConfig's block size and
   metric (`block_size_for`, `metric_for`).
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .acceptance import (
+from ..acceptance import (
     METRICS,
     ThresholdError,
     ar_threshold,
@@ -29,7 +29,7 @@ from .acceptance import (
     looser,
     strict_and_loose,
 )
-from .config import MarsConfig
+from ..config import MarsConfig
 
 __all__ = [
     "DEFAULT_ALTERNATIVES", "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
@@ -40,7 +40,7 @@ __all__ = [
 # What a model without mars.json decodes with: a checkpoint's defaults (MarsConfig's fields).
 DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size
 DEFAULT_METRIC: str = MarsConfig.metric
-# The most n-gram drafts a step of the default lossless configuration feeds (mars.core.ngram).
+# The most n-gram drafts a step of the default lossless configuration feeds (mars.core.decode.drafts.ngram).
 DEFAULT_NGRAM = 16
 # The most runners-up of a first draft a step of the default lossless configuration may feed
 # as alternative groups (DecodeSettings.alternatives; the cost-aware feed chooses how many).

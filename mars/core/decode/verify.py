@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .acceptance import accept_counts, ar_mode_rows
-from .decode_types import Row
+from ..acceptance import accept_counts, ar_mode_rows
+from .types import Row
 from .plan import DecodeSettings, Sampling
-from .feed import Feed
+from .layout import Feed
 
 
 def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:

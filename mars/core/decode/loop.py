@@ -1,9 +1,9 @@
 """The decoding loop (docs/method.md §5-6): one loop, small strategies that say what to feed and commit.
 
 Per step the strategy lays out what every row feeds on top of its committed cache
-(mars.core.strategies, described by mars.core.feed.Columns), the backend runs one forward
+(mars.core.decode.strategies, described by mars.core.decode.layout.Columns), the backend runs one forward
 and returns per-slot (id, confidence) on the host, the mode decides how many leading slots
-each row keeps (mars.core.modes), and the strategy commits: it tells the backend how far
+each row keeps (mars.core.decode.verify), and the strategy commits: it tells the backend how far
 to crop the cache.
 
 Lossless mode (docs/method.md §8) runs on the same strategies: each row also feeds, as real ids,
@@ -12,7 +12,7 @@ its masks. The outputs before the drafts are the AR predictions for them, so a d
 kept while it equals that prediction (greedy) or passes the speculative-sampling test
 (done by the backend), and one AR token always follows. Rejected drafts become holes.
 Greedy lossless window decoding also chooses its drafts and width per step
-(mars.core.drafting).
+(mars.core.decode.drafting).
 
 Rows of a batch share one cache length. Rows that fed fewer tokens than others
 leave holes: keys nobody attends (`key_valid` False), so every row sees exactly
@@ -31,12 +31,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .acceptance import ar_mode_rows, check_threshold
+from ..acceptance import ar_mode_rows, check_threshold
 from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdFeed, block_cache_pays, frozen_costs
-from .decode_types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
+from .types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
 from .drafting import Drafting
-from .feed import Columns, Feed, feed_mask
-from .modes import accept_by_threshold, count_drafts, take_confident, verify
+from .layout import Columns, Feed, feed_mask
+from .verify import accept_by_threshold, count_drafts, take_confident, verify
 from .plan import STRATEGIES, DecodeSettings, Mode, Sampling
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 
@@ -70,17 +70,17 @@ def generate(
 ) -> DecodeResult:
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 
-    `cost`, the backend's per-forward cost curve (mars.core.cost), or a `FeedPolicy` built on
+    `cost`, the backend's per-forward cost curve (mars.core.decode.cost), or a `FeedPolicy` built on
     one (which keeps its acceptance statistics from call to call), unless `settings.feed` is
     "fixed": greedy lossless decoding with the window cache (or none) then chooses per step
     how many masks and spare groups to feed (`block_size` and `hedge` become caps), and
     sampled lossless decoding with the window cache (or none) how many masks. With the
     block cache it first checks that the block cache pays against that
-    (mars.core.cost.block_cache_pays) and, where it does not, decodes with the window cache
+    (mars.core.decode.cost.block_cache_pays) and, where it does not, decodes with the window cache
     instead (`stats.cache` says which ran). The output is the same either way.
 
     Threshold mode (below AR mode) with `cost` chooses per step how many masks to feed
-    (mars.core.cost.ThresholdFeed: a fresh policy per call on a frozen copy of the curves,
+    (mars.core.decode.cost.ThresholdFeed: a fresh policy per call on a frozen copy of the curves,
     so the text depends on the prompts and the device's curves, not on the run's timings),
     and likewise leaves the block cache where it does not pay. Its text can then differ
     from a fixed feed's: a mask not fed cannot be accepted."""

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .acceptance import check_metric, check_threshold, is_ar_mode
-from .config import MarsConfig
-from .policy import block_size_for, check_may_decode, checkpoint_mode, metric_for
+from ..acceptance import check_metric, check_threshold, is_ar_mode
+from ..config import MarsConfig
+from .rules import block_size_for, check_may_decode, checkpoint_mode, metric_for
 
 
 class Mode(enum.Enum):
@@ -74,10 +74,10 @@ class DecodeSettings:
     # None: B groups (after every draft); 0: no spare groups. See `spare_groups`.
     hedge: int | None = None
     # Lossless, greedy, window or no cache: also draft from n-gram lookup in the prompt and output
-    # (mars.core.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
+    # (mars.core.decode.drafts.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
     # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
     ngram: int = 0
-    # With `ngram` > 0, also draft from a draft corpus (mars.core.corpus.DraftCorpus: the
+    # With `ngram` > 0, also draft from a draft corpus (mars.core.decode.drafts.corpus.DraftCorpus: the
     # model's own earlier replies, e.g. the checkpoint's draft_corpus.npz), up to `ngram`
     # tokens a step, chosen per step beside the other sources; None: no corpus drafts.
     corpus: Any = field(default=None, repr=False, compare=False)
@@ -91,7 +91,7 @@ class DecodeSettings:
     alternatives: int = 0
     # What a caller with a cost curve (mars.session.Session, `mars bench`) lets the loop choose
     # per step: "auto", the masks (and spare groups) fed, from what a forward costs on the
-    # device (mars.core.cost; lossless output stays AR's, threshold-mode text may then depend
+    # device (mars.core.decode.cost; lossless output stays AR's, threshold-mode text may then depend
     # on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
     feed: str = "auto"
     # Threshold mode below AR mode, greedy: verified threshold mode (docs/method.md §9). Run

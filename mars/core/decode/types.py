@@ -1,6 +1,6 @@
 """What the decoding loop and its callers share: the backend protocol, the rows being decoded
 and the statistics they report (docs/method.md §5, §8); the plan a run decodes by lives in
-mars.core.plan."""
+mars.core.decode.plan."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-from .masks import decode_mask
+from ..masks import decode_mask
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .tokens import _ids
+from ..tokens import _ids
 
 IGNORE = -100
 SPLITS = ("train", "valid", "test")

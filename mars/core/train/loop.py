@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .config import MarsConfig
+from ..config import MarsConfig
 
 CHECKPOINT = "checkpoint"  # the resumable state inside the output directory
 TRAINING_LOG = "training_log.jsonl"
@@ -158,7 +158,7 @@ def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: 
     checkpoint."""
     from tqdm.auto import tqdm
 
-    from .files import restore_swapped_dir
+    from ..files import restore_swapped_dir
 
     saved = None
     restore_swapped_dir(trainer.output / CHECKPOINT)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .files import atomic_write_bytes
+from ...files import atomic_write_bytes
 
 FILE = "draft_corpus.npz"
 FORMAT = 1
@@ -30,7 +30,7 @@ MIN_NGRAM = 2
 # At most this many matching places vote on a continuation (the latest in the corpus).
 MAX_PLACES = 256
 # Match lengths with statistics of their own: drafts from a match of n tokens count under
-# the largest bucket <= n (mars.core.drafting).
+# the largest bucket <= n (mars.core.decode.drafting).
 BUCKETS = (2, 3, 4, 6)
 _P = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd, 64-bit)
 
@@ -48,7 +48,7 @@ def _hashes(values: np.ndarray, n: int) -> np.ndarray:
 
 
 class DraftCorpus:
-    """A draft source (mars.core.drafting.LookupSource, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
+    """A draft source (mars.core.decode.drafting.LookupSource, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
     `match`. Immutable once built: copies share it."""
 
     name = "corpus"
@@ -122,7 +122,7 @@ class DraftCorpus:
         return 0, []
 
     def propose(self, seq, max_drafts: int) -> tuple[str, list[int]] | None:
-        """mars.core.drafting.LookupSource: the drafts of `match` and the statistics key of
+        """mars.core.decode.drafting.LookupSource: the drafts of `match` and the statistics key of
         their match length (`source`), or None."""
         n, found = self.match(seq, max_drafts=max_drafts)
         return (source(n), found) if found else None
@@ -184,7 +184,7 @@ def from_data(data, tokenizer, *, announce=None, max_tokens: int | None = None) 
     (`load_split`, without its block padding): prompt and reply through the chat template.
     With `max_tokens`, the records in file order up to that many tokens (the index costs
     about 100 bytes of memory a token once loaded)."""
-    from .data import DataError, encode_record, read_split
+    from ...train.data import DataError, encode_record, read_split
 
     eos_id = tokenizer.eos_token_id
     if eos_id is None:

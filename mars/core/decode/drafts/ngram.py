@@ -24,7 +24,7 @@ import numpy as np
 
 MAX_NGRAM = 10
 # Match lengths with statistics of their own: n-gram drafts from a match of n tokens count
-# under the largest bucket <= n (mars.core.drafting).
+# under the largest bucket <= n (mars.core.decode.drafting).
 BUCKETS = (1, 2, 3, 6)
 
 
@@ -59,7 +59,7 @@ def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_n
 
 
 class NgramLookup:
-    """The prompt-lookup draft source (mars.core.drafting.LookupSource)."""
+    """The prompt-lookup draft source (mars.core.decode.drafting.LookupSource)."""
 
     name = "ngram"
 

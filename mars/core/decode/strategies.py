@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .decode_types import Row
+from .types import Row
 from .plan import DecodeSettings
-from .feed import Columns, Feed, consecutive_positions, pad_drafts, right_aligned
+from .layout import Columns, Feed, consecutive_positions, pad_drafts, right_aligned
 
 
 class WindowStrategy:

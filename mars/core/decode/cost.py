@@ -371,7 +371,7 @@ class FeedPolicy:
 
     @classmethod
     def for_plan(cls, curve: CostCurve | BatchCosts, plan) -> FeedPolicy:
-        """The policy of a plan's (mars.core.plan.DecodeSettings) lossless loop: its block
+        """The policy of a plan's (mars.core.decode.plan.DecodeSettings) lossless loop: its block
         size, and the spare groups it may feed on the window cache (where the block cache
         gives way to the window's too). Every caller builds its policy here."""
         return cls(curve, plan.block_size, plan.window_spare_groups)
