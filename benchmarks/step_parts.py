@@ -416,6 +416,7 @@ def mode_plans(session, max_tokens: int):
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
     shipped weights; --lossless where a checkpoint's default is not)."""
     from mars.cli.common import decode_plan
+    from mars.core.decode.plan import Mode
     from mars.cli.generate import generate_command
 
     names = set(decode_plan.__code__.co_varnames[1 : decode_plan.__code__.co_argcount])
@@ -424,7 +425,7 @@ def mode_plans(session, max_tokens: int):
     options["max_tokens"] = max_tokens
     ar = decode_plan(session, **dict(options, threshold=1.0))
     default = decode_plan(session, **options)
-    if not default.lossless:
+    if default.mode is not Mode.LOSSLESS:
         default = decode_plan(session, **dict(options, lossless=True))
     return {"AR": ar, "lossless": default}
 
@@ -548,7 +549,7 @@ def main(argv=None) -> dict:
     plans = mode_plans(session, args.max_tokens)
     batch = max(1, min(args.batch, len(ids)))
     for s in plans.values():
-        session.cost_for(s, batch=batch)  # measured (once per device) before anything is timed, as `mars generate` does
+        session.prepare_feed(s, batch=batch)  # measured (once per device) before anything is timed, as `mars generate` does
     if args.warmup_tokens:
         from dataclasses import replace
 

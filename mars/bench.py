@@ -69,7 +69,7 @@ class BenchSettings:
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
     # chosen from the cost curve, mars.core.decode.cost.ThresholdFeed) and/or "fixed" (B every step).
     feeds: tuple[str, ...] = ("auto",)
-    # Also time verified threshold mode (mars.core.decode.types.DecodeSettings.verify) at each
+    # Also time verified threshold mode (mars.core.decode.plan.Mode.VERIFIED) at each
     # threshold, with the window cache, the cost-aware feed and n-gram drafts (`ngram`).
     verify: bool = False
     # --lossless: also time the default configuration's variants (no corpus, fixed spare groups);
@@ -236,20 +236,24 @@ def mlx_reference(loaded, max_tokens: int):
 class _Ours:
     """A configuration of this project's loop: prompts -> (tokens, statistics); `mode` names its plan."""
 
-    def __init__(self, decoder, settings: DecodeSettings, cost=None):
-        self.decoder, self.settings, self.cost = decoder, settings, cost
+    def __init__(self, decoder, settings: DecodeSettings, feed=None):
+        self.decoder, self.settings, self.feed = decoder, settings, feed
         self.mode = settings.name
 
     def __call__(self, prompts):
-        result = generate(self.decoder, prompts, self.settings, cost=self.cost)
+        result = generate(self.decoder, prompts, self.settings, feed=self.feed)
         return result.tokens, result.stats
 
 
 def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
     """`cost`: the decoder's per-forward cost curves (mars.core.decode.cost.BatchCosts); the default
     lossless configuration (what `mars generate --lossless` runs) and threshold mode's "auto"
-    feed choose what they feed from them."""
-    from .core.decode.cost import FeedPolicy
+    feed choose what they feed from them, each configuration through a feed controller of its
+    own (mars.core.decode.feed.FeedController) over these curves."""
+    from .core.decode.feed import FeedController
+
+    def controller():
+        return FeedController(cost) if cost is not None else None
 
     ar_tau = ar_threshold(metric_of(loaded, s))
     ar = Config("ar-kv-cache", "ar", _Ours(decoder, plan(loaded, ar_tau, "window", 16, s)), ar_tau, "window")
@@ -263,13 +267,14 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
         if gguf is not None:  # one prompt at a time, whatever the batch size
             name, ref = llama_cpp_reference(gguf, s.max_tokens, set(loaded.eos_ids), _torch_threads() if backend == "torch" else None)
             configs.append(Config(name, "reference", ref))
-    # Threshold rows decide on the curves as stored now: the lossless rows refresh `cost` from
-    # the forwards they time, and threshold-mode text must not follow that from round to round.
-    stored = cost.snapshot() if hasattr(cost, "snapshot") else cost
+    # Threshold rows decide on the curves as stored now (a controller keeps them as it found
+    # them): the lossless rows refresh `cost` from the forwards they time, and threshold-mode
+    # text must not follow that from round to round.
+    stored = controller()
     for tau in s.thresholds:
         for feed in s.feeds:
             # auto: each call picks its masks per step from the cost curve (a policy of its own,
-            # mars.core.decode.cost.ThresholdFeed), and may leave the block cache where it does not pay.
+            # mars.core.decode.feed.ThresholdFeed), and may leave the block cache where it does not pay.
             fed, suffix = (stored, "") if feed == "auto" else (None, " fixed")
             if s.window:
                 window = _Ours(decoder, plan(loaded, tau, "window", 16, s, feed=feed), fed)
@@ -285,12 +290,10 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
     if s.lossless:
         if s.window:
             auto = plan(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
-            policy = FeedPolicy.for_plan(cost, auto) if cost is not None else None
-            configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, policy), None, "window"))
-            if auto.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.decode.drafts.corpus)
-                bare = dataclasses.replace(auto, corpus=None)
-                policy = FeedPolicy.for_plan(cost, bare) if cost is not None else None
-                configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, policy), None, "window"))
+            configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, controller()), None, "window"))
+            if auto.drafts.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.decode.drafts.corpus)
+                bare = dataclasses.replace(auto, drafts=dataclasses.replace(auto.drafts, corpus=None))
+                configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, controller()), None, "window"))
             if s.lossless_variants:
                 fixed = plan(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
                 configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window"))
@@ -299,8 +302,7 @@ def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) ->
             block = plan(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
             # With a cost curve the loop may leave the block cache for the window cache where
             # that is faster (the row's "cache_ran" says which ran).
-            policy = FeedPolicy.for_plan(cost, block) if cost is not None else None
-            configs.append(Config(f"lossless-block{bc}", "lossless", _Ours(decoder, block, policy), None, "block", bc))
+            configs.append(Config(f"lossless-block{bc}", "lossless", _Ours(decoder, block, controller()), None, "block", bc))
     return configs
 
 

@@ -28,6 +28,7 @@ from .backends import base
 from .core.train.data import IGNORE, DataError, batches, load_split, read_jsonl
 from .core.decode.types import masks_share, sum_ragged
 from .core.files import atomic_write_text
+from .core.decode.plan import Mode
 from .core.decode.rules import block_size_for, metric_for
 from .prompts import RawText, prompt_of, split_files
 
@@ -50,13 +51,13 @@ class EvalSettings:
     decode: bool = True
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
-    hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DecodeSettings.hedge; None: B)
-    alternatives: int = 0  # lossless and verified rows: runner-up groups (DecodeSettings.alternatives)
+    hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DraftSources.hedge; None: B)
+    alternatives: int = 0  # lossless and verified rows: runner-up groups (DraftSources.alternatives)
     # Lossless and verified rows: also draft up to this many tokens a step from n-gram lookup in
-    # the prompt and reply and from the checkpoint's draft corpus (DecodeSettings.ngram, .corpus);
+    # the prompt and reply and from the checkpoint's draft corpus (DraftSources.ngram, .corpus);
     # 0: the masks' drafts only.
     ngram: int = 0
-    # Also decode each threshold below AR mode in verified threshold mode (DecodeSettings.verify):
+    # Also decode each threshold below AR mode in verified threshold mode (Mode.VERIFIED):
     # one more row per threshold, named v<threshold>. Like the lossless rows, masks only (no n-gram
     # drafts) and a fixed feed: the weights' own figure.
     verify: bool = False
@@ -214,17 +215,16 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
     def run(threshold, lossless=False, hedge=None, verify=False):
         s = base.decode_plan(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
                              max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
-                             verify=verify, alternatives=settings.alternatives,
-                             ngram=settings.ngram if (lossless or verify) else 0)
+                             verify=verify, alternatives=settings.alternatives, ngram=settings.ngram)
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
-        if s.ngram:
-            alts += f", n-gram{' and corpus' if s.corpus is not None else ''} drafts of up to {s.ngram} tokens"
-        what = (f"lossless ({s.spare_groups} spare groups{alts})" if lossless
-                else f"{'verified threshold mode ' if verify else ''}at threshold {threshold}")
+        lookup, corpus = s.lookup_drafts, s.lookup_drafts > 0 and s.drafts.corpus is not None  # where the plan verifies drafts
+        if lookup:
+            alts += f", n-gram{' and corpus' if corpus else ''} drafts of up to {lookup} tokens"
+        what = (f"lossless ({s.spare_groups} spare groups{alts})" if s.mode is Mode.LOSSLESS
+                else f"{'verified threshold mode ' if s.mode is Mode.VERIFIED else ''}at threshold {threshold}")
         announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
         return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups,
-                                                                     "ngram": s.ngram, "corpus": s.ngram > 0 and s.corpus is not None,
-                                                                     "name": s.name}
+                                                                     "ngram": lookup, "corpus": corpus, "name": s.name}
 
     reference = run(ar)
     rows = []

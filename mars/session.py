@@ -2,8 +2,10 @@
 eval and bench share.
 
 `Session` loads a model through the backend contract (mars.backends.base), makes its
-decoder, takes the plan of a request from its checkpoint plus what was asked (mars.core.decode.plan), keeps the per-forward cost curve and the cost-aware feed policies of its
-lossless runs, and decodes prompts in batches (`decode_batches`).
+decoder, takes the plan of a request from its checkpoint plus what was asked
+(mars.core.decode.plan), owns the model's feed controller (mars.core.decode.feed: the
+per-forward cost curves and the feed policies that learn across calls), and decodes prompts
+in batches (`decode_batches`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from .backends import base
+from .core.decode.feed import FeedController
 from .core.decode.loop import DecodeSettings, DecodeStats, generate
 from .core.tokens import encode_prompt
 
@@ -40,12 +43,13 @@ class Decoded:
                            masks_fed=dict(sorted(fed.items())))
 
 
-def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *, cost=None) -> Decoded:
-    """Decode every prompt (token ids) in batches of `batch_size`."""
+def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *,
+                   feed: FeedController | None = None) -> Decoded:
+    """Decode every prompt (token ids) in batches of `batch_size`, the feed chosen by `feed`."""
     out = Decoded()
     t0 = time.perf_counter()
     for start in range(0, len(ids), batch_size):
-        result = generate(decoder, ids[start : start + batch_size], settings, cost=cost)
+        result = generate(decoder, ids[start : start + batch_size], settings, feed=feed)
         out.tokens += result.tokens
         out.finish += result.finish
         out.stats.append(result.stats)
@@ -64,9 +68,9 @@ class Session:
         self.remeasure_cost = remeasure_cost  # measure the cost curves again instead of reading the kept ones
         self.loaded = base.load(self.backend, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.decoder = base.decoder(self.loaded)
-        self._cost = None  # lossless: refreshed by the forwards it times
-        self._stored_cost = None  # threshold mode: the stored curves, never refreshed
-        self._policies: dict = {}
+        # What a forward costs here, measured (or read from the cache directory) when a plan
+        # first needs it, and the feed policies that learn across calls.
+        self.feed = FeedController(measure=self._measured_costs)
 
     @property
     def mars(self):
@@ -82,38 +86,10 @@ class Session:
         (mars.core.decode.plan.decode_plan)."""
         return base.decode_plan(self.loaded, **asked)
 
-    def cost_for(self, settings: DecodeSettings, batch: int = 1):
-        """What the loop chooses its feed from, when `settings.feed` is "auto", else None:
-        lossless with no fixed `hedge`, the cost-aware feed policy (it picks masks and spare
-        groups per step, and may leave the block cache for the window cache where that is
-        faster; sampled decoding, on the window cache, the masks alone; each block size keeps
-        one policy for greedy and one for sampled decoding, which learn across calls); threshold
-        mode below AR mode, the cost curves themselves (each call then picks the masks it
-        feeds per step with a policy of its own, mars.core.decode.cost.ThresholdFeed). The
-        per-forward cost curve is measured once per device (mars.backends.base.cost_curve),
-        and with `batch` > 1 the curves of smaller and equal batches too."""
-        if settings.feed != "auto":
-            return None
-        threshold_mode = not settings.lossless and settings.masks_per_step > 0
-        if not (threshold_mode or (settings.lossless and settings.hedge is None)):
-            return None
-        from .core.decode.cost import FeedPolicy
-
-        if threshold_mode:
-            # Curves of their own, as stored: lossless decoding refreshes its copy from the
-            # forwards it times, and threshold-mode text must not follow that.
-            if self._stored_cost is None:
-                self._stored_cost = self._measured_costs()
-            self._stored_cost.prepare(batch)
-            return self._stored_cost
-        if self._cost is None:
-            self._cost = self._measured_costs()
-        self._cost.prepare(batch)
-        # The window's spare groups, if the block cache gives way; sampled drafts keep at rates of their own.
-        key = (settings.block_size, settings.window_spare_groups, settings.sampling.greedy)
-        if key not in self._policies:
-            self._policies[key] = FeedPolicy.for_plan(self._cost, settings)
-        return self._policies[key]
+    def prepare_feed(self, settings: DecodeSettings, batch: int = 1) -> None:
+        """Measure now (once per device, mars.backends.base.cost_curve) the cost curves a plan's
+        chosen feed needs for up to `batch` rows, so that no measurement falls inside a timed run."""
+        self.feed.prepare(settings, batch)
 
     def _measured_costs(self):
         costs = base.costs(self.loaded, self.decoder, announce=self.announce, remeasure=self.remeasure_cost)
@@ -126,9 +102,9 @@ class Session:
 
     def decode(self, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8) -> Decoded:
         """Decode prompts (token ids) in batches, with the cost-aware feed where `settings` takes it."""
-        return decode_batches(self.decoder, ids, settings, batch_size, cost=self.cost_for(settings))
+        return decode_batches(self.decoder, ids, settings, batch_size, feed=self.feed)
 
     def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
         """One batch through the decoding loop (mars.core.decode.loop.generate), with the cost-aware
         feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
-        return generate(self.decoder, ids, settings, cost=self.cost_for(settings), **kwargs)
+        return generate(self.decoder, ids, settings, feed=self.feed, **kwargs)

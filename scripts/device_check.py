@@ -24,10 +24,17 @@ from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_toke
 from mars.backends.torch.train import TorchTrainer  # noqa: E402
 from mars.core.train.loop import TrainSettings  # noqa: E402
 from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402
-from mars.core.decode.loop import DecodeSettings, generate  # noqa: E402
+from mars.core.decode.loop import generate  # noqa: E402
+from mars.core.decode.plan import decode_plan  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
+
+
+def plan(**asked):
+    """A plan as decode_plan makes one, for weights with no checkpoint to read: threshold mode
+    (plain, unverified) below 1.0, AR at 1.0."""
+    return decode_plan(None, force=True, verify=False, **asked)
 
 
 def decoding_checks(arch, device):
@@ -44,19 +51,19 @@ def decoding_checks(arch, device):
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)
         ref = ref[0, len(p):].tolist()
         for cache in ("none", "window", "block"):
-            ok &= generate(dec, [p], DecodeSettings(threshold=1.0, cache=cache, **base)).tokens[0] == ref
+            ok &= generate(dec, [p], plan(threshold=1.0, cache=cache, **base)).tokens[0] == ref
     out["threshold_1_equals_generate"] = ok
     ok = True
     for tau in (0.9, 0.5, 0.1):
         for p in prompts:
-            a = generate(dec, [p], DecodeSettings(threshold=tau, cache="none", **base)).tokens
-            b = generate(dec, [p], DecodeSettings(threshold=tau, cache="window", **base)).tokens
+            a = generate(dec, [p], plan(threshold=tau, cache="none", **base)).tokens
+            b = generate(dec, [p], plan(threshold=tau, cache="window", **base)).tokens
             ok &= a == b
     out["cached_equals_uncached"] = ok
     ok = True
     for cache in ("none", "window", "block"):
         for tau in (1.0, 0.5, 0.1):
-            s = DecodeSettings(threshold=tau, cache=cache, **base)
+            s = plan(threshold=tau, cache=cache, **base)
             batch = generate(dec, prompts, s).tokens
             ok &= all(batch[i] == generate(dec, [p], s).tokens[0] for i, p in enumerate(prompts))
     out["batch_equals_single"] = ok
@@ -92,7 +99,7 @@ def training_check(device):
         trainer.save(tok, str(base))
         reloaded = load(out, device=device, dtype="bfloat16", announce=lambda m: None)
         prompt = encode_prompt(tok, "Say k")
-        settings = DecodeSettings(mask_id=mars.mask_token_id, eos_ids=(2,), block_size=4, threshold=0.9, max_tokens=16)
+        settings = plan(mask_id=mars.mask_token_id, eos_ids=(2,), block_size=4, threshold=0.9, max_tokens=16)
         res = generate(TorchDecoder(reloaded), [prompt], settings)
         h = result["history"]
         return {
@@ -118,8 +125,8 @@ def full_autocast_check(device):
     model.eval()
     prompts = [encode_prompt(tok, f"Say {c}") for c in "abcdefghijklmnopqrst"]
     base = dict(mask_id=mars.mask_token_id, eos_ids=(2,), block_size=4, max_tokens=24)
-    ar = generate(TorchDecoder(tm), prompts, DecodeSettings(threshold=1.0, **base))
-    fast = generate(TorchDecoder(tm), prompts, DecodeSettings(threshold=0.9, **base))
+    ar = generate(TorchDecoder(tm), prompts, plan(threshold=1.0, **base))
+    fast = generate(TorchDecoder(tm), prompts, plan(threshold=0.9, **base))
     return {
         "autocast": str(trainer.autocast),
         "param_dtype": str(next(model.parameters()).dtype),

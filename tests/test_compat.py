@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny import make_tokenizer
+from tiny import make_tokenizer, make_plan
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.data import Example, encode_record, pad_to_block
-from mars.core.decode.loop import DecodeSettings, Sampling, generate
+from mars.core.decode.loop import Sampling, generate
 from mars.core.train.loop import TrainSettings
 
 QUIET = {"announce": lambda m: None}
@@ -222,7 +222,7 @@ def test_unseeded_sampling_leaves_the_global_torch_rng_alone(lossless):
     tok = make_tokenizer()
     tm = TorchModel(make_model("llama", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
     prompt = [tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)["input_ids"]]
-    settings = DecodeSettings(mask_id=3, eos_ids=(2,), max_tokens=8, threshold=0.5, lossless=lossless,
+    settings = make_plan(mask_id=3, eos_ids=(2,), max_tokens=8, threshold=0.5, lossless=lossless,
                               sampling=Sampling(temperature=1.0, seed=None))
     torch.manual_seed(123)
     state = torch.get_rng_state()

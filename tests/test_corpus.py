@@ -17,10 +17,10 @@ from mars.backends import base
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core.decode.drafts import corpus as corpus_drafts
 from mars.core.decode.drafts.corpus import CorpusError, DraftCorpus
-from mars.core.decode.cost import CostCurve, FeedPolicy
+from mars.core.decode.cost import CostCurve
 from mars.core.decode.loop import generate
 from test_cost import EOS, OracleBackend, oracle, settings
-from tiny import PROMPTS, make_model, make_tokenizer
+from tiny import PROMPTS, feed_of, make_model, make_tokenizer
 
 
 def reference(sequences, seq, max_drafts):
@@ -99,17 +99,17 @@ def test_corpus_drafts_keep_the_output_and_report_their_source(cost):
     prompt = [oracle(p) for p in range(6)]
     reply = [oracle(p) for p in range(6, 46)]
     book = DraftCorpus([[oracle(p) for p in range(3, 60)]])
-    plain = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6), cost=cost)
-    drafted = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=book), cost=cost)
+    plain = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6), feed=feed_of(cost))
+    drafted = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=book), feed=feed_of(cost))
     assert plain.tokens == drafted.tokens == [reply]
     sources = drafted.stats.by_source()
     assert sources.get("corpus", 0) > len(reply) // 2
     assert sum(sources.values()) == len(reply)
     assert drafted.stats.forwards < plain.stats.forwards // 2
-    assert sum(drafted.stats.drafting.stats.kept.get("corpus6", [0])) > len(reply) // 2
+    assert sum(drafted.stats.draft_kept.get("corpus6", [0])) > len(reply) // 2
     # A corpus of other text drafts nothing that is kept, and changes nothing.
     other = DraftCorpus([[EOS + 1 + (p % 3) for p in range(50)]])
-    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), cost=cost).tokens == [reply]
+    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), feed=feed_of(cost)).tokens == [reply]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -124,12 +124,12 @@ def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
     # what it says after a few tokens it has said before.
     shifted = [p[1:] for p in prompts]
     book = DraftCorpus([p + r for p, r in zip(shifted, generate(dec, shifted, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens)])
-    policy = FeedPolicy(CostCurve(dict(curve), refresh=0.0), 4, 4, explore=3)
+    feed = feed_of(CostCurve(dict(curve), refresh=0.0), explore=3)
     kept = 0
     for batch in (1, 3):
         out = []
         for start in range(0, len(prompts), batch):
-            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), cost=policy)
+            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), feed=feed)
             out += result.tokens
             kept += result.stats.by_source().get("corpus", 0)
         assert out == ar, (arch, batch)
@@ -149,10 +149,10 @@ def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
     assert len(book) > 20 * 5 and book.tokens[-1] == -1
     loaded = load(str(ckpt), device="cpu", announce=lambda m: None)
     s = base.decode_plan(loaded, lossless=True)
-    assert s.corpus is not None and s.corpus.tokens.tolist() == book.tokens.tolist()
-    assert base.decode_plan(loaded, lossless=True).corpus is s.corpus  # read once per loaded model
-    assert base.decode_plan(loaded, lossless=True, corpus=None).corpus is None
-    assert base.decode_plan(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).corpus is None
+    assert s.drafts.corpus is not None and s.drafts.corpus.tokens.tolist() == book.tokens.tolist()
+    assert base.decode_plan(loaded, lossless=True).drafts.corpus is s.drafts.corpus  # read once per loaded model
+    assert base.decode_plan(loaded, lossless=True, corpus=None).drafts.corpus is None
+    assert base.decode_plan(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).drafts.corpus is None
 
 
 def test_mars_corpus_rejects_bad_input(tmp_path, tiny):

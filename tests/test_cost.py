@@ -15,9 +15,10 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core.decode.drafts import ngram
-from mars.core.decode.cost import BatchCosts, CostCurve, DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
-from mars.core.decode.loop import DecodeSettings, generate
-from tiny import PROMPTS, make_model, make_tokenizer
+from mars.core.decode.cost import BatchCosts, CostCurve
+from mars.core.decode.feed import DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
+from mars.core.decode.loop import generate
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
 
@@ -69,7 +70,7 @@ class OracleBackend:
 def settings(**kw):
     base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=40, lossless=True)
     base.update(kw)
-    return DecodeSettings(**base)
+    return make_plan(**base)
 
 
 PROMPT = [oracle(p) for p in range(6)]
@@ -233,9 +234,11 @@ def test_masks_whose_drafts_other_sources_displace_count_for_less():
     # In the loop: the oracle text repeats, lookup's drafts win, and the masks' are seldom taken.
     period = 5
     prompt = [oracle(p, period) for p in range(12)]
-    fresh = FeedPolicy(fixed(FLAT), 4, 0)  # hedge 0: no spare groups
-    result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), cost=fresh)
+    feed = feed_of(fixed(FLAT))
+    result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), feed=feed)
     assert result.tokens == [[oracle(p, period) for p in range(12, 52)]]
+    (fresh,) = feed.policies.values()  # hedge 0: no spare groups
+    assert fresh.max_groups == 0
     used, offered = fresh.mask_use
     assert offered > 3 and used < offered / 2, fresh.mask_use
 
@@ -259,17 +262,17 @@ def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
 
 @pytest.mark.parametrize("good", [0, 2, 4])
 def test_a_flat_curve_feeds_wide_a_steep_one_like_ar_output_unchanged(good):
-    flat = generate(OracleBackend(good), [PROMPT], settings(), cost=fixed(FLAT))
-    steep = generate(OracleBackend(good), [PROMPT], settings(), cost=FeedPolicy(fixed(STEEP), 4, 4, explore=10**6))
+    flat = generate(OracleBackend(good), [PROMPT], settings(), feed=feed_of(fixed(FLAT)))
+    steep = generate(OracleBackend(good), [PROMPT], settings(), feed=feed_of(fixed(STEEP), explore=10**6))
     fixed_feed = generate(OracleBackend(good), [PROMPT], settings())
     for result in (flat, steep, fixed_feed):
         assert result.tokens == [ORACLE_REPLY]
-    steep_choices = steep.stats.drafting.policy.choices
+    steep_choices = steep.stats.feed_choices
     assert set(steep_choices) == {(0, 0)}
     # Like AR: after the prompt, one token fed and one taken per forward.
     assert steep.stats.forwards == len(ORACLE_REPLY)
     assert steep.stats.fed_tokens == len(PROMPT) + len(ORACLE_REPLY) - 1
-    flat_choices = flat.stats.drafting.policy.choices
+    flat_choices = flat.stats.feed_choices
     assert max(flat_choices, key=flat_choices.get)[0] >= 1
     if good:
         assert flat.stats.forwards < len(ORACLE_REPLY) // 2
@@ -303,13 +306,13 @@ def test_alternative_groups_are_fed_where_they_pay(curve):
     them; a curve where they double a step's cost feeds none. The output is the oracle's."""
     points = FLAT if curve == "flat" else {1: 1.0, 9: 1.0, 14: 3.0, 64: 20.0}
     s = settings(hedge=0, alternatives=1)
-    res = generate(RunnerUpBackend(), [PROMPT], s, cost=fixed(points))
+    res = generate(RunnerUpBackend(), [PROMPT], s, feed=feed_of(fixed(points)))
     assert res.tokens == [ORACLE_REPLY]
     taken = res.stats.by_source().get("alt", 0)
-    stats = res.stats.drafting.stats
+    stats = DraftStats(slots=4, reached=res.stats.draft_reached, kept=res.stats.draft_kept)
     if curve == "flat":
         assert taken >= 5 and stats.rate("runner_up", 0) > 0.7, (res.stats.by_source(), stats.kept)
-        without = generate(RunnerUpBackend(), [PROMPT], settings(hedge=0), cost=fixed(points))
+        without = generate(RunnerUpBackend(), [PROMPT], settings(hedge=0), feed=feed_of(fixed(points)))
         assert without.tokens == [ORACLE_REPLY] and res.stats.forwards < without.stats.forwards
     else:
         assert taken == 0 and not sum(stats.reached.get("runner_up", []))  # none fed
@@ -317,7 +320,7 @@ def test_alternative_groups_are_fed_where_they_pay(curve):
 
 def test_the_default_feed_is_unchanged_without_a_cost_curve():
     result = generate(OracleBackend(4), [PROMPT], settings(hedge=0))
-    assert result.stats.drafting.policy is None
+    assert not result.stats.feed_choices
     # Perfect masks: the first step takes one token, every later one B drafts and one AR token.
     assert result.stats.forwards == 1 + -(-(len(ORACLE_REPLY) - 1) // 5)
 
@@ -364,8 +367,8 @@ def test_ngram_drafts_keep_the_output_and_report_their_source(cost):
     period = 5
     prompt = [oracle(p, period) for p in range(12)]
     reply = [oracle(p, period) for p in range(12, 52)]
-    plain = generate(OracleBackend(0, period), [prompt], settings(hedge=0), cost=cost)
-    looked = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), cost=cost)
+    plain = generate(OracleBackend(0, period), [prompt], settings(hedge=0), feed=feed_of(cost))
+    looked = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), feed=feed_of(cost))
     assert plain.tokens == looked.tokens == [reply]
     sources = looked.stats.by_source()
     assert sources.get("ngram", 0) > len(reply) // 2  # the text repeats: lookup drafts it
@@ -375,7 +378,7 @@ def test_ngram_drafts_keep_the_output_and_report_their_source(cost):
     assert looked.stats.to_dict()["rows"][0]["by_source"] == sources
     # The drafting statistics count lookup's drafts per match length (the text repeats every
     # 5 tokens, so once 5 tokens in, every match is 6 or more tokens long).
-    kept = looked.stats.drafting.stats.kept
+    kept = looked.stats.draft_kept
     assert sum(kept.get("ngram6", [0])) > len(reply) // 2
     assert "ngram" not in kept and sum(kept.get("masks", [0])) == 0
 
@@ -435,13 +438,14 @@ def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, c
     dec = TorchDecoder(tm)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, cache=cache, max_tokens=24)).tokens
-    policy = FeedPolicy(fixed(curve), 4, 4, explore=3)  # one policy across calls, probing often
+    feed = feed_of(fixed(curve), explore=3)  # one policy across calls, probing often
     for batch in (1, 3, 8):
         out = []
         for start in range(0, len(prompts), batch):
             s = settings(cache=cache, max_tokens=24, ngram=5)
-            out += generate(dec, prompts[start : start + batch], s, cost=policy).tokens
+            out += generate(dec, prompts[start : start + batch], s, feed=feed).tokens
         assert out == ar, (arch, cache, batch)
+    (policy,) = feed.policies.values()
     assert len(policy.choices) > 1  # the feed changed from step to step (probes included)
 
 
@@ -454,10 +458,10 @@ def test_the_block_cache_gives_way_to_the_window_cache_where_it_does_not_pay(cur
     if cost is not None:
         assert block_cache_pays(cost, 4, 8, 4, 3) == (ran == "block")
     prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
-    result = generate(OracleBackend(2), prompts, settings(cache="block", block_cache=8), cost=cost)
+    result = generate(OracleBackend(2), prompts, settings(cache="block", block_cache=8), feed=feed_of(cost))
     assert result.stats.cache == ran and result.stats.to_dict()["cache"] == ran
     assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
-    assert (result.stats.drafting is not None) == (ran == "window")
+    assert bool(result.stats.draft_reached) == (ran == "window")  # the window's drafting ran, and learned
 
 
 @pytest.mark.parametrize("curve", [FLAT, STEEP])
@@ -467,7 +471,7 @@ def test_lossless_block_cache_with_a_cost_curve_equals_ar_on_a_real_model(curve)
     dec = TorchDecoder(tm)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:4]]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=20)).tokens
-    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), cost=fixed(curve))
+    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), feed=feed_of(fixed(curve)))
     assert result.tokens == ar
     assert result.stats.cache == ("block" if curve is FLAT else "window")
 
@@ -567,36 +571,36 @@ def test_threshold_policy_decides_on_a_snapshot_of_the_curves():
 
 @pytest.mark.parametrize("good", [1, 4])
 def test_threshold_mode_feeds_masks_on_a_flat_curve_and_like_ar_on_a_steep_one(good):
-    flat = generate(ConfidentOracle(good), [PROMPT], threshold(), cost=fixed(FLAT))
-    steep = generate(ConfidentOracle(good), [PROMPT], threshold(), cost=fixed(STEEP))
+    flat = generate(ConfidentOracle(good), [PROMPT], threshold(), feed=feed_of(fixed(FLAT)))
+    steep = generate(ConfidentOracle(good), [PROMPT], threshold(), feed=feed_of(fixed(STEEP)))
     fixed_feed = generate(ConfidentOracle(good), [PROMPT], threshold())
     # Confident guesses are right here, so every feed gives the oracle's text.
     for result in (flat, steep, fixed_feed):
         assert result.tokens == [ORACLE_REPLY]
-    choices = steep.stats.threshold_feed.choices
+    choices = steep.stats.feed_choices
     assert max(choices, key=choices.get) == (0, 0)  # AR's feed but for a probe
     assert steep.stats.forwards >= len(ORACLE_REPLY) - 4
-    flat_choices = flat.stats.threshold_feed.choices
+    flat_choices = flat.stats.feed_choices
     assert max(flat_choices, key=flat_choices.get)[0] >= 1
     # What each step fed, as the policy chose it.
     assert flat.stats.masks_fed == {m: n for (m, _), n in flat_choices.items()}
     assert sum(steep.stats.masks_fed.values()) == steep.stats.forwards
     assert flat.stats.tokens_per_forward > 1 + 0.5 * good
-    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), cost=fixed(FLAT)).stats.threshold_feed is None
+    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), feed=feed_of(fixed(FLAT))).stats.feed_choices == {}
 
 
 def test_threshold_mode_without_a_curve_or_in_ar_mode_feeds_as_asked():
     result = generate(ConfidentOracle(4), [PROMPT], threshold())
-    assert result.stats.threshold_feed is None
+    assert result.stats.feed_choices == {}
     assert result.stats.forwards == -(-len(ORACLE_REPLY) // 5)  # B + 1 tokens every step
-    ar = generate(ConfidentOracle(4), [PROMPT], threshold(threshold=1.0), cost=fixed(FLAT))
-    assert ar.stats.threshold_feed is None and ar.stats.forwards == len(ORACLE_REPLY)
+    ar = generate(ConfidentOracle(4), [PROMPT], threshold(threshold=1.0), feed=feed_of(fixed(FLAT)))
+    assert ar.stats.feed_choices == {} and ar.stats.forwards == len(ORACLE_REPLY)
 
 
 @pytest.mark.parametrize("curve,ran", [(FLAT, "block"), (STEEP, "window")])
 def test_threshold_mode_leaves_the_block_cache_where_it_does_not_pay(curve, ran):
     prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
-    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), cost=fixed(curve))
+    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), feed=feed_of(fixed(curve)))
     assert result.stats.cache == ran
     assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
 
@@ -610,9 +614,9 @@ def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:3]]
     ar = generate(dec, prompts, threshold(threshold=1.0, max_tokens=20)).tokens
     for cache in ("window", "block"):
-        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), cost=fixed(STEEP))
+        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), feed=feed_of(fixed(STEEP)))
         assert result.tokens == ar
-        assert set(result.stats.threshold_feed.choices) == {(0, 0)}
+        assert set(result.stats.feed_choices) == {(0, 0)}
 
 
 def test_a_batch_decides_its_drafts_together():
@@ -620,7 +624,7 @@ def test_a_batch_decides_its_drafts_together():
     does not pay alone, the 8 rows' drafts together do (mars.core.decode.drafting)."""
     from mars.core.decode.drafting import Drafting
 
-    s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
+    s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
     # 8 rows: 16 tokens (1 mask a row, no drafts) cost 1.0, 24 (a draft a row) 1.3
     curve = CostCurve({1: 0.2, 16: 1.0, 24: 1.3, 64: 4.0})
     drafting = Drafting(s, FeedPolicy(curve, 4, 0))

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, load
-from mars.core.decode.loop import DecodeSettings, generate
+from tiny import make_plan
+from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 from mars.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 
@@ -36,7 +37,7 @@ def test_default_resolves_to_a_cached_hf_directory(default):
 def test_threshold_one_equals_transformers_generate(default):
     tok = default.tokenizer
     prompts = [encode_prompt(tok, p) for p in PROMPTS]
-    s = DecodeSettings(mask_id=3, eos_ids=default.eos_ids, threshold=1.0, max_tokens=32)
+    s = make_plan(mask_id=3, eos_ids=default.eos_ids, threshold=1.0, max_tokens=32)
     ours = generate(TorchDecoder(default), prompts, s)
     for p, out in zip(prompts, ours.tokens):
         ids = torch.tensor([p])

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from mars.cli.main import cli
 from mars.core.train.data import IGNORE, DataError, load_split
-from tiny import make_tokenizer, save_model
+from tiny import make_tokenizer, save_model, make_plan
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "abc"}]},
@@ -39,12 +39,12 @@ def model(tmp_path_factory):
 
 def greedy(model_dir, conversation, max_tokens):
     """Reference: the reply plain greedy decoding gives, one conversation alone."""
-    from mars.core.decode.loop import DecodeSettings, generate
+    from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
     from mars.evaluate import load_model
 
     em = load_model(model_dir, "torch")
-    s = DecodeSettings(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, threshold=1.0, max_tokens=max_tokens, cache="none")
+    s = make_plan(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, threshold=1.0, max_tokens=max_tokens, cache="none")
     r = generate(em.decoder, [encode_prompt(em.tm.tokenizer, conversation)], s)
     body = [t for t in r.tokens[0] if t not in em.tm.eos_ids]
     return em.tm.tokenizer.decode(body, skip_special_tokens=True), r.finish[0]

@@ -307,7 +307,7 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     assert lossless["forwards"] < 0.6 * masks_only["models"][0]["sweep"]["thresholds"][-1]["forwards"]
     # The verified row is generate's verified threshold mode with the same drafts (fixed feed).
     s = base.decode_plan(em.tm, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
-    assert s.corpus is not None
+    assert s.drafts.corpus is not None
     assert rows[2]["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
     table = ev.format_table(report)
     assert "lossless/h4/n8c" in table and "v0.5/n8c" in table

@@ -13,7 +13,7 @@ from mars.backends.torch import packed
 from mars.backends.torch.attention import NAME, use_grouped_sdpa
 from mars.backends.torch.model import TorchDecoder, TorchModel, additive_mask
 from mars.core.masks import decode_mask
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, make_plan
 
 pytestmark = pytest.mark.skipif(not packed.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch build")
 
@@ -174,7 +174,7 @@ def test_a_step_with_holes_reads_what_the_full_step_reads():
 
 
 def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
-    from mars.core.decode.loop import DecodeSettings, generate
+    from mars.core.decode.loop import generate
 
     dec, vocab = _decoder()
     rng = np.random.default_rng(1)
@@ -186,7 +186,7 @@ def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
     for skip in (True, False):
         dec.skips_holes = skip
         for mode in ("ar", "lossless", "threshold"):
-            s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window",
+            s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window",
                                threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
             out[skip, mode] = generate(dec, prompts, s).tokens
     for mode in ("ar", "lossless", "threshold"):
@@ -246,16 +246,16 @@ def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, 
 
 
 def test_lossless_decoding_is_ar_with_small_products_on_f_linear():
-    from mars.core.decode.loop import DecodeSettings, generate
+    from mars.core.decode.loop import generate
 
     dec, vocab = _decoder()
     packed.use_linear_rows(dec.tm.model, [2, 3])
     rng = np.random.default_rng(2)
     prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]
     base = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window")
-    ar = generate(dec, prompts, DecodeSettings(**base)).tokens
+    ar = generate(dec, prompts, make_plan(**base)).tokens
     for hedge in (0, None):
-        s = DecodeSettings(**base, lossless=True, hedge=hedge)
+        s = make_plan(**base, lossless=True, hedge=hedge)
         assert generate(dec, prompts, s).tokens == ar
         assert [generate(dec, [p], s).tokens[0] for p in prompts] == ar
     packed.use_linear_rows(dec.tm.model, [])
@@ -334,7 +334,7 @@ def test_the_growing_cache_holds_what_the_concatenating_one_holds():
 def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(monkeypatch):
     from transformers import DynamicCache
 
-    from mars.core.decode.loop import DecodeSettings, generate
+    from mars.core.decode.loop import generate
 
     dec, vocab = _decoder()
     rng = np.random.default_rng(2)
@@ -345,7 +345,7 @@ def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(mon
             monkeypatch.setattr(dec, "new_cache", lambda batch: DynamicCache(config=dec.tm.model.config))
         for cache in ("window", "block"):
             for mode in ("ar", "lossless", "threshold"):
-                s = DecodeSettings(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, cache=cache, block_cache=8,
+                s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, cache=cache, block_cache=8,
                                    threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
                 for batch in (prompts, prompts[:1]):
                     out[kind, cache, mode, len(batch)] = generate(dec, batch, s).tokens

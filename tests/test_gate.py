@@ -11,8 +11,9 @@ import torch
 
 from clitools import invoke, ok, one_line_error
 from mars.backends.torch.model import TorchDecoder
+from tiny import make_plan
 from mars.backends.torch.model import load as torch_load
-from mars.core.decode.loop import DecodeSettings, generate
+from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 
 PROMPTS = ["Spell from c", "Spell from k", "hello there"]
@@ -90,9 +91,9 @@ def test_a_gated_adapter_decodes_as_the_base_at_threshold_1_and_losslessly(tiny,
     tm = torch_load(gated, **QUIET)
     prompts = [encode_prompt(tm.tokenizer, p) for p in PROMPTS]
     settings = dict(mask_id=tm.mars.mask_token_id, eos_ids=tm.eos_ids, max_tokens=16)
-    plain = generate(TorchDecoder(base), prompts, DecodeSettings(**settings, threshold=1.0)).tokens
-    assert generate(TorchDecoder(tm), prompts, DecodeSettings(**settings, threshold=1.0)).tokens == plain
-    lossless = generate(TorchDecoder(tm), prompts, DecodeSettings(**settings, lossless=True))
+    plain = generate(TorchDecoder(base), prompts, make_plan(**settings, threshold=1.0)).tokens
+    assert generate(TorchDecoder(tm), prompts, make_plan(**settings, threshold=1.0)).tokens == plain
+    lossless = generate(TorchDecoder(tm), prompts, make_plan(**settings, lossless=True))
     assert lossless.tokens == plain
     assert lossless.stats.draft_totals()["kept_per_slot"][0] > 0  # the masks drafted something that was kept
 
@@ -128,7 +129,7 @@ def test_a_gated_adapter_loads_and_decodes_alike_on_mlx(tiny, gated, tmp_path):
         mask = m.mars.mask_token_id
         np.testing.assert_allclose(without(ours, mask), without(plain, mask), atol=1e-5, rtol=0)
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
-    s = DecodeSettings(mask_id=m.mars.mask_token_id, eos_ids=m.eos_ids, max_tokens=16, lossless=True)
+    s = make_plan(mask_id=m.mars.mask_token_id, eos_ids=m.eos_ids, max_tokens=16, lossless=True)
     assert generate(MlxDecoder(m), prompts, s).tokens == generate(TorchDecoder(tm), prompts, s).tokens
 
 
@@ -316,7 +317,7 @@ def test_mars_serve_decodes_a_gated_adapter_as_the_base(tiny, gated):
         client = server.client()
         for text in PROMPTS:
             want = generate(TorchDecoder(base), [encode_prompt(base.tokenizer, text)],
-                            DecodeSettings(mask_id=tm.mars.mask_token_id, eos_ids=base.eos_ids, max_tokens=12, threshold=1.0))
+                            make_plan(mask_id=tm.mars.mask_token_id, eos_ids=base.eos_ids, max_tokens=12, threshold=1.0))
             reply = base.tokenizer.decode(want.tokens[0], skip_special_tokens=True)
             for extra in ({"threshold": 1.0}, {"lossless": True}, {}):  # {}: the checkpoint's default mode, lossless
                 r = client.chat.completions.create(model="gated", messages=[{"role": "user", "content": text}], max_tokens=12,

@@ -3,9 +3,9 @@
 import pytest
 
 from mars.backends.torch.model import TorchDecoder
-from mars.core.decode.loop import DecodeSettings, generate
+from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from tiny import load_script, spell_records, train_spelling
+from tiny import load_script, spell_records, train_spelling, make_plan
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def test_several_tokens_per_forward_at_the_same_output(trained):
     dec = TorchDecoder(tm)
     prompts = [encode_prompt(tm.tokenizer, r["prompt"]) for r in spell_records()]
     common = dict(mask_id=mars.mask_token_id, eos_ids=tm.eos_ids, block_size=4, max_tokens=40)
-    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
-    fast = generate(dec, prompts, DecodeSettings(threshold=0.9, **common))
+    ar = generate(dec, prompts, make_plan(threshold=1.0, **common))
+    fast = generate(dec, prompts, make_plan(threshold=0.9, **common))
     assert fast.tokens == ar.tokens
     assert fast.stats.tokens_per_forward > 2.0, fast.stats.tokens_per_forward
     assert ar.stats.tokens_per_forward == 1.0
@@ -39,11 +39,11 @@ def test_lossless_keeps_trained_drafts_and_equals_ar(trained, cache):
     dec = TorchDecoder(tm)
     prompts = [encode_prompt(tm.tokenizer, r["prompt"]) for r in spell_records()]
     common = dict(mask_id=mars.mask_token_id, eos_ids=tm.eos_ids, block_size=4, max_tokens=40, cache=cache, block_cache=8)
-    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
+    ar = generate(dec, prompts, make_plan(threshold=1.0, **common))
     for batch in (1, 8):
         out, kept, forwards = [], 0, 0
         for start in range(0, len(prompts), batch):
-            res = generate(dec, prompts[start : start + batch], DecodeSettings(lossless=True, **common))
+            res = generate(dec, prompts[start : start + batch], make_plan(lossless=True, **common))
             out += res.tokens
             kept += sum(res.stats.draft_totals()["kept_per_slot"])
             forwards += res.stats.row_forwards

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
-from mars.core.decode.loop import DecodeSettings, Row, Sampling, WindowStrategy, feed_mask, generate
-from tiny import PROMPTS, make_model, make_tokenizer
+from mars.core.decode.loop import Row, Sampling, WindowStrategy, feed_mask, generate
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
 
@@ -39,7 +39,7 @@ def prompts_of(tok, texts):
 def settings(**kw):
     base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24, block_cache=8)
     base.update(kw)
-    return DecodeSettings(**base)
+    return make_plan(**base)
 
 
 # -- greedy ------------------------------------------------------------------------------------
@@ -261,12 +261,12 @@ def exact_distribution(model, prompt: list[int]) -> dict:
     return out
 
 
-def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500, cost=None) -> tuple[Counter, dict]:
+def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500, feed=None) -> tuple[Counter, dict]:
     counts: Counter = Counter()
     totals = None
     s = settings(lossless=True, max_tokens=N_TOKENS, cache=cache, block_size=3, sampling=SAMPLING)
     for _ in range(n // rows):
-        res = generate(decoder, [prompt] * rows, s, cost=cost)
+        res = generate(decoder, [prompt] * rows, s, feed=feed)
         counts.update(tuple(t) for t in res.tokens)
         d = res.stats.draft_totals()
         totals = d if totals is None else {k: [a + b for a, b in zip(totals[k], d[k])] for k in d}
@@ -320,13 +320,14 @@ def test_lossless_sampling_with_the_cost_aware_feed_matches_ar_sampling(sampler,
     """Sampled lossless decoding with a cost curve chooses per step how many masks to feed
     (and how many drafts to verify); a flat curve feeds them, a steep one mostly feeds none
     (AR's feed, with probes). Either way the samples follow AR sampling's distribution."""
-    from mars.core.decode.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve
 
     tm, prompt, expected = sampler
     n = 4000
     points = {1: 1.0, 10**6: 1.0} if curve == "flat" else {1: 1.0, 2: 2.0, 64: 64.0}  # 500 rows a forward
-    policy = FeedPolicy(CostCurve(points, refresh=0.0), 3, 0)  # given costs: the run's timings do not move them
-    counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, "window", cost=policy)
+    feed = feed_of(CostCurve(points, refresh=0.0))  # given costs: the run's timings do not move them
+    counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, "window", feed=feed)
+    (policy,) = feed.policies.values()
     fed_none = policy.choices.get((0, 0), 0) / sum(policy.choices.values())
     if curve == "flat":
         assert fed_none < 0.2 and 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], (policy.choices, totals)

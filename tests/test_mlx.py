@@ -16,9 +16,9 @@ from mars.backends.mlx.model import slot_predictions as mlx_slots  # noqa: E402
 from mars.backends.torch.model import MarsLoss, TorchDecoder, loss_inputs  # noqa: E402
 from mars.backends.torch.model import load as torch_load  # noqa: E402
 from mars.core.acceptance import confidence_from_logits  # noqa: E402
-from mars.core.decode.loop import DecodeSettings, Sampling, generate  # noqa: E402
+from mars.core.decode.loop import Sampling, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
-from tiny import save_model  # noqa: E402
+from tiny import feed_of, make_plan, save_model  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
 ATOL = 1e-4
@@ -32,7 +32,7 @@ def pair(request, tmp_path_factory):
 
 
 def settings(**kw):
-    return DecodeSettings(**dict(dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, block_cache=8), **kw))
+    return make_plan(**dict(dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, block_cache=8), **kw))
 
 
 def batch_of_two():
@@ -233,7 +233,7 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     where the backend draws no proposals), a few probe with masks."""
     from collections import Counter
 
-    from mars.core.decode.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve
 
     from test_lossless import N_TOKENS, chi_square_p, exact_distribution
 
@@ -245,13 +245,14 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     expected = exact_distribution(t.model, prompt)
     s = settings(lossless=True, max_tokens=N_TOKENS, block_size=3, sampling=test_lossless.SAMPLING)
     dec, counts, kept, verified, n = MlxDecoder(m), Counter(), 0, 0, 3000
-    policy = FeedPolicy(CostCurve({1: 1.0, 2: 2.0, 64: 64.0}, refresh=0.0), 3, 0, explore=1) if steep else None
+    feed = feed_of(CostCurve({1: 1.0, 2: 2.0, 64: 64.0}, refresh=0.0), explore=1) if steep else None
     for _ in range(n // 500):
-        res = generate(dec, [prompt] * 500, s, cost=policy)
+        res = generate(dec, [prompt] * 500, s, feed=feed)
         counts.update(tuple(x) for x in res.tokens)
         kept += res.stats.draft_totals()["kept_per_slot"][0]
         verified += res.stats.draft_totals()["verified_per_slot"][0]
     if steep:  # steps with and without masks; at 500 rows no draft pays for widening the step
+        (policy,) = feed.policies.values()
         probes = sum(n for (m, _), n in policy.choices.items() if m)
         assert 0 < probes < policy.choices[(0, 0)], policy.choices
     else:
@@ -271,7 +272,7 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
         for batch in (1, 3):
             out = []
             for start in range(0, len(prompts), batch):
-                out += generate(dec, prompts[start : start + batch], s, cost=CostCurve(dict(curve), refresh=0.0)).tokens
+                out += generate(dec, prompts[start : start + batch], s, feed=feed_of(CostCurve(dict(curve), refresh=0.0))).tokens
             assert out == ar, (type(dec).__name__, batch)
 
 
@@ -287,7 +288,7 @@ def test_lossless_with_corpus_drafts_is_ar_on_both_backends(pair):
     s = settings(lossless=True, ngram=6, corpus=book)
     sources = []
     for dec in (MlxDecoder(m), TorchDecoder(t)):
-        result = generate(dec, prompts, s, cost=CostCurve({1: 1.0, 64: 1.0}, refresh=0.0))
+        result = generate(dec, prompts, s, feed=feed_of(CostCurve({1: 1.0, 64: 1.0}, refresh=0.0)))
         assert result.tokens == ar, type(dec).__name__
         sources.append(result.stats.by_source())
     assert sources[0] == sources[1] and sources[0].get("corpus", 0) > 0

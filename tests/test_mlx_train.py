@@ -12,7 +12,7 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from tiny import save_model
+from tiny import save_model, make_plan
 
 from mars.backends.mlx.model import (
     MASK_EMBEDDING_FILE,
@@ -23,7 +23,7 @@ from mars.backends.mlx.model import (
 )
 from mars.backends.mlx.train import MlxTrainer
 from mars.core.train.data import Example, encode_record, pad_to_block
-from mars.core.decode.loop import DecodeSettings, generate
+from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 from mars.core.train.loop import CHECKPOINT, TrainSettings
 
@@ -51,7 +51,7 @@ def trainer_for(base, out, **kw):
 
 
 def decode(loaded, mars, prompts, threshold, max_tokens=24):
-    settings = DecodeSettings(
+    settings = make_plan(
         mask_id=mars.mask_token_id, eos_ids=loaded.eos_ids, block_size=mars.block_size, max_tokens=max_tokens, threshold=threshold
     )
     return generate(MlxDecoder(loaded), prompts, settings)

@@ -10,7 +10,7 @@ import pytest
 
 from clitools import invoke, ok
 from mars.core.config import MarsConfig, write_config
-from mars.core.decode.plan import DecodeSettings, Mode, decode_plan
+from mars.core.decode.plan import DecodeSettings, Mode, Sampling, decode_plan, why_not_verified
 from tiny import make_tokenizer, save_model
 
 pytest.importorskip("starlette")
@@ -48,15 +48,63 @@ def test_one_function_resolves_the_mode_and_names_it(mars, asked, mode, name):
 
 
 def test_sampling_and_verify_where_it_cannot_apply():
-    from mars.core.decode.plan import Sampling
-
     sampled = decode_plan(mask_config(default_threshold=0.8), mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
-    assert sampled.mode is Mode.THRESHOLD and sampled.not_verified  # a sampled draft's check needs its distribution
+    assert sampled.mode is Mode.THRESHOLD and "greedy" in why_not_verified(sampled)  # a sampled draft's check needs its distribution
     lossless = decode_plan(None, mask_id=3, eos_ids=(2,), lossless=True, sampling=Sampling(temperature=0.7))
     assert lossless.name == "lossless sampling (temp 0.7)"
     ar = decode_plan(None, mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
     assert ar.name == "AR sampling (temp 0.7)"
-    assert DecodeSettings(mask_id=3, eos_ids=(2,), threshold=0.5, verify=True, lossless=True).mode is Mode.LOSSLESS
+    assert decode_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, verify=True, lossless=True).mode is Mode.LOSSLESS
+
+
+def test_a_plan_is_a_frozen_value_whose_mode_agrees_with_its_threshold():
+    """The mode is a field, set once: a plan never changes (a change of mode is a new plan,
+    made by decode_plan), and one built by hand must say a mode its threshold allows."""
+    import dataclasses
+
+    from mars.core.decode.plan import DraftSources, replan
+
+    plan = decode_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, force=True, ngram=4, hedge=1)
+    assert plan.mode is Mode.VERIFIED and plan.drafts == DraftSources(hedge=1, ngram=4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.mode = Mode.LOSSLESS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.threshold = 0.9
+    assert DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.THRESHOLD, threshold=0.5).masks_per_step == 4
+    with pytest.raises(ValueError, match="AR mode decodes at threshold 1"):
+        DecodeSettings(mask_id=3, eos_ids=(2,), threshold=0.5)  # the default mode is AR's
+    with pytest.raises(ValueError, match="below AR mode"):
+        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=1.0)
+    with pytest.raises(ValueError, match="greedy"):
+        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=0.5, sampling=Sampling(temperature=0.5))
+    with pytest.raises(ValueError, match="hedge must be >= 0"):
+        DraftSources(hedge=-1)
+    # A change of mode is a new plan from the same request (chat's /lossless, /threshold).
+    lossless = replan(plan, None, lossless=True, threshold=None, force=True)
+    assert lossless.mode is Mode.LOSSLESS and lossless.drafts is plan.drafts and plan.mode is Mode.VERIFIED
+    ar = replan(lossless, None, threshold=1.0, lossless=False)
+    assert ar.mode is Mode.AR and ar.masks_per_step == 0 and ar.name == "AR greedy"
+    assert replan(ar, None, threshold=0.5, lossless=False, force=True).mode is Mode.VERIFIED
+    assert replan(ar, None, threshold=0.5, lossless=False, verify=False, force=True).mode is Mode.THRESHOLD
+    # Draft sources apply where the plan verifies drafts, greedy.
+    assert plan.lookup_drafts == 4 and plan.spare_groups == 1
+    plain = replan(plan, None, verify=False, force=True)
+    assert plain.mode is Mode.THRESHOLD and plain.lookup_drafts == 0 and plain.spare_groups == 0
+
+
+def test_a_servers_default_mode_is_decided_by_the_plan_function():
+    """A server's default mode and threshold are defaults of decode_plan: a request that names
+    neither a threshold nor lossless takes them; one that names either does not."""
+    ask = dict(mask_id=3, eos_ids=(2,), force=True)
+    assert decode_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, **ask).mode is Mode.LOSSLESS
+    at = decode_plan(None, default_mode=Mode.THRESHOLD, default_threshold=0.6, **ask)
+    assert at.mode is Mode.VERIFIED and at.threshold == 0.6
+    assert decode_plan(None, default_mode=Mode.THRESHOLD, default_threshold=1.0, **ask).mode is Mode.AR
+    assert decode_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, lossless=False, **ask).mode is Mode.VERIFIED
+    assert decode_plan(None, threshold=0.7, default_mode=Mode.LOSSLESS, **ask).threshold == 0.7
+    # Verified threshold mode runs on the window cache where the block cache was asked for.
+    assert decode_plan(None, threshold=0.7, cache="block", **ask).cache == "window"
+    assert decode_plan(None, threshold=0.7, cache="block", verify=False, **ask).cache == "block"
 
 
 # -- every entry point decodes the default mode alike ----------------------------------------------

@@ -22,7 +22,7 @@ from mars.core.decode.rules import (
     metric_for,
     strict_and_loose,
 )
-from mars.core.decode.plan import decode_plan
+from mars.core.decode.plan import Mode, decode_plan
 from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model
 
@@ -50,11 +50,11 @@ def test_the_checkpoints_default_mode_applies_only_without_a_threshold():
     assert checkpoint_mode(LOSSLESS, "probability") == (0.9, True)
     assert checkpoint_mode(LOSSLESS, "probability", 0.5) == (0.5, False)
     s = settings(LOSSLESS)
-    assert s.lossless and s.threshold == 0.9 and s.block_size == 4
+    assert s.mode is Mode.LOSSLESS and s.threshold == 0.9 and s.block_size == 4
     s = settings(LOSSLESS, threshold=0.5, max_tokens=7)
-    assert not s.lossless and s.threshold == 0.5 and s.max_tokens == 7
+    assert s.mode is not Mode.LOSSLESS and s.threshold == 0.5 and s.max_tokens == 7
     s = settings(CKPT)
-    assert (s.metric, s.threshold, s.block_size, s.lossless) == ("margin", 0.8, 3, False)
+    assert (s.metric, s.threshold, s.block_size, s.mode is Mode.LOSSLESS) == ("margin", 0.8, 3, False)
 
 
 def test_a_model_without_mars_json_decodes_only_as_ar_or_losslessly():
@@ -72,7 +72,7 @@ def test_a_model_without_mars_json_decodes_only_as_ar_or_losslessly():
     heard = []
     s = settings(None, threshold=0.5, force=True, warn=heard.append)
     assert s.threshold == 0.5 and len(heard) == 1
-    assert settings(None, threshold=0.5, lossless=True).lossless
+    assert settings(None, threshold=0.5, lossless=True).mode is Mode.LOSSLESS
     assert settings(None).threshold == 1.0
 
 
@@ -191,7 +191,7 @@ def test_session_decodes_in_batches(plain):
     assert decoded.tokens == [session.generate([i], s).tokens[0] for i in ids]
     with pytest.raises(UntrainedModelError):
         session.plan(threshold=0.5)
-    assert session.cost_for(s) is None  # AR mode feeds what AR feeds
+    assert not session.feed.uses(s)  # AR mode feeds what AR feeds
 
 
 def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, monkeypatch):
@@ -199,16 +199,16 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
     refreshed copy never reaches: one session gives the same text call after call."""
     from dataclasses import replace
 
-    from mars.core.decode.cost import BatchCosts, FeedPolicy
     from mars.session import Session
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the curves are measured and kept here
     session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
     t = session.plan(threshold=0.5, verify=False, force=True, max_tokens=6)
-    stored = session.cost_for(t, batch=2)
-    assert isinstance(stored, BatchCosts) and session.cost_for(replace(t, feed="fixed")) is None
-    lossless = session.cost_for(session.plan(lossless=True, max_tokens=6))
-    assert isinstance(lossless, FeedPolicy) and lossless.costs is not stored
+    assert session.feed.uses(t) and not session.feed.uses(replace(t, feed="fixed"))
+    session.prepare_feed(t, batch=2)
+    stored = session.feed.stored
+    lossless = session.feed.policy_for(session.plan(lossless=True, max_tokens=6))
+    assert lossless.costs is not stored
     ids = session.encode(["hi", "there"])
     stored_points = {b: dict(c.points) for b, c in stored.curves.items()}
     first = session.generate(ids, t)

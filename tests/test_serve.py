@@ -30,12 +30,12 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 from mars.backends.torch.model import TorchDecoder, TorchModel  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
-from mars.core.decode.loop import ContinuousBatch, DecodeSettings, generate  # noqa: E402
+from mars.core.decode.loop import ContinuousBatch, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
 from mars.serve.api import TextStream  # noqa: E402
 from mars.serve.policy import PolicyError, PolicySettings, ThresholdPolicy  # noqa: E402
-from tiny import PROMPTS, make_model, make_tokenizer, spell_records, train_spelling  # noqa: E402
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer, spell_records, train_spelling  # noqa: E402
 
 MASK, EOS = 3, 2
 
@@ -71,7 +71,7 @@ def http_post(url, **kw):
 
 def decode_settings(tm, **kw):
     base = dict(mask_id=MASK, eos_ids=tm.eos_ids, block_size=4, max_tokens=24, block_cache=8)
-    return DecodeSettings(**{**base, **kw})
+    return make_plan(**{**base, **kw})
 
 
 def reference(tm, prompt_ids, max_tokens):
@@ -175,9 +175,13 @@ def staggered(decoder, prompts, s, *, thresholds=None, keep_keys=None, every=3, 
     return {i: r.out for i, r in rows.items()}, widest
 
 
-def alone(decoder, prompt, s, i, threshold=1.0):
-    """The row decoded by itself with the same settings (the block cache, its max_tokens)."""
-    return generate(decoder, [prompt], replace(s, threshold=threshold, max_tokens=s.max_tokens - 4 * (i % 3))).tokens[0]
+def alone(decoder, prompt, s, i, threshold=1.0, **changes):
+    """The row decoded by itself in AR or plain threshold mode at `threshold`, with the same
+    settings otherwise (the block cache, its max_tokens) but `changes`."""
+    from mars.core.decode.plan import replan
+
+    plan = replan(s, None, threshold=threshold, lossless=False, verify=False, force=True, max_tokens=s.max_tokens - 4 * (i % 3), **changes)
+    return generate(decoder, [prompt], plan).tokens[0]
 
 
 @pytest.mark.parametrize("lossless", [False, True])
@@ -188,7 +192,7 @@ def test_rows_joining_and_leaving_decode_as_alone(tm, tok, lossless):
     out, widest = staggered(dec, prompts, s, keep_keys=dec.keep_keys, cancel=(5, 4))
     _, unbounded = staggered(dec, prompts, s, cancel=(5, 4))
     for i, p in enumerate(prompts):
-        expected = alone(dec, p, replace(s, lossless=False, cache="window"), i)  # what `mars generate` says
+        expected = alone(dec, p, s, i, cache="window")  # what `mars generate` says
         if i == 5:  # cancelled midway: what it had is the start of what it would have said
             assert expected[: len(out[i])] == out[i] and len(out[i]) < len(expected)
         else:
@@ -238,15 +242,15 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     beside the others' drafts and masks), leave when done or removed, and each takes exactly
     its greedy AR tokens; with a cost curve the feed is chosen per step. Dead keys of rows
     that left are dropped."""
-    from mars.core.decode.cost import CostCurve, FeedPolicy
+    from mars.core.decode.cost import CostCurve
 
     prompts = [encode_prompt(tok, p) for p in PROMPTS] * 2
     s = decode_settings(tm, threshold=1.0, max_tokens=20, lossless=True, cache="window", ngram=8)
     dec = TorchDecoder(tm)
-    policy = FeedPolicy(CostCurve({1: 1.0, 8: 1.1, 32: 1.6}), 4, s.spare_groups) if cost else None
+    feed = feed_of(CostCurve({1: 1.0, 8: 1.1, 32: 1.6})) if cost else None
 
     def serve(keep_keys):
-        batch = ContinuousBatch(dec, s, keep_keys=keep_keys, cost=policy)
+        batch = ContinuousBatch(dec, s, keep_keys=keep_keys, feed=feed)
         assert batch.can_join  # the window cache takes rows at any step
         rows, widest, step, pending = {}, 0, 0, list(enumerate(prompts))
         while pending or batch.rows:
@@ -265,7 +269,7 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     batch, rows, widest, step = serve(dec.keep_keys)
     kept = 0
     for i, p in enumerate(prompts):
-        expected = alone(dec, p, replace(s, lossless=False, cache="window"), i)
+        expected = alone(dec, p, s, i, cache="window")
         if i == 5:
             assert expected[: len(rows[i].out)] == rows[i].out and len(rows[i].out) < len(expected)
         else:
@@ -276,6 +280,7 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     # Rows that left had their keys dropped: the cache stays well below what it grows to without.
     assert widest < 0.6 * unbounded, (widest, unbounded)
     if cost:
+        (policy,) = feed.policies.values()
         assert sum(policy.choices.values()) >= batch.stats.forwards
 
 
@@ -316,7 +321,7 @@ def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
 
     loaded = mlx_load(save_model(tmp_path / "model", "llama", seed=1), announce=lambda m: None)
     prompts = [encode_prompt(loaded.tokenizer, p) for p in PROMPTS]
-    s = DecodeSettings(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=16, block_cache=8, cache=cache,
+    s = make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=16, block_cache=8, cache=cache,
                        lossless=lossless, ngram=8 if lossless else 0)
     dec = MlxDecoder(loaded)
     thresholds = [1.0, 0.5]
@@ -324,7 +329,7 @@ def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
     for i, p in enumerate(prompts):
         if i != 2:
             # lossless: AR's tokens (threshold 1.0 alone); else what the row gets alone at its threshold
-            expected = alone(dec, p, replace(s, lossless=False, ngram=0), i, 1.0 if lossless else thresholds[i % 2])
+            expected = alone(dec, p, s, i, 1.0 if lossless else thresholds[i % 2])
             assert out[i] == expected, i
 
 

@@ -11,10 +11,10 @@ import torch
 
 from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, slot_predictions
 from mars.core.acceptance import confidence_from_logits
-from mars.core.decode.loop import DecodeSettings, Sampling, generate
+from mars.core.decode.loop import Sampling, generate
 from mars.core.loss import IGNORE
 from mars.core.masks import training_inputs
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, make_plan
 
 ARCHS = ["llama", "qwen2"]
 MASK = 3
@@ -42,7 +42,7 @@ PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem 
 def settings(**kw):
     base = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24, block_cache=8)
     base.update(kw)
-    return DecodeSettings(**base)
+    return make_plan(**base)
 
 
 def hf_greedy(model, prompt, max_new):

@@ -7,7 +7,7 @@ from mars.backends.torch.model import TorchModel, ensure_mask_token
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.loop import TrainSettings, lr_lambda
 from mars.core.train.data import Example, encode_record, pad_to_block
-from tiny import make_model, make_tokenizer
+from tiny import make_model, make_tokenizer, make_plan
 
 RECORDS = [
     {"prompt": "Say a", "completion": "aaaa aaaa"},
@@ -56,7 +56,7 @@ def test_warmup_then_cosine():
 
 def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
     from mars.backends.torch.model import TorchDecoder, load
-    from mars.core.decode.loop import DecodeSettings, generate
+    from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
     from tiny import save_model
 
@@ -85,5 +85,5 @@ def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
     )
     prompts = [encode_prompt(fused.tokenizer, r["prompt"]) for r in RECORDS]
     for tau in (1.0, 0.5):
-        settings = DecodeSettings(mask_id=mask_id, eos_ids=(2,), threshold=tau, max_tokens=16)
+        settings = make_plan(mask_id=mask_id, eos_ids=(2,), threshold=tau, max_tokens=16)
         assert generate(TorchDecoder(adapter), prompts, settings).tokens == generate(TorchDecoder(fused), prompts, settings).tokens

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, load
+from tiny import make_plan
 from mars.core.config import read_config
-from mars.core.decode.loop import DecodeSettings, generate
+from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 from mars.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weights
 from mars.evaluate import common_prefix
@@ -52,7 +53,7 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
     prompts = [encode_prompt(tok, p) for p in held_out_prompts()]
     common = dict(mask_id=mars.mask_token_id, eos_ids=shipped.eos_ids, block_size=mars.block_size, max_tokens=MAX_TOKENS)
     dec = TorchDecoder(shipped)
-    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
+    ar = generate(dec, prompts, make_plan(threshold=1.0, **common))
     for p, out in zip(prompts, ar.tokens):
         ids = torch.tensor([p])
         ref = shipped.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
@@ -67,9 +68,9 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
                                    eos_token_id=list(plain.eos_ids), pad_token_id=plain.eos_ids[0])
         assert out == ref[0, len(p) :].tolist()
     # What `mars generate` / `mars chat` run when given no --threshold: mars.json's default mode.
-    default = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, lossless=mars.lossless_by_default, **common))
-    at_threshold = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, **common))
-    looser = generate(dec, prompts, DecodeSettings(threshold=0.6, **common))
+    default = generate(dec, prompts, make_plan(threshold=mars.default_threshold, lossless=mars.lossless_by_default, **common))
+    at_threshold = generate(dec, prompts, make_plan(threshold=mars.default_threshold, **common))
+    looser = generate(dec, prompts, make_plan(threshold=0.6, **common))
     print("tokens/forward: default (lossless)", default.stats.tokens_per_forward, f"threshold {mars.default_threshold}",
           at_threshold.stats.tokens_per_forward, "0.6", looser.stats.tokens_per_forward)
     # The default mode keeps the checkpoint's AR output exactly, at more than 1.6 tokens per forward (1.82 measured).
@@ -80,7 +81,7 @@ def test_threshold_one_is_greedy_ar_and_the_default_mode_is_faster(shipped):
     # lower agreement with AR).
     assert at_threshold.stats.tokens_per_forward > 1.05, at_threshold.stats.tokens_per_forward
     # Verified threshold mode (threshold mode's default in generate and chat) reaches it, close to AR.
-    verified = generate(dec, prompts, DecodeSettings(threshold=mars.default_threshold, verify=True, **common))
+    verified = generate(dec, prompts, make_plan(threshold=mars.default_threshold, verify=True, **common))
     kept = sum(common_prefix(v, r) for v, r in zip(verified.tokens, ar.tokens))
     print("verified", verified.stats.tokens_per_forward, kept / sum(map(len, ar.tokens)))
     assert verified.stats.tokens_per_forward > 1.3, verified.stats.tokens_per_forward
@@ -105,7 +106,7 @@ def test_the_shipped_corpus_is_the_distilled_training_data_and_keeps_the_output(
     prompts = [encode_prompt(tok, p) for p in held_out_prompts()]
     common = dict(mask_id=mars.mask_token_id, eos_ids=shipped.eos_ids, block_size=mars.block_size, max_tokens=MAX_TOKENS)
     dec = TorchDecoder(shipped)
-    ar = generate(dec, prompts, DecodeSettings(threshold=1.0, **common))
-    drafted = generate(dec, prompts, DecodeSettings(lossless=True, ngram=16, corpus=book, **common))
+    ar = generate(dec, prompts, make_plan(threshold=1.0, **common))
+    drafted = generate(dec, prompts, make_plan(lossless=True, ngram=16, corpus=book, **common))
     assert drafted.tokens == ar.tokens
     assert drafted.stats.by_source().get("corpus", 0) > 0

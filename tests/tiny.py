@@ -135,3 +135,20 @@ def load_script(relpath: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def make_plan(*, verify: bool = False, force: bool = True, **asked):
+    """A plan built as `decode_plan` builds one, for a model with no checkpoint to read
+    (mask_id and eos_ids given; MarsConfig's block size and metric unless given), allowed
+    below AR mode (`force`), and plain threshold mode unless `verify`."""
+    from mars.core.decode.plan import decode_plan
+
+    return decode_plan(None, verify=verify, force=force, **asked)
+
+
+def feed_of(cost, **options):
+    """A feed controller over given cost curves (a CostCurve, a BatchCosts), None for None:
+    what `generate` and `ContinuousBatch` take as `feed`; `options` go to FeedController."""
+    from mars.core.decode.feed import FeedController
+
+    return None if cost is None else FeedController(cost, **options)

@@ -131,7 +131,7 @@ def decode_plan(loaded, **asked):
     other fields)."""
     from ..core.decode.plan import decode_plan as plan_for
 
-    if "corpus" not in asked:
+    if "corpus" not in asked and "drafts" not in asked:
         asked["corpus"] = draft_corpus(loaded)
     return plan_for(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 

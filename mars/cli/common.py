@@ -195,7 +195,7 @@ def decode_plan(session, threshold, block_size, metric, max_tokens, temp, top_p,
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
     from ..core.decode.drafts.corpus import DraftCorpus
-    from ..core.decode.plan import Sampling
+    from ..core.decode.plan import Mode, Sampling, why_not_verified
     from ..core.decode.rules import check_threshold, metric_for
 
     drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
@@ -214,8 +214,10 @@ def decode_plan(session, threshold, block_size, metric, max_tokens, temp, top_p,
         sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed, alternatives=alternatives,
         **drafts,
     )
-    if verify and not settings.verified:  # asked for by name where it cannot apply
-        warn(f"--verify is ignored here: {settings.not_verified}")
+    if verify and settings.mode is not Mode.VERIFIED:  # asked for by name where it cannot apply
+        warn(f"--verify is ignored here: {why_not_verified(settings)}")
+    if hedge is not None and settings.mode is Mode.LOSSLESS:  # --hedge N fixes the feed: B masks, N spare groups a step
+        settings = dataclasses.replace(settings, feed="fixed")
     if hedge is not None and hedge > 0 and settings.no_spare_groups:
         warn(f"--hedge is ignored here: {settings.no_spare_groups}")
     return settings

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
@@ -30,6 +29,7 @@ from .common import backend_option, decode_options, decode_plan, friendly_errors
 @friendly_errors
 def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
     """Generate replies; prints the text and tokens per forward."""
+    from ..core.decode.plan import replan
     from ..core.decode.rules import ar_threshold
     from ..prompts import read_prompts
 
@@ -42,9 +42,10 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
     ids = session.encode(prompts, chat=not raw)
     runs = [settings]
     if compare:
-        runs = [dataclasses.replace(settings, threshold=ar_threshold(settings.metric), lossless=False), settings]
+        # AR beside the mode: the same request at the AR threshold, planned as every plan is.
+        runs = [replan(settings, session.mars, threshold=ar_threshold(settings.metric), lossless=False), settings]
     for s in runs:
-        session.cost_for(s, batch=min(batch_size, len(ids)))  # measured (once per device) before anything is timed
+        session.prepare_feed(s, batch=min(batch_size, len(ids)))  # measured (once per device) before anything is timed
     # Rounds interleave AR and the mode, so drift on a busy machine hits both alike.
     timed = [[session.decode(ids, s, batch_size) for s in runs] for _ in range(rounds if compare else 1)]
     # Every figure printed for a mode (texts, JSON rows, its summary line) comes from one round: its median.
@@ -158,7 +159,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     tok = session.tokenizer
     history = [{"role": "system", "content": system}] if system else []
     click.echo(f"{settings.name}, B={settings.block_size}. /help lists the commands", err=True)
-    session.cost_for(settings)  # a first measurement of the device happens now, not inside the first reply
+    session.prepare_feed(settings)  # a first measurement of the device happens now, not inside the first reply
     while True:
         try:
             line = input(">> ")
@@ -175,7 +176,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
             if command == "/reset":
                 history = history[:1] if system else []
                 continue
-            chat_command_line(line, settings, session, force=decode["force"])
+            settings = chat_command_line(line, decode, settings, session)
             continue
         if line.startswith("//"):
             line = line[1:]
@@ -210,8 +211,11 @@ CHAT_HELP = """commands:
 a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
 
 
-def chat_command_line(line: str, settings, session, *, force: bool) -> None:
-    """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends text to the model."""
+def chat_command_line(line: str, asked: dict, settings, session):
+    """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends
+    text to the model. `asked`: the chat's decoding options, which a command changes; returns
+    the plan to decode by from now on, made anew by decode_plan where the options changed."""
+    from ..core.decode.plan import replan, why_not_verified
     from ..core.decode.rules import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
 
     parts = line.split()
@@ -221,27 +225,28 @@ def chat_command_line(line: str, settings, session, *, force: bool) -> None:
     elif command == "/threshold":
         if len(parts) != 2:
             click.echo("usage: /threshold 0.9", err=True)
-            return
+            return settings
         try:
             threshold = check_threshold(settings.metric, float(parts[1]))
         except ValueError as e:
             why = str(e) if isinstance(e, ThresholdError) else f"{parts[1]!r} is not a number"
             click.echo(f"{why}; keeping {settings.name}", err=True)
-            return
+            return settings
         try:
-            check_may_decode(session.mars is not None, settings.metric, threshold, force=force)
+            check_may_decode(session.mars is not None, settings.metric, threshold, force=asked["force"])
         except UntrainedModelError as e:
             click.echo(f"{e}; keeping plain AR (start with --force to override)", err=True)
             threshold = ar_threshold(settings.metric)
-        settings.threshold = threshold
-        settings.lossless = False
+        settings = replan(settings, session.mars, threshold=threshold, lossless=False, verify=asked.get("verify"), force=asked["force"])
         click.echo(settings.name, err=True)
     elif command == "/lossless":
-        settings.lossless = True
+        settings = replan(settings, session.mars, lossless=True, threshold=None)
         click.echo(settings.name, err=True)
     elif command == "/verify":
-        settings.verify = not settings.verify
-        why = settings.not_verified if settings.verify else None
+        asked["verify"] = asked.get("verify") is False  # greedy threshold mode verifies unless told not to
+        settings = replan(settings, session.mars, verify=asked["verify"], force=asked["force"])
+        why = why_not_verified(settings) if asked["verify"] else None
         click.echo(settings.name + (f" (verify is on, for threshold mode: {why})" if why else ""), err=True)
     else:
         click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)
+    return settings

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from ..core.config import MODES
+from ..serve.policy import DEFAULT_MODES
 from .common import Finite, backend_option, defaults, device_options, friendly_errors, open_session
 
 
@@ -29,7 +29,7 @@ S = _serve_defaults()
 @click.option("--policy", type=click.Choice(["fixed", "adaptive"]), default="fixed", show_default=True,
               help="fixed: each request's threshold, else --threshold; adaptive: the threshold loosens as load rises.")
 @click.option("--threshold", type=float, default=None, help="Threshold for requests that give none (fixed policy). Default: the checkpoint's, else 1.0.")
-@click.option("--default-mode", type=click.Choice(MODES), default=None,
+@click.option("--default-mode", type=click.Choice(DEFAULT_MODES), default=None,
               help="How requests that give neither threshold nor lossless decode (fixed policy). "
                    "Default: the checkpoint's mars.json default_mode, unless --threshold is given.")
 @click.option("--min-threshold", type=float, default=None, help="Adaptive range, low end (default: 0.7 for probability, 0.5 margin, 0.0 entropy).")

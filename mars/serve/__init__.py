@@ -10,6 +10,7 @@ Needs the `serve` extra (starlette, uvicorn); mars.core stays free of it.
 
 from __future__ import annotations
 
+from ..core.decode.plan import Mode
 from ..core.decode.rules import checkpoint_mode
 from .api import ServeLimits
 from .engine import Engine, EngineLimits, ServedModel
@@ -35,7 +36,7 @@ def build(loaded, decoder_cls, *, name: str = "default", aliases=(), block_size:
     # The checkpoint's default mode, unless the server is given a threshold or a policy that turns it.
     threshold, lossless = checkpoint_mode(loaded.mars, model.metric, given.get("default_threshold"))
     if given.get("default_mode") is None:
-        given["default_mode"] = "lossless" if lossless and given.get("policy", "fixed") == "fixed" else "threshold"
+        given["default_mode"] = (Mode.LOSSLESS if lossless and given.get("policy", "fixed") == "fixed" else Mode.THRESHOLD).value
     given["default_threshold"] = threshold
     if given.get("full_load") is None:
         given["full_load"] = engine_limits.max_batch

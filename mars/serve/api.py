@@ -60,7 +60,7 @@ class Completion:
     stream: bool = False
     include_usage: bool = False
     threshold: float | None = None
-    lossless: bool = False
+    lossless: bool | None = None  # as asked; None: the server's default mode decides (when planned)
     verify: bool = True
     pinned: bool = False
 
@@ -212,8 +212,8 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
             check_threshold(policy.metric, threshold, name="'threshold'")
         except ThresholdError as e:
             raise _bad("threshold", str(e)) from None
-    if lossless is None:  # neither asked: the server's default mode (a threshold asks for threshold mode)
-        lossless = threshold is None and policy.lossless_by_default
+    # Neither asked: the server's default mode applies when the request is planned (the engine,
+    # mars.core.decode.plan.decode_plan); a threshold asks for threshold mode.
     if threshold is not None and not lossless:
         try:
             policy.check(threshold)

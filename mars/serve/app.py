@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.decode.plan import Mode
 from . import api
 from .api import ApiError, Completion, ServeLimits, TextStream
 from .engine import Engine, EngineStopped, Job, QueueFull
@@ -69,7 +70,7 @@ class Reader:
         return self.finish is not None
 
     def usage(self) -> dict:
-        threshold = None if self.req.lossless else self.job.outbox.threshold
+        threshold = None if self.job.plan is not None and self.job.plan.mode is Mode.LOSSLESS else self.job.outbox.threshold
         return api.usage(len(self.req.prompt), self.completion_tokens, self.forwards, threshold, self.engine.mode_name(self.job, threshold))
 
 

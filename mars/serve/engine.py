@@ -30,12 +30,12 @@ import time
 import traceback
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
 from ..backends import base
-from ..core.decode.cost import FeedPolicy
+from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
 from ..core.decode.plan import DecodeSettings, Mode, Sampling
 from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
@@ -151,7 +151,7 @@ class Job:
     max_tokens: int
     outbox: Outbox
     sampling: Sampling = field(default_factory=Sampling)
-    lossless: bool = False
+    lossless: bool | None = None  # as asked; None: the server's default mode decides
     threshold: float | None = None  # the request's own; None: the policy's
     verify: bool = True  # greedy threshold mode verifies the drafts it does not take (as `mars generate`)
     pinned: bool = False  # the request opted out of the adaptive policy
@@ -169,14 +169,14 @@ class Job:
         if self.sampling.seed is not None:  # its own random stream, as when decoded alone
             return ("seeded", self.id)
         s = self.sampling
-        return ("sampled", self.lossless, s.temperature, s.top_p, s.top_k)
+        return ("sampled", self.plan.mode, s.temperature, s.top_p, s.top_k)
 
 
 class _Batch:
-    def __init__(self, decoder, settings: DecodeSettings, cost=None):
-        """`cost`, for a greedy lossless window batch: the feed policy it decodes with."""
+    def __init__(self, decoder, settings: DecodeSettings, feed: FeedController | None = None):
+        """`feed`, for a greedy batch that verifies drafts: the engine's feed controller."""
         self.decoder = decoder
-        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, cost=cost)
+        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, feed=feed)
         self.jobs: dict[int, Job] = {}  # id(row) -> job
 
     def __len__(self):
@@ -206,14 +206,12 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._batches: dict[tuple, _Batch] = {}
-        # Greedy lossless window batches' feed policy (mars.core.decode.cost.FeedPolicy): built on the
-        # first such request, it keeps what it learns for the server's life.
-        self._feed_policy = None
-        # The cost curves as measured (or read from the cache directory): verified threshold
-        # batches decide on a frozen copy of them, as `mars generate` does, never on what
-        # lossless decoding's refreshed copy learned since.
-        self._stored_costs = None
-        self._costs = None  # the curves lossless decoding refreshes from the forwards it times
+        # The model's feed (mars.core.decode.feed.FeedController), as a Session owns it: the cost
+        # curves, measured (or read from the cache directory) before the first request that
+        # needs them, and the lossless feed policy, which learns for the server's life.
+        # Verified threshold batches decide on the curves as measured, as `mars generate` does.
+        self._announce: Callable[[str], None] = log.info
+        self.feed = FeedController(measure=self._measure_costs) if model.costs is not None else None
         # Decoders of greedy batches that emptied, for the next greedy batch: making one costs
         # time (the torch decoder packs the weights, about 0.25 s on the default model on a CPU),
         # and a greedy decoder keeps no state between batches (a sampling one keeps its generator).
@@ -357,57 +355,54 @@ class Engine:
         self._in_flight += len(admitted)  # counted at once, so `submit` never sees their rows as free
         return admitted
 
-    def _plan(self, job: Job) -> DecodeSettings:
-        """The job's plan (mars.core.decode.plan.decode_plan, as every entry point makes it) at the
-        threshold it decodes at now; a threshold-mode job that runs in the plain threshold
-        batch (AR mode when admitted, or `verify` off) is planned without verification."""
+    def _plan(self, job: Job, threshold: float | None = None) -> DecodeSettings:
+        """The job's plan (mars.core.decode.plan.decode_plan, as every entry point makes it): at
+        the threshold it decodes at now (or `threshold`), in the server's default mode where
+        the request named neither a threshold nor lossless."""
         m = self.model
-        drafts = job.sampling.greedy and (job.lossless or job.verify)  # the lossless loop's draft sources
-        plan = base.decode_plan(
-            m.loaded, threshold=self._threshold(job), lossless=job.lossless, verify=job.verify, metric=m.metric,
+        now = self._threshold(job) if threshold is None else threshold
+        drafts = job.sampling.greedy  # the draft sources, used where the plan verifies drafts
+        return base.decode_plan(
+            m.loaded, threshold=None if job.threshold is None and threshold is None else now, lossless=job.lossless,
+            verify=job.verify, default_mode=self.policy.default_mode, default_threshold=now, metric=m.metric,
             block_size=m.block_size, max_tokens=job.max_tokens, cache=self.limits.cache, block_cache=self.limits.block_cache,
             sampling=job.sampling, ngram=self.limits.ngram if drafts else 0, alternatives=self.limits.alternatives if drafts else 0,
             **({} if drafts else {"corpus": None}),
         )
-        return plan if plan.mode is not Mode.AR else replace(plan, verify=False)
 
     def mode_name(self, job: Job, threshold: float | None) -> str:
         """The printable name of the mode a job ran in (`usage.mode`), at the loosest
         threshold it decoded at: what `mars generate --json` prints as "mode"."""
         plan = job.plan if job.plan is not None else self._plan(job)
-        if threshold is None or plan.lossless:
+        if threshold is None or plan.mode is Mode.LOSSLESS:
             return plan.name
-        return replace(plan, threshold=threshold).name
+        return self._plan(job, threshold).name
+
+    def _measure_costs(self):
+        m = self.model
+        return m.costs(m.make_decoder(), self._announce)
 
     def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:
         """Read (or measure now) the model's cost curves, of every batch size up to
-        `max_batch`, and build the greedy lossless window batches' feed policy on them. `mars
-        serve` does it before serving, so that no measurement falls inside a request;
-        otherwise the first request that needs the curves does it."""
-        if self.model.costs is None or self._stored_costs is not None:
+        `max_batch`. `mars serve` does it before serving, so that no measurement falls inside a
+        request; otherwise the first request that needs the curves does it."""
+        if self.feed is None:
             return
-        m = self.model
-        costs = m.costs(m.make_decoder(), announce)
-        costs.prepare(self.limits.max_batch)
-        self._stored_costs = costs.snapshot()
-        self._costs = costs
+        self._announce = announce
+        self.feed.prepare_all(self.limits.max_batch)
 
     def _join(self, job: Job) -> None:
         kind = job.kind()
         batch = self._batches.get(kind)
         if batch is None:
-            cost = None
             plan = job.plan
-            if plan.sampling.greedy and plan.feed == "auto" and plan.mode in (Mode.LOSSLESS, Mode.VERIFIED):
+            # The chosen feed serves greedy batches that verify drafts (lossless, verified).
+            feed = self.feed if plan.sampling.greedy and plan.verifies else None
+            if feed is not None and FeedController.uses(plan):
                 self.prepare_feed()
-                cost = self._stored_costs
-                if plan.lossless and plan.cache == "window" and self._costs is not None:
-                    if self._feed_policy is None:  # one policy for the server's life: it keeps what it learns
-                        self._feed_policy = FeedPolicy.for_plan(self._costs, plan)
-                    cost = self._feed_policy
             greedy = job.sampling.greedy
             decoder = self._idle_decoders.pop() if greedy and self._idle_decoders else self.model.make_decoder()
-            batch = self._batches[kind] = _Batch(decoder, plan, cost)
+            batch = self._batches[kind] = _Batch(decoder, plan, feed)
         row = batch.batch.join(job.prompt, threshold=self._threshold(job), max_tokens=job.max_tokens)
         batch.jobs[id(row)] = job
 
@@ -454,7 +449,8 @@ class Engine:
         for row, new in took:
             job = b.jobs[id(row)]
             tokens += len(new)
-            job.outbox.post(new, threshold=None if job.lossless else thresholds[id(row)], finish=row.finish if row.done else None)
+            job.outbox.post(new, threshold=None if job.plan.mode is Mode.LOSSLESS else thresholds[id(row)],
+                            finish=row.finish if row.done else None)
         still = {id(r) for r in b.batch.rows}
         for key in [k for k in b.jobs if k not in still]:
             del b.jobs[key]

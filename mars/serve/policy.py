@@ -27,7 +27,7 @@ import math
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from ..core.config import MODES
+from ..core.decode.plan import Mode
 from ..core.decode.rules import (
     ThresholdError,
     UntrainedModelError,
@@ -48,6 +48,10 @@ DEFAULT_LOOSE = {"probability": 0.7, "margin": 0.5, "entropy": 1.0}
 
 class PolicyError(ValueError):
     """A policy setting that cannot be used; the message names the setting."""
+
+
+# What --default-mode may name: the modes a request without a threshold can default to.
+DEFAULT_MODES = (Mode.THRESHOLD.value, Mode.LOSSLESS.value)
 
 
 @dataclass
@@ -103,8 +107,8 @@ class ThresholdPolicy:
     def _check(self, s: PolicySettings) -> None:
         if s.policy not in POLICIES:
             raise PolicyError(f"policy must be one of {', '.join(POLICIES)}, got {s.policy!r}")
-        if s.default_mode not in MODES:
-            raise PolicyError(f"default_mode must be one of {', '.join(MODES)}, got {s.default_mode!r}")
+        if s.default_mode not in DEFAULT_MODES:
+            raise PolicyError(f"default_mode must be one of {', '.join(DEFAULT_MODES)}, got {s.default_mode!r}")
         for name in ("default_threshold", "min_threshold", "max_threshold"):
             try:
                 check_threshold(self.metric, getattr(s, name), name=name)
@@ -180,10 +184,12 @@ class ThresholdPolicy:
             return looser(self.metric, requested, in_force)
 
     @property
-    def lossless_by_default(self) -> bool:
-        """Whether a request that names neither a threshold nor lossless decodes losslessly."""
+    def default_mode(self) -> Mode:
+        """How a request that names neither a threshold nor lossless is planned: losslessly
+        (fixed policy, default_mode "lossless") or at the threshold in force."""
         with self._lock:
-            return self.settings.policy == "fixed" and self.settings.default_mode == "lossless"
+            lossless = self.settings.policy == "fixed" and self.settings.default_mode == Mode.LOSSLESS.value
+        return Mode.LOSSLESS if lossless else Mode.THRESHOLD
 
     def allowed(self, requested: float) -> bool:
         """A request may ask for any threshold on a MARS model, only AR mode on another."""

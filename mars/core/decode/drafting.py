@@ -8,7 +8,7 @@ from typing import Protocol
 import numpy as np
 
 from .drafts.corpus import DraftCorpus
-from .cost import BatchCosts, CostCurve, DraftStats, FeedPolicy
+from .feed import DraftStats, FeedPolicy
 from .types import Row
 from .plan import DecodeSettings
 from .layout import Feed, lossless_width
@@ -35,9 +35,9 @@ def lookup_sources(settings: DecodeSettings) -> list[LookupSource]:
     """The lookup sources a plan drafts from: n-gram lookup in the prompt and reply, and the
     draft corpus, up to `ngram` drafts a step, greedy only (a sampled draft needs the
     distribution it came from)."""
-    if not settings.ngram or not settings.sampling.greedy:
+    if not settings.lookup_drafts:
         return []
-    return [NgramLookup()] + ([settings.corpus] if settings.corpus is not None else [])
+    return [NgramLookup()] + ([settings.drafts.corpus] if settings.drafts.corpus is not None else [])
 
 
 LOOKUP = (NgramLookup.name, DraftCorpus.name)  # draft sources found by lookup, not proposed by the model's masks
@@ -54,22 +54,18 @@ class Drafting:
     of the masks when that is expected to keep more (`DraftStats`, per source and slot;
     lookup's and the corpus's per match length, `ngram.source`, `corpus.source`), and a row
     with no drafts takes lookup's if it pays; with alternative
-    groups allowed (`DecodeSettings.alternatives`), how many the step feeds (all of them
+    groups allowed (`DraftSources.alternatives`), how many the step feeds (all of them
     without a cost curve; with one, the number that maximises expected tokens per second,
     each runner-up counted at its measured chance of being AR's token where the first
     draft fails). After the forward: the acceptance statistics and the cost curve learn."""
 
-    def __init__(self, settings: DecodeSettings, cost: CostCurve | BatchCosts | FeedPolicy | None, *, confident: bool = False):
+    def __init__(self, settings: DecodeSettings, policy: FeedPolicy | None, *, learn: bool = True):
         self.s = settings
-        # Verified threshold mode (mars.core.decode.verify.take_confident): what a step feeds changes
-        # the text, so the cost curves are not refreshed from the run's timings.
-        self.confident = confident
-        if isinstance(cost, FeedPolicy) and not cost.fits(settings.block_size, settings.window_spare_groups):
-            cost = cost.costs  # another block size or spare-group cap: start a policy for it
-        if isinstance(cost, (CostCurve, BatchCosts)):
-            cost = FeedPolicy.for_plan(cost, settings)
-        self.policy = cost
-        self.stats = cost.stats if cost is not None else DraftStats(slots=settings.block_size)
+        self.policy = policy
+        # Verified threshold mode (mars.core.decode.verify.take_confident): what a step feeds
+        # changes the text, so the cost curves are not refreshed from the run's timings.
+        self.learn = learn
+        self.stats = policy.stats if policy is not None else DraftStats(slots=settings.block_size)
         self.lookups = lookup_sources(settings)
         self._keys: list[str] = []  # per row of the step: the statistics its drafts count under
 
@@ -87,7 +83,7 @@ class Drafting:
             owns.append(r.drafts[:1])
             row_options = [(r.source, r.source, r.drafts[: max(m, 1)])] if r.drafts else []
             for lookup in self.lookups:
-                found = lookup.propose(r.seq, self.s.ngram)
+                found = lookup.propose(r.seq, self.s.lookup_drafts)
                 if found is not None:
                     row_options.append((lookup.name, *found))
             options.append(row_options)
@@ -176,6 +172,6 @@ class Drafting:
                 self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(verdict.kept[i]))
                 if feed.n_alts is not None and feed.n_alts[i] and not verdict.kept[i]:
                     self.stats.record_alternatives(int(feed.n_alts[i]), int(verdict.alt_hit[i]))
-        if self.policy is not None and not self.confident:
+        if self.policy is not None and self.learn:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

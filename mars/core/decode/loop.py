@@ -32,13 +32,13 @@ from typing import Any, Callable
 import numpy as np
 
 from ..acceptance import ar_mode_rows, check_threshold
-from .cost import BatchCosts, CostCurve, FeedPolicy, ThresholdFeed, block_cache_pays, frozen_costs
-from .types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
 from .drafting import Drafting
+from .feed import FeedController, FeedRun, ThresholdFeed
 from .layout import Columns, Feed, feed_mask
-from .verify import accept_by_threshold, count_drafts, take_confident, verify
 from .plan import STRATEGIES, DecodeSettings, Mode, Sampling
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
+from .types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
+from .verify import accept_by_threshold, count_drafts, take_confident, verify
 
 __all__ = [
     "STRATEGIES",
@@ -48,6 +48,7 @@ __all__ = [
     "DecodeResult",
     "DecodeSettings",
     "DecodeStats",
+    "FeedController",
     "Mode",
     "Drafting",
     "Feed",
@@ -66,31 +67,29 @@ def generate(
     prompts: list[list[int]],
     settings: DecodeSettings,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    cost: CostCurve | BatchCosts | FeedPolicy | None = None,
+    feed: FeedController | None = None,
 ) -> DecodeResult:
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 
-    `cost`, the backend's per-forward cost curve (mars.core.decode.cost), or a `FeedPolicy` built on
-    one (which keeps its acceptance statistics from call to call), unless `settings.feed` is
-    "fixed": greedy lossless decoding with the window cache (or none) then chooses per step
-    how many masks and spare groups to feed (`block_size` and `hedge` become caps), and
-    sampled lossless decoding with the window cache (or none) how many masks. With the
-    block cache it first checks that the block cache pays against that
-    (mars.core.decode.cost.block_cache_pays) and, where it does not, decodes with the window cache
-    instead (`stats.cache` says which ran). The output is the same either way.
+    `feed`, the model's feed controller (mars.core.decode.feed), unless `settings.feed` is
+    "fixed" (or None): greedy lossless decoding with the window cache (or none) then chooses
+    per step how many masks and spare groups to feed (`hedge` fixes them), and sampled
+    lossless decoding with the window cache (or none) how many masks. With the block cache it
+    first checks that the block cache pays against that and, where it does not, decodes with
+    the window cache instead (`stats.cache` says which ran). The output is the same either way.
 
-    Threshold mode (below AR mode) with `cost` chooses per step how many masks to feed
-    (mars.core.decode.cost.ThresholdFeed: a fresh policy per call on a frozen copy of the curves,
-    so the text depends on the prompts and the device's curves, not on the run's timings),
-    and likewise leaves the block cache where it does not pay. Its text can then differ
-    from a fixed feed's: a mask not fed cannot be accepted."""
+    Threshold mode (below AR mode) with `feed` chooses per step how many masks to feed
+    (ThresholdFeed: a fresh policy per call on the curves as measured, so the text depends on
+    the prompts and the device's curves, not on the run's timings), and likewise leaves the
+    block cache where it does not pay. Its text can then differ from a fixed feed's: a mask
+    not fed cannot be accepted. Verified threshold mode decides on the curves as measured too."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    s = settings
-    slots = s.masks_per_step + 1
-    rows = [Row(p, slots, threshold=s.threshold, max_tokens=s.max_tokens) for p in prompts]
-    s, stats = loop_plan(settings, cost, len(rows))
-    stats.rows = [r.stats for r in rows]
+    slots = settings.masks_per_step + 1
+    rows = [Row(p, slots, threshold=settings.threshold, max_tokens=settings.max_tokens) for p in prompts]
+    run = _Run.of(settings, feed, len(rows))
+    s = run.plan
+    stats = DecodeStats(rows=[r.stats for r in rows], cache=s.cache)
     strategy = make_strategy(s, rows)
     cache = backend.new_cache(len(rows))  # also resets the backend's per-row state
     if s.cache == "none":
@@ -100,7 +99,7 @@ def generate(
     everyone = rows
     while live:
         rows = [everyone[i] for i in live]
-        accepted = _advance(backend, cache, strategy, rows, s, stats)
+        accepted = _advance(backend, cache, strategy, rows, run, stats)
         if on_tokens is not None:
             for i, new in enumerate(accepted):
                 if new:
@@ -108,63 +107,65 @@ def generate(
         live = _compact(backend, cache, strategy, rows, live)
 
     rows = everyone
+    run.report(stats)
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
 
 
-def loop_plan(settings: DecodeSettings, cost, batch: int, *, served: bool = False) -> tuple[DecodeSettings, DecodeStats]:
-    """How the loop runs a plan, for `generate` and `ContinuousBatch` alike: the settings the
-    loop runs (verified threshold mode runs lossless mode's loop, window cache or none; the
-    block cache gives way to the window's where it does not pay against the cost-aware feed)
-    and the statistics that carry the feed it chooses per step (`drafting` for the lossless
-    loop, `threshold_feed` for threshold mode). `cost`: see `generate`; None, or a "fixed"
-    feed, feeds what the settings say. A served batch (`served`) keeps its cache and
-    feeds threshold mode's masks as its rows' thresholds ask."""
-    s, threshold_feed = settings, None
-    if s.feed == "fixed":
-        cost = None
-    confident = s.verified or (served and s.verify and s.sampling.greedy and not s.lossless)
-    if confident:
-        # Verified threshold mode: lossless mode's loop, taking confident drafts unverified
-        # (modes.take_confident). What it feeds changes the text, so, as in threshold mode, a
-        # fresh policy per call (per served batch) decides on a frozen copy of the curves
-        # (Drafting does not refresh them from the run's timings).
-        s = replace(s, lossless=True, cache="none" if s.cache == "none" else "window")
-        if cost is not None:
-            cost = FeedPolicy.for_plan(frozen_costs(cost), s)
-    if cost is not None and not s.lossless and s.masks_per_step and not served:
-        # Threshold mode: one policy per call, on a frozen copy of the curves (ThresholdFeed).
-        threshold_feed = ThresholdFeed(cost, s.block_size)
-        if s.cache == "block" and not block_cache_pays(threshold_feed, s.block_size, s.block_cache, 0, batch):
-            s = replace(s, cache="window")
-    if s.cache == "block" and cost is not None and s.lossless and s.sampling.greedy and not served:
-        if not block_cache_pays(cost, s.block_size, s.block_cache, s.window_spare_groups, batch):
-            s = replace(s, cache="window")
-    stats = DecodeStats(rows=[], cache=s.cache, threshold_feed=threshold_feed)
-    if s.lossless and s.cache != "block" and (s.sampling.greedy or cost is not None) and (not served or s.sampling.greedy):
-        # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
-        # how many of its drafts to verify) alone; the output distribution stays AR sampling's,
-        # whatever is fed (the choice is made before the step's draws).
-        stats.drafting = Drafting(s, cost, confident=confident)
-    return s, stats
+class _Run:
+    """How the loop runs a plan, for `generate` and `ContinuousBatch` alike: the plan with the
+    cache strategy that runs (FeedController.start), the drafting of the loops that verify
+    drafts (greedy, or sampled with a chosen feed), and threshold mode's chosen feed."""
+
+    def __init__(self, plan: DecodeSettings, feed: FeedRun, *, served: bool = False):
+        self.plan = plan if feed.cache == plan.cache else replace(plan, cache=feed.cache)
+        self.threshold_feed: ThresholdFeed | None = feed.threshold
+        self.drafting: Drafting | None = None
+        s = self.plan
+        if s.verifies and s.cache != "block" and (s.sampling.greedy or (feed.policy is not None and not served)):
+            # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
+            # how many of its drafts to verify) alone; the output distribution stays AR
+            # sampling's, whatever is fed (the choice is made before the step's draws).
+            self.drafting = Drafting(s, feed.policy, learn=feed.learn)
+
+    def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> None:
+        """Before a step: the chosen feed (masks, spare groups; threshold mode: masks) and drafts."""
+        choice = None
+        if self.drafting is not None:
+            self.drafting.before_step(strategy, rows)
+            if self.drafting.policy is not None:
+                choice = (strategy.masks, strategy.spare_groups)
+        if self.threshold_feed is not None:
+            strategy.masks = self.threshold_feed.choose(batch=max(1, len(rows)))[0]
+            choice = (strategy.masks, 0)
+        if choice is not None:
+            stats.feed_choices[choice] = stats.feed_choices.get(choice, 0) + 1
+
+    def report(self, stats: DecodeStats) -> None:
+        """The drafting statistics as they stand, into `stats` (plain copies)."""
+        draft = self.drafting.stats if self.drafting is not None else None
+        if draft is not None:
+            stats.draft_reached = {k: list(v) for k, v in draft.reached.items()}
+            stats.draft_kept = {k: list(v) for k, v in draft.kept.items()}
+
+    @classmethod
+    def of(cls, plan: DecodeSettings, feed: FeedController | None, batch: int, *, served: bool = False) -> _Run:
+        return cls(plan, feed.start(plan, batch, served=served) if feed is not None else FeedRun(plan.cache), served=served)
 
 
-def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats: DecodeStats) -> list[list[int]]:
+def _advance(backend, cache, strategy, rows: list[Row], run: _Run, stats: DecodeStats) -> list[list[int]]:
     """One forward of the loop: the strategy lays out what every row feeds, the backend runs
-    it, the mode (each row at its own threshold, or lossless verification) decides what each
-    row keeps, the rows grow and the strategy commits. Returns the tokens each row took (none
-    if it waited)."""
-    drafting, threshold_feed = stats.drafting, stats.threshold_feed
-    if drafting is not None:
-        drafting.before_step(strategy, rows)
-    if threshold_feed is not None:
-        strategy.masks = threshold_feed.choose(batch=max(1, len(rows)))[0]
+    it, the mode (each row at its own threshold, or verification of the drafts) decides what
+    each row keeps, the rows grow and the strategy commits. Returns the tokens each row took
+    (none if it waited)."""
+    s, drafting, threshold_feed = run.plan, run.drafting, run.threshold_feed
+    run.choose(strategy, rows, stats)
     feed = strategy.plan(rows)
     mask = feed_mask(strategy.keys(feed), feed)
     stats.forwards += 1
     stats.fed_tokens += feed.ids.size
-    if s.lossless:
+    confident = s.mode is Mode.VERIFIED
+    if s.verifies:
         t0 = time.perf_counter()
-        confident = drafting is not None and drafting.confident
         verdict = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None, runners_up=s.alternative_groups)
         if drafting is not None:
             drafting.after_step(feed, verdict, rows, time.perf_counter() - t0)
@@ -187,7 +188,7 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
         if not accepted[i]:
             r.stats.waited += 1
             continue
-        if s.lossless:
+        if s.verifies:
             count_drafts(r, int(feed.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
             # The runners-up of the row's next first draft: after confident drafts taken
             # unverified (verified threshold mode), of the first draft left.
@@ -199,7 +200,7 @@ def _advance(backend, cache, strategy, rows: list[Row], s: DecodeSettings, stats
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(verdict.kept[i])
         accepted[i] = _take(r, accepted[i], eos)
-    strategy.commit(backend, cache, rows, feed, before, verdict.kept if s.lossless else None)
+    strategy.commit(backend, cache, rows, feed, before, verdict.kept if s.verifies else None)
     return accepted
 
 
@@ -250,12 +251,13 @@ class ContinuousBatch:
     step: its whole prompt is fed in its first step beside the other rows' few tokens (holes
     pad them, as for prompts of different lengths in `generate`), and the cached keys it
     joins are holes to it. Greedy lossless decoding then runs `generate`'s lossless loop:
-    the drafts of the masks, the spare groups and n-gram lookup (`settings.ngram`), and with
-    `cost` (a FeedPolicy, kept by the caller across batches, or the curves to build one on)
-    the cost-aware feed. A row's tokens are its greedy AR tokens whatever else is in the batch.
-    Greedy threshold mode with `settings.verify` runs verified threshold mode as `generate`
-    does (`loop_plan`), each row at its own threshold; a batch of one row then says what
-    `generate` says for its prompt on the same curves.
+    the drafts of the masks, the spare groups and the lookup sources (`settings.drafts`), and
+    with `feed` (the model's FeedController, whose policy learns across batches) the
+    cost-aware feed. A row's tokens are its greedy AR tokens whatever else is in the batch.
+    A verified threshold plan runs verified threshold mode as `generate` does, each row at
+    its own threshold; a batch of one row then says what `generate` says for its prompt on
+    the same curves. A batch planned in AR or threshold mode feeds masks as its rows'
+    thresholds ask.
 
     Lossless mode and sampling belong to the batch, since a backend step samples every row
     alike; each row stops at its own max_tokens. A finished or removed row leaves at once.
@@ -266,13 +268,15 @@ class ContinuousBatch:
     """
 
     def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None,
-                 cost: CostCurve | BatchCosts | FeedPolicy | None = None):
+                 feed: FeedController | None = None):
         if settings.cache not in ("block", "window"):
             raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend
         # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
         # window decoding the drafting (its feed policy learns across the batch's life).
-        self.s, self.stats = loop_plan(settings, cost, 1, served=True)
+        self.run = _Run.of(settings, feed, 1, served=True)
+        self.s = self.run.plan
+        self.stats = DecodeStats(rows=[], cache=self.s.cache)
         self.keep_keys = keep_keys
         self.rows: list[Row] = []
         self.window = self.s.cache == "window"
@@ -343,9 +347,10 @@ class ContinuousBatch:
             return []
         s = self.s
         all_ar = ar_mode_rows(s.metric, [r.threshold for r in self.rows]).all()
-        self.strategy.masks = 0 if all_ar and not s.lossless else s.block_size  # lossless window: the drafting may narrow it
+        self.strategy.masks = 0 if all_ar and not s.verifies else s.block_size  # drafts verified: the drafting may narrow it
         rows = list(self.rows)
-        accepted = _advance(self.backend, self.cache, self.strategy, rows, s, self.stats)
+        accepted = _advance(self.backend, self.cache, self.strategy, rows, self.run, self.stats)
+        self.run.report(self.stats)
         self.leave([r for r in rows if r.done])
         return [(r, new) for r, new in zip(rows, accepted) if new]
 

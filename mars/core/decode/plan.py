@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..acceptance import check_metric, check_threshold, is_ar_mode
+from ..acceptance import ar_threshold, check_metric, check_threshold, is_ar_mode
 from ..config import MarsConfig
 from .rules import block_size_for, check_may_decode, checkpoint_mode, metric_for
 
@@ -53,10 +53,55 @@ class Sampling:
         return max(self.temperature, 1e-30)
 
 
-@dataclass
+@dataclass(frozen=True)
+class DraftSources:
+    """The draft sources a plan may feed beside the masks (docs/method.md §9), one value of the
+    plan (`DecodeSettings.drafts`); each is a proposer in mars.core.decode.drafts. They apply
+    where the plan verifies drafts (lossless and verified threshold mode), greedy, on the
+    window cache or none (`DecodeSettings.no_spare_groups` says why not elsewhere)."""
+
+    # The cap on spare groups (`--hedge` sets it): also feed up to this many spare groups of B
+    # masks, group g placed after the g-th draft (group 0 right after the last verified token)
+    # and attending only to what precedes it. When draft g + 1 is the first one rejected, the
+    # step still takes the AR token there, and group g's proposals (conditioned on verified
+    # tokens only) become the next drafts instead of none. Output stays AR's; only the drafts
+    # change. Each group costs B more fed tokens per step. None: B groups (after every draft);
+    # 0: no spare groups. See `DecodeSettings.spare_groups`.
+    hedge: int | None = None
+    # Also feed, for a row's first draft, up to this many runners-up (the next most likely
+    # tokens where that draft came from), each as an alternative group: the runner-up at the
+    # first draft's position, then B masks, attending only to the verified tokens before it.
+    # When the first draft is rejected and AR's token there is a runner-up, the step also takes
+    # AR's token after it (computed by its group) and its group's proposals become the next
+    # drafts. Output stays AR's. Each group costs 1 + B fed tokens a step (0: off).
+    alternatives: int = 0
+    # Also draft from n-gram lookup in the prompt and output (drafts/ngram.py), up to this many
+    # tokens a step (0: off); a row takes, per step, the source expected to keep more.
+    ngram: int = 0
+    # With `ngram` > 0, also draft from a draft corpus (drafts/corpus.py: the model's own
+    # earlier replies, e.g. the checkpoint's draft_corpus.npz), up to `ngram` tokens a step;
+    # None: no corpus drafts.
+    corpus: Any = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.hedge is not None and self.hedge < 0:
+            raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
+        if self.alternatives < 0:
+            raise ValueError(f"alternatives must be >= 0 runner-up drafts, got {self.alternatives}")
+        if self.ngram < 0:
+            raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
+
+
+@dataclass(frozen=True)
 class DecodeSettings:
+    """A plan: made by `decode_plan` (or built whole, as the tests do), never changed; a change
+    of mode or threshold (chat's /lossless, /threshold) makes a new plan through `decode_plan`.
+    `mode` must agree with the threshold: AR mode at the metric's AR threshold, threshold and
+    verified threshold mode below it (lossless mode ignores the threshold)."""
+
     mask_id: int
     eos_ids: tuple[int, ...]
+    mode: Mode = Mode.AR
     block_size: int = MarsConfig.block_size  # B: masks per step; a step accepts at most B + 1 tokens per row
     threshold: float = 1.0
     metric: str = MarsConfig.metric
@@ -64,47 +109,19 @@ class DecodeSettings:
     cache: str = "window"  # none | window | block
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
     sampling: Sampling = field(default_factory=Sampling)
-    lossless: bool = False  # masks draft, the next forward verifies: output exactly AR's (docs/method.md §8)
-    # The cap on spare groups (`--hedge` sets it). Lossless, greedy, window or no cache: also
-    # feed up to this many spare groups of B masks, group g placed after the g-th draft (group 0
-    # right after the last verified token) and attending only to what precedes it. When draft
-    # g + 1 is the first one rejected, the step still takes the AR token there, and group g's
-    # proposals (conditioned on verified tokens only) become the next drafts instead of none.
-    # Output stays AR's; only the drafts change. Each group costs B more fed tokens per step.
-    # None: B groups (after every draft); 0: no spare groups. See `spare_groups`.
-    hedge: int | None = None
-    # Lossless, greedy, window or no cache: also draft from n-gram lookup in the prompt and output
-    # (mars.core.decode.drafts.ngram), up to this many tokens a step (0: off); a row takes, per step, the source
-    # expected to keep more. (Sampled drafts need the distribution they came from; lookup has none.)
-    ngram: int = 0
-    # With `ngram` > 0, also draft from a draft corpus (mars.core.decode.drafts.corpus.DraftCorpus: the
-    # model's own earlier replies, e.g. the checkpoint's draft_corpus.npz), up to `ngram`
-    # tokens a step, chosen per step beside the other sources; None: no corpus drafts.
-    corpus: Any = field(default=None, repr=False, compare=False)
-    # Lossless, greedy, window or no cache: also feed, for a row's first draft, up to this many
-    # runners-up (the next most likely tokens where that draft came from), each as an
-    # alternative group: the runner-up at the first draft's position, then B masks, attending
-    # only to the verified tokens before it (a plain window ending at the runner-up). When the
-    # first draft is rejected and AR's token there is a runner-up, the step also takes AR's
-    # token after it (computed by its group) and its group's proposals become the next drafts.
-    # Output stays AR's. Each group costs 1 + B fed tokens a step (0: off).
-    alternatives: int = 0
-    # What a caller with a cost curve (mars.session.Session, `mars bench`) lets the loop choose
-    # per step: "auto", the masks (and spare groups) fed, from what a forward costs on the
-    # device (mars.core.decode.cost; lossless output stays AR's, threshold-mode text may then depend
-    # on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
+    drafts: DraftSources = field(default_factory=DraftSources)
+    # What a caller with a cost curve (mars.session.Session, `mars bench`, the server) lets the
+    # loop choose per step: "auto", the masks (and spare groups) fed, from what a forward costs
+    # on the device (mars.core.decode.feed; lossless output stays AR's, threshold-mode text may
+    # then depend on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
     feed: str = "auto"
-    # Threshold mode below AR mode, greedy: verified threshold mode (docs/method.md §9). Run
-    # lossless mode's loop (drafts from the masks, the spare groups and n-gram lookup, fed and
-    # kept where AR agrees; the window cache, or none) and also take, after each step's AR
-    # token, the leading next drafts whose confidence passes the threshold, unverified. Tokens
-    # differ from AR's only where such a draft was taken; the drafts it did not take are
-    # verified instead of dropped. Ignored in AR mode, in lossless mode and when sampling.
-    verify: bool = False
 
     def __post_init__(self):
         check_metric(self.metric)
-        self.threshold = check_threshold(self.metric, self.threshold)
+        object.__setattr__(self, "threshold", check_threshold(self.metric, self.threshold))
+        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
+        if not isinstance(self.mode, Mode):
+            raise ValueError(f"mode must be a Mode ({', '.join(m.name for m in Mode)}), got {self.mode!r}")
         if self.cache not in STRATEGIES:
             raise ValueError(f"cache must be one of {', '.join(STRATEGIES)}, got {self.cache!r}")
         if self.block_size < 1:
@@ -113,37 +130,30 @@ class DecodeSettings:
             raise ValueError(f"block cache size must be >= 1, got {self.block_cache}")
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
-        if self.hedge is not None and self.hedge < 0:
-            raise ValueError(f"hedge must be >= 0 spare mask groups, got {self.hedge}")
-        if self.alternatives < 0:
-            raise ValueError(f"alternatives must be >= 0 runner-up drafts, got {self.alternatives}")
-        if self.ngram < 0:
-            raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
         if self.feed not in FEEDS:
             raise ValueError(f"feed must be one of {', '.join(FEEDS)}, got {self.feed!r}")
+        ar = is_ar_mode(self.metric, self.threshold)
+        if self.mode is Mode.AR and not ar:
+            raise ValueError(f"AR mode decodes at threshold {ar_threshold(self.metric)}, not {self.threshold:g}")
+        if self.mode in (Mode.THRESHOLD, Mode.VERIFIED) and ar:
+            raise ValueError(f"{self.mode.value} mode needs a threshold below AR mode's {self.threshold:g}")
+        if self.mode is Mode.VERIFIED:
+            if not self.sampling.greedy:
+                raise ValueError("verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)")
+            if self.cache == "block":
+                raise ValueError("verified threshold mode runs on the window cache or none, not the block cache")
 
     @property
-    def not_verified(self) -> str | None:
-        """Why `verify` does nothing here, or None when it runs (see `verify`)."""
-        if self.lossless:
-            return "lossless mode verifies every draft already"
-        if not self.sampling.greedy:
-            return "verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)"
-        if self.masks_per_step == 0:
-            return "AR mode takes no mask's guess"
-        return None
-
-    @property
-    def verified(self) -> bool:
-        """Verified threshold mode runs (`verify`, and nothing rules it out)."""
-        return self.verify and self.not_verified is None
+    def verifies(self) -> bool:
+        """The loop feeds drafts and verifies them (lossless and verified threshold mode)."""
+        return self.mode in (Mode.LOSSLESS, Mode.VERIFIED)
 
     @property
     def no_spare_groups(self) -> str | None:
         """Why this run feeds no spare groups whatever `hedge` says, or None when it may:
-        greedy lossless with the window cache or none only (a sampled draft's acceptance needs
-        the distribution it was drawn from; spare groups would need theirs kept too)."""
-        if not (self.lossless or self.verified):
+        greedy, drafts verified, the window cache or none only (a sampled draft's acceptance
+        needs the distribution it was drawn from; spare groups would need theirs kept too)."""
+        if not self.verifies:
             return "spare mask groups are a lossless-mode (and verified threshold mode) feature"
         if not self.sampling.greedy:
             return "lossless sampling runs without spare mask groups (they apply to greedy decoding)"
@@ -153,16 +163,23 @@ class DecodeSettings:
 
     @property
     def spare_groups(self) -> int:
-        """Spare groups a window step feeds (see `hedge` and `no_spare_groups`)."""
+        """Spare groups a window step feeds (see DraftSources.hedge and `no_spare_groups`)."""
         if self.no_spare_groups:
             return 0
-        return self.block_size if self.hedge is None else min(self.hedge, self.block_size)
+        hedge = self.drafts.hedge
+        return self.block_size if hedge is None else min(hedge, self.block_size)
 
     @property
     def alternative_groups(self) -> int:
-        """Alternative groups a window step may feed (see `alternatives`): where spare groups
-        may be fed (`no_spare_groups`), `alternatives`, else none."""
-        return 0 if self.no_spare_groups else self.alternatives
+        """Alternative groups a window step may feed (DraftSources.alternatives): where spare
+        groups may be fed (`no_spare_groups`), `alternatives`, else none."""
+        return 0 if self.no_spare_groups else self.drafts.alternatives
+
+    @property
+    def lookup_drafts(self) -> int:
+        """The most drafts a step takes from lookup (n-gram, corpus): greedy only (a sampled
+        draft needs the distribution it came from), where drafts are verified."""
+        return self.drafts.ngram if self.verifies and self.sampling.greedy else 0
 
     @property
     def window_spare_groups(self) -> int:
@@ -172,20 +189,9 @@ class DecodeSettings:
 
     @property
     def masks_per_step(self) -> int:
-        # In AR mode the masks could never be accepted: feed none (a one-slot window).
-        # Lossless mode ignores the threshold: its masks only draft.
-        if self.lossless:
-            return self.block_size
-        return 0 if is_ar_mode(self.metric, self.threshold) else self.block_size
-
-    @property
-    def mode(self) -> Mode:
-        """The mode this plan runs in."""
-        if self.lossless:
-            return Mode.LOSSLESS
-        if self.masks_per_step == 0:
-            return Mode.AR
-        return Mode.VERIFIED if self.verified else Mode.THRESHOLD
+        """Masks a step feeds: none in AR mode (they could never be accepted: a one-slot
+        window), else B (lossless mode's only draft)."""
+        return 0 if self.mode is Mode.AR else self.block_size
 
     @property
     def name(self) -> str:
@@ -199,19 +205,71 @@ class DecodeSettings:
         return f"{'verified ' if mode is Mode.VERIFIED else ''}threshold {self.threshold:g} ({self.metric})"
 
 
-def decode_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool = False,
+def why_not_verified(plan: DecodeSettings) -> str | None:
+    """Why a plan asked to verify (greedy threshold mode's default) is not in verified
+    threshold mode, or None when it is."""
+    if plan.mode is Mode.VERIFIED:
+        return None
+    if plan.mode is Mode.LOSSLESS:
+        return "lossless mode verifies every draft already"
+    if not plan.sampling.greedy:
+        return "verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)"
+    return "AR mode takes no mask's guess"
+
+
+def choose_mode(metric: str, threshold: float, *, lossless: bool, verify: bool | None, sampling: Sampling) -> Mode:
+    """The one rule that names a run's mode (docs/method.md §5, §8, §9): lossless when asked;
+    AR at the metric's AR threshold; below it verified threshold mode when greedy, unless
+    `verify` is False; else threshold mode."""
+    if lossless:
+        return Mode.LOSSLESS
+    if is_ar_mode(metric, threshold):
+        return Mode.AR
+    if verify is not False and sampling.greedy:
+        return Mode.VERIFIED
+    return Mode.THRESHOLD
+
+
+def decode_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool | None = None,
                 verify: bool | None = None, metric: str | None = None, block_size: int | None = None, force: bool = False,
-                warn: Callable[[str], None] | None = None, **fields) -> DecodeSettings:
-    """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request:
-    the metric and block size default to the checkpoint's; with no threshold the checkpoint's
-    default mode applies (mars.json default_threshold, lossless when its default_mode says
-    so); greedy threshold mode is verified unless `verify` is False; a model without
-    mars.json is held to AR mode or lossless decoding unless `force`. `fields`: the other
-    DecodeSettings fields (max_tokens, cache, sampling, feed, the draft sources...)."""
+                warn: Callable[[str], None] | None = None, default_mode: Mode | None = None,
+                default_threshold: float | None = None, hedge: int | None = None,
+                alternatives: int = 0, ngram: int = 0, corpus: Any = None, drafts: DraftSources | None = None,
+                **fields) -> DecodeSettings:
+    """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request,
+    the only place a mode is chosen (`choose_mode`): the metric and block size default to the
+    checkpoint's; with no threshold the default mode applies: a server's (`default_mode`, at
+    `default_threshold`), else the checkpoint's (mars.json default_threshold, lossless when its
+    default_mode says so);
+    `lossless` None or False: not asked; greedy threshold mode is verified unless `verify` is
+    False; a model without mars.json is held to AR mode or lossless decoding unless `force`.
+    The draft sources come as `drafts` or as their fields (`hedge`, `alternatives`, `ngram`,
+    `corpus`); `fields`: the other DecodeSettings fields (max_tokens, cache, sampling, feed...).
+    Verified threshold mode runs on the window cache where the block cache was asked for."""
     metric = metric_for(mars, metric)
     if threshold is not None:
         threshold = check_threshold(metric, threshold)
-    threshold, lossless = checkpoint_mode(mars, metric, threshold, lossless)
+    if threshold is None and default_mode is not None:
+        lossless = default_mode is Mode.LOSSLESS if lossless is None else lossless
+        threshold = check_threshold(metric, ar_threshold(metric) if default_threshold is None else default_threshold)
+    threshold, lossless = checkpoint_mode(mars, metric, threshold, bool(lossless))
     check_may_decode(mars is not None, metric, threshold, lossless=lossless, force=force, warn=warn)
-    return DecodeSettings(mask_id=mask_id, eos_ids=tuple(eos_ids), block_size=block_size_for(mars, block_size), threshold=threshold,
-                          metric=metric, lossless=lossless, verify=verify is not False, **fields)
+    sampling = fields.get("sampling") or Sampling()
+    mode = choose_mode(metric, threshold, lossless=lossless, verify=verify, sampling=sampling)
+    if mode is Mode.VERIFIED and fields.get("cache") == "block":
+        fields["cache"] = "window"
+    if drafts is None:
+        drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus)
+    return DecodeSettings(mask_id=mask_id, eos_ids=tuple(eos_ids), mode=mode, block_size=block_size_for(mars, block_size),
+                          threshold=threshold, metric=metric, drafts=drafts, **fields)
+
+
+def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:
+    """A new plan through `decode_plan` for the same checkpoint (`mars`) and request as `plan`
+    but for what `asked` changes (threshold, lossless, verify, force...): chat's /threshold and
+    /lossless, and `mars generate --compare`'s AR run beside the mode."""
+    request = dict(mask_id=plan.mask_id, eos_ids=plan.eos_ids, metric=plan.metric, block_size=plan.block_size,
+                   max_tokens=plan.max_tokens, cache=plan.cache, block_cache=plan.block_cache, sampling=plan.sampling,
+                   feed=plan.feed, drafts=plan.drafts, lossless=plan.mode is Mode.LOSSLESS,
+                   threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold, verify=plan.mode is not Mode.THRESHOLD)
+    return decode_plan(mars, **{**request, **asked})

@@ -43,7 +43,7 @@ DEFAULT_METRIC: str = MarsConfig.metric
 # The most n-gram drafts a step of the default lossless configuration feeds (mars.core.decode.drafts.ngram).
 DEFAULT_NGRAM = 16
 # The most runners-up of a first draft a step of the default lossless configuration may feed
-# as alternative groups (DecodeSettings.alternatives; the cost-aware feed chooses how many).
+# as alternative groups (DraftSources.alternatives; the cost-aware feed chooses how many).
 DEFAULT_ALTERNATIVES = 2
 
 

@@ -43,14 +43,14 @@ class WindowStrategy:
         positions = consecutive_positions(valid, [r.cached for r in rows])
         padded, n = pad_drafts(drafts, s.mask_id)
         # A spare group follows a draft: no more of them than the most drafts any row feeds.
-        spare = min(self.spare_groups, int(n.max(initial=0))) if s.lossless and m else 0
+        spare = min(self.spare_groups, int(n.max(initial=0))) if s.verifies and m else 0
         # Runners-up for the first draft: only a row that feeds a draft has one to replace.
-        alts = [r.alts[: self.alt_groups] if d and s.lossless else [] for r, d in zip(rows, drafts)]
+        alts = [r.alts[: self.alt_groups] if d and s.verifies else [] for r, d in zip(rows, drafts)]
         alt_ids, n_alts = pad_drafts(alts, s.mask_id)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
         columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m,
                           spare_groups=spare, alt_groups=alt_ids.shape[1])
-        if not s.lossless:
+        if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
             return Feed(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
@@ -167,7 +167,7 @@ class BlockStrategy:
         waiting = [r.done or f >= size for r, f in zip(rows, fill)]
         room = [min(size - f, r.max_tokens - r.produced) for r, f in zip(rows, fill)]
         # Lossless: drafts fill the slots after the row's real ones, leaving room for the AR token.
-        drafts = [[] if w or not s.lossless else r.drafts[: k - 1] for r, w, k in zip(rows, waiting, room)]
+        drafts = [[] if w or not s.verifies else r.drafts[: k - 1] for r, w, k in zip(rows, waiting, room)]
         blk_ids = np.full((len(rows), size), s.mask_id, dtype=np.int64)
         blk_valid = np.zeros((len(rows), size), dtype=bool)
         for i, (r, start, f, d) in enumerate(zip(rows, self.block_start, fill, drafts)):
@@ -182,7 +182,7 @@ class BlockStrategy:
         # The cache keeps the fold (the last block or the prompt) and only that.
         last = width_fold + np.asarray(fill, dtype=np.int64) - 1
         columns = Columns(last=last, n_drafts=n, draft_slots=padded.shape[1], masks=self.masks, width=ids.shape[1], keep=width_fold)
-        if s.lossless:
+        if s.verifies:
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
             return Feed(ids, positions, valid, limit, columns, drafts=padded)
         limit = [0 if w else min(self.masks + 1, k) for w, k in zip(waiting, room)]

@@ -1,17 +1,13 @@
 """What the decoding loop and its callers share: the backend protocol, the rows being decoded
-and the statistics they report (docs/method.md §5, §8); the plan a run decodes by lives in
-mars.core.decode.plan."""
+and the statistics they report, plain data (docs/method.md §5, §8); the plan a run decodes by
+lives in mars.core.decode.plan."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from .cost import ThresholdFeed
-    from .drafting import Drafting
 
 
 class StepBackend(Protocol):
@@ -83,9 +79,14 @@ class DecodeStats:
     rows: list[RowStats]
     forwards: int = 0  # batch forwards run
     fed_tokens: int = 0  # token slots fed, holes included (the compute spent)
-    drafting: Drafting | None = field(default=None, repr=False)  # greedy lossless window decoding
-    threshold_feed: ThresholdFeed | None = field(default=None, repr=False)  # cost-aware threshold mode
     masks_fed: dict[int, int] = field(default_factory=dict)  # threshold mode: masks fed a step -> steps
+    # The cost-aware feed's choices in this run: (masks, spare groups) -> steps (threshold mode:
+    # (masks, 0)); empty with a fixed feed.
+    feed_choices: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Drafts verified, per draft source and slot j, as the drafting statistics stood after the
+    # run (mars.core.decode.feed.DraftStats: `reached`, every draft before slot j kept; `kept`).
+    draft_reached: dict[str, list[int]] = field(default_factory=dict)
+    draft_kept: dict[str, list[int]] = field(default_factory=dict)
     # The cache strategy that ran: the one asked for, or "window" where greedy lossless
     # decoding with the block cache was expected to be slower than with the window cache.
     cache: str | None = None
@@ -182,7 +183,7 @@ class Row:
         self.finish = ""
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
         self.source = "masks"  # where `drafts` came from: masks | spare | ngram | corpus | alt
-        self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DecodeSettings.alternatives)
+        self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DraftSources.alternatives)
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 
     @property

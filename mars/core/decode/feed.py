@@ -1,0 +1,386 @@
+"""The feed: how wide each step is, chosen from what a forward costs (mars.core.decode.cost)
+and what the drafts keep, and the one controller that owns it between calls.
+
+`DraftStats` keeps, per draft source (the masks, the spare groups, n-gram lookup, the corpus,
+runner-up alternatives) and per draft slot j, how often slot j was reached (every draft before
+it kept) and kept. `FeedPolicy.choose` picks, per lossless step, the masks and spare groups
+that maximise the expected tokens per second of a steady state (a three-state chain: a step
+has mask drafts, spare-group drafts or none), AR's own feed (no masks) included: when nothing
+pays it feeds what AR feeds, so decoding is never meaningfully slower than AR. Threshold mode
+feeds only masks; `ThresholdFeed` picks how many per step, from a frozen copy of the curves
+(its choice changes the text, so it must not follow timing noise).
+
+`FeedController` is what `mars.session.Session` and the server's engine each own: the
+curves (measured once, lossless decoding refreshing its copy from the forwards it times, a
+frozen copy for the modes whose text depends on the feed) and the lossless feed policies,
+which learn across calls. `FeedController.start` takes a plan and a batch and says how one
+call (or one served batch) runs: its cache strategy and the policy that chooses its feed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from .cost import BatchCosts, CostCurve
+from .plan import DecodeSettings, Mode
+
+@dataclass
+class DraftStats:
+    """Per draft source and slot j: steps where slot j was fed and every draft before it
+    was kept (`reached`), and where it was kept too. `rate(source, j)` is the estimated
+    chance that slot j is kept once reached, with a prior of `prior_mean` worth
+    `prior_weight` observations."""
+
+    slots: int
+    prior_mean: float = 0.5
+    prior_weight: float = 2.0
+    reached: dict[str, list[int]] = field(default_factory=dict)
+    kept: dict[str, list[int]] = field(default_factory=dict)
+
+    def _lists(self, source: str, width: int):
+        for table in (self.reached, self.kept):
+            row = table.setdefault(source, [])
+            if len(row) < width:
+                row.extend([0] * (width - len(row)))
+        return self.reached[source], self.kept[source]
+
+    def record(self, source: str, fed: int, kept: int) -> None:
+        if fed <= 0:
+            return
+        reached, kept_ = self._lists(source, fed)
+        for j in range(min(kept + 1, fed)):
+            reached[j] += 1
+        for j in range(kept):
+            kept_[j] += 1
+
+    def record_alternatives(self, fed: int, hit: int) -> None:
+        """A step whose first draft failed with `fed` runners-up fed: runner-up k was AR's
+        token if k == `hit` (-1: none was). Under source "runner_up", slot k counts the steps that
+        fed runner-up k (`reached`) and those where it was AR's token (`kept`)."""
+        reached, kept = self._lists("runner_up", fed)
+        for k in range(fed):
+            reached[k] += 1
+        if 0 <= hit < fed:
+            kept[hit] += 1
+
+    def rate(self, source: str, j: int) -> float:
+        reached, kept = self._lists(source, j + 1)
+        return (kept[j] + self.prior_mean * self.prior_weight) / (reached[j] + self.prior_weight)
+
+    def rates(self, source: str, n: int) -> list[float]:
+        return [self.rate(source, j) for j in range(n)]
+
+    def expected_kept(self, source: str, n: int) -> float:
+        """Expected drafts kept out of the first n of this source."""
+        return float(self.expected_kept_each(source, n)[-1]) if n else 0.0
+
+    def expected_kept_each(self, source: str, n: int) -> np.ndarray:
+        """(n,) expected drafts kept out of the first d of this source, for d = 1 .. n."""
+        return np.cumsum(np.cumprod(self.rates(source, n)))
+
+
+def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int,
+                 batch: int = 1) -> tuple[float, float, float]:
+    """A lossless step feeding `masks` masks and `groups` spare groups forever: the
+    stationary mix of steps with mask drafts (M), spare-group drafts (S) and none (N).
+    Returns (tokens per step and row, mean fed width per row, fraction of steps with drafts).
+
+    A batch's forward is as wide as its widest row: with `batch` rows each drafting a
+    fraction f of its steps, a step has drafts in some row with chance 1 - (1 - f)^batch,
+    and then every row pays for their width (at batch 1, the chance is f).
+
+    From a step with d = masks drafts of keep rates r, exactly g are kept with chance
+    prod(r[:g]) (1 - r[g]); all kept -> M (the masks' proposals), g < groups -> S (group
+    g's proposals), else N. From N the masks' proposals make the next step M."""
+    if masks == 0:
+        return 1.0, 1.0, 0.0
+
+    def outcome(rates):
+        reach, to_s, kept = 1.0, 0.0, 0.0  # reach: chance the first g drafts were kept
+        for g in range(masks):
+            if g < groups:
+                to_s += reach * (1.0 - rates[g])  # exactly g kept, and group g's proposals follow
+            reach *= rates[g]
+            kept += reach
+        return kept, reach, to_s, 1.0 - reach - to_s
+
+    km, mm, ms, mn = outcome(mask_rates)
+    ks, sm, ss, sn = outcome(spare_rates)
+    # Stationary distribution of the chain over (M, S, N), in closed form: N always leads to
+    # M, so pi_S = pi_M ms / (1 - ss) and pi_N = pi_M mn + pi_S sn (1 - ss > 0: every keep
+    # rate is below 1, DraftStats' prior sees to that).
+    s_per_m = ms / max(1.0 - ss, 1e-12)
+    n_per_m = mn + s_per_m * sn
+    pi_m = 1.0 / (1.0 + s_per_m + n_per_m)
+    pi_s, pi_n = s_per_m * pi_m, n_per_m * pi_m
+    tokens = pi_m * (1 + km) + pi_s * (1 + ks) + pi_n
+    drafting = pi_m + pi_s
+    narrow, wide = 1 + masks, 1 + masks + masks + groups * masks
+    width = narrow + (wide - narrow) * (1.0 - (1.0 - drafting) ** batch)
+    return float(tokens), float(width), drafting
+
+
+class FeedPolicy:
+    """Per step, the masks and spare groups a lossless window step feeds (see the module
+    docstring); `max_masks` is the checkpoint's block size B, `max_groups` the spare-group
+    cap. Keep one policy per loaded model to carry what it learned across calls.
+
+    AR's feed teaches nothing about the masks, so after `explore` AR steps in a row the
+    policy feeds the best other choice for two steps (one proposes drafts, the next
+    verifies them): estimates that went too low can recover. Each probe that leaves AR the
+    best choice doubles the run before the next (up to 32x `explore`), so a device where
+    the masks never pay (a CPU at batch 8) spends ever fewer steps on probes; a choice
+    other than AR's restores `explore`."""
+
+    source = "masks"  # the draft source whose keep rates `block_tokens` reads
+
+    def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
+                 explore: int = 32):
+        self.costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
+        self.max_masks = max_masks
+        self.max_groups = max_groups
+        self.stats = stats or DraftStats(slots=max_masks)
+        self.explore = explore
+        self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
+        # [used, offered]: a row's drafts from the masks (their own, a spare group's, an
+        # alternative group's) on offer at a step, and taken over lookup's and the corpus's.
+        self.mask_use = [0, 0]
+        self._ar_run = 0
+        self._probe = 0
+        self._interval = explore  # AR steps in a row before the next probe
+
+    @classmethod
+    def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> FeedPolicy:
+        """The policy of a plan's (mars.core.decode.plan.DecodeSettings) lossless loop: its block
+        size, and the spare groups it may feed on the window cache (where the block cache
+        gives way to the window's too). Every caller builds its policy here."""
+        return cls(curve, plan.block_size, plan.window_spare_groups, explore=explore)
+
+    @property
+    def curve(self) -> CostCurve:
+        """The one-row cost curve."""
+        return self.costs.one
+
+    def candidates(self):
+        yield 0, 0
+        for m in range(1, self.max_masks + 1):
+            for g in range(0, min(m, self.max_groups) + 1):
+                yield m, g
+
+    def used(self) -> float:
+        """How often the masks' drafts were taken where they were on offer (prior 1/2): n-gram
+        and corpus drafts, where a row has them, usually displace them."""
+        used, offered = self.mask_use
+        return (used + 1.0) / (offered + 2.0)
+
+    def rate(self, masks: int, groups: int, batch: int = 1) -> float:
+        """Expected tokens per second (per row) of feeding this forever (`steady_state`, whose
+        width is the batch's widest row's), the masks' drafts counted where they are taken
+        (`used`)."""
+        s = self.stats
+        tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups, batch)
+        return (1.0 + self.used() * (tokens - 1.0)) / self.costs.seconds(batch, width)
+
+    def choose(self, batch: int = 1) -> tuple[int, int]:
+        ranked = sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
+        best = ranked[0]
+        if best == (0, 0) and self.max_masks:
+            if not self._probe:
+                self._ar_run += 1
+                if self._ar_run > self._interval:
+                    self._ar_run, self._probe = 0, 2
+                    # If AR is still the best after this probe, the next one waits twice as long.
+                    self._interval = min(2 * self._interval, 32 * self.explore)
+            if self._probe:
+                self._probe -= 1
+                best = ranked[1]
+        else:
+            self._ar_run = 0
+            self._interval = self.explore
+        self.choices[best] = self.choices.get(best, 0) + 1
+        return best
+
+    def fits(self, max_masks: int, max_groups: int) -> bool:
+        return (self.max_masks, self.max_groups) == (max_masks, max_groups)
+
+    def block_tokens(self, slots: int) -> float:
+        """Expected tokens of a block-cache step whose masks may give `slots` more tokens:
+        one AR token plus the expected run of kept ones."""
+        return 1.0 + self.stats.expected_kept(self.source, slots)
+
+
+class ThresholdFeed(FeedPolicy):
+    """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9).
+
+    A threshold step feeding m masks takes the AR token plus the run of leading masks whose
+    confidence passes the threshold, at most m; nothing carries over to the next step. So
+    feeding m forever gives 1 + sum_j P(run >= j) tokens a step (per-slot pass rates in
+    `stats`, source "threshold", with the weak prior) for a forward as wide as the widest
+    row: its uncached tokens (1 + the run it took last step) plus m masks. The policy feeds
+    the m with the most expected tokens per second, m = 0 being AR's own feed, and probes
+    as FeedPolicy does.
+
+    Unlike lossless mode, what a threshold step feeds changes the text (a mask not fed
+    cannot be accepted), so the choice must not depend on when it is made: the policy
+    decides on a `BatchCosts.snapshot` of the curves (the forwards of the run do not
+    refresh them) and on the statistics of the call it serves (one policy per call). The
+    text then depends on the prompt, the batch and the device's cost curve, not on timing
+    noise within the run, nor on earlier calls."""
+
+    source = "threshold"
+
+    def __init__(self, curve: CostCurve | BatchCosts | FeedPolicy, max_masks: int, *, explore: int = 32):
+        super().__init__(frozen_costs(curve), max_masks, 0, explore=explore)
+
+    def candidates(self):
+        for m in range(self.max_masks + 1):
+            yield m, 0
+
+    def rate(self, masks: int, groups: int = 0, batch: int = 1) -> float:
+        reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks
+        tokens = 1.0 + float(reach.sum())
+        # The widest of `batch` rows feeds 1 + its last run (expected max over the rows) + m.
+        widest_run = float(np.sum(1.0 - (1.0 - reach) ** batch))
+        return tokens / self.costs.seconds(batch, 1 + masks + widest_run)
+
+    def record(self, fed: int, taken: int) -> None:
+        """A row's step: `fed` masks it could take (its limit less the AR token), `taken`
+        of them taken."""
+        self.stats.record(self.source, fed, taken)
+
+
+def frozen_costs(cost: CostCurve | BatchCosts | FeedPolicy) -> BatchCosts:
+    """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one
+    curve): what a feed that changes the text decides on, so that the run's own timings do
+    not steer it."""
+    costs = cost.costs if isinstance(cost, FeedPolicy) else cost
+    return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
+
+
+def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
+    """Whether decoding `batch` rows with the block cache is expected to be faster than with
+    the window cache and the cost-aware feed (which falls back to AR's own feed when nothing
+    pays): greedy lossless decoding with a FeedPolicy (or a curve), threshold mode with a
+    ThresholdFeed.
+
+    A block step feeds every row's B_cache slots, and once per block the finished block in
+    front of them: about B_cache + t tokens a row for t tokens taken, where t is one AR
+    token plus the drafts kept (the masks passed) out of min(B, B_cache - 1). The window's
+    best feed is the policy's own choice. Where a forward's cost grows slowly with width (a
+    GPU) the block cache can win; where it grows fast (a CPU) it cannot."""
+    policy = cost if isinstance(cost, FeedPolicy) else FeedPolicy(cost, block_size, spare_groups)
+    tokens = policy.block_tokens(min(block_size, block_cache - 1))
+    block = tokens / policy.costs.seconds(batch, block_cache + tokens)
+    window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
+    return block >= window
+
+
+
+@dataclass
+class FeedRun:
+    """How one call of the loop (or one served batch) runs its plan: the cache strategy that
+    runs (the plan's, or the window's where the block cache does not pay against the
+    cost-aware feed), and what chooses each step's feed: `policy`, the lossless loop's masks
+    and spare groups (with `learn`, the curves learn from the forwards the loop times), and
+    `threshold`, threshold mode's masks. Neither: the plan's fixed feed."""
+
+    cache: str
+    policy: FeedPolicy | None = None
+    threshold: ThresholdFeed | None = None
+    learn: bool = False
+
+
+class FeedController:
+    """The feed of one loaded model, kept between calls: what `Session` and the server's engine
+    own and hand to the loop (`mars.core.decode.loop.generate`, `ContinuousBatch`).
+
+    It holds the model's cost curves, measured when first needed (`measure`, returning a
+    BatchCosts; or `costs`, given), in two copies: the live one, which lossless decoding
+    refreshes from the forwards it times, and a frozen one (as measured) that threshold and
+    verified threshold mode decide on, since their text depends on what they feed and must not
+    follow the run's timings. It keeps one lossless feed policy per block size, spare-group cap
+    and kind of decoding (greedy or sampled), which learns across calls."""
+
+    def __init__(self, costs: CostCurve | BatchCosts | None = None, *, measure: Callable[[], BatchCosts] | None = None,
+                 explore: int = 32):
+        if costs is None and measure is None:
+            raise ValueError("a feed controller needs cost curves or a way to measure them")
+        self._measure = measure
+        self._live: BatchCosts | None = None
+        self._stored: BatchCosts | None = None
+        if costs is not None:
+            self._set(costs)
+        self.explore = explore  # the policies' probing (FeedPolicy)
+        self.policies: dict[tuple, FeedPolicy] = {}
+
+    def _set(self, costs: CostCurve | BatchCosts) -> None:
+        self._live = costs if isinstance(costs, BatchCosts) else BatchCosts(costs)
+        self._stored = self._live.snapshot()
+
+    @property
+    def costs(self) -> BatchCosts:
+        """The live curves (measured now if they never were)."""
+        if self._live is None:
+            self._set(self._measure())
+        return self._live
+
+    @property
+    def stored(self) -> BatchCosts:
+        """The curves as measured, which no timed forward refreshes."""
+        self.costs
+        return self._stored
+
+    @staticmethod
+    def uses(plan: DecodeSettings) -> bool:
+        """Whether a plan decodes with a chosen feed: "auto", below AR mode (lossless, threshold
+        or verified threshold mode; `hedge`, where given, caps the spare groups)."""
+        return plan.feed == "auto" and plan.mode is not Mode.AR
+
+    def prepare(self, plan: DecodeSettings, batch: int = 1) -> None:
+        """Measure now every curve a call of `plan` over up to `batch` rows may need, so that no
+        measurement falls inside a timed run."""
+        if self.uses(plan):
+            self.prepare_all(batch, stored=plan.mode is not Mode.LOSSLESS)
+
+    def prepare_all(self, batch: int, *, stored: bool = True) -> None:
+        """Measure now the live curves of every batch size up to `batch` (and, with `stored`,
+        the stored copy's: curves measured after the copy was taken are its own)."""
+        self.costs.prepare(batch)
+        if stored:
+            self._stored.prepare(batch)
+
+    def policy_for(self, plan: DecodeSettings) -> FeedPolicy:
+        """The lossless feed policy of a plan's block size, window spare-group cap and kind of
+        decoding, kept across calls."""
+        key = (plan.block_size, plan.window_spare_groups, plan.sampling.greedy)
+        if key not in self.policies:
+            self.policies[key] = FeedPolicy.for_plan(self.costs, plan, explore=self.explore)
+        return self.policies[key]
+
+    def start(self, plan: DecodeSettings, batch: int, *, served: bool = False) -> FeedRun:
+        """How a call of `plan` over `batch` rows runs (a served batch, `served`, keeps its cache
+        and feeds threshold mode's masks as its rows' thresholds ask)."""
+        if not self.uses(plan):
+            return FeedRun(plan.cache)
+        self.prepare(plan, batch)
+        if plan.mode is Mode.VERIFIED:
+            # What it feeds changes the text: a fresh policy per call (per served batch) on a
+            # frozen copy of the curves, which the run's timings do not refresh.
+            return FeedRun(plan.cache, policy=FeedPolicy.for_plan(self.stored.snapshot(), plan))
+        if plan.mode is Mode.THRESHOLD:
+            if served:
+                return FeedRun(plan.cache)
+            feed = ThresholdFeed(self.stored, plan.block_size, explore=self.explore)  # one policy per call, on a frozen copy
+            cache = plan.cache
+            if cache == "block" and not block_cache_pays(feed, plan.block_size, plan.block_cache, 0, batch):
+                cache = "window"
+            return FeedRun(cache, threshold=feed)
+        policy = self.policy_for(plan)
+        cache = plan.cache
+        if cache == "block" and plan.sampling.greedy and not served:
+            if not block_cache_pays(policy, plan.block_size, plan.block_cache, plan.window_spare_groups, batch):
+                cache = "window"
+        return FeedRun(cache, policy=policy, learn=True)
