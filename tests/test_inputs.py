@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
 from mars.convert import ConvertError, convert_model
-from tiny import make_plan
+from mars.core.decode.plan import DecodeSettings, Mode
 from mars.core.acceptance import THRESHOLD_RANGES, ThresholdError, check_threshold
 from mars.core.config import ConfigError, MarsConfig
 from clitools import invoke, ok, one_line_error
@@ -141,13 +141,13 @@ def test_threshold_ranges(metric):
     low, high = THRESHOLD_RANGES[metric]
     for good in (low, 0.5, 1.0, 3.0 if math.isinf(high) else high):
         assert check_threshold(metric, good) == good
-        make_plan(mask_id=3, eos_ids=(2,), threshold=good, metric=metric)
+        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=good, metric=metric)  # any mode's threshold
     for bad in (-1, -1e-9, math.nan, math.inf, -math.inf, "0.5", True, None) + ((1.5, 1 + 1e-9) if high == 1.0 else ()):
         with pytest.raises(ThresholdError) as e:
             check_threshold(metric, bad)
         assert "\n" not in str(e.value)
         with pytest.raises(ThresholdError):
-            make_plan(mask_id=3, eos_ids=(2,), threshold=bad, metric=metric)
+            DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=bad, metric=metric)
     with pytest.raises(ConfigError, match="default_threshold"):
         MarsConfig(block_size=4, mask_token="m", mask_token_id=3, metric=metric, default_threshold=-1).validate()
 
@@ -218,25 +218,34 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     from mars.backends.torch.model import TorchDecoder, load
     from mars.serve import ServeLimits, build
     from mars.serve.api import ApiError, parse
+    from mars.serve.engine import Job
 
     tm = load(lossless_ckpt, device="cpu", announce=lambda m: None)
     limits = ServeLimits()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     _, engine = build(tm, TorchDecoder)
-    assert engine.policy.lossless_by_default
+    assert engine.policy.default_mode is Mode.LOSSLESS
     req = lambda b: parse(b, chat=True, model=engine.model, policy=engine.policy, limits=limits)  # noqa: E731
-    assert req(body).lossless
-    assert not req({**body, "threshold": 0.9}).lossless and req({**body, "threshold": 0.9}).threshold == 0.9
-    assert not req({**body, "lossless": False}).lossless
+
+    def planned(b):
+        """The plan the engine makes for the request (decode_plan, with the server's defaults)."""
+        r = req(b)
+        return engine._plan(Job(prompt=r.prompt, max_tokens=r.max_tokens, outbox=None, sampling=r.sampling, lossless=r.lossless,
+                                verify=r.verify, threshold=r.threshold, pinned=r.pinned))
+
+    assert req(body).lossless is None and planned(body).mode is Mode.LOSSLESS
+    at = planned({**body, "threshold": 0.9})
+    assert at.mode is Mode.VERIFIED and at.threshold == 0.9 and req({**body, "threshold": 0.9}).threshold == 0.9
+    assert planned({**body, "lossless": False}).mode is not Mode.LOSSLESS
     for bad in (-1, 1.5):
         with pytest.raises(ApiError) as e:
             req({**body, "threshold": bad})
         assert e.value.status == 400 and "out of range" in e.value.body()["error"]["message"]
     # told otherwise: a server threshold, or a policy that turns it
-    assert not build(tm, TorchDecoder, policy={"default_threshold": 0.9})[1].policy.lossless_by_default
-    assert not build(tm, TorchDecoder, policy={"policy": "adaptive"})[1].policy.lossless_by_default
-    assert not build(tm, TorchDecoder, policy={"default_mode": "threshold"})[1].policy.lossless_by_default
+    assert not build(tm, TorchDecoder, policy={"default_threshold": 0.9})[1].policy.default_mode is Mode.LOSSLESS
+    assert not build(tm, TorchDecoder, policy={"policy": "adaptive"})[1].policy.default_mode is Mode.LOSSLESS
+    assert not build(tm, TorchDecoder, policy={"default_mode": "threshold"})[1].policy.default_mode is Mode.LOSSLESS
 
 
 def test_bench_shows_progress(tiny, tmp_path):

@@ -113,7 +113,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
     knob = (f"adaptive threshold {described['max_threshold']}..{described['min_threshold']} ({described['metric']}), "
             f"full at load {described['full_load']}" if described["policy"] == "adaptive"
             else f"lossless by default (threshold {described['default_threshold']} ({described['metric']}) on request)"
-            if engine.policy.lossless_by_default
+            if engine.policy.default_mode.value == "lossless"
             else f"fixed threshold {described['default_threshold']} ({described['metric']}; greedy requests verified unless they say "
                  f"\"verify\": false)")
     engine.prepare_feed(announce=lambda m: click.echo(m, err=True))

@@ -3,45 +3,15 @@ feeds, and how many masks and spare groups a step feeds."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
-from .drafts.corpus import DraftCorpus
+from .drafts import IN_FORWARD, lookup_sources
 from .feed import DraftStats, FeedPolicy
 from .types import Row
 from .plan import DecodeSettings
 from .layout import Feed, lossless_width
 from .verify import Verdict
-from .drafts.ngram import NgramLookup
 from .strategies import WindowStrategy
-
-class LookupSource(Protocol):
-    """A draft source that finds a row's drafts in what the row has seen, as vLLM's proposers
-    do; the loop feeds and verifies them like the masks' own. The masks, spare groups and
-    runner-up alternatives are the model's own proposals (mars.core.decode.verify.verify); these are
-    the others. A new one is a class with `name` and `propose`, registered in
-    `lookup_sources`."""
-
-    name: str
-
-    def propose(self, seq: list[int], max_drafts: int) -> tuple[str, list[int]] | None:
-        """Up to `max_drafts` drafts to follow `seq` and the statistics key they count under
-        (`DraftStats`: one per source and match length), or None."""
-        ...
-
-
-def lookup_sources(settings: DecodeSettings) -> list[LookupSource]:
-    """The lookup sources a plan drafts from: n-gram lookup in the prompt and reply, and the
-    draft corpus, up to `ngram` drafts a step, greedy only (a sampled draft needs the
-    distribution it came from)."""
-    if not settings.lookup_drafts:
-        return []
-    return [NgramLookup()] + ([settings.drafts.corpus] if settings.drafts.corpus is not None else [])
-
-
-LOOKUP = (NgramLookup.name, DraftCorpus.name)  # draft sources found by lookup, not proposed by the model's masks
-
 
 class Drafting:
     """Lossless window decoding: which drafts each row feeds, and how wide a step is (greedy;
@@ -90,13 +60,13 @@ class Drafting:
         picks = self._pick_all(options, m, g, batch)
         if self.policy is not None:  # how often the masks' drafts win where they are on offer (FeedPolicy.used)
             for row_options, (source, _, drafts) in zip(options, picks):
-                if any(o[0] not in LOOKUP for o in row_options):
+                if any(o[0] in IN_FORWARD for o in row_options):
                     self.policy.mask_use[1] += 1
-                    self.policy.mask_use[0] += bool(drafts) and source not in LOOKUP
+                    self.policy.mask_use[0] += bool(drafts) and source in IN_FORWARD
         for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
-            if r.source in LOOKUP:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+            if r.source not in IN_FORWARD:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
             strategy.alt_groups = self._alternatives(rows, m, g, batch)

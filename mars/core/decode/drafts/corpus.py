@@ -48,7 +48,7 @@ def _hashes(values: np.ndarray, n: int) -> np.ndarray:
 
 
 class DraftCorpus:
-    """A draft source (mars.core.decode.drafting.LookupSource, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
+    """A draft source (mars.core.decode.drafts.Proposer, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
     `match`. Immutable once built: copies share it."""
 
     name = "corpus"
@@ -122,7 +122,7 @@ class DraftCorpus:
         return 0, []
 
     def propose(self, seq, max_drafts: int) -> tuple[str, list[int]] | None:
-        """mars.core.decode.drafting.LookupSource: the drafts of `match` and the statistics key of
+        """mars.core.decode.drafts.Proposer: the drafts of `match` and the statistics key of
         their match length (`source`), or None."""
         n, found = self.match(seq, max_drafts=max_drafts)
         return (source(n), found) if found else None

@@ -59,7 +59,7 @@ def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_n
 
 
 class NgramLookup:
-    """The prompt-lookup draft source (mars.core.decode.drafting.LookupSource)."""
+    """The prompt-lookup draft source (mars.core.decode.drafts.Proposer)."""
 
     name = "ngram"
 
