@@ -19,30 +19,47 @@ from ..masks import decode_mask
 
 
 @dataclass(frozen=True)
+class Group:
+    """The columns an in-forward draft source (mars.core.decode.drafts: a spare group, a
+    runner-up alternative) adds to a lossless window step, per row: placed after the row's
+    first `anchor[r]` drafts (it sees the fed columns up to its last real token plus those
+    drafts, and itself, causally, as a plain window ending there would), it feeds `prefix[r]`
+    (real ids, e.g. a runner-up for the draft after the anchor) and then `masks` masks. Its
+    proposals, the outputs at its masks, follow AR's token after the anchor (and after the
+    prefix, whose outputs are AR's tokens after it). A row where `live[r]` is False gets holes."""
+
+    source: str  # the draft source its proposals count under
+    anchor: np.ndarray  # (b,) int64: drafts before it
+    prefix: np.ndarray  # (b, p) int64: real ids it feeds before its masks
+    live: np.ndarray  # (b,) bool
+    masks: int
+
+    @property
+    def width(self) -> int:
+        return self.prefix.shape[1] + self.masks
+
+
+@dataclass(frozen=True)
 class Columns:
     """Where a step's parts sit among the fed columns, per row.
 
     Row r's last real token is at column `last[r]`; its `n_drafts[r]` drafts follow it, then
     its masks, of which the first `masks` are read. The step's first `width` columns hold all
-    that; `spare_groups` groups of `masks` masks each follow them (`spare_columns`), then
-    `alt_groups` alternative groups of 1 + `masks` columns each (`alt_columns`: a runner-up
-    for the first draft, then masks). After the step the cache keeps the first `keep` fed
-    columns (rejected drafts aside).
+    that; the in-forward sources' `groups` follow, one after another (`group_columns`). After
+    the step the cache keeps the first `keep` fed columns (rejected drafts aside).
 
     Each output slot of the step is read at one column (`read`): first the AR reads, 1 + D
     of them (the output at `last`, then at each draft; D the most drafts any row feeds, a row
-    with fewer repeating its last read), then the masks', then the spare groups', then the
-    alternative groups' (each: its runner-up's, then its masks').
-    `ar_reads`, `mask_reads`, `spare_reads` and `alt_reads` say which output slots are which."""
+    with fewer repeating its last read), then the masks', then every group column, in order.
+    `ar_reads`, `mask_reads` and `group_reads` say which output slots are which."""
 
     last: np.ndarray  # (b,) int64
     n_drafts: np.ndarray  # (b,) int64; zeros outside lossless mode
     draft_slots: int  # D: the drafts' padded width (0 outside lossless mode)
     masks: int
-    width: int  # fed columns before the spare groups
+    width: int  # fed columns before the groups
     keep: int  # leading fed columns the cache keeps after the step
-    spare_groups: int = 0
-    alt_groups: int = 0
+    groups: tuple[Group, ...] = ()
 
     @property
     def first_mask(self) -> np.ndarray:
@@ -51,16 +68,45 @@ class Columns:
 
     @property
     def total(self) -> int:
-        """Every fed column, the spare and alternative groups' included."""
-        return self.width + self.spare_groups * self.masks + self.alt_groups * (1 + self.masks)
+        """Every fed column, the groups' included."""
+        return self.width + sum(g.width for g in self.groups)
 
-    def spare_columns(self, group: int) -> np.ndarray:
-        """The fed columns of spare group `group` (the same for every row)."""
-        return self.width + group * self.masks + np.arange(self.masks)
+    def group_start(self, index: int) -> int:
+        """Offset of group `index`'s first column past `width` (and of its first read past the masks')."""
+        return sum(g.width for g in self.groups[:index])
 
-    def alt_columns(self, group: int) -> np.ndarray:
-        """The fed columns of alternative group `group`: its runner-up, then its masks."""
-        return self.width + self.spare_groups * self.masks + group * (1 + self.masks) + np.arange(1 + self.masks)
+    def group_columns(self, index: int) -> np.ndarray:
+        """The fed columns of group `index` (the same for every row)."""
+        return self.width + self.group_start(index) + np.arange(self.groups[index].width)
+
+    def group_reads(self, index: int) -> slice:
+        """The output slots of group `index`: its prefix's, then its masks'."""
+        start = self.draft_slots + 1 + self.masks + self.group_start(index)
+        return slice(start, start + self.groups[index].width)
+
+    def count(self, source: str) -> int:
+        """Groups of a source fed this step."""
+        return sum(g.source == source for g in self.groups)
+
+    def reads(self, source: str) -> slice:
+        """The output slots of a source's groups, which sit together."""
+        indices = [i for i, g in enumerate(self.groups) if g.source == source]
+        if not indices:
+            start = self.draft_slots + 1 + self.masks + self.group_start(len(self.groups))
+            return slice(start, start)
+        return slice(self.group_reads(indices[0]).start, self.group_reads(indices[-1]).stop)
+
+    @property
+    def spare_groups(self) -> int:
+        return self.count("spare")
+
+    @property
+    def alt_groups(self) -> int:
+        return self.count("alt")
+
+    @property
+    def alt_reads(self) -> slice:
+        return self.reads("alt")
 
     @property
     def ar_reads(self) -> slice:
@@ -69,16 +115,6 @@ class Columns:
     @property
     def mask_reads(self) -> slice:
         return slice(self.draft_slots + 1, self.draft_slots + 1 + self.masks)
-
-    @property
-    def spare_reads(self) -> slice:
-        start = self.draft_slots + 1 + self.masks
-        return slice(start, start + self.spare_groups * self.masks)
-
-    @property
-    def alt_reads(self) -> slice:
-        start = self.draft_slots + 1 + self.masks + self.spare_groups * self.masks
-        return slice(start, start + self.alt_groups * (1 + self.masks))
 
     def read(self) -> np.ndarray:
         """(b, k) the column each output slot is read at. A row that feeds nothing (finished,
@@ -91,7 +127,7 @@ class Columns:
         extra = self.total - self.width
         if not extra:
             return read
-        groups = self.width + np.arange(extra)  # spare groups', then alternative groups' columns, each read
+        groups = self.width + np.arange(extra)  # every group column, each read
         return np.concatenate([read, np.broadcast_to(groups, (len(read), groups.size))], axis=1)
 
 
@@ -104,11 +140,8 @@ class Feed:
     columns: Columns  # where each row's parts sit; slot j of row r is read at read[r, j]
     # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r].
     drafts: np.ndarray | None = None
-    # With spare or alternative groups: (b, q, q), which fed columns each fed query may see.
+    # With groups: (b, q, q), which fed columns each fed query may see.
     attend: np.ndarray | None = None
-    # With alternative groups: (b, A) the runners-up fed, padded, of which row r fed n_alts[r].
-    alts: np.ndarray | None = None
-    n_alts: np.ndarray | None = None
 
     @cached_property
     def read(self) -> np.ndarray:
@@ -129,12 +162,53 @@ class Feed:
     def spare_groups(self) -> int:
         return self.columns.spare_groups
 
+    @property
+    def n_alts(self) -> np.ndarray | None:
+        """(b,) runner-up alternatives each row fed (None without alternative groups)."""
+        alts = [g for g in self.columns.groups if g.source == "alt"]
+        return np.sum([g.live for g in alts], axis=0).astype(np.int64) if alts else None
+
 
 def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:
     """Columns a row feeds in a lossless window step with its cache up to date: the token the
     last step took, its drafts, the masks, a spare group after each of the first drafts, and
     alternative groups (1 + masks each) when it has a draft."""
     return 1 + drafts + masks + min(spare_groups, drafts) * masks + (alt_groups * (1 + masks) if drafts else 0)
+
+
+def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
+    """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and
+    `attend`, which fed columns each fed query may see.
+
+    Group k of a row where it is live sits, by position and by what it attends to, right after
+    the row's `anchor` drafts (anchor 0: after the last verified token): it sees the fed
+    columns up to there, then its own columns causally (its prefix, then its masks), as a plain
+    window ending at the anchor and continuing with the prefix would. Other rows' group columns
+    are holes."""
+    b, w0 = ids.shape
+    width = columns.total
+    wide_ids = np.full((b, width), mask_id, dtype=np.int64)
+    wide_ids[:, :w0] = ids
+    wide_valid = np.zeros((b, width), dtype=bool)
+    wide_valid[:, :w0] = valid
+    wide_positions = np.zeros((b, width), dtype=np.int64)
+    wide_positions[:, :w0] = positions
+    attend = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (b, width, width)).copy()
+    attend[:, w0:, :] = False
+    rows = np.arange(b)
+    for k, group in enumerate(columns.groups):
+        cols = columns.group_columns(k)
+        live = group.live
+        p = group.prefix.shape[1]
+        if p:
+            wide_ids[:, cols[:p]] = np.where(live[:, None], group.prefix, mask_id)
+        wide_valid[:, cols] = live[:, None]
+        anchor = columns.last + group.anchor  # the column the group follows
+        wide_positions[:, cols] = np.where(live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(group.width)[None, :], 0)
+        upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
+        attend[:, cols, :w0] = upto[:, None, :]
+        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((group.width, group.width), dtype=bool))[None]
+    return wide_ids, wide_valid, wide_positions, attend
 
 
 def right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int]):

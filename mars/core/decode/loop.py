@@ -194,8 +194,10 @@ def _advance(backend, cache, strategy, rows: list[Row], run: _Run, stats: Decode
             # unverified (verified threshold mode), of the first draft left.
             first = taken[i] if taken is not None else 0
             r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
-            if verdict.alt_hit[i] >= 0:
-                r.stats.by_source["alt"] = r.stats.by_source.get("alt", 0) + 1
+            if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
+                group = feed.columns.groups[verdict.group[i]]
+                if group.prefix.shape[1]:
+                    r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + group.prefix.shape[1]
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(verdict.kept[i])

@@ -11,7 +11,8 @@ import numpy as np
 
 from .types import Row
 from .plan import DecodeSettings
-from .layout import Columns, Feed, consecutive_positions, pad_drafts, right_aligned
+from .drafts import GROUP_SOURCES
+from .layout import Columns, Feed, consecutive_positions, pad_drafts, right_aligned, with_groups
 
 
 class WindowStrategy:
@@ -19,9 +20,10 @@ class WindowStrategy:
 
     With `cached=False` nothing is kept: every step feeds the whole sequence.
     With `cached=True` the cache keeps committed tokens only; mask entries are cropped.
-    Lossless mode feeds each row's drafts between its real tokens and its masks, and greedy
-    lossless mode up to `spare_groups` spare groups after all of them, then up to
-    `alt_groups` alternative groups (a runner-up for the first draft, then the masks).
+    Where drafts are verified, each row feeds its drafts between its real tokens and its
+    masks, and greedy decoding the in-forward sources' groups after all of them
+    (mars.core.decode.drafts.GROUP_SOURCES): up to `spare_groups` spare groups, then up to
+    `alt_groups` runner-up alternatives.
     """
 
     def __init__(self, settings: DecodeSettings, cached: bool):
@@ -30,8 +32,23 @@ class WindowStrategy:
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
         # Per step, a cost-aware loop may narrow these (FeedPolicy); lossless output stays AR's.
         self.masks = settings.masks_per_step
-        self.spare_groups = settings.spare_groups
-        self.alt_groups = settings.alternative_groups
+        self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
+
+    @property
+    def spare_groups(self) -> int:
+        return self.group_counts["spare"]
+
+    @spare_groups.setter
+    def spare_groups(self, n: int) -> None:
+        self.group_counts["spare"] = n
+
+    @property
+    def alt_groups(self) -> int:
+        return self.group_counts["alt"]
+
+    @alt_groups.setter
+    def alt_groups(self, n: int) -> None:
+        self.group_counts["alt"] = n
 
     def plan(self, rows: list[Row]) -> Feed:
         s, m = self.s, self.masks
@@ -42,25 +59,21 @@ class WindowStrategy:
         ids, valid = right_aligned(parts, width, s.mask_id, [0 if r.done else m for r in rows])
         positions = consecutive_positions(valid, [r.cached for r in rows])
         padded, n = pad_drafts(drafts, s.mask_id)
-        # A spare group follows a draft: no more of them than the most drafts any row feeds.
-        spare = min(self.spare_groups, int(n.max(initial=0))) if s.verifies and m else 0
-        # Runners-up for the first draft: only a row that feeds a draft has one to replace.
-        alts = [r.alts[: self.alt_groups] if d and s.verifies else [] for r, d in zip(rows, drafts)]
-        alt_ids, n_alts = pad_drafts(alts, s.mask_id)
+        # The in-forward sources' groups (spare groups, runner-up alternatives), where drafts are verified.
+        counts = self.group_counts
+        groups = tuple(g for name, source in GROUP_SOURCES.items() if s.verifies and counts.get(name)
+                       for g in source.groups(rows, n, counts[name], m, s.mask_id))
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
         columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m,
-                          spare_groups=spare, alt_groups=alt_ids.shape[1])
+                          groups=groups)
         if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
             return Feed(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        if not (spare or columns.alt_groups):
+        if not groups:
             return Feed(ids, positions, valid, limit, columns, drafts=padded)
-        ids, valid, positions, attend = _with_groups(ids, valid, positions, columns, [r.done for r in rows], s.mask_id, alt_ids, n_alts)
-        feed = Feed(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
-        if columns.alt_groups:
-            feed.alts, feed.n_alts = alt_ids, n_alts
-        return feed
+        ids, valid, positions, attend = with_groups(ids, valid, positions, columns, s.mask_id)
+        return Feed(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -96,50 +109,6 @@ class WindowStrategy:
         backend.crop(cache, self.key_valid.shape[1])
         for r, b in zip(rows, before):
             r.cached = b
-
-
-def _with_groups(ids, valid, positions, columns: Columns, done: list[bool], mask_id: int, alts=None, n_alts=None):
-    """A lossless window feed widened by `columns.spare_groups` spare groups of masks and
-    `columns.alt_groups` alternative groups: the new (ids, valid, positions) and `attend`,
-    which fed columns each fed query may see.
-
-    Spare group g of a row that fed more than g drafts sits, by position and by what it
-    attends to, right after its g-th draft (g = 0: after the last verified token): each of
-    its masks sees the fed columns up to that token and the group's masks before it, as the
-    masks of a plain window ending there would. Alternative group k of a row with more than
-    k runners-up (`alts`, `n_alts`) is its k-th runner-up at its first draft's position, then
-    masks, seeing the fed columns up to the last verified token and the group before it: a
-    plain window ending at the runner-up. Other rows' group columns are holes."""
-    b, w0 = ids.shape
-    width, masks = columns.total, columns.masks
-    wide_ids = np.full((b, width), mask_id, dtype=np.int64)
-    wide_ids[:, :w0] = ids
-    wide_valid = np.zeros((b, width), dtype=bool)
-    wide_valid[:, :w0] = valid
-    wide_positions = np.zeros((b, width), dtype=np.int64)
-    wide_positions[:, :w0] = positions
-    attend = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (b, width, width)).copy()
-    attend[:, w0:, :] = False
-    rows, running = np.arange(b), ~np.asarray(done, dtype=bool)
-    for g in range(columns.spare_groups):
-        cols = columns.spare_columns(g)
-        live = (g < columns.n_drafts) & running
-        wide_valid[:, cols] = live[:, None]
-        anchor = columns.last + g  # the column the group follows
-        wide_positions[:, cols] = np.where(live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(masks)[None, :], 0)
-        upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
-        attend[:, cols, :w0] = upto[:, None, :]
-        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((masks, masks), dtype=bool))[None]
-    upto = np.arange(w0)[None, :] <= columns.last[:, None]  # the verified tokens and what the cache holds
-    for k in range(columns.alt_groups):
-        cols = columns.alt_columns(k)
-        live = (k < n_alts) & running
-        wide_ids[:, cols[0]] = np.where(live, alts[:, k], mask_id)
-        wide_valid[:, cols] = live[:, None]
-        wide_positions[:, cols] = np.where(live[:, None], positions[rows, columns.last][:, None] + 1 + np.arange(1 + masks)[None, :], 0)
-        attend[:, cols, :w0] = upto[:, None, :]
-        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((1 + masks, 1 + masks), dtype=bool))[None]
-    return wide_ids, wide_valid, wide_positions, attend
 
 
 class BlockStrategy:

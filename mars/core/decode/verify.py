@@ -33,93 +33,95 @@ def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: De
 
 @dataclass
 class Verdict:
-    """What a lossless step decided, per row (see `verify`)."""
+    """What a step that verifies drafts decided, per row (see `verify`)."""
 
     accepted: list[list[int]]  # the tokens it takes: kept drafts, one AR token (none for a waiting row)
     nxt: list[tuple[str, list[int]]]  # its next drafts, (source, ids)
     kept: np.ndarray  # (b,) drafts that passed verification
-    alt_hit: np.ndarray  # (b,) the alternative group whose runner-up was AR's token (-1: none)
+    group: np.ndarray  # (b,) the group (index into feed.columns.groups) whose proposals follow (-1: none)
     next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
     conf: list | None = None  # with a metric: per row, the confidence of each next draft
+    alt_hit: np.ndarray | None = None  # (b,) the runner-up alternative that was AR's token (-1: none)
+
+
+def confirmed(group, i: int, kept: int, token: int) -> bool:
+    """Whether AR confirmed group `group`'s context for row i: it is live there, anchored after
+    the `kept` drafts kept, and its prefix (if any) begins with AR's token after them."""
+    if not group.live[i] or int(group.anchor[i]) != kept:
+        return False
+    return group.prefix.shape[1] == 0 or int(group.prefix[i, 0]) == token
 
 
 def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
-    """Lossless step: per row, the tokens it takes (kept drafts, then one AR token; none for
-    a waiting row) and its next drafts, (source, ids): the masks' proposals if every draft
-    passed, else those of the spare group after the last kept draft if there is one, else
-    none.
+    """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR
+    token; none for a waiting row) and its next drafts, (source, ids).
 
-    With alternative groups fed (`feed.alts`): a row whose first draft was rejected and whose
-    AR token there is one of its runners-up also takes the AR token its group read after it,
-    and the group's proposals become its next drafts (`alt_hit`: which group, -1 none).
+    Greedy, one rule for every in-forward source: the masks after the drafts propose where
+    every draft was kept; otherwise a group (feed.columns.groups: spare groups, runner-up
+    alternatives) whose context AR confirmed (`confirmed`: anchored after the kept drafts, its
+    prefix beginning with AR's token there) proposes, the one whose prefix is longest first;
+    a confirmed prefix also adds AR's token after it (read at the prefix, where the group was
+    AR's own window); else there are no next drafts. Sampling: the backend's `speculate`
+    verifies (the masks alone).
+
     With `runners_up` n (greedy) each row's next drafts come with the n runners-up of each
-    (`next_alts`), for the next step's alternative groups.
-
-    With `metric` (greedy only) also gives, per row, the confidence of each next draft
-    (`conf`, see `take_confident`)."""
+    (`next_alts`), for the next step's alternative groups. With `metric` (greedy only) also
+    gives, per row, the confidence of each next draft (`conf`, see `take_confident`)."""
     columns, width = feed.columns, feed.columns.draft_slots
     b = len(feed.ids)
-    spare = conf_masks = conf_spare = conf_alt = alt = second = None
-    hit = np.full(b, -1, dtype=np.int64)
+    chosen = np.full(b, -1, dtype=np.int64)
+    conf = second = ids = None
     if sampling.greedy:
         out = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid,
                            **({"runners_up": runners_up} if runners_up else {}))
-        ids, conf = out[0], out[1]
+        ids = out[0]
+        conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
-        spare = ids[:, columns.spare_reads].reshape(b, columns.spare_groups, columns.masks)
-        if metric is not None:
-            conf = np.asarray(conf, dtype=np.float64)
-            conf_masks = conf[:, columns.mask_reads]
-            conf_spare = conf[:, columns.spare_reads].reshape(b, columns.spare_groups, columns.masks)
         same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
         token = ar[np.arange(b), kept]
-        if feed.alts is not None:
-            alt = ids[:, columns.alt_reads].reshape(b, columns.alt_groups, 1 + columns.masks)
-            if metric is not None:
-                conf_alt = conf[:, columns.alt_reads].reshape(b, columns.alt_groups, 1 + columns.masks)
-            for i in range(b):
-                if feed.limit[i] > 0 and kept[i] == 0 and feed.n_drafts[i] > 0:
-                    found = np.flatnonzero(feed.alts[i, : feed.n_alts[i]] == token[i])
-                    if found.size:
-                        hit[i] = found[0]
+        for i in range(b):
+            if feed.limit[i] <= 0 or kept[i] == feed.n_drafts[i]:
+                continue  # waiting, or every draft kept: the masks after them propose
+            fits = [k for k, g in enumerate(columns.groups) if confirmed(g, i, int(kept[i]), int(token[i]))]
+            if fits:
+                chosen[i] = max(fits, key=lambda k: (columns.groups[k].prefix.shape[1], -k))
     else:
         kept, token, proposals = backend.speculate(
             cache, feed.ids, feed.positions, mask, feed.read, feed.drafts, feed.n_drafts, sampling=sampling
         )
         kept = np.asarray(kept, dtype=np.int64)
-    accepted = []
+    accepted, nxt, nxt_conf, nxt_alts = [], [], [], []
     for i in range(b):
         if feed.limit[i] <= 0:
             accepted.append([])
-            continue
-        took = [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])]
-        if hit[i] >= 0:  # AR's token after the runner-up, read in its group: the group was AR's window there
-            took.append(int(alt[i, hit[i], 0]))
-        accepted.append(took)
-    # The masks' proposals were conditioned on every draft: wrong once one failed.
-    nxt, nxt_conf, nxt_alts = [], [], []
-    for i in range(b):
-        if hit[i] >= 0:
-            nxt.append(("alt", [int(t) for t in alt[i, hit[i], 1:]]))
-            nxt_conf.append(None if conf_alt is None else conf_alt[i, hit[i], 1:])
-            read = columns.alt_reads.start + hit[i] * (1 + columns.masks) + 1
+        else:
+            took = [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])]
+            if chosen[i] >= 0:  # AR's tokens after the group's prefix, read in the group: it was AR's window there
+                reads = columns.group_reads(int(chosen[i]))
+                took += [int(t) for t in ids[i, reads.start : reads.start + columns.groups[chosen[i]].prefix.shape[1]]]
+            accepted.append(took)
+        # The masks' proposals were conditioned on every draft: wrong once one failed.
+        if chosen[i] >= 0:
+            group = columns.groups[chosen[i]]
+            read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
+            nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
+            nxt_conf.append(None if conf is None else conf[i, read : read + group.masks])
         elif kept[i] == feed.n_drafts[i]:
             nxt.append(("masks", [int(t) for t in proposals[i]]))
-            nxt_conf.append(None if conf_masks is None else conf_masks[i])
+            nxt_conf.append(None if conf is None else conf[i, columns.mask_reads])
             read = columns.mask_reads.start
-        elif spare is not None and kept[i] < columns.spare_groups:
-            nxt.append(("spare", [int(t) for t in spare[i, kept[i]]]))
-            nxt_conf.append(None if conf_spare is None else conf_spare[i, kept[i]])
-            read = columns.spare_reads.start + kept[i] * columns.masks
         else:
             nxt.append(("masks", []))
             nxt_conf.append(None)
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
         nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
-    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), hit, nxt_alts, nxt_conf if metric is not None else None)
+    # Which runner-up alternative was AR's token (for the drafting statistics), -1 where none.
+    alt_index = {k: j for j, k in enumerate(k for k, g in enumerate(columns.groups) if g.source == "alt")}
+    alt_hit = np.asarray([alt_index.get(int(k), -1) for k in chosen], dtype=np.int64)
+    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None, alt_hit)
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:

@@ -10,10 +10,15 @@ Two kinds:
   corpus (`corpus.py`). Each is a `Proposer`; `SOURCES` registers them, in the order a row
   prefers them on a tie. A new lookup source is one file and one line in `SOURCES`.
 - In-forward sources are the model's own proposals, read from columns of the forward that
-  verifies the last drafts: the masks after the drafts, the spare groups (masks after each
-  draft, for when it fails) and the runner-up alternatives (a first draft's runners-up, each
-  followed by masks). Their columns are laid out by mars.core.decode.layout.Columns and the
-  window strategy, and `verify` reads their proposals; their names are `IN_FORWARD`.
+  verifies the last drafts: the masks after the drafts (`masks.py`, the window's own
+  columns), the spare groups (`spare.py`: masks after each draft, for when it fails) and the
+  runner-up alternatives (`alternatives.py`: a first draft's runners-up, each followed by
+  masks). A `GroupSource` says which groups it adds to a step (mars.core.decode.layout.Group:
+  where it is anchored among the row's drafts, the ids it feeds before its masks); the
+  layout places and masks every group alike, and the one verifier (mars.core.decode.verify)
+  takes, per row, the group whose anchor and prefix AR confirmed. `GROUP_SOURCES` registers
+  them, in feed order. A new in-forward source is one file, one line there, and its
+  setting in the plan (DraftSources): three files.
 
 `mars.core.decode.drafting.Drafting` chooses per step, per row, among what the sources offer
 (expected drafts kept, `DraftStats`, per source and match length), and how wide a step is.
@@ -24,10 +29,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+import numpy as np
+
+from .alternatives import Alternatives
 from .corpus import DraftCorpus
+from .masks import NAME as MASKS
 from .ngram import NgramLookup
+from .spare import SpareGroups
 
 if TYPE_CHECKING:
+    from ..layout import Group
     from ..plan import DecodeSettings
 
 
@@ -49,7 +60,26 @@ SOURCES: dict[str, Callable[[DecodeSettings], Proposer | None]] = {
     DraftCorpus.name: lambda plan: plan.drafts.corpus,
 }
 LOOKUP = tuple(SOURCES)  # draft sources found by lookup, not proposed by the model
-IN_FORWARD = ("masks", "spare", "alt")  # the model's own proposals, read from the verifying forward
+
+
+class GroupSource(Protocol):
+    """An in-forward source: `name` (how its tokens count) and the groups it adds to a step."""
+
+    name: str
+
+    def count(self, plan: DecodeSettings) -> int:
+        """The most groups a step of `plan` feeds (0: none); the cost-aware feed may narrow it."""
+        ...
+
+    def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
+        """Up to `count` groups for the step's rows (`n_drafts[r]` drafts fed by row r), each
+        with `masks` masks; ids of rows where a group is not live are `mask_id`."""
+        ...
+
+
+# The in-forward sources beside the masks, in the order their groups follow the window.
+GROUP_SOURCES: dict[str, GroupSource] = {SpareGroups.name: SpareGroups(), Alternatives.name: Alternatives()}
+IN_FORWARD = (MASKS, *GROUP_SOURCES)  # the model's own proposals, read from the verifying forward
 
 
 def lookup_sources(plan: DecodeSettings) -> list[Proposer]:
