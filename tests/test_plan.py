@@ -213,3 +213,11 @@ def test_a_request_asks_for_plain_threshold_mode_as_the_cli_does(tmp_path):
     want = [(r["text"], r["mode"]) for r in rows]
     assert {m for _, m in want} == {f"threshold {THRESHOLD:g} (probability)"}
     assert served(path, verify=False) == want
+
+
+def test_the_checkpoint_and_server_default_modes_are_the_plans_names():
+    """mars.json's default_mode and `mars serve --default-mode` name plan modes, by their values."""
+    from mars.core.config import MODES
+    from mars.serve.policy import DEFAULT_MODES
+
+    assert MODES == DEFAULT_MODES == (Mode.THRESHOLD.value, Mode.LOSSLESS.value)

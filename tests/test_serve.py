@@ -14,7 +14,6 @@ import json
 import socket
 import threading
 import time
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,13 +174,18 @@ def staggered(decoder, prompts, s, *, thresholds=None, keep_keys=None, every=3, 
     return {i: r.out for i, r in rows.items()}, widest
 
 
-def alone(decoder, prompt, s, i, threshold=1.0, **changes):
-    """The row decoded by itself in AR or plain threshold mode at `threshold`, with the same
-    settings otherwise (the block cache, its max_tokens) but `changes`."""
+def decoded_alone(decoder, prompt, s, i, threshold=1.0, **changes):
+    """Row i decoded by itself in AR or plain threshold mode at `threshold`, with the same
+    settings otherwise (the block cache, its max_tokens) but `changes`: the DecodeResult."""
     from mars.core.decode.plan import replan
 
     plan = replan(s, None, threshold=threshold, lossless=False, verify=False, force=True, max_tokens=s.max_tokens - 4 * (i % 3), **changes)
-    return generate(decoder, [prompt], plan).tokens[0]
+    return generate(decoder, [prompt], plan)
+
+
+def alone(decoder, prompt, s, i, threshold=1.0, **changes):
+    """The tokens of `decoded_alone`."""
+    return decoded_alone(decoder, prompt, s, i, threshold, **changes).tokens[0]
 
 
 @pytest.mark.parametrize("lossless", [False, True])
@@ -212,7 +216,7 @@ def test_rows_at_any_threshold_decode_as_alone(tm, tok):
     accepted_masks = 0
     for i, p in enumerate(prompts):
         t = thresholds[i % len(thresholds)]
-        single = generate(dec, [p], replace(s, threshold=t, max_tokens=s.max_tokens - 4 * (i % 3)))
+        single = decoded_alone(dec, p, s, i, t)
         assert out[i] == single.tokens[0], (i, t)
         accepted_masks += single.stats.accepted - single.stats.row_forwards
     assert accepted_masks > 0  # the low thresholds really took several tokens per forward
@@ -301,7 +305,7 @@ def test_window_batch_rows_at_any_threshold_decode_as_alone(tm, tok):
         step += 1
     extra = 0
     for i, p in enumerate(prompts):
-        single = generate(dec, [p], replace(s, threshold=thresholds[i % 5], max_tokens=s.max_tokens - 4 * (i % 3)))
+        single = decoded_alone(dec, p, s, i, thresholds[i % 5])
         assert rows[i].out == single.tokens[0], i
         extra += single.stats.accepted - single.stats.row_forwards
     assert extra > 0
@@ -450,18 +454,25 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
         msg = [{"role": "user", "content": PROMPTS[2]}]
         job_kinds = []
         make = srv.engine._plan
-        srv.engine._plan = lambda job: job_kinds.append(make(job).cache) or make(job)
+        def planned(job, *at):  # a job's plan when admitted (`at`: its name at another threshold)
+            plan = make(job, *at)
+            if not at:
+                job_kinds.append(plan.cache)
+            return plan
+
+        srv.engine._plan = planned
         r = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True})
         t = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5})
-        policy = srv.engine._feed_policy
+        policies = list(srv.engine.feed.policies.values())
     assert r.choices[0].message.content == ref
     assert t.usage.model_extra["threshold"] == 0.5
-    assert job_kinds == [cache, cache]
+    assert job_kinds == [cache, "window"]  # verified threshold mode runs on the window cache
     if cache == "window":
         forwards = round(r.usage.completion_tokens / r.usage.model_extra["tokens_per_forward"])
-        assert policy is not None and sum(policy.choices.values()) >= forwards > 0  # it chose every step's feed
+        (policy,) = policies
+        assert sum(policy.choices.values()) >= forwards > 0  # it chose every step's feed
     else:
-        assert policy is None
+        assert policies == []
 
 
 def test_sampling_requests_are_seeded_and_batched_apart(server):

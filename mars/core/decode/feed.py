@@ -378,9 +378,9 @@ class FeedController:
             if cache == "block" and not block_cache_pays(feed, plan.block_size, plan.block_cache, 0, batch):
                 cache = "window"
             return FeedRun(cache, threshold=feed)
-        policy = self.policy_for(plan)
-        cache = plan.cache
-        if cache == "block" and plan.sampling.greedy and not served:
-            if not block_cache_pays(policy, plan.block_size, plan.block_cache, plan.window_spare_groups, batch):
-                cache = "window"
-        return FeedRun(cache, policy=policy, learn=True)
+        if plan.cache == "block":  # no per-step feed there: only whether the window's would be faster
+            if served or not plan.sampling.greedy:
+                return FeedRun(plan.cache)
+            if block_cache_pays(self.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch):
+                return FeedRun(plan.cache)
+        return FeedRun("window" if plan.cache == "block" else plan.cache, policy=self.policy_for(plan), learn=True)
