@@ -1,5 +1,5 @@
-"""Greedy lossless window decoding's drafts (docs/method.md §9): which drafts each row
-feeds, and how many masks and spare groups a step feeds."""
+"""The drafts of a window step that verifies them (docs/method.md §9): which source's drafts
+each row feeds (mars.core.decode.drafts), and how many masks and groups a step feeds."""
 
 from __future__ import annotations
 
@@ -42,8 +42,8 @@ class Drafting:
     def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
         batch = max(1, len(rows))  # the rows of the forward: a finished row not yet dropped still takes its slots
         if self.policy is not None:
-            strategy.masks, strategy.spare_groups = self.policy.choose(batch=batch)
-        m, g = strategy.masks, strategy.spare_groups
+            strategy.masks, strategy.group_counts["spare"] = self.policy.choose(batch=batch)
+        m, g = strategy.masks, strategy.group_counts["spare"]
         self._keys = [r.source for r in rows]
         live, owns, options = [], [], []
         for i, r in enumerate(rows):
@@ -69,7 +69,7 @@ class Drafting:
             if r.source not in IN_FORWARD:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
-            strategy.alt_groups = self._alternatives(rows, m, g, batch)
+            strategy.group_counts["alt"] = self._alternatives(rows, m, g, batch)
 
     def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:
         """How many alternative groups the step feeds: all that are allowed without a cost

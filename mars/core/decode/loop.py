@@ -6,21 +6,22 @@ and returns per-slot (id, confidence) on the host, the mode decides how many lea
 each row keeps (mars.core.decode.verify), and the strategy commits: it tells the backend how far
 to crop the cache.
 
-Lossless mode (docs/method.md §8) runs on the same strategies: each row also feeds, as real ids,
-the drafts its masks proposed last step, right after its uncommitted tokens and before
-its masks. The outputs before the drafts are the AR predictions for them, so a draft is
-kept while it equals that prediction (greedy) or passes the speculative-sampling test
-(done by the backend), and one AR token always follows. Rejected drafts become holes.
-Greedy lossless window decoding also chooses its drafts and width per step
-(mars.core.decode.drafting).
+Where the plan verifies drafts (lossless mode, docs/method.md §8, and verified threshold
+mode, §9) the same strategies also feed, as real ids, each row's drafts (from the draft
+sources, mars.core.decode.drafts) right after its uncommitted tokens and before its masks.
+The outputs before the drafts are the AR predictions for them, so a draft is kept while it
+equals that prediction (greedy) or passes the speculative-sampling test (done by the
+backend), and one AR token always follows. Rejected drafts become holes. On the window
+cache the drafts and the step's width are chosen per step (mars.core.decode.drafting), from
+the feed the caller's FeedController gives (mars.core.decode.feed).
 
 Rows of a batch share one cache length. Rows that fed fewer tokens than others
 leave holes: keys nobody attends (`key_valid` False), so every row sees exactly
 the sequence it would see alone, at its own positions.
 
 `generate` decodes a fixed set of prompts to the end; `ContinuousBatch` runs the same
-step on the block strategy for a server, with rows joining at block boundaries, leaving
-at any step, and each decoding at its own threshold.
+step for a server, with rows joining (at any step on the window cache, at block boundaries
+on the block cache), leaving at any step, and each decoding at its own threshold.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class _Run:
         if self.drafting is not None:
             self.drafting.before_step(strategy, rows)
             if self.drafting.policy is not None:
-                choice = (strategy.masks, strategy.spare_groups)
+                choice = (strategy.masks, strategy.group_counts["spare"])
         if self.threshold_feed is not None:
             strategy.masks = self.threshold_feed.choose(batch=max(1, len(rows)))[0]
             choice = (strategy.masks, 0)

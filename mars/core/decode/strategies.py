@@ -22,8 +22,8 @@ class WindowStrategy:
     With `cached=True` the cache keeps committed tokens only; mask entries are cropped.
     Where drafts are verified, each row feeds its drafts between its real tokens and its
     masks, and greedy decoding the in-forward sources' groups after all of them
-    (mars.core.decode.drafts.GROUP_SOURCES): up to `spare_groups` spare groups, then up to
-    `alt_groups` runner-up alternatives.
+    (mars.core.decode.drafts.GROUP_SOURCES), up to `group_counts[name]` of each: spare groups,
+    then runner-up alternatives.
     """
 
     def __init__(self, settings: DecodeSettings, cached: bool):
@@ -32,23 +32,9 @@ class WindowStrategy:
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
         # Per step, a cost-aware loop may narrow these (FeedPolicy); lossless output stays AR's.
         self.masks = settings.masks_per_step
+        # The most groups of each in-forward source a step feeds ("spare", "alt").
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
 
-    @property
-    def spare_groups(self) -> int:
-        return self.group_counts["spare"]
-
-    @spare_groups.setter
-    def spare_groups(self, n: int) -> None:
-        self.group_counts["spare"] = n
-
-    @property
-    def alt_groups(self) -> int:
-        return self.group_counts["alt"]
-
-    @alt_groups.setter
-    def alt_groups(self, n: int) -> None:
-        self.group_counts["alt"] = n
 
     def plan(self, rows: list[Row]) -> Feed:
         s, m = self.s, self.masks

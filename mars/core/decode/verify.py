@@ -1,9 +1,11 @@
 """How each mode takes tokens from a step (docs/method.md §5, §8).
 
-Threshold mode keeps the leading slots whose confidence passes each row's threshold.
-Lossless mode verifies the drafts it fed against the AR predictions read before them (or
-lets the backend's `speculate` do it when sampling), always takes one AR token after the
-kept drafts, and picks the next drafts: the masks', a spare group's or none."""
+Threshold mode keeps the leading slots whose confidence passes each row's threshold. A plan
+that verifies drafts checks the drafts it fed against the AR predictions read before them
+(or lets the backend's `speculate` do it when sampling), always takes one AR token after the
+kept drafts, and picks the next drafts: the masks', a confirmed group's (a spare group, a
+runner-up alternative: mars.core.decode.drafts) or none; verified threshold mode then also
+takes the leading confident next drafts (`take_confident`)."""
 
 from __future__ import annotations
 
