@@ -22,7 +22,9 @@ from .adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize
 from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+# Dense architectures whose Hugging Face and mlx-lm checkpoints hold the same tensors under
+# the same names (mlx-lm stacks a mixture of experts' per-expert weights: not converted here).
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 _SKIP = ("config.json", "model.safetensors.index.json")  # rewritten, never copied
 
@@ -61,7 +63,7 @@ def quantization_of(config: dict, where: Path) -> dict | None:
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor a llama / qwen2 / qwen3 checkpoint holds, with its shape."""
+    """Every tensor a checkpoint of a SUPPORTED architecture holds, with its shape."""
     try:
         h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         heads = config["num_attention_heads"]
@@ -72,28 +74,36 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hd = config.get("head_dim") or h // heads
     arch = config["model_type"]
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    attn_bias = arch == "qwen2" or (arch == "llama" and config.get("attention_bias"))
+    llama_like = arch in ("llama", "mistral", "granite", "smollm3")
+    attn_bias = arch == "qwen2" or (llama_like and config.get("attention_bias"))
     for i in range(layers):
         p = f"model.layers.{i}."
+        norms = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                 "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+        shapes.update({f"{p}{n}.weight": (h,) for n in norms.get(arch, ("input_layernorm", "post_attention_layernorm"))})
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * hd)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if arch == "phi3":  # fused projections
+            shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * hd, h)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+            continue
         shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (heads * hd, h),
             p + "self_attn.k_proj.weight": (kv * hd, h),
             p + "self_attn.v_proj.weight": (kv * hd, h),
-            p + "self_attn.o_proj.weight": (h, heads * hd),
             p + "mlp.gate_proj.weight": (inter, h),
             p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
         if attn_bias:
             shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,), p + "self_attn.v_proj.bias": (kv * hd,)})
-        if arch == "llama" and config.get("attention_bias"):
+        if llama_like and config.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if arch == "llama" and config.get("mlp_bias"):
+        if llama_like and config.get("mlp_bias"):
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3_text"):  # per-head norms
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if arch == "olmo2":  # norms over all heads
+            shapes.update({p + "self_attn.q_norm.weight": (heads * hd,), p + "self_attn.k_norm.weight": (kv * hd,)})
     return shapes
 
 
