@@ -1,0 +1,234 @@
+"""The architecture table, tested: every architecture mars names as supported, as a tiny random
+model built here, on both backends.
+
+- The MARS training mask is the attention the model really applies: the training forward's
+  outputs equal plain causal forwards computed by transformers with its own masks (its own
+  sliding windows included), for windows larger and smaller than the sequence.
+- torch: threshold 1.0 equals transformers' greedy `generate`; lossless equals AR; cached
+  equals uncached; batched rows (holes, per-row positions) equal the rows alone.
+- MLX (mars.backends.mlx.model.SUPPORTED): the same tokens as torch on the same weights, the
+  same training losses, lossless equal to AR.
+- `mars convert` HF -> MLX -> HF bit for bit (mars.convert.SUPPORTED), and `--to vllm` writes a
+  drafter transformers loads with the checkpoint's logits.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, additive_mask, attention_masks, loss_inputs, model_windows
+from mars.core.decoding import DecodeSettings, generate
+from mars.core.loss import IGNORE
+from tiny import ARCHITECTURES, make_model, make_tokenizer, save_model
+
+MASK, EOS, B = 3, 2, 4
+SMALL_WINDOW = 6  # smaller than every sequence below: the window cuts
+SLIDING = ("mistral", "gemma3_text")
+# (architecture, window): every architecture at its own settings, and the sliding ones with a small window.
+CASES = [(a, None) for a in ARCHITECTURES] + [(a, SMALL_WINDOW) for a in SLIDING]
+PROMPTS = ["Hello there, how are you today?", "x", "Write a short poem about the sea"]
+
+
+def case_id(case):
+    arch, window = case
+    return arch if window is None else f"{arch}-window{window}"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+_MODELS = {}
+
+
+def tiny_torch(tok, arch, window):
+    key = (arch, window)
+    if key not in _MODELS:
+        _MODELS[key] = TorchModel(make_model(arch, len(tok), seed=1, window=window), tok, None, "", torch.device("cpu"), torch.float32)
+    return _MODELS[key]
+
+
+def prompts_of(tok):
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+
+
+def settings(**kw):
+    return DecodeSettings(**dict(dict(mask_id=MASK, eos_ids=(EOS,), block_size=B, max_tokens=20, block_cache=8), **kw))
+
+
+# -- the training mask is what the model applies -----------------------------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_training_forward_is_the_method_rule_under_the_models_own_attention(tok, case):
+    """Each output of the MARS training forward equals the output of a plain causal forward by
+    transformers (its own masks, its own sliding windows) on exactly what the METHOD §3 rule
+    lets that query see: a clean query, the clean prefix; a noisy query of block b, the clean
+    tokens of blocks < b followed by its own block's noisy tokens up to itself."""
+    tm = tiny_torch(tok, *case)
+    model = tm.model
+    L = 16
+    rng = np.random.default_rng(0)
+    ids = rng.integers(10, len(tok) - 1, size=(1, L))
+    labels = ids.copy()
+    labels[0, :3] = IGNORE  # a prompt of 3 tokens: the noisy stream keeps them as they are
+    windows = model_windows(model)
+    inputs = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False, windows=windows)
+    plain = additive_mask(np.ones((1, 2 * L, 2 * L), bool), torch.float32, "cpu")
+    if case[1] is not None:  # the window is smaller than the sequence: the masks must differ from the rule alone
+        assert not isinstance(inputs["attn"], torch.Tensor) or inputs["attn"].shape == plain.shape
+        cut = inputs["attn"]["sliding_attention"] if isinstance(inputs["attn"], dict) else inputs["attn"]
+        assert (cut != attention_masks(np.ones((1, 2 * L, 2 * L), bool), inputs["positions"].numpy(), inputs["positions"].numpy(),
+                                       [None], torch.float32, "cpu")).any()
+    elif not any(windows) or max(w for w in windows if w) > 2 * L:  # a window past the sequence changes nothing
+        rule = attention_masks(np.ones((1, 2 * L, 2 * L), bool), inputs["positions"].numpy(), inputs["positions"].numpy(),
+                               windows, torch.float32, "cpu")
+        assert isinstance(rule, torch.Tensor) and torch.equal(rule, plain)
+    with torch.no_grad():
+        hidden = MarsLoss(model).hidden(inputs["input_ids"], inputs["positions"], inputs["attn"])
+        ours = MarsLoss(model).head(hidden)[0]
+        noisy = inputs["input_ids"][0, :L]
+        clean = torch.from_numpy(ids[0])
+        reference = model(clean[None]).logits[0]
+        torch.testing.assert_close(ours[L:], reference, atol=1e-4, rtol=1e-4)
+        for block in range(L // B):
+            seen = torch.cat([clean[: block * B], noisy[block * B : (block + 1) * B]])
+            reference = model(seen[None]).logits[0, -B:]
+            torch.testing.assert_close(ours[block * B : (block + 1) * B], reference, atol=1e-4, rtol=1e-4)
+
+
+# -- torch decoding ------------------------------------------------------------------------------
+
+
+def hf_greedy(model, prompt, max_new):
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS,
+                         pad_token_id=EOS)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_torch_decoding_is_exact(tok, case):
+    tm = tiny_torch(tok, *case)
+    prompts = prompts_of(tok)
+    dec = TorchDecoder(tm)
+    if case[1] is not None:  # the window really cuts: prompt and reply run past it
+        assert len(prompts[0]) > case[1]
+    for prompt in prompts:
+        expected = hf_greedy(tm.model, prompt, 20)
+        for cache in ("window", "none"):
+            assert generate(dec, [prompt], settings(threshold=1.0, cache=cache)).tokens[0] == expected, cache
+        assert generate(dec, [prompt], settings(lossless=True)).tokens[0] == expected
+        assert generate(dec, [prompt], settings(lossless=True, cache="none")).tokens[0] == expected
+    for threshold in (0.9, 0.3):  # forced thresholds on an untrained model: run, cached equal to uncached
+        assert generate(dec, prompts[:1], settings(threshold=threshold)).tokens == \
+            generate(dec, prompts[:1], settings(threshold=threshold, cache="none")).tokens
+    # A batch (holes, per-row positions and windows) gives each row its own output.
+    for s in (settings(threshold=0.5), settings(lossless=True)):
+        assert generate(dec, prompts, s).tokens == [generate(dec, [p], s).tokens[0] for p in prompts]
+
+
+# -- MLX -----------------------------------------------------------------------------------------
+
+
+def mlx_cases():
+    from mars.backends.mlx.model import SUPPORTED
+
+    return [c for c in CASES if c[0] in SUPPORTED]
+
+
+_PAIRS = {}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    return tmp_path_factory
+
+
+def pair(tmp_path_factory, case):
+    if case not in _PAIRS:
+        from mars.backends.mlx.model import load as mlx_load
+        from mars.backends.torch.model import load as torch_load
+
+        arch, window = case
+        path = save_model(tmp_path_factory.mktemp(case_id(case)) / "model", arch, seed=1, window=window)
+        quiet = dict(announce=lambda m: None)
+        _PAIRS[case] = (path, mlx_load(path, **quiet), torch_load(path, **quiet))
+    return _PAIRS[case]
+
+
+@pytest.mark.parametrize("case", mlx_cases(), ids=case_id)
+def test_mlx_equals_torch_and_is_exact(pairs, case):
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+
+    from mars.backends.mlx.model import MlxDecoder, mars_losses
+    from mars.backends.mlx.model import loss_inputs as mlx_loss_inputs
+
+    path, m, t = pair(pairs, case)
+    prompts = prompts_of(t.tokenizer)
+    ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0)).tokens
+    dec = MlxDecoder(m)
+    for s in (settings(threshold=1.0), settings(threshold=1.0, cache="none"), settings(lossless=True),
+              settings(lossless=True, cache="none")):
+        assert generate(dec, prompts, s).tokens == ar, s
+    s = settings(threshold=0.5)
+    assert generate(dec, prompts, s).tokens == generate(TorchDecoder(t), prompts, s).tokens
+    # The training forward and loss agree across backends (the windows cut the same way).
+    ids = np.array([[5, 9, 12, 7, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [8, 6, 40, 41, 42, 43, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
+    labels = np.full(ids.shape, IGNORE)
+    labels[0, 3:] = ids[0, 3:]
+    labels[1, 2:8] = ids[1, 2:8]
+    lengths = np.array([16, 8])
+    theirs = MarsLoss(t.model)(**loss_inputs(ids, labels, lengths, B, MASK, torch.float32, "cpu", windows=model_windows(t.model)))
+    ours = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, B, MASK))
+    for a, b in zip(ours, theirs):
+        assert abs(float(a.item()) - float(b)) < 1e-3 * max(1.0, abs(float(b)))
+    mx.eval(ours)
+
+
+# -- mars convert ----------------------------------------------------------------------------------
+
+
+def convert_cases():
+    from mars.convert import SUPPORTED
+
+    return [a for a in ARCHITECTURES if a in SUPPORTED]
+
+
+def tensors_of(d):
+    from safetensors.numpy import load_file
+
+    out = {}
+    for f in sorted(d.glob("*.safetensors")):
+        out.update({k: v for k, v in load_file(str(f)).items()})
+    return out
+
+
+@pytest.mark.parametrize("arch", convert_cases())
+def test_convert_round_trip_and_vllm_export(tmp_path, arch):
+    from clitools import invoke, ok
+    from mars.core.config import MarsConfig, write_config
+
+    src = save_model(tmp_path / "hf", arch, seed=1, window=SMALL_WINDOW if arch in SLIDING else None)
+    ok(invoke("convert", src, "--to", "mlx", "--output", tmp_path / "mlx"))
+    ok(invoke("convert", tmp_path / "mlx", "--to", "hf", "--output", tmp_path / "back"))
+    before, after = tensors_of(src), tensors_of(tmp_path / "back")
+    assert sorted(before) == sorted(after)
+    for name in before:
+        assert before[name].dtype == after[name].dtype and np.array_equal(before[name].view(np.uint8), after[name].view(np.uint8)), name
+    # A full MARS checkpoint of this architecture exports as a vLLM drafter with its logits.
+    write_config(MarsConfig(mask_token="<unused0>", mask_token_id=MASK, base_model=str(src)), src)
+    ok(invoke("convert", src, "--to", "vllm", "-o", tmp_path / "vllm"))
+    drafter = tmp_path / "vllm" / "drafter"
+    assert json.loads((drafter / "config.json").read_text())["mask_token_id"] == MASK
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([[5, 9, 12, 7, 30, 31, 32, 33, 34, 35]])
+    with torch.no_grad():
+        a = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)(ids).logits
+        b = AutoModelForCausalLM.from_pretrained(str(drafter), dtype=torch.float32)(ids).logits
+    assert torch.equal(a, b)
