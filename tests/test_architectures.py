@@ -232,3 +232,56 @@ def test_convert_round_trip_and_vllm_export(tmp_path, arch):
         a = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)(ids).logits
         b = AutoModelForCausalLM.from_pretrained(str(drafter), dtype=torch.float32)(ids).logits
     assert torch.equal(a, b)
+
+
+# -- outside the table: one line, before any work -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """A model directory of an architecture outside the table."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    path = tmp_path_factory.mktemp("gpt2") / "model"
+    tok = make_tokenizer()
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    from mars.core.config import MarsConfig, write_config
+
+    write_config(MarsConfig(mask_token="<unused0>", mask_token_id=MASK, base_model=str(path)), path)  # a MARS checkpoint
+    return path
+
+
+COMMANDS = [
+    ("generate", "--prompt", "hi"),
+    ("generate", "--prompt", "hi", "--backend", "mlx"),
+    ("chat",),
+    ("finetune", "--data", "{data}", "--output", "{tmp}/out", "--iters", "1"),
+    ("finetune", "--data", "{data}", "--output", "{tmp}/out", "--iters", "1", "--backend", "mlx"),
+    ("convert", "--to", "mlx", "--output", "{tmp}/mlx"),
+    ("convert", "--to", "vllm", "--output", "{tmp}/vllm"),
+    ("serve",),
+    ("bench",),
+    ("eval", "--data", "{data}", "--split", "train"),
+]
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:1] + c[-2:] if "--backend" in c else c[:1] + (("--to", c[2]) if c[0] == "convert" else ())))
+def test_an_architecture_outside_the_table_is_refused_in_one_line(gpt2, data, tmp_path, command):
+    from clitools import invoke, one_line_error
+
+    args = [a.format(data=data, tmp=tmp_path) for a in command]
+    if args[0] == "convert":
+        args = ["convert", str(gpt2), *args[1:]]
+    else:
+        args = [args[0], "--model", str(gpt2), *args[1:]]
+    last = one_line_error(invoke(*args, input="hello\n"), "architecture 'gpt2'", "supported: llama")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlx").exists() and not (tmp_path / "vllm").exists(), last
+
+
+def test_a_mixture_of_experts_is_not_converted_but_points_to_the_backends(tmp_path):
+    from clitools import invoke, one_line_error
+
+    src = save_model(tmp_path / "moe", "mixtral", seed=1)
+    one_line_error(invoke("convert", src, "--to", "mlx", "--output", tmp_path / "mlx"), "architecture 'mixtral'", "both backends load")

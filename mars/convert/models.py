@@ -16,15 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.architectures import CONVERT, refusal
 from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
 from ..core.files import atomic_dir
 from .adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize
 from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
-# Dense architectures whose Hugging Face and mlx-lm checkpoints hold the same tensors under
-# the same names (mlx-lm stacks a mixture of experts' per-expert weights: not converted here).
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3")
+SUPPORTED = CONVERT  # mars.backends.architectures: dense ones, whose HF and mlx-lm tensors share names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 _SKIP = ("config.json", "model.safetensors.index.json")  # rewritten, never copied
 
@@ -41,8 +40,9 @@ def read_config(src: Path) -> dict:
         raise ConvertError(f"{src}: no config.json (not a model directory)")
     config = _json(src / "config.json")
     arch = config.get("model_type", "?")
-    if arch not in SUPPORTED:
-        raise ConvertError(f"{src}/config.json: architecture '{arch}' is not supported by mars convert (supported: {', '.join(SUPPORTED)})")
+    refused = refusal(arch, src, "convert")
+    if refused:
+        raise ConvertError(refused)
     return config
 
 

@@ -24,13 +24,11 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode_types import runners_up_of
 from ...core.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
+from ..architectures import MLX, refusal
 from ..hf_config import sliding_windows
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
-# The architectures the MLX backend decodes and trains exactly (tests/test_architectures.py:
-# the same tokens as the torch backend and as greedy AR): mlx-lm's models, driven with MARS's
-# positions and masks (hidden_states).
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe", "mixtral")
+SUPPORTED = MLX  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
 
 
 class MlxModelError(ModelError):
@@ -65,11 +63,9 @@ class MlxModel:
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
-    if model_type not in SUPPORTED:
-        raise MlxModelError(
-            f"{where}: architecture '{model_type}' is not supported by the MLX backend "
-            f"(supported: {', '.join(SUPPORTED)}); use --backend torch"
-        )
+    refused = refusal(model_type, where, "mlx")
+    if refused:
+        raise MlxModelError(refused)
 
 
 def check_windows(model: nn.Module, windows: list, where: str = "model") -> None:
@@ -309,8 +305,9 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         raise MlxModelError(f"{base}: the MLX backend loads model directories; import a GGUF with --backend torch")
     config = json.loads((base / "config.json").read_text())
     model_type = config.get("model_type", "?")
-    if model_type not in SUPPORTED:
-        raise MlxModelError(f"{base}: architecture '{model_type}' is not supported by the MLX backend (supported: {', '.join(SUPPORTED)}); use --backend torch")
+    refused = refusal(model_type, base, "mlx")
+    if refused:
+        raise MlxModelError(refused)
     if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):
         raise MlxModelError(f"{base}/config.json: soft-capped logits, which mlx-lm's {model_type} does not apply; use --backend torch")
     source = adapter if adapter is not None else base

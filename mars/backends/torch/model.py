@@ -222,6 +222,17 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
     return mars
 
 
+def check_architecture(path: Path) -> None:
+    """Refuse, before any work, a model directory whose architecture is outside the table
+    (mars.backends.architectures); a GGUF file is checked by transformers as it loads."""
+    from ..architectures import model_type, refusal
+
+    arch = model_type(path) if path.is_dir() else None
+    refused = refusal(arch, path, "torch") if arch is not None else None
+    if refused:
+        raise ModelError(refused)
+
+
 def load_mask_embedding(adapter_dir: Path):
     from safetensors.torch import load_file
 
@@ -243,6 +254,7 @@ def load(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     check_model_path(base_path)
+    check_architecture(base_path)
     source = adapter if adapter is not None else base_path
     tokenizer = load_tokenizer(tokenizer_path(base_path, adapter))
     model = load_hf_model(base_path, dtype=dt, device=dev)
