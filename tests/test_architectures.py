@@ -183,11 +183,18 @@ def test_mlx_equals_torch_and_is_exact(pairs, case):
     labels[0, 3:] = ids[0, 3:]
     labels[1, 2:8] = ids[1, 2:8]
     lengths = np.array([16, 8])
-    theirs = MarsLoss(t.model)(**loss_inputs(ids, labels, lengths, B, MASK, torch.float32, "cpu", windows=model_windows(t.model)))
-    ours = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, B, MASK))
-    for a, b in zip(ours, theirs):
+    torch_inputs = loss_inputs(ids, labels, lengths, B, MASK, torch.float32, "cpu", windows=model_windows(t.model))
+    mlx_inputs = mlx_loss_inputs(ids, labels, lengths, B, MASK)
+    theirs = MarsLoss(t.model)(**torch_inputs)
+    ours = mars_losses(m.model, mlx_inputs)
+    # Under LoRA the mask row is a parameter of its own, fed as embeddings: set to the model's
+    # own row, it must change nothing on either backend (the embedding's scale included).
+    row = t.model.get_input_embeddings().weight[MASK].detach().clone()
+    with torch.no_grad():
+        theirs_row = MarsLoss(t.model, torch.nn.Parameter(row), MASK)(**torch_inputs)
+    ours_row = mars_losses(m.model, mlx_inputs, mask_row=mx.array(row.numpy()), mask_id=MASK)
+    for a, b in zip(list(ours) + list(ours_row), list(theirs) + list(theirs_row)):
         assert abs(float(a.item()) - float(b)) < 1e-3 * max(1.0, abs(float(b)))
-    mx.eval(ours)
 
 
 # -- mars convert ----------------------------------------------------------------------------------

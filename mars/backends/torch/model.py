@@ -638,12 +638,18 @@ class MarsLoss(torch.nn.Module):
         self.body, self.head = body_and_head(model)
 
     def embed(self, input_ids):
-        embeds = self.body.get_input_embeddings()(input_ids)
+        table = self.body.get_input_embeddings()
+        embeds = table(input_ids)
         if self.mask_row is None:
             return embeds
-        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
+        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter,
+        # scaled as the embedding scales its rows (Gemma's sqrt(hidden)), as it will be once saved.
+        row = self.mask_row.to(embeds.dtype)
+        scale = getattr(table, "embed_scale", None)
+        if scale is not None:
+            row = row * (scale.to(table.weight.dtype) if torch.is_tensor(scale) else scale)
         is_mask = (input_ids == self.mask_id)[..., None]
-        return torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
+        return torch.where(is_mask, row, embeds)
 
     def gated_hidden(self, input_ids, positions, attn):
         """The hidden states of a gated adapter's batch in two passes. The clean stream runs
@@ -676,11 +682,7 @@ class MarsLoss(torch.nn.Module):
         if self.mask_row is None:
             out = self.body(input_ids=input_ids, position_ids=positions, attention_mask=attn, use_cache=False)
         else:
-            # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
-            embeds = self.body.get_input_embeddings()(input_ids)
-            is_mask = (input_ids == self.mask_id)[..., None]
-            embeds = torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
-            out = self.body(inputs_embeds=embeds, position_ids=positions, attention_mask=attn, use_cache=False)
+            out = self.body(inputs_embeds=self.embed(input_ids), position_ids=positions, attention_mask=attn, use_cache=False)
         return out.last_hidden_state
 
     def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights):
