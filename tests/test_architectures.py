@@ -292,3 +292,29 @@ def test_a_mixture_of_experts_is_not_converted_but_points_to_the_backends(tmp_pa
 
     src = save_model(tmp_path / "moe", "mixtral", seed=1)
     one_line_error(invoke("convert", src, "--to", "mlx", "--output", tmp_path / "mlx"), "architecture 'mixtral'", "both backends load")
+
+
+# -- the sliding-window models through the CLI ------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("arch", SLIDING)
+def test_sliding_window_models_generate_through_the_cli(tmp_path, arch, backend):
+    """`mars generate --lossless` gives AR's text and `--threshold 0.9 --force` runs, for a
+    window smaller than prompt and reply."""
+    from clitools import invoke, ok
+
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+    model = save_model(tmp_path / arch, arch, seed=1, window=SMALL_WINDOW)
+
+    def run(*mode):
+        args = ("generate", "--backend", backend, "--model", model, "--prompt", "Hello there, how are you today?", "--max-tokens", 24,
+                "--json", *mode)
+        return json.loads(next(line for line in ok(invoke(*args)).output.splitlines() if line.startswith("{")))
+
+    ar = run("--threshold", "1.0")
+    lossless = run("--lossless")
+    assert ar["mode"] == "AR greedy" and lossless["mode"] == "lossless greedy"
+    assert lossless["text"] == ar["text"] and lossless["tokens"] == ar["tokens"] > 0
+    assert run("--threshold", "0.9", "--force")["tokens"] > 0
