@@ -12,7 +12,9 @@ model built here, on both backends.
   drafter transformers loads with the checkpoint's logits.
 """
 
+import importlib.util
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -224,6 +226,22 @@ def test_convert_round_trip_and_vllm_export(tmp_path, arch):
     ok(invoke("convert", src, "--to", "mlx", "--output", tmp_path / "mlx"))
     ok(invoke("convert", tmp_path / "mlx", "--to", "hf", "--output", tmp_path / "back"))
     before, after = tensors_of(src), tensors_of(tmp_path / "back")
+    if "mlx_lm" in sys.modules or importlib.util.find_spec("mlx_lm"):
+        # mlx-lm reads the MLX directory into the same weights as the Hugging Face one.
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import load as mlx_lm_load
+
+        from mars.backends.paths import rope_overrides
+
+        def weights(d):
+            model, _ = mlx_lm_load(str(d), model_config=rope_overrides(json.loads((d / "config.json").read_text())))
+            return {k: np.array(v.astype(mx.float32)) for k, v in tree_flatten(model.parameters())}
+
+        theirs, ours = weights(src), weights(tmp_path / "mlx")
+        assert sorted(theirs) == sorted(ours) and all(np.array_equal(theirs[k], ours[k]) for k in theirs)
+        if arch in ("qwen3_moe", "mixtral"):
+            assert any(".switch_mlp." in k for k in tensors_of(tmp_path / "mlx"))
     assert sorted(before) == sorted(after)
     for name in before:
         assert before[name].dtype == after[name].dtype and np.array_equal(before[name].view(np.uint8), after[name].view(np.uint8)), name
@@ -287,11 +305,12 @@ def test_an_architecture_outside_the_table_is_refused_in_one_line(gpt2, data, tm
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlx").exists() and not (tmp_path / "vllm").exists(), last
 
 
-def test_a_mixture_of_experts_is_not_converted_but_points_to_the_backends(tmp_path):
+def test_a_mixture_of_experts_is_not_quantized_by_convert(tmp_path):
     from clitools import invoke, one_line_error
 
     src = save_model(tmp_path / "moe", "mixtral", seed=1)
-    one_line_error(invoke("convert", src, "--to", "mlx", "--output", tmp_path / "mlx"), "architecture 'mixtral'", "both backends load")
+    one_line_error(invoke("convert", src, "--to", "mlx", "-q", "--output", tmp_path / "mlx"), "mixture of experts", "mlx_lm.convert")
+    assert not (tmp_path / "mlx").exists()
 
 
 # -- the sliding-window models through the CLI ------------------------------------------------------

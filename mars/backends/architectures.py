@@ -9,8 +9,8 @@ from pathlib import Path
 # Both backends: decoding exact against greedy AR, the MARS mask the model's own attention.
 TORCH = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe", "mixtral")
 MLX = TORCH
-# `mars convert` HF <-> MLX (and --to vllm): the dense ones, whose two layouts share tensor names.
-CONVERT = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3")
+# `mars convert` HF <-> MLX (and --to vllm); a mixture of experts' per-expert tensors are stacked for mlx-lm.
+CONVERT = TORCH
 
 
 def model_type(directory: Path) -> str | None:
