@@ -21,8 +21,9 @@ def model_type(directory: Path) -> str | None:
         return None
 
 
-def refusal(arch: str, where, part: str) -> str | None:
-    """The one-line error for `arch` in `part` ("torch", "mlx" or "convert"), or None if it runs there."""
+def refusal(arch: str, directory, part: str) -> str | None:
+    """The one-line error for the model in `directory`, of architecture `arch`, in `part`
+    ("torch", "mlx" or "convert"), naming the table and the closest path; None if it runs there."""
     table = {"torch": TORCH, "mlx": MLX, "convert": CONVERT}[part]
     if arch in table:
         return None
@@ -30,6 +31,6 @@ def refusal(arch: str, where, part: str) -> str | None:
     closest = ""
     if part == "mlx" and arch in TORCH:
         closest = f"; architecture '{arch}' runs on the torch backend only: use --backend torch"
-    elif part == "convert" and arch in TORCH:
-        closest = f"; both backends load its Hugging Face directory as it is (--model {where})"
-    return f"{where}: architecture '{arch}' is not supported by {name} (supported: {', '.join(table)}){closest}"
+    elif part != "torch" and arch not in TORCH:
+        closest = "; no backend runs it"
+    return f"{directory}/config.json: architecture '{arch}' is not supported by {name} (supported: {', '.join(table)}){closest}"

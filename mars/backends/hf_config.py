@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from ..core.files import atomic_write_text
 
 
@@ -76,3 +78,12 @@ def sliding_windows(config: dict) -> list[int | None]:
     if isinstance(types, list) and types:
         return [window if kind == "sliding_attention" else None for kind in types]
     return [window] * layers
+
+
+def position_gaps(query_positions, key_positions) -> np.ndarray:
+    """Query position minus key position, (b, q, kv), or (1, q, kv) when every row has the
+    same positions (a training batch): a sliding layer keeps the keys whose gap is below W."""
+    q, k = np.asarray(query_positions), np.asarray(key_positions)
+    if (q == q[:1]).all() and (k == k[:1]).all():
+        q, k = q[:1], k[:1]
+    return q[:, :, None] - k[:, None, :]

@@ -25,7 +25,7 @@ from ...core.decode_types import runners_up_of
 from ...core.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from ..architectures import MLX, refusal
-from ..hf_config import sliding_windows
+from ..hf_config import position_gaps, sliding_windows
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
 SUPPORTED = MLX  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
@@ -188,14 +188,14 @@ def layer_masks(model: nn.Module, mask, query_positions: np.ndarray, key_positio
     windows = layer_windows(model)
     cut = {}
     for window in {w for w in windows if w}:
-        gap = query_positions[:, :, None] - key_positions[:, None, :]
+        gap = position_gaps(query_positions, key_positions)
         if not (gap >= window).any():
             continue
         if isinstance(mask, mx.array):
             allowed = np.array(mask[:, 0])
         else:  # "causal" or None on top of the cache: every key up to the query's own place
             q, kv = gap.shape[1:]
-            allowed = np.broadcast_to(np.arange(kv)[None, None] <= (kv - q + np.arange(q))[None, :, None], gap.shape)
+            allowed = np.arange(kv)[None, None] <= (kv - q + np.arange(q))[None, :, None]
         cut[window] = mx.array(allowed & (gap < window))[:, None]
     return [cut.get(w, mask) for w in windows]
 

@@ -16,6 +16,7 @@ from ...core.decode_types import runners_up_of
 from ...core.plan import Sampling
 from ...core.loss import Alignment
 from ...core.masks import decode_mask
+from ..hf_config import position_gaps, sliding_windows
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
 from .cache import cache_argument
@@ -69,8 +70,6 @@ def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
 
 def model_windows(model: torch.nn.Module) -> list[int | None]:
     """Per layer, the sliding window the model applies, or None (mars.backends.hf_config)."""
-    from ..hf_config import sliding_windows
-
     return sliding_windows(body_and_head(model)[0].config.to_dict())
 
 
@@ -90,7 +89,7 @@ def attention_masks(mask: np.ndarray, query_positions: np.ndarray, key_positions
     if len(sizes) > 1:
         raise ModelError(f"layers with different sliding windows ({sorted(sizes)}) are not supported")
     window = sizes.pop()
-    gap = np.asarray(query_positions)[:, :, None] - np.asarray(key_positions)[:, None, :]
+    gap = position_gaps(query_positions, key_positions)
     if not (mask & (gap >= window)).any():
         return full
     sliding = additive_mask(mask & (gap < window), dtype, device)
