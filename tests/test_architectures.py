@@ -129,8 +129,8 @@ def test_torch_decoding_is_exact(tok, case):
         assert generate(dec, prompts[:1], settings(threshold=threshold)).tokens == \
             generate(dec, prompts[:1], settings(threshold=threshold, cache="none")).tokens
     # A batch (holes, per-row positions and windows) gives each row its own output.
-    for s in (settings(threshold=0.5), settings(lossless=True)):
-        assert generate(dec, prompts, s).tokens == [generate(dec, [p], s).tokens[0] for p in prompts]
+    for s in (settings(threshold=0.5), settings(threshold=0.5, cache="block"), settings(lossless=True)):
+        assert generate(dec, prompts, s).tokens == [generate(dec, [p], s).tokens[0] for p in prompts], s
 
 
 # -- MLX -----------------------------------------------------------------------------------------
@@ -177,8 +177,8 @@ def test_mlx_equals_torch_and_is_exact(pairs, case):
     for s in (settings(threshold=1.0), settings(threshold=1.0, cache="none"), settings(lossless=True),
               settings(lossless=True, cache="none")):
         assert generate(dec, prompts, s).tokens == ar, s
-    s = settings(threshold=0.5)
-    assert generate(dec, prompts, s).tokens == generate(TorchDecoder(t), prompts, s).tokens
+    for s in (settings(threshold=0.5), settings(threshold=0.5, cache="block")):
+        assert generate(dec, prompts, s).tokens == generate(TorchDecoder(t), prompts, s).tokens, s
     # The training forward and loss agree across backends (the windows cut the same way).
     ids = np.array([[5, 9, 12, 7, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [8, 6, 40, 41, 42, 43, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
     labels = np.full(ids.shape, IGNORE)
@@ -337,3 +337,33 @@ def test_sliding_window_models_generate_through_the_cli(tmp_path, arch, backend)
     assert ar["mode"] == "AR greedy" and lossless["mode"] == "lossless greedy"
     assert lossless["text"] == ar["text"] and lossless["tokens"] == ar["tokens"] > 0
     assert run("--threshold", "0.9", "--force")["tokens"] > 0
+
+
+@pytest.mark.parametrize("cache", ["window", "block"])
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+@pytest.mark.parametrize("arch", SLIDING)
+def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok, pairs, arch, backend, cache):
+    """Rows join one every few steps and leave as they finish (the batch drops their keys):
+    with a window smaller than every row, each row's tokens are its greedy AR tokens alone."""
+    from mars.core.decoding import ContinuousBatch
+
+    if backend == "torch":
+        dec = TorchDecoder(tiny_torch(tok, arch, SMALL_WINDOW))
+    else:
+        pytest.importorskip("mlx_lm")
+        from mars.backends.mlx.model import MlxDecoder
+
+        dec = MlxDecoder(pair(pairs, (arch, SMALL_WINDOW))[1])
+    prompts = prompts_of(tok) * 2
+    s = settings(threshold=1.0, max_tokens=16, cache=cache)
+    batch = ContinuousBatch(dec, s, keep_keys=dec.keep_keys)
+    pending, rows, step = list(enumerate(prompts)), {}, 0
+    while pending or batch.rows:
+        if pending and pending[0][0] * 2 <= step and batch.can_join:
+            i, p = pending.pop(0)
+            rows[i] = batch.join(p, threshold=1.0 if i % 2 else 0.5, max_tokens=16 - 4 * (i % 3))
+        batch.step()
+        step += 1
+    for i, p in enumerate(prompts):
+        alone = generate(dec, [p], settings(threshold=1.0 if i % 2 else 0.5, max_tokens=16 - 4 * (i % 3), cache=cache)).tokens[0]
+        assert rows[i].out == alone, i
