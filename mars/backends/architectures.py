@@ -11,6 +11,8 @@ TORCH = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "
 MLX = TORCH
 # `mars convert` HF <-> MLX (and --to vllm); a mixture of experts' per-expert tensors are stacked for mlx-lm.
 CONVERT = TORCH
+# LoRA targets beside mars.core.training.LORA_TARGETS: Phi-3's fused projections.
+FUSED_LORA_TARGETS = ("qkv_proj", "gate_up_proj")
 
 
 def model_type(directory: Path) -> str | None:

@@ -12,6 +12,7 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.training import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
+from ..architectures import FUSED_LORA_TARGETS
 from ..paths import add_rope_keys, portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs, model_windows
 
@@ -41,7 +42,7 @@ class TorchTrainer:
             from peft import LoraConfig, get_peft_model
 
             present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-            targets = [t for t in LORA_TARGETS if t in present]
+            targets = [t for t in LORA_TARGETS + FUSED_LORA_TARGETS if t in present]
             if not targets:
                 raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
             config = LoraConfig(
