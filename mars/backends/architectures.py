@@ -23,9 +23,10 @@ def model_type(directory: Path) -> str | None:
         return None
 
 
-def refusal(arch: str, directory, part: str) -> str | None:
-    """The one-line error for the model in `directory`, of architecture `arch`, in `part`
-    ("torch", "mlx" or "convert"), naming the table and the closest path; None if it runs there."""
+def refusal(arch: str, where, part: str) -> str | None:
+    """The one-line error for a model of architecture `arch` (read from `where`: its config.json
+    or GGUF file) in `part` ("torch", "mlx" or "convert"), naming the table and the closest
+    path; None if it runs there."""
     table = {"torch": TORCH, "mlx": MLX, "convert": CONVERT}[part]
     if arch in table:
         return None
@@ -35,4 +36,4 @@ def refusal(arch: str, directory, part: str) -> str | None:
         closest = f"; architecture '{arch}' runs on the torch backend only: use --backend torch"
     elif part != "torch" and arch not in TORCH:
         closest = "; no backend runs it"
-    return f"{directory}/config.json: architecture '{arch}' is not supported by {name} (supported: {', '.join(table)}){closest}"
+    return f"{where}: architecture '{arch}' is not supported by {name} (supported: {', '.join(table)}){closest}"

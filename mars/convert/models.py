@@ -40,7 +40,7 @@ def read_config(src: Path) -> dict:
         raise ConvertError(f"{src}: no config.json (not a model directory)")
     config = _json(src / "config.json")
     arch = config.get("model_type", "?")
-    refused = refusal(arch, src, "convert")
+    refused = refusal(arch, f"{src}/config.json", "convert")
     if refused:
         raise ConvertError(refused)
     return config

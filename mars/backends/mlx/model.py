@@ -63,7 +63,7 @@ class MlxModel:
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
-    refused = refusal(model_type, where, "mlx")
+    refused = refusal(model_type, f"{where}/config.json", "mlx")
     if refused:
         raise MlxModelError(refused)
 
@@ -305,7 +305,7 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         raise MlxModelError(f"{base}: the MLX backend loads model directories; import a GGUF with --backend torch")
     config = json.loads((base / "config.json").read_text())
     model_type = config.get("model_type", "?")
-    refused = refusal(model_type, base, "mlx")
+    refused = refusal(model_type, f"{base}/config.json", "mlx")
     if refused:
         raise MlxModelError(refused)
     if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):

@@ -187,6 +187,7 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     try:
         if path.is_file():
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+            check_architecture(path, getattr(model.config, "model_type", None))
             # The weights are dequantized; drop the GGUF marker so the model saves like any other.
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
@@ -221,13 +222,14 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
     return mars
 
 
-def check_architecture(path: Path) -> None:
-    """Refuse, before any work, a model directory whose architecture is outside the table
-    (mars.backends.architectures); a GGUF file is checked by transformers as it loads."""
+def check_architecture(path: Path, arch: str | None = None) -> None:
+    """Refuse a model whose architecture is outside the table (mars.backends.architectures):
+    a directory before any work, from its config.json; a GGUF file once transformers has read
+    it (`arch`, its model_type)."""
     from ..architectures import model_type, refusal
 
-    arch = model_type(path) if path.is_dir() else None
-    refused = refusal(arch, path, "torch") if arch is not None else None
+    arch = arch or (model_type(path) if path.is_dir() else None)
+    refused = refusal(arch, path if path.is_file() else f"{path}/config.json", "torch") if arch is not None else None
     if refused:
         raise ModelError(refused)
 
