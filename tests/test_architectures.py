@@ -27,9 +27,9 @@ from tiny import ARCHITECTURES, make_model, make_tokenizer, save_model
 
 MASK, EOS, B = 3, 2, 4
 SMALL_WINDOW = 6  # smaller than every sequence below: the window cuts
-SLIDING = ("mistral", "gemma3_text")
+SLIDING = ("mistral", "gemma3_text")  # on both backends
 # (architecture, window): every architecture at its own settings, and the sliding ones with a small window.
-CASES = [(a, None) for a in ARCHITECTURES] + [(a, SMALL_WINDOW) for a in SLIDING]
+CASES = [(a, None) for a in ARCHITECTURES] + [(a, SMALL_WINDOW) for a in SLIDING + ("ministral",)]
 PROMPTS = ["Hello there, how are you today?", "x", "Write a short poem about the sea"]
 
 
@@ -303,6 +303,15 @@ def test_an_architecture_outside_the_table_is_refused_in_one_line(gpt2, data, tm
         args = [args[0], "--model", str(gpt2), *args[1:]]
     last = one_line_error(invoke(*args, input="hello\n"), "architecture 'gpt2'", "supported: llama")
     assert not (tmp_path / "out").exists() and not (tmp_path / "mlx").exists() and not (tmp_path / "vllm").exists(), last
+
+
+def test_an_architecture_on_torch_only_points_there_from_mlx(tmp_path):
+    from clitools import invoke, one_line_error
+
+    model = save_model(tmp_path / "ministral", "ministral", seed=1)
+    one_line_error(invoke("generate", "--backend", "mlx", "--model", model, "--prompt", "hi"), "architecture 'ministral'",
+                   "runs on the torch backend only: use --backend torch")
+    one_line_error(invoke("convert", model, "--to", "mlx", "--output", tmp_path / "mlx"), "architecture 'ministral'")
 
 
 def test_a_mixture_of_experts_is_not_quantized_by_convert(tmp_path):

@@ -40,7 +40,8 @@ def make_tokenizer(with_unused: bool = True):
 
 
 # The architectures make_model builds (transformers model_type names).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe", "mixtral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe",
+                 "mixtral")
 
 
 def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 0.3,
@@ -48,7 +49,7 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
     """A tiny random causal LM (float32). A large init scale makes logits peaked, so
     greedy argmax is stable across forwards of different shapes (no near-ties).
     `window`: the sliding window of the architectures that have one (mistral: every layer;
-    gemma3_text: the first of each pair of layers, the second attends fully)."""
+    ministral, gemma3_text: the first of each pair of layers, the second attends fully)."""
     import torch
     import transformers
 
@@ -76,6 +77,11 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
         config = transformers.Qwen3Config(**common, **head_dim, use_sliding_window=False)
     elif arch == "mistral":
         config = transformers.MistralConfig(**common, **head_dim, sliding_window=window or 4096)
+    elif arch == "ministral":
+        config = transformers.MinistralConfig(
+            **common, **head_dim, sliding_window=window or 4096,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        )
     elif arch == "gemma3_text":
         # Gemma's embeddings are scaled by sqrt(hidden): 8 here, exact in every float format.
         config = transformers.Gemma3TextConfig(

@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Both backends: decoding exact against greedy AR, the MARS mask the model's own attention.
-TORCH = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe", "mixtral")
-MLX = TORCH
-# `mars convert` HF <-> MLX (and --to vllm); a mixture of experts' per-expert tensors are stacked for mlx-lm.
-CONVERT = TORCH
+# The MLX backend: decoding exact against greedy AR and the torch backend, the MARS mask the
+# model's own attention. mlx-lm has no model for Ministral (its `ministral3` is another).
+MLX = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe", "mixtral")
+TORCH = MLX + ("ministral",)
+# `mars convert` HF <-> MLX (and --to vllm), for what mlx-lm reads; a mixture of experts'
+# per-expert tensors are stacked for mlx-lm.
+CONVERT = MLX
 # LoRA targets beside mars.core.training.LORA_TARGETS: Phi-3's fused projections.
 FUSED_LORA_TARGETS = ("qkv_proj", "gate_up_proj")
 
