@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, additive_mask, attention_masks, loss_inputs, model_windows
+from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, model_windows
 from mars.core.decoding import DecodeSettings, generate
 from mars.core.loss import IGNORE
 from tiny import ARCHITECTURES, make_model, make_tokenizer, save_model
@@ -77,18 +77,13 @@ def test_training_forward_is_the_method_rule_under_the_models_own_attention(tok,
     ids = rng.integers(10, len(tok) - 1, size=(1, L))
     labels = ids.copy()
     labels[0, :3] = IGNORE  # a prompt of 3 tokens: the noisy stream keeps them as they are
-    windows = model_windows(model)
-    inputs = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False, windows=windows)
-    plain = additive_mask(np.ones((1, 2 * L, 2 * L), bool), torch.float32, "cpu")
-    if case[1] is not None:  # the window is smaller than the sequence: the masks must differ from the rule alone
-        assert not isinstance(inputs["attn"], torch.Tensor) or inputs["attn"].shape == plain.shape
+    inputs = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False, windows=model_windows(model))
+    rule = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False)["attn"]  # no window
+    if case[1] is not None:  # a window smaller than the sequence: the sliding layers' mask is cut
         cut = inputs["attn"]["sliding_attention"] if isinstance(inputs["attn"], dict) else inputs["attn"]
-        assert (cut != attention_masks(np.ones((1, 2 * L, 2 * L), bool), inputs["positions"].numpy(), inputs["positions"].numpy(),
-                                       [None], torch.float32, "cpu")).any()
-    elif not any(windows) or max(w for w in windows if w) > 2 * L:  # a window past the sequence changes nothing
-        rule = attention_masks(np.ones((1, 2 * L, 2 * L), bool), inputs["positions"].numpy(), inputs["positions"].numpy(),
-                               windows, torch.float32, "cpu")
-        assert isinstance(rule, torch.Tensor) and torch.equal(rule, plain)
+        assert not torch.equal(cut, rule)
+    else:  # a window past the sequence (or none) changes nothing
+        assert isinstance(inputs["attn"], torch.Tensor) and torch.equal(inputs["attn"], rule)
     with torch.no_grad():
         hidden = MarsLoss(model).hidden(inputs["input_ids"], inputs["positions"], inputs["attn"])
         ours = MarsLoss(model).head(hidden)[0]
@@ -145,12 +140,8 @@ def mlx_cases():
 _PAIRS = {}
 
 
-@pytest.fixture(scope="module")
-def pairs(tmp_path_factory):
-    return tmp_path_factory
-
-
 def pair(tmp_path_factory, case):
+    """(directory, MLX-loaded, torch-loaded) of a tiny model, built once per test session."""
     if case not in _PAIRS:
         from mars.backends.mlx.model import load as mlx_load
         from mars.backends.torch.model import load as torch_load
@@ -163,14 +154,14 @@ def pair(tmp_path_factory, case):
 
 
 @pytest.mark.parametrize("case", mlx_cases(), ids=case_id)
-def test_mlx_equals_torch_and_is_exact(pairs, case):
+def test_mlx_equals_torch_and_is_exact(tmp_path_factory, case):
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
     from mars.backends.mlx.model import MlxDecoder, mars_losses
     from mars.backends.mlx.model import loss_inputs as mlx_loss_inputs
 
-    path, m, t = pair(pairs, case)
+    path, m, t = pair(tmp_path_factory, case)
     prompts = prompts_of(t.tokenizer)
     ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0)).tokens
     dec = MlxDecoder(m)
@@ -351,7 +342,7 @@ def test_sliding_window_models_generate_through_the_cli(tmp_path, arch, backend)
 @pytest.mark.parametrize("cache", ["window", "block"])
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("arch", SLIDING)
-def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok, pairs, arch, backend, cache):
+def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok, tmp_path_factory, arch, backend, cache):
     """Rows join one every few steps and leave as they finish (the batch drops their keys):
     with a window smaller than every row, each row's tokens are its greedy AR tokens alone."""
     from mars.core.decoding import ContinuousBatch
@@ -362,7 +353,7 @@ def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok,
         pytest.importorskip("mlx_lm")
         from mars.backends.mlx.model import MlxDecoder
 
-        dec = MlxDecoder(pair(pairs, (arch, SMALL_WINDOW))[1])
+        dec = MlxDecoder(pair(tmp_path_factory, (arch, SMALL_WINDOW))[1])
     prompts = prompts_of(tok) * 2
     s = settings(threshold=1.0, max_tokens=16, cache=cache)
     batch = ContinuousBatch(dec, s, keep_keys=dec.keep_keys)
