@@ -39,11 +39,19 @@ def make_tokenizer(with_unused: bool = True):
     return tok
 
 
-def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 0.3):
+# The architectures make_model builds (transformers model_type names).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe",
+                 "mixtral")
+
+
+def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 0.3,
+               window: int | None = None):
     """A tiny random causal LM (float32). A large init scale makes logits peaked, so
-    greedy argmax is stable across forwards of different shapes (no near-ties)."""
+    greedy argmax is stable across forwards of different shapes (no near-ties).
+    `window`: the sliding window of the architectures that have one (mistral: every layer;
+    ministral, gemma3_text: the first of each pair of layers, the second attends fully)."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    import transformers
 
     common = dict(
         vocab_size=vocab_size,
@@ -59,16 +67,47 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
         pad_token_id=2,
         tie_word_embeddings=(arch != "qwen2"),
     )
+    head_dim = dict(head_dim=hidden // 4)
+    experts = dict(num_experts_per_tok=2)
     if arch == "llama":
-        config = LlamaConfig(**common)
+        config = transformers.LlamaConfig(**common)
     elif arch == "qwen2":
-        config = Qwen2Config(**common, use_sliding_window=False)
+        config = transformers.Qwen2Config(**common, use_sliding_window=False)
     elif arch == "qwen3":
-        config = Qwen3Config(**common, head_dim=hidden // 4, use_sliding_window=False)
+        config = transformers.Qwen3Config(**common, **head_dim, use_sliding_window=False)
+    elif arch == "mistral":
+        config = transformers.MistralConfig(**common, **head_dim, sliding_window=window or 4096)
+    elif arch == "ministral":
+        config = transformers.MinistralConfig(
+            **common, **head_dim, sliding_window=window or 4096,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        )
+    elif arch == "gemma3_text":
+        # Gemma's embeddings are scaled by sqrt(hidden): 8 here, exact in every float format.
+        config = transformers.Gemma3TextConfig(
+            **common, **head_dim, query_pre_attn_scalar=hidden // 4, sliding_window=window or 512,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        )
+    elif arch == "phi3":
+        config = transformers.Phi3Config(**common)
+    elif arch == "olmo2":
+        config = transformers.Olmo2Config(**common)
+    elif arch == "granite":
+        config = transformers.GraniteConfig(
+            **common, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0
+        )
+    elif arch == "smollm3":
+        # Every second layer without RoPE (SmolLM3's NoPE layers).
+        config = transformers.SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=False)
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, **head_dim, **experts, num_experts=4, moe_intermediate_size=hidden,
+                                             decoder_sparse_step=1, norm_topk_prob=True, use_sliding_window=False)
+    elif arch == "mixtral":
+        config = transformers.MixtralConfig(**common, **experts, num_local_experts=4)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     return model.eval()
 
 

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ..backends.architectures import CONVERT, refusal
 from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
 from ..core.files import atomic_dir
 from .adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize
 from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = CONVERT  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 _SKIP = ("config.json", "model.safetensors.index.json")  # rewritten, never copied
 
@@ -39,8 +40,9 @@ def read_config(src: Path) -> dict:
         raise ConvertError(f"{src}: no config.json (not a model directory)")
     config = _json(src / "config.json")
     arch = config.get("model_type", "?")
-    if arch not in SUPPORTED:
-        raise ConvertError(f"{src}/config.json: architecture '{arch}' is not supported by mars convert (supported: {', '.join(SUPPORTED)})")
+    refused = refusal(arch, f"{src}/config.json", "convert")
+    if refused:
+        raise ConvertError(refused)
     return config
 
 
@@ -61,7 +63,7 @@ def quantization_of(config: dict, where: Path) -> dict | None:
 
 
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor a llama / qwen2 / qwen3 checkpoint holds, with its shape."""
+    """Every tensor a checkpoint of a SUPPORTED architecture holds, with its shape."""
     try:
         h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
         heads = config["num_attention_heads"]
@@ -72,29 +74,110 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     hd = config.get("head_dim") or h // heads
     arch = config["model_type"]
     shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,), "lm_head.weight": (vocab, h)}
-    attn_bias = arch == "qwen2" or (arch == "llama" and config.get("attention_bias"))
+    llama_like = arch in ("llama", "mistral", "granite", "smollm3", "qwen3_moe", "mixtral")
+    attn_bias = arch == "qwen2" or (llama_like and config.get("attention_bias"))
     for i in range(layers):
         p = f"model.layers.{i}."
+        norms = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                 "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
+        shapes.update({f"{p}{n}.weight": (h,) for n in norms.get(arch, ("input_layernorm", "post_attention_layernorm"))})
+        shapes[p + "self_attn.o_proj.weight"] = (h, heads * hd)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if arch == "phi3":  # fused projections
+            shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * hd, h)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+            continue
         shapes.update({
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (heads * hd, h),
             p + "self_attn.k_proj.weight": (kv * hd, h),
             p + "self_attn.v_proj.weight": (kv * hd, h),
-            p + "self_attn.o_proj.weight": (h, heads * hd),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
         })
+        experts = expert_layer(config, i)
+        if experts:
+            del shapes[p + "mlp.down_proj.weight"]
+            shapes.update(expert_shapes(config, i, experts, h))
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)})
         if attn_bias:
             shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,), p + "self_attn.v_proj.bias": (kv * hd,)})
-        if arch == "llama" and config.get("attention_bias"):
+        if llama_like and config.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if arch == "llama" and config.get("mlp_bias"):
+        if llama_like and config.get("mlp_bias"):
             shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3_text", "qwen3_moe"):  # per-head norms
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if arch == "olmo2":  # norms over all heads
+            shapes.update({p + "self_attn.q_norm.weight": (heads * hd,), p + "self_attn.k_norm.weight": (kv * hd,)})
     return shapes
+
+
+# A mixture of experts: (the block's name, each expert's projections in Hugging Face names ->
+# mlx-lm's). Hugging Face checkpoints hold one tensor per expert; mlx-lm stacks them into one
+# `switch_mlp` tensor per projection (experts first), as its `sanitize` does on loading.
+EXPERTS = {
+    "qwen3_moe": ("mlp", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+    "mixtral": ("block_sparse_moe", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
+
+
+def expert_count(config: dict) -> int:
+    return int(config.get("num_local_experts") or config.get("num_experts") or 0)
+
+
+def expert_layer(config: dict, i: int) -> int:
+    """How many experts layer `i` holds (0: a dense MLP)."""
+    arch = config["model_type"]
+    if arch == "mixtral":
+        return expert_count(config)
+    if arch != "qwen3_moe" or i in (config.get("mlp_only_layers") or []):
+        return 0
+    step = int(config.get("decoder_sparse_step") or 1)
+    return expert_count(config) if (i + 1) % step == 0 else 0
+
+
+def expert_shapes(config: dict, i: int, experts: int, h: int) -> dict:
+    block, names = EXPERTS[config["model_type"]]
+    inter = config.get("moe_intermediate_size") or config["intermediate_size"]
+    p = f"model.layers.{i}.{block}."
+    shapes = {p + "gate.weight": (experts, h)}
+    for e in range(experts):
+        for hf, mlx in names.items():
+            shapes[f"{p}experts.{e}.{hf}.weight"] = (h, inter) if mlx == "down_proj" else (inter, h)
+    return shapes
+
+
+def stack_experts(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
+    """Hugging Face names -> mlx-lm's: each projection's experts stacked into one tensor."""
+    if config["model_type"] not in EXPERTS:
+        return tensors
+    block, names = EXPERTS[config["model_type"]]
+    out = dict(tensors)
+    for i in range(config["num_hidden_layers"]):
+        experts = expert_layer(config, i)
+        for hf, mlx in names.items() if experts else ():
+            parts = [out.pop(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight") for e in range(experts)]
+            out[f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight"] = Tensor(parts[0].dtype, np.stack([t.array for t in parts]))
+    return out
+
+
+def unstack_experts(tensors: dict[str, Tensor], config: dict, where: Path) -> dict[str, Tensor]:
+    """mlx-lm names -> Hugging Face's (a directory in Hugging Face names is returned as it is)."""
+    if config["model_type"] not in EXPERTS or not any(".switch_mlp." in k for k in tensors):
+        return tensors
+    block, names = EXPERTS[config["model_type"]]
+    out = dict(tensors)
+    for i in range(config["num_hidden_layers"]):
+        experts = expert_layer(config, i)
+        for hf, mlx in names.items() if experts else ():
+            name = f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight"
+            if name not in out:
+                raise ConvertError(f"{where}: tensor {name} is missing")
+            stacked = out.pop(name)
+            if stacked.array.ndim != 3 or stacked.shape[0] != experts:
+                raise ConvertError(f"{where}: {name} has shape {list(stacked.shape)}, expected {experts} experts first")
+            for e in range(experts):
+                out[f"model.layers.{i}.{block}.experts.{e}.{hf}.weight"] = Tensor(stacked.dtype, np.ascontiguousarray(stacked.array[e]))
+    return out
 
 
 def check_shapes(tensors: dict[str, Tensor], config: dict, where: Path) -> None:
@@ -124,8 +207,12 @@ def load_tensors(src: Path, config: dict) -> dict[str, Tensor]:
             b, g = per.get("bits", bits), per.get("group_size", group)
             if f"{prefix}.weight" not in tensors or f"{prefix}.biases" not in tensors:
                 raise ConvertError(f"{src}: {name} without {prefix}.weight and {prefix}.biases")
-            tensors[f"{prefix}.weight"] = dequantize(prefix, tensors[f"{prefix}.weight"], tensors.pop(name), tensors.pop(f"{prefix}.biases"), b, g)
-    tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+            weight, scales, biases = tensors[f"{prefix}.weight"], tensors.pop(name), tensors.pop(f"{prefix}.biases")
+            lead = weight.shape[:-1]  # stacked experts quantize row by row like any other matrix
+            rows = [Tensor(t.dtype, t.array.reshape(-1, t.shape[-1])) for t in (weight, scales, biases)]
+            flat = dequantize(prefix, *rows, b, g)
+            tensors[f"{prefix}.weight"] = Tensor(flat.dtype, flat.array.reshape(*lead, flat.shape[-1]))
+    tensors = unstack_experts({k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}, config, src)
     if config.get("tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
     return tensors
@@ -239,6 +326,9 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
     if dtype is not None:
         tensors = {k: cast(t, DTYPES[dtype]) for k, t in tensors.items()}
     quant = None
+    if q_bits is not None and config["model_type"] in EXPERTS:
+        raise ConvertError(f"{src}: quantizing a mixture of experts is not supported here (mlx-lm keeps its router at other "
+                           "settings); convert without -q, then quantize with mlx_lm.convert")
     if q_bits is not None:
         quant = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
         out = {}
@@ -263,7 +353,7 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
             for p in sorted(adapter.iterdir()):
                 if p.is_file() and (p.name in TOKENIZER_FILES or p.name in ("special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "mars.json")):
                     shutil.copy2(p, d / p.name)
-        write_weights(d, tensors, to)
+        write_weights(d, stack_experts(tensors, config) if to == "mlx" else tensors, to)
         (d / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
         if adapter is not None:
             _carry_fused(src, adapter, d, output)

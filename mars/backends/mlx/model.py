@@ -1,10 +1,12 @@
-"""MLX backend: mlx-lm models run layer by layer with explicit positions and masks.
+"""MLX backend: mlx-lm models run with explicit positions and masks.
 
 mlx-lm's stock forward takes RoPE positions from a scalar cache offset and builds its
 own causal mask. MARS needs more: the training sequence repeats positions 0..L-1 for
 its two streams under the docs/method.md §3 mask, and batched decoding has holes and per-row
-positions. So this module reuses mlx-lm's modules and weights (projections, norms,
-RoPE, MLP, KV caches) and drives them itself, for the architectures listed below.
+positions. So this module runs mlx-lm's own model (embedding, layers, norms, MLP or experts,
+RoPE variant, KV caches) and hands each attention layer, through the cache argument it
+already takes, the positions of its tokens and its mask (hidden_states), for the
+architectures listed below.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode.types import runners_up_of
 from ...core.decode.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
+from ..architectures import MLX, refusal
+from ..hf_config import position_gaps, sliding_windows
 from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
-SUPPORTED = ("llama", "qwen2", "qwen3")
+SUPPORTED = MLX  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
 
 
 class MlxModelError(ModelError):
@@ -33,7 +37,7 @@ class MlxModelError(ModelError):
 
 @dataclass
 class MlxModel:
-    model: nn.Module  # an mlx-lm Model (llama, qwen2, qwen3)
+    model: nn.Module  # an mlx-lm Model of one of the SUPPORTED architectures
     tokenizer: object  # the Hugging Face tokenizer behind mlx-lm's wrapper
     mars: MarsConfig | None
     path: str
@@ -59,10 +63,21 @@ class MlxModel:
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
-    if model_type not in SUPPORTED:
+    refused = refusal(model_type, f"{where}/config.json", "mlx")
+    if refused:
+        raise MlxModelError(refused)
+
+
+def check_windows(model: nn.Module, windows: list, where: str = "model") -> None:
+    """The sliding layers mlx-lm built must be the config's: mlx-lm passes one mask to all the
+    layers it treats alike, and mars cuts each mask to the config's window (layer_masks)."""
+    layers = body(model).layers
+    flags = [bool(getattr(layer, "use_sliding", False) or getattr(layer.self_attn, "is_sliding", False)) for layer in layers]
+    alike = flags == [w is not None for w in windows] if any(flags) else len(set(windows)) <= 1
+    if len(windows) != len(layers) or not alike:
         raise MlxModelError(
-            f"{where}: architecture '{model_type}' is not supported by the MLX backend "
-            f"(supported: {', '.join(SUPPORTED)}); use --backend torch"
+            f"{where}/config.json: the sliding-window layers ({windows}) are not the ones mlx-lm builds for this "
+            "architecture; use --backend torch"
         )
 
 
@@ -74,73 +89,157 @@ def embed_tokens(model: nn.Module) -> nn.Module:
     return model.model.embed_tokens
 
 
+def tied(model: nn.Module) -> bool:
+    """Whether the output head is the embedding matrix (mlx-lm builds no `lm_head` then, or
+    drops it on loading, as Gemma 3 does)."""
+    return "lm_head" not in model
+
+
 def head(model: nn.Module, hidden: mx.array) -> mx.array:
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+    """The model's output head on `hidden`, as its mlx-lm `Model.__call__` applies it after the body."""
+    out = embed_tokens(model).as_linear(hidden) if tied(model) else model.lm_head(hidden)
+    scaling = getattr(model, "logits_scaling", None)  # Granite divides its logits
+    return out / scaling if scaling is not None else out
 
 
-def _rope(rope, x: mx.array, segments) -> mx.array:
-    """RoPE on (b, heads, q, d) where the sequence is `segments` of consecutive positions:
-    [(length, offsets (b,) or int)], e.g. the two MARS streams, each starting at 0."""
-    if len(segments) == 1:
-        return rope(x, offset=segments[0][1])
-    parts, start = [], 0
+# -- driving mlx-lm's model with explicit positions and masks -------------------------------
+
+
+class Positions:
+    """The logical positions (b, q) of a forward's tokens, handed to every attention layer as
+    its cache's `offset`: the layer passes that to its RoPE, which PositionedRope turns into
+    one rotation per token (mlx-lm's own offset is one number, or one per row)."""
+
+    def __init__(self, positions: mx.array):
+        self.positions = positions
+
+
+class PositionedRope(nn.Module):
+    """An attention layer's RoPE (any variant mlx-lm builds: plain, Llama 3, SuScaled, YaRN,
+    Gemma's local and global bases, SmolLM3's NoPE), applied at explicit positions when the
+    offset is a Positions, and exactly as before otherwise."""
+
+    def __init__(self, rope):
+        super().__init__()
+        self.rope = rope
+
+    def __call__(self, x: mx.array, offset=0):
+        if not isinstance(offset, Positions):
+            return self.rope(x, offset=offset)
+        b, heads, q, d = x.shape
+        # One row per token, its position as that row's offset.
+        rows = x.transpose(0, 2, 1, 3).reshape(b * q, heads, 1, d)
+        out = self.rope(rows, offset=offset.positions.reshape(-1))
+        return out.reshape(b, q, heads, d).transpose(0, 2, 1, 3)
+
+
+def position_ropes(model: nn.Module) -> None:
+    """Give every attention layer of an mlx-lm model a PositionedRope (once; no weights change)."""
+    for layer in body(model).layers:
+        attn = layer.self_attn
+        if not isinstance(attn.rope, PositionedRope):
+            attn.rope = PositionedRope(attn.rope)
+
+
+class LayerCache:
+    """What one mlx-lm attention layer sees as its cache during a MARS forward: the positions
+    as `offset`, the real KV cache behind `update_and_fetch` (none in training: the keys are
+    the step's own), and the layer's MARS mask from `make_mask` (mlx-lm's models ask their
+    caches for the mask they pass to the layers)."""
+
+    def __init__(self, inner, positions: Positions, mask):
+        self.inner = inner
+        self.offset = positions
+        self.mask = mask
+
+    def update_and_fetch(self, keys, values):
+        return (keys, values) if self.inner is None else self.inner.update_and_fetch(keys, values)
+
+    def make_mask(self, *args, **kwargs):
+        return self.mask
+
+
+class Caches(list):
+    """The KV caches of a decoder (one per layer) and, for a model with sliding layers, the
+    positions of the cached keys (b, kv), kept beside them."""
+
+    key_positions: np.ndarray | None = None
+
+
+def segment_positions(segments, batch: int) -> np.ndarray:
+    """Positions (b, q) of a sequence made of `segments` [(length, offsets (b,) or int)] of
+    consecutive positions, e.g. the two MARS streams, each starting at its own offset."""
+    parts = []
     for length, offset in segments:
-        parts.append(rope(x[:, :, start : start + length], offset=offset))
-        start += length
-    return mx.concatenate(parts, axis=2)
+        start = np.broadcast_to(np.asarray(offset, dtype=np.int64).reshape(-1, 1), (batch, 1))
+        parts.append(start + np.arange(length, dtype=np.int64)[None])
+    return np.concatenate(parts, axis=1)
 
 
-def decode_segments(positions: np.ndarray) -> list:
-    """RoPE segments [(length, offsets (b,))] of a decoding step's positions (b, q).
-
-    A step's real slots carry consecutive positions per row (holes, position 0, are masked
-    out), so one offset per row usually covers the step. Lossless spare mask groups restart
-    their positions: a new segment begins wherever two neighbouring real slots of some row
-    are not consecutive."""
-    p = np.asarray(positions, dtype=np.int64)
-    prev, cur = p[:, :-1], p[:, 1:]
-    breaks = ((prev != 0) & (cur != 0) & (cur != prev + 1)).any(axis=0)
-    starts = [0] + [int(c) + 1 for c in np.nonzero(breaks)[0]]
-    ends = starts[1:] + [p.shape[1]]
-    segments = []
-    for s, e in zip(starts, ends):
-        # Each row's offset comes from its last real slot in the segment (position > 0; a row
-        # with none, or only a first token at position 0, gets offset 0). Holes get whatever
-        # position follows: they are attended by nobody and never read.
-        real = p[:, s:e] != 0
-        last = (e - 1 - s) - np.argmax(real[:, ::-1], axis=1)
-        offsets = np.where(real.any(axis=1), p[np.arange(len(p)), s + last] - last, 0)
-        segments.append((e - s, mx.array(offsets.astype(np.int32))))
-    return segments
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Per layer, the sliding window of the model's config.json (mars.backends.hf_config), read
+    at loading; None everywhere for a model loaded otherwise."""
+    return getattr(model, "_mars_windows", None) or [None] * len(body(model).layers)
 
 
-def _attention(attn, x: mx.array, mask, segments, cache) -> mx.array:
-    b, q, _ = x.shape
-    queries = attn.q_proj(x).reshape(b, q, attn.n_heads, -1)
-    keys = attn.k_proj(x).reshape(b, q, attn.n_kv_heads, -1)
-    values = attn.v_proj(x).reshape(b, q, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-    if hasattr(attn, "q_norm"):  # qwen3 normalises per head before RoPE
-        queries, keys = attn.q_norm(queries), attn.k_norm(keys)
-    queries = _rope(attn.rope, queries.transpose(0, 2, 1, 3), segments)
-    keys = _rope(attn.rope, keys.transpose(0, 2, 1, 3), segments)
-    if cache is not None:
-        keys, values = cache.update_and_fetch(keys, values)
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, q, -1))
+def layer_masks(model: nn.Module, mask, query_positions: np.ndarray, key_positions: np.ndarray) -> list:
+    """Each layer's mask: `mask` (bool (b, 1, q, kv), "causal" or None), cut to the layer's
+    sliding window by logical position where some query is that far past a key."""
+    windows = layer_windows(model)
+    cut = {}
+    for window in {w for w in windows if w}:
+        gap = position_gaps(query_positions, key_positions)
+        if not (gap >= window).any():
+            continue
+        if isinstance(mask, mx.array):
+            allowed = np.array(mask[:, 0])
+        else:  # "causal" or None on top of the cache: every key up to the query's own place
+            q, kv = gap.shape[1:]
+            allowed = np.arange(kv)[None, None] <= (kv - q + np.arange(q))[None, :, None]
+        cut[window] = mx.array(allowed & (gap < window))[:, None]
+    return [cut.get(w, mask) for w in windows]
 
 
-def hidden_states(model: nn.Module, inputs: mx.array, segments, mask=None, cache=None, embeddings=None) -> mx.array:
-    """The decoder body with explicit positions (`segments`) and a mask: bool (b, 1, q, kv),
-    "causal", or None (full attention)."""
+def hidden_states(model: nn.Module, inputs: mx.array, positions, mask=None, cache=None, embeddings=None) -> mx.array:
+    """The decoder body (mlx-lm's own: embedding scale, layers, norms) at explicit `positions`
+    ((b, q) array, or segments [(length, offsets)]) under `mask`: bool (b, 1, q, kv), "causal",
+    or None (full attention). `cache`: the decoder's Caches, or None."""
     inner = body(model)
-    h = inner.embed_tokens(inputs) if embeddings is None else embeddings
-    caches = cache if cache is not None else [None] * len(inner.layers)
-    for layer, c in zip(inner.layers, caches):
-        h = h + _attention(layer.self_attn, layer.input_layernorm(h), mask, segments, c)
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return inner.norm(h)
+    b, q = inputs.shape
+    if isinstance(positions, list):
+        positions = segment_positions(positions, b)
+    positions = np.asarray(positions, dtype=np.int64)
+    keys = positions
+    if cache is not None and any(layer_windows(model)):
+        cached = cache[0].offset
+        before = getattr(cache, "key_positions", None)
+        if before is None or before.shape[1] < cached:  # caches kept elsewhere: no holes
+            before = np.broadcast_to(np.arange(cached, dtype=np.int64), (b, cached))
+        keys = np.concatenate([before[:, :cached], positions], axis=1)
+        if isinstance(cache, Caches):
+            cache.key_positions = keys
+    masks = layer_masks(model, mask, positions, keys) if keys.shape[1] else [mask] * len(inner.layers)
+    at = Positions(mx.array(positions.astype(np.int32)))
+    caches = [LayerCache(None if cache is None else c, at, m) for c, m in zip(cache or [None] * len(masks), masks)]
+    if embeddings is None:
+        return inner(inputs, caches)
+    # The embeddings are given (a trained mask row): the body embeds through a stand-in that
+    # returns them, so every model scales them as it scales its own.
+    table = inner.embed_tokens
+    inner.embed_tokens = GivenEmbeddings(embeddings)
+    try:
+        return inner(inputs, caches)
+    finally:
+        inner.embed_tokens = table
+
+
+class GivenEmbeddings(nn.Module):
+    def __init__(self, embeddings: mx.array):
+        super().__init__()
+        self._embeddings = embeddings
+
+    def __call__(self, inputs):
+        return self._embeddings
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -162,7 +261,7 @@ def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, b
             raise MlxModelError("a quantized model cannot grow its embedding for a new mask token; use a float model")
         grown = mx.concatenate([emb.weight, mx.broadcast_to(emb.weight.mean(0, keepdims=True), (mars.mask_token_id + 1 - rows, emb.weight.shape[1]))])
         emb.weight = grown
-        if not model.args.tie_word_embeddings and new_row_init(output_head=True) == "zeros":  # mars.core.tokens
+        if not tied(model) and new_row_init(output_head=True) == "zeros":  # mars.core.tokens
             w = model.lm_head.weight
             model.lm_head.weight = mx.concatenate([w, mx.zeros((grown.shape[0] - w.shape[0], w.shape[1]), dtype=w.dtype)])
     return mars
@@ -204,15 +303,23 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
     check_model_path(base)
     if base.is_file():
         raise MlxModelError(f"{base}: the MLX backend loads model directories; import a GGUF with --backend torch")
-    model_type = json.loads((base / "config.json").read_text()).get("model_type", "?")
-    if model_type not in SUPPORTED:
-        raise MlxModelError(f"{base}: architecture '{model_type}' is not supported by the MLX backend (supported: {', '.join(SUPPORTED)}); use --backend torch")
+    config = json.loads((base / "config.json").read_text())
+    model_type = config.get("model_type", "?")
+    refused = refusal(model_type, f"{base}/config.json", "mlx")
+    if refused:
+        raise MlxModelError(refused)
+    if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):
+        raise MlxModelError(f"{base}/config.json: soft-capped logits, which mlx-lm's {model_type} does not apply; use --backend torch")
     source = adapter if adapter is not None else base
     try:
-        model, wrapper = mlx_load(str(base), model_config=rope_overrides(json.loads((base / "config.json").read_text())))
+        model, wrapper = mlx_load(str(base), model_config=rope_overrides(config))
     except (FileNotFoundError, ValueError) as e:
         raise MlxModelError(f"{base}: could not load ({str(e).splitlines()[0]})") from None
     check_architecture(model, str(base))
+    windows = sliding_windows(config)
+    check_windows(model, windows, str(base))
+    object.__setattr__(model, "_mars_windows", windows)  # a plain attribute, not part of the module tree
+    position_ropes(model)
     # The base's tokenizer is mlx-lm's; an adapter that carries its own (paths.tokenizer_path) wins.
     where = tokenizer_path(base, adapter)
     tokenizer = _hf_tokenizer(wrapper) if where == base else load_tokenizer(where)
@@ -303,7 +410,7 @@ class MlxDecoder:
         from mlx_lm.models.cache import KVCache
 
         self._drafted = None
-        return [KVCache() for _ in body(self.model).layers]
+        return Caches(KVCache() for _ in body(self.model).layers)
 
     def crop(self, cache, length: int) -> None:
         for c in cache:
@@ -311,6 +418,8 @@ class MlxDecoder:
                 c.trim(c.offset - length)
 
     def keep_rows(self, cache, rows: list[int]) -> None:
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[rows]
         idx = mx.array(rows, dtype=mx.int32)
         for c in cache if cache is not None else ():
             if c.keys is not None:
@@ -320,6 +429,8 @@ class MlxDecoder:
 
     def keep_keys(self, cache, columns) -> None:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
         idx = mx.array(np.asarray(columns, dtype=np.int32))
         for c in cache:
             if c.keys is not None:
@@ -340,7 +451,7 @@ class MlxDecoder:
         attn = "causal" if mask is None else mx.array(mask)[:, None]
         if self.loaded.gate is not None:
             self.loaded.gate.set(ids)
-        h = hidden_states(self.model, ids, decode_segments(positions), attn, cache)
+        h = hidden_states(self.model, ids, positions, attn, cache)
         idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
         return head(self.model, picked)

@@ -31,6 +31,7 @@ from ...core.train.loop import (
     validation_losses,
     write_history,
 )
+from ..architectures import FUSED_LORA_TARGETS
 from ..paths import portable_ref
 from .model import (
     MASK_EMBEDDING_FILE,
@@ -73,7 +74,7 @@ def lora_keys(model: nn.Module) -> list[str]:
     return sorted(
         name
         for name, m in first.named_modules()
-        if name.rsplit(".", 1)[-1] in LORA_TARGETS and isinstance(m, (nn.Linear, nn.QuantizedLinear))
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS + FUSED_LORA_TARGETS and isinstance(m, (nn.Linear, nn.QuantizedLinear))
     )
 
 

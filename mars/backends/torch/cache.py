@@ -74,13 +74,33 @@ class GrowingLayer(DynamicLayer):
 
 
 def growing_cache(config):
-    """A transformers `DynamicCache` for `config` whose plain (full-attention) layers grow in
-    place; other layer kinds (sliding windows) stay as transformers makes them."""
+    """A transformers `DynamicCache` for `config` whose attention layers all keep every
+    position and grow in place. A sliding-window layer of transformers keeps only the last
+    `sliding_window` positions, which the decoder's crops (counted from the start) and masks
+    (one column per cached position) cannot follow; here the window is applied by the masks
+    instead (mars.backends.torch.model.attention_masks), by position."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    cache.layers = [GrowingLayer() if _attention_layer(layer) else layer for layer in cache.layers]
     return cache
+
+
+def full_cache(config):
+    """A transformers `DynamicCache` whose attention layers keep every position (plain appends,
+    so gradients flow through the keys): the training forward's cache, masked by position."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    cache.layers = [DynamicLayer() if _attention_layer(layer) else layer for layer in cache.layers]
+    return cache
+
+
+def _attention_layer(layer) -> bool:
+    """A plain or sliding-window key/value layer (not a linear-attention or quantized one)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return type(layer) in (DynamicLayer, DynamicSlidingWindowLayer)
 
 
 def cache_argument(body, cache) -> dict:

@@ -15,6 +15,8 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode.types import runners_up_of
 from ...core.decode.plan import Sampling
 from ...core.loss import Alignment
+from ...core.masks import decode_mask
+from ..hf_config import position_gaps, sliding_windows
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
 from .cache import cache_argument
@@ -66,11 +68,77 @@ def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
     return out[:, None]
 
 
+def model_windows(model: torch.nn.Module) -> list[int | None]:
+    """Per layer, the sliding window the model applies, or None (mars.backends.hf_config)."""
+    return sliding_windows(body_and_head(model)[0].config.to_dict())
+
+
+def attention_masks(mask: np.ndarray, query_positions: np.ndarray, key_positions: np.ndarray, windows, dtype, device):
+    """The `attention_mask` a transformers body takes for the bool `mask` (b, q, kv): one
+    additive mask for every layer, or one per layer type when some layers slide.
+
+    A transformers model given a 4D mask applies it as it is, its sliding windows included:
+    so a sliding layer gets `mask` cut to the window here, by logical position (a query at
+    position p keeps the keys at p - W + 1 .. p), the same cut for a real token and a mask,
+    in training and in decoding. Where no query is W positions past a key, the window
+    changes nothing and the one mask serves every layer."""
+    full = additive_mask(mask, dtype, device)
+    sizes = {w for w in windows if w}
+    if not sizes:
+        return full
+    if len(sizes) > 1:
+        raise ModelError(f"layers with different sliding windows ({sorted(sizes)}) are not supported")
+    window = sizes.pop()
+    gap = position_gaps(query_positions, key_positions)
+    if not (mask & (gap >= window)).any():
+        return full
+    sliding = additive_mask(mask & (gap < window), dtype, device)
+    if None not in windows:
+        return sliding
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+def _mask_part(attn, rows: slice, columns):
+    """Rows and columns (a slice, or a list of slices joined) of an attention argument."""
+    if isinstance(attn, dict):
+        return {kind: _mask_part(a, rows, columns) for kind, a in attn.items()}
+    if isinstance(columns, slice):
+        return attn[:, :, rows, columns]
+    return torch.cat([attn[:, :, rows, c] for c in columns], dim=-1)
+
+
 def body_and_head(model: torch.nn.Module):
     """The decoder body and the LM head of a *ForCausalLM, through a PEFT wrapper if any
     (LoRA layers live inside the body, so calling it uses them)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return getattr(base, base.base_model_prefix), base.get_output_embeddings()
+    head = base.get_output_embeddings()
+    config = base.config
+    scaling, softcap = getattr(config, "logits_scaling", None), getattr(config, "final_logit_softcapping", None)
+    if (scaling not in (None, 1.0) or softcap) and not isinstance(head, FinalLogits):
+        head = FinalLogits(head, scaling or 1.0, softcap)
+    return getattr(base, base.base_model_prefix), head
+
+
+class FinalLogits(torch.nn.Module):
+    """An LM head followed by what the model's own forward does to its logits: Granite divides
+    them by `logits_scaling`, Gemma soft-caps them (`final_logit_softcapping`). Confidences are
+    read off these logits, so they must be the model's."""
+
+    def __init__(self, head: torch.nn.Module, scaling: float, softcap: float | None):
+        super().__init__()
+        self.head, self.scaling, self.softcap = head, scaling, softcap
+
+    @property
+    def weight(self):
+        return self.head.weight
+
+    def forward(self, hidden):
+        logits = self.head(hidden)
+        if self.scaling != 1.0:
+            logits = logits / self.scaling
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
 
 
 @dataclass
@@ -119,6 +187,7 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     try:
         if path.is_file():
             model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, **kwargs)
+            check_architecture(path, getattr(model.config, "model_type", None))
             # The weights are dequantized; drop the GGUF marker so the model saves like any other.
             model.hf_quantizer = None
             if hasattr(model.config, "quantization_config"):
@@ -153,6 +222,18 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
     return mars
 
 
+def check_architecture(path: Path, arch: str | None = None) -> None:
+    """Refuse a model whose architecture is outside the table (mars.backends.architectures):
+    a directory before any work, from its config.json; a GGUF file once transformers has read
+    it (`arch`, its model_type)."""
+    from ..architectures import model_type, refusal
+
+    arch = arch or (model_type(path) if path.is_dir() else None)
+    refused = refusal(arch, path if path.is_file() else f"{path}/config.json", "torch") if arch is not None else None
+    if refused:
+        raise ModelError(refused)
+
+
 def load_mask_embedding(adapter_dir: Path):
     from safetensors.torch import load_file
 
@@ -174,6 +255,7 @@ def load(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     check_model_path(base_path)
+    check_architecture(base_path)
     source = adapter if adapter is not None else base_path
     tokenizer = load_tokenizer(tokenizer_path(base_path, adapter))
     model = load_hf_model(base_path, dtype=dt, device=dev)
@@ -287,6 +369,10 @@ class TorchDecoder:
         self.skips_holes = bool(self.packed)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
         self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
+        # Sliding-window layers: the masks cut the window by position (attention_masks), so the
+        # cache keeps every position; the cached keys' positions are kept beside it, per row.
+        self.windows = model_windows(tm.model)
+        self.slides = any(self.windows)
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -310,6 +396,8 @@ class TorchDecoder:
                 layer.values = layer.values[..., :length, :]
 
     def keep_rows(self, cache, rows: list[int]) -> None:
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[rows]
         idx = torch.tensor(rows, device=self.tm.device)
         for layer in cache.layers if cache is not None else ():
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
@@ -320,6 +408,8 @@ class TorchDecoder:
 
     def keep_keys(self, cache, columns) -> None:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
         for layer in cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 idx = torch.as_tensor(columns, device=layer.keys.device)
@@ -354,7 +444,10 @@ class TorchDecoder:
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
-        attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
+        if self.slides:
+            attn = self._window_masks(cache, mask, positions)
+        else:
+            attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
         if self.tm.gate is not None:  # the masks' places read off the host's ids: no copy back
             self.tm.gate.set_host(input_ids, dev)
         b, q = ids.shape
@@ -375,6 +468,22 @@ class TorchDecoder:
             hidden = out.last_hidden_state
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
+
+    def _window_masks(self, cache, mask, positions):
+        """The attention argument of a model with sliding layers (attention_masks), with the
+        positions of the cached keys (kept on the cache, cut to its length: crops only shorten
+        it) followed by the step's own."""
+        positions = np.asarray(positions, dtype=np.int64)
+        b, q = positions.shape
+        cached = 0 if cache is None else cache.get_seq_length()
+        before = getattr(cache, "key_positions", None)
+        before = np.zeros((b, 0), np.int64) if before is None or not cached else before[:, :cached]
+        keys = np.concatenate([before, positions], axis=1)
+        if cache is not None:
+            cache.key_positions = keys
+        if mask is None:  # plain causal on top of the cache, no holes
+            mask = decode_mask(np.ones(keys.shape, dtype=bool), q)
+        return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
 
     @torch.inference_mode()
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
@@ -530,12 +639,18 @@ class MarsLoss(torch.nn.Module):
         self.body, self.head = body_and_head(model)
 
     def embed(self, input_ids):
-        embeds = self.body.get_input_embeddings()(input_ids)
+        table = self.body.get_input_embeddings()
+        embeds = table(input_ids)
         if self.mask_row is None:
             return embeds
-        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
+        # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter,
+        # scaled as the embedding scales its rows (Gemma's sqrt(hidden)), as it will be once saved.
+        row = self.mask_row.to(embeds.dtype)
+        scale = getattr(table, "embed_scale", None)
+        if scale is not None:
+            row = row * (scale.to(table.weight.dtype) if torch.is_tensor(scale) else scale)
         is_mask = (input_ids == self.mask_id)[..., None]
-        return torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
+        return torch.where(is_mask, row, embeds)
 
     def gated_hidden(self, input_ids, positions, attn):
         """The hidden states of a gated adapter's batch in two passes. The clean stream runs
@@ -543,18 +658,19 @@ class MarsLoss(torch.nn.Module):
         anything through it, so it runs without gradients, its keys kept in a cache; then
         the noisy stream runs with gradients on top of that cache, under its rows of the
         same mask. The same numbers as one joint forward, without the clean stream's backward."""
-        from transformers import DynamicCache
+        from .cache import full_cache
 
         clean = int(positions[0, -1]) + 1  # the clean stream's positions are 0 .. L-1
         n = input_ids.shape[1] - clean
-        cache = DynamicCache(config=self.model.config)
+        cache = full_cache(self.body.config)
         with torch.no_grad():
             self.gate.set(input_ids[:, n:])
             out_c = self.body(inputs_embeds=self.embed(input_ids[:, n:]), position_ids=positions[:, n:],
-                              attention_mask=attn[:, :, n:, n:], use_cache=True,
+                              attention_mask=_mask_part(attn, slice(n, None), slice(n, None)), use_cache=True,
                               **cache_argument(self.body, cache))
         self.gate.set(input_ids[:, :n])
-        mask = torch.cat([attn[:, :, :n, n:], attn[:, :, :n, :n]], dim=-1)  # keys: the cached clean stream, then the noisy
+        # keys: the cached clean stream, then the noisy
+        mask = _mask_part(attn, slice(None, n), [slice(n, None), slice(None, n)])
         out_n = self.body(inputs_embeds=self.embed(input_ids[:, :n]), position_ids=positions[:, :n], attention_mask=mask,
                           use_cache=True, **cache_argument(self.body, cache))
         return torch.cat([out_n.last_hidden_state, out_c.last_hidden_state], dim=1)
@@ -567,11 +683,7 @@ class MarsLoss(torch.nn.Module):
         if self.mask_row is None:
             out = self.body(input_ids=input_ids, position_ids=positions, attention_mask=attn, use_cache=False)
         else:
-            # Under LoRA the embedding matrix is frozen; the mask token's row is its own parameter.
-            embeds = self.body.get_input_embeddings()(input_ids)
-            is_mask = (input_ids == self.mask_id)[..., None]
-            embeds = torch.where(is_mask, self.mask_row.to(embeds.dtype), embeds)
-            out = self.body(inputs_embeds=embeds, position_ids=positions, attention_mask=attn, use_cache=False)
+            out = self.body(inputs_embeds=self.embed(input_ids), position_ids=positions, attention_mask=attn, use_cache=False)
         return out.last_hidden_state
 
     def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights):
@@ -601,9 +713,10 @@ def mix_distill(ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, 
     return kl if mix >= 1.0 else (1.0 - mix) * ce + mix * kl
 
 
-def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True):
+def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True, windows=()):
     """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment).
-    trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same."""
+    trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same.
+    windows: the model's sliding windows per layer (model_windows), cut into the mask by position."""
     from ...core.loss import align
     from ...core.masks import noisy_start, training_inputs
 
@@ -617,7 +730,7 @@ def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, devi
     return dict(
         input_ids=t(input_ids),
         positions=t(positions),
-        attn=additive_mask(mask, dtype, device),
+        attn=attention_masks(mask, positions, positions, windows, dtype, device),
         rows=t(al.rows),
         noisy_index=t(al.noisy_index),
         clean_index=t(al.clean_index),
@@ -631,10 +744,11 @@ def losses(tm: TorchModel):
     labelled token of a padded batch, through the training forward and loss without gradients
     (mars eval's NLL)."""
     module = MarsLoss(tm.model, gate=tm.gate)  # a gated adapter's deltas act at mask positions only
+    windows = model_windows(tm.model)
 
     @torch.inference_mode()
     def step(ids, labels, lengths, block_size, mask_id):
-        inputs = loss_inputs(ids, labels, lengths, block_size, mask_id, tm.dtype, tm.device, normalize="token")
+        inputs = loss_inputs(ids, labels, lengths, block_size, mask_id, tm.dtype, tm.device, normalize="token", windows=windows)
         noisy, clean = module(**inputs)
         return float(noisy), float(clean)
 

@@ -12,8 +12,9 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
+from ..architectures import FUSED_LORA_TARGETS
 from ..paths import add_rope_keys, portable_ref
-from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs
+from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs, model_windows
 
 class TorchTrainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
@@ -41,7 +42,7 @@ class TorchTrainer:
             from peft import LoraConfig, get_peft_model
 
             present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-            targets = [t for t in LORA_TARGETS if t in present]
+            targets = [t for t in LORA_TARGETS + FUSED_LORA_TARGETS if t in present]
             if not targets:
                 raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
             config = LoraConfig(
@@ -73,6 +74,7 @@ class TorchTrainer:
         self.model = model
         distill = (settings.distill_temperature, settings.distill_mix) if settings.objective == "distill" else None
         self.loss = MarsLoss(model, mask_row, mars.mask_token_id, gate=self.gate, distill=distill)
+        self.windows = model_windows(model)  # sliding layers: their window, cut into the MARS mask
         params = [p for p in self.loss.parameters() if p.requires_grad]
         self.trainable = sum(p.numel() for p in params)
         self.opt = torch.optim.AdamW(params, lr=settings.learning_rate, weight_decay=settings.weight_decay)
@@ -131,7 +133,7 @@ class TorchTrainer:
         ids, labels, lengths = batch
         inputs = loss_inputs(
             ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.autocast or self.tm.dtype,
-            self.device, self.s.normalize,
+            self.device, self.s.normalize, windows=self.windows,
         )
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             return self.loss_module(**inputs)
