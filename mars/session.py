@@ -31,16 +31,22 @@ class Decoded:
     @property
     def total(self) -> DecodeStats:
         """The batches' statistics as one: every prompt's RowStats in prompt order, forwards,
-        fed tokens and threshold mode's masks fed summed; `cache` the strategies that ran,
-        comma-separated where they differ."""
+        fed tokens, threshold mode's masks fed and the feed's choices summed; `cache` the
+        strategies that ran, comma-separated where they differ."""
         ran = sorted({s.cache for s in self.stats if s.cache})
         fed: dict[int, int] = {}
+        chosen: dict[tuple[int, int], int] = {}
         for s in self.stats:
             for m, n in s.masks_fed.items():
                 fed[m] = fed.get(m, 0) + n
+            for c, n in s.feed_choices.items():
+                chosen[c] = chosen.get(c, 0) + n
+        # The drafting statistics as they stood after the last batch (a kept policy's grow from call to call).
+        last = self.stats[-1] if self.stats else DecodeStats(rows=[])
         return DecodeStats(rows=[row for s in self.stats for row in s.rows], forwards=sum(s.forwards for s in self.stats),
                            fed_tokens=sum(s.fed_tokens for s in self.stats), cache=",".join(ran) or None,
-                           masks_fed=dict(sorted(fed.items())))
+                           masks_fed=dict(sorted(fed.items())), feed_choices=dict(sorted(chosen.items())),
+                           draft_reached=last.draft_reached, draft_kept=last.draft_kept)
 
 
 def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *,

@@ -217,6 +217,9 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
     lossless.costs.observe(1, 5, 100.0)
     assert session.generate(ids, t).tokens == first.tokens
     assert {b: dict(c.points) for b, c in stored.curves.items()} == stored_points
+    # In batches: the feed chose every step of every batch, and the total says so.
+    decoded = session.decode(ids, t, batch_size=1)
+    assert len(decoded.stats) == 2 and sum(decoded.total.feed_choices.values()) == decoded.total.forwards > 0
 
 
 def test_finetune_library_entry_point(plain, data, tmp_path):
