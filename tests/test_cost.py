@@ -9,11 +9,17 @@ make the loop feed wide, a steep one like AR, with the output the oracle's eithe
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
+from hypothesis import given
+from hypothesis import settings as settings_hypothesis
+from hypothesis import strategies as st
+
 from mars.core.decode.drafts import ngram
 from mars.core.decode.cost import BatchCosts, CostCurve
 from mars.core.decode.feed import DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
@@ -340,6 +346,21 @@ def test_lookup_takes_the_longest_latest_match():
     assert ngram.match(seq, max_drafts=2, max_ngram=3) == (3, [8, 9])
     assert ngram.match(seq, max_drafts=2, min_ngram=6) == (0, [])
     assert ngram.match([1, 2, 3], max_drafts=2) == (0, [])
+
+
+@settings_hypothesis(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 5), max_size=40), st.lists(st.integers(0, 7), max_size=10), st.integers(0, 8), st.integers(0, 10**6))
+def test_the_lookup_source_keeps_an_index_that_answers_as_a_whole_scan(start, growth, drafts, seed):
+    """NgramLookup indexes each row's sequence as it grows (a step's lookup does not rescan the
+    prompt and reply): at every length its answer is `match`'s over the whole sequence; a
+    second row, another list, has an index of its own."""
+    rng = random.Random(seed)
+    lookup, seq, other = ngram.NgramLookup(), list(start), list(start)
+    for g in [0] + growth:
+        for row in (seq, other):
+            row.extend(rng.randrange(6) for _ in range(g))
+            n, want = ngram.match(row, max_drafts=drafts)
+            assert lookup.propose(row, drafts) == ((ngram.source(n), want) if want else None)
 
 
 def test_lookup_equals_a_search_over_every_window():

@@ -142,6 +142,8 @@ class Feed:
     drafts: np.ndarray | None = None
     # With groups: (b, q, q), which fed columns each fed query may see.
     attend: np.ndarray | None = None
+    # (b, C + q) the cached keys' validity, then the fed columns' (the strategy's `keys`, made once).
+    keys: np.ndarray | None = None
 
     @cached_property
     def read(self) -> np.ndarray:

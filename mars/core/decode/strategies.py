@@ -74,7 +74,7 @@ class WindowStrategy:
     def keys(self, feed: Feed) -> np.ndarray:
         if not self.cached or self.key_valid is None:
             return feed.valid
-        return np.concatenate([self.key_valid, feed.valid], axis=1)
+        return joined_keys(self.key_valid, feed)
 
     def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
         """Keep what the step fed for real (`kept`, lossless: the drafts each row kept)."""
@@ -165,7 +165,7 @@ class BlockStrategy:
     def keys(self, feed: Feed) -> np.ndarray:
         if self.key_valid is None:
             return feed.valid
-        return np.concatenate([self.key_valid, feed.valid], axis=1)
+        return joined_keys(self.key_valid, feed)
 
     def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
@@ -175,6 +175,14 @@ class BlockStrategy:
             if not r.done:
                 r.cached = start
         self.next_block_if_filled(rows)
+
+
+def joined_keys(key_valid: np.ndarray, feed: Feed) -> np.ndarray:
+    """(b, C + q) the keys a step's queries may see, the cached ones then the fed columns: made
+    once a step (the attention mask and the commit both read it), kept on the feed."""
+    if feed.keys is None:
+        feed.keys = np.concatenate([key_valid, feed.valid], axis=1)
+    return feed.keys
 
 
 def make_strategy(settings: DecodeSettings, rows: list[Row]):

@@ -20,6 +20,8 @@ tokens then kept 5.9 on average instead of 4.4).
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import numpy as np
 
 MAX_NGRAM = 10
@@ -58,13 +60,74 @@ def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_n
     return match(seq, max_drafts=max_drafts, max_ngram=max_ngram, min_ngram=min_ngram)[1]
 
 
+class _Index:
+    """One sequence's tokens in a growing array, and where each token occurs: what `match`
+    finds by scanning the whole sequence, kept up to date as the sequence grows."""
+
+    def __init__(self, seq: list[int]):
+        self.seq = seq  # the row's own list (it only grows); held, so its id stays this index's
+        self.tokens = np.zeros(max(64, 2 * len(seq)), dtype=np.int64)
+        self.n = 0  # tokens of `seq` indexed so far
+        self.where: dict[int, list[int]] = {}
+
+    def update(self) -> bool:
+        """Index the tokens added since the last call; False where `seq` changed otherwise."""
+        seq, n = self.seq, self.n
+        if len(seq) < n or (n and seq[n - 1] != self.tokens[n - 1]):
+            return False
+        if len(seq) > self.tokens.size:
+            grown = np.zeros(2 * len(seq), dtype=np.int64)
+            grown[:n] = self.tokens[:n]
+            self.tokens = grown
+        for j in range(n, len(seq)):
+            t = seq[j]
+            self.tokens[j] = t
+            self.where.setdefault(t, []).append(j)
+        self.n = len(seq)
+        return True
+
+    def match(self, max_drafts: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list[int]]:
+        """`match` on the indexed sequence, the work growing with the earlier places of its last
+        token rather than with its length."""
+        end, arr = self.n, self.tokens
+        if max_drafts <= 0 or end < 2:
+            return 0, []
+        starts = np.asarray(self.where[int(arr[end - 1])][:-1], dtype=np.int64)  # earlier places of the last token
+        found = best = 0
+        for n in range(1, min(max_ngram, end - 1) + 1):
+            if n > 1:
+                starts = starts[starts >= n - 1]
+                starts = starts[arr[starts - (n - 1)] == arr[end - n]]
+            if not starts.size:
+                break
+            found, best = n, int(starts[-1])
+        if not found:
+            return 0, []
+        return found, [int(t) for t in arr[best + 1 : min(best + 1 + max_drafts, end)]]
+
+
 class NgramLookup:
-    """The prompt-lookup draft source (mars.core.decode.drafts.Proposer)."""
+    """The prompt-lookup draft source (mars.core.decode.drafts.Proposer). It keeps an index of
+    each sequence it is asked about (the rows of a call or a served batch: `KEEP` at most, the
+    least recently asked dropped first), so a step's lookup does not rescan a row's whole
+    prompt and reply."""
 
     name = "ngram"
+    KEEP = 256
+
+    def __init__(self):
+        self._index: OrderedDict[int, _Index] = OrderedDict()
 
     def propose(self, seq: list[int], max_drafts: int) -> tuple[str, list[int]] | None:
-        n, found = match(seq, max_drafts=max_drafts)
+        index = self._index.get(id(seq))
+        if index is None or index.seq is not seq or not index.update():
+            index = _Index(seq)
+            index.update()
+            self._index[id(seq)] = index
+            while len(self._index) > self.KEEP:
+                self._index.popitem(last=False)
+        self._index.move_to_end(id(seq))
+        n, found = index.match(max_drafts)
         return (source(n), found) if found else None
 
 
