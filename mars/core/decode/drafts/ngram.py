@@ -38,10 +38,15 @@ def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ng
         return 0, []
     arr = np.asarray(seq, dtype=np.int64)
     end = len(arr)
-    # Candidates for the shortest n: earlier places of the last token; a longer n keeps
-    # those whose preceding tokens match too.
     starts = np.flatnonzero(arr[: end - 1] == arr[-1])  # i: arr[i] == last token, i < end - 1
-    found = 0
+    return _longest(arr, end, starts, max_drafts, max_ngram, min_ngram)
+
+
+def _longest(arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max_ngram: int, min_ngram: int = 1) -> tuple[int, list[int]]:
+    """`match` on the first `end` tokens of `arr`, from `starts`, the earlier places of its last
+    token (the candidates for the shortest n): a longer n keeps those whose preceding tokens
+    match too, and the latest place of the longest n gives the drafts."""
+    found = best = 0
     for n in range(1, min(max_ngram, end - 1) + 1):
         if n > 1:
             starts = starts[starts >= n - 1]
@@ -52,7 +57,7 @@ def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ng
             found, best = n, int(starts[-1])
     if not found:
         return 0, []
-    return found, [int(t) for t in arr[best + 1 : best + 1 + max_drafts]]
+    return found, [int(t) for t in arr[best + 1 : min(best + 1 + max_drafts, end)]]
 
 
 def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
@@ -93,17 +98,7 @@ class _Index:
         if max_drafts <= 0 or end < 2:
             return 0, []
         starts = np.asarray(self.where[int(arr[end - 1])][:-1], dtype=np.int64)  # earlier places of the last token
-        found = best = 0
-        for n in range(1, min(max_ngram, end - 1) + 1):
-            if n > 1:
-                starts = starts[starts >= n - 1]
-                starts = starts[arr[starts - (n - 1)] == arr[end - n]]
-            if not starts.size:
-                break
-            found, best = n, int(starts[-1])
-        if not found:
-            return 0, []
-        return found, [int(t) for t in arr[best + 1 : min(best + 1 + max_drafts, end)]]
+        return _longest(arr, end, starts, max_drafts, max_ngram)
 
 
 class NgramLookup:
