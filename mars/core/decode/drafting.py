@@ -137,11 +137,15 @@ class Drafting:
         return picks
 
     def after_step(self, feed: Feed, verdict: Verdict, rows: list[Row], seconds: float) -> None:
+        n_alts = feed.n_alts
+        # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
+        alt_groups = [k for k, g in enumerate(feed.columns.groups) if g.source == "alt"]
         for i, r in enumerate(rows):
             if feed.limit[i] > 0 and feed.n_drafts[i]:
                 self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(verdict.kept[i]))
-                if feed.n_alts is not None and feed.n_alts[i] and not verdict.kept[i]:
-                    self.stats.record_alternatives(int(feed.n_alts[i]), int(verdict.alt_hit[i]))
+                if n_alts is not None and n_alts[i] and not verdict.kept[i]:
+                    hit = alt_groups.index(verdict.group[i]) if verdict.group[i] in alt_groups else -1
+                    self.stats.record_alternatives(int(n_alts[i]), hit)
         if self.policy is not None and self.learn:
             self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
 

@@ -164,7 +164,7 @@ class Feed:
     def spare_groups(self) -> int:
         return self.columns.spare_groups
 
-    @property
+    @cached_property
     def n_alts(self) -> np.ndarray | None:
         """(b,) runner-up alternatives each row fed (None without alternative groups)."""
         alts = [g for g in self.columns.groups if g.source == "alt"]

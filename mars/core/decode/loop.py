@@ -279,7 +279,7 @@ class ContinuousBatch:
         # window decoding the drafting (its feed policy learns across the batch's life).
         self.run = _Run.of(settings, feed, 1, served=True)
         self.s = self.run.plan
-        self.stats = DecodeStats(rows=[], cache=self.s.cache)
+        self._stats = DecodeStats(rows=[], cache=self.s.cache)
         self.keep_keys = keep_keys
         self.rows: list[Row] = []
         self.window = self.s.cache == "window"
@@ -288,6 +288,13 @@ class ContinuousBatch:
 
     def _new_strategy(self):
         return WindowStrategy(self.s, cached=True) if self.window else BlockStrategy(self.s)
+
+    @property
+    def stats(self) -> DecodeStats:
+        """Forwards and fed tokens of the batch (rows keep their own), with the drafting
+        statistics as they stand now."""
+        self.run.report(self._stats)
+        return self._stats
 
     @property
     def can_join(self) -> bool:
@@ -352,8 +359,7 @@ class ContinuousBatch:
         all_ar = ar_mode_rows(s.metric, [r.threshold for r in self.rows]).all()
         self.strategy.masks = 0 if all_ar and not s.verifies else s.block_size  # drafts verified: the drafting may narrow it
         rows = list(self.rows)
-        accepted = _advance(self.backend, self.cache, self.strategy, rows, self.run, self.stats)
-        self.run.report(self.stats)
+        accepted = _advance(self.backend, self.cache, self.strategy, rows, self.run, self._stats)
         self.leave([r for r in rows if r.done])
         return [(r, new) for r, new in zip(rows, accepted) if new]
 

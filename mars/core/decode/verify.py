@@ -43,7 +43,6 @@ class Verdict:
     group: np.ndarray  # (b,) the group (index into feed.columns.groups) whose proposals follow (-1: none)
     next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
     conf: list | None = None  # with a metric: per row, the confidence of each next draft
-    alt_hit: np.ndarray | None = None  # (b,) the runner-up alternative that was AR's token (-1: none)
 
 
 def confirmed(group, i: int, kept: int, token: int) -> bool:
@@ -120,10 +119,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
         nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
-    # Which runner-up alternative was AR's token (for the drafting statistics), -1 where none.
-    alt_index = {k: j for j, k in enumerate(k for k, g in enumerate(columns.groups) if g.source == "alt")}
-    alt_hit = np.asarray([alt_index.get(int(k), -1) for k in chosen], dtype=np.int64)
-    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None, alt_hit)
+    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None)
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
