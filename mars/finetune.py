@@ -13,6 +13,7 @@ from pathlib import Path
 from .backends import base
 from .core.config import GATED_FUSE_REFUSED, ConfigError, has_config, read_config
 from .core.files import OutputError, check_output, restore_swapped_dir
+from .core.loss import check_slot_weights
 from .core.decode.rules import DEFAULT_METRIC, ThresholdError, check_threshold
 from .core.train.loop import CHECKPOINT, TrainSettings, process_rank
 
@@ -86,6 +87,10 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     if init_adapter is not None:
         init, block_size, train["lora_rank"], train["lora_alpha"] = read_init_adapter(init_adapter, base_path, kind, block_size, announce)
     block_size = block_size or TrainSettings.block_size
+    try:
+        train["slot_weights"] = check_slot_weights(train.get("slot_weights", ()), block_size)
+    except ValueError as e:
+        raise FinetuneError("slot_weights", str(e)) from None
     try:
         check_threshold(init.metric if init is not None else DEFAULT_METRIC, default_threshold, name="the default threshold")
     except ThresholdError as e:

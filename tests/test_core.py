@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mars.core.acceptance import accept_counts, confidence_from_logits, is_ar_mode, loosen
 from mars.core.config import ConfigError, MarsConfig, read_config, write_config
-from mars.core.loss import IGNORE, align
+from mars.core.loss import IGNORE, align, slots
 from mars.core.masks import decode_mask, noisy_start, training_inputs, training_mask
 from mars.core.tokens import NEW_MASK_TOKEN, choose_mask_token
 from tiny import make_tokenizer
@@ -130,6 +130,48 @@ def test_alignment_right_shift_and_row_mean():
     np.testing.assert_allclose(align(labels, "token").weights, [1 / 3] * 3)
     with pytest.raises(ValueError):
         align(np.full((1, 4), IGNORE))
+
+
+def test_slots_count_the_masks_a_query_has_fed_in_its_block():
+    # B = 4. Row 0: a prompt of 6, then a response: positions 6.. are masked in the noisy stream.
+    labels = np.full((2, 12), IGNORE)
+    labels[0, 6:] = 1
+    labels[1, 1:] = 1
+    got = slots(labels, 4)
+    # row 0, block 1 (positions 4-7): 4, 5 real, 6, 7 masks; block 2 all masks
+    assert got[0].tolist() == [0, 0, 0, 0, 0, 0, 1, 2, 1, 2, 3, 4]
+    assert got[1].tolist() == [0, 1, 2, 3, 1, 2, 3, 4, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        slots(labels[:, :10], 4)
+
+
+def test_slot_weights_trade_weight_between_slots_within_each_row():
+    labels = np.full((2, 12), IGNORE)
+    labels[0, 6:] = 5
+    labels[1, 2:10] = 7
+    plain = align(labels, block_size=4)
+    assert plain.noisy_weights is plain.weights
+    # the slot of each target is the slot of the query before it
+    np.testing.assert_array_equal(plain.slots, slots(labels, 4)[plain.rows, np.r_[6:12, 2:10] - 1])
+    same = align(labels, block_size=4, slot_weights=(1, 1, 1, 1))
+    w = (1.0, 1.0, 3.0, 0.5)
+    al = align(labels, block_size=4, slot_weights=w)
+    for row in (0, 1):
+        at = al.rows == row
+        # each row's noisy total is its plain total
+        assert al.noisy_weights[at].sum() == pytest.approx(plain.weights[at].sum(), rel=1e-6)
+        # and inside the row, targets weigh as their slot's weight (slot 0, a real query: 1)
+        scale = np.array([1.0, *w])[al.slots[at]]
+        np.testing.assert_allclose(al.noisy_weights[at] / plain.weights[at], scale / scale[0] * (al.noisy_weights[at][0] / plain.weights[at][0]), rtol=1e-6)
+    # the slots of a query after a real token (slot 0) exist: row 1's first target follows the prompt
+    assert 0 in al.slots.tolist()
+    np.testing.assert_allclose(same.noisy_weights, plain.weights, rtol=1e-6)  # weights of 1 change nothing
+    np.testing.assert_array_equal(al.weights, plain.weights)  # the clean stream keeps its weights
+    for bad in ((1, 1), (1, 1, 1, -1), (0, 0, 0, 0), (1, 1, float("nan"), 1)):
+        with pytest.raises(ValueError):
+            align(labels, block_size=4, slot_weights=bad)
+    with pytest.raises(ValueError):
+        align(labels, slot_weights=w)  # the block size is needed
 
 
 def test_decode_mask_holes_and_causality():

@@ -228,6 +228,93 @@ def test_distill_loss_agrees_across_backends():
         assert float(a) == pytest.approx(float(b), rel=1e-4)
 
 
+def test_slot_weights_and_the_consistency_term_equal_a_hand_computation():
+    from mars.backends.torch.model import MarsLoss, body_and_head, loss_inputs
+    from tiny import make_model, make_tokenizer
+
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok), seed=2).eval()
+    ids, labels, lengths = _batch(tok)
+    w = (0.5, 1.0, 2.0, 4.0)
+    plain = loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu")
+    inputs = loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=w)
+    assert "noisy_weights" not in plain and not torch.equal(inputs["noisy_weights"], inputs["weights"])
+    loss = MarsLoss(model, mask_id=3, distill=(1.0, 1.0))
+    with torch.no_grad():
+        base_noisy, base_clean = loss(**plain)
+        noisy, clean = loss(**inputs, consistency=0.7)
+        body, head = body_and_head(model)
+        h = body(input_ids=plain["input_ids"], position_ids=plain["positions"], attention_mask=plain["attn"]).last_hidden_state
+        hs, ht = h[plain["rows"], plain["noisy_index"]].double(), h[plain["rows"], plain["clean_index"]].double()
+        student, teacher = head(hs.float()).double(), head(ht.float()).double()
+        p = torch.softmax(teacher, -1)
+        kl = (p * (p.log() - torch.log_softmax(student, -1))).sum(-1)
+        distance = ((hs - ht) ** 2).sum(-1) / (ht**2).sum(-1)
+        want = ((kl + 0.7 * distance) * inputs["noisy_weights"].double()).sum()
+    assert float(clean) == pytest.approx(float(base_clean), rel=1e-6)  # the AR term keeps its weights
+    assert float(noisy) == pytest.approx(float(want), rel=1e-4)
+    assert float(noisy) != pytest.approx(float(base_noisy), rel=1e-3)
+
+
+def test_slot_weights_and_consistency_agree_across_backends():
+    pytest.importorskip("mlx_lm")
+    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.model import mars_losses, loss_inputs as mlx_loss_inputs
+    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from tiny import make_tokenizer, save_model
+
+    import tempfile
+    from pathlib import Path
+
+    tok = make_tokenizer()
+    ids, labels, lengths = _batch(tok)
+    w = (1.0, 2.0, 3.0, 0.5)
+    with tempfile.TemporaryDirectory() as d:
+        path = save_model(Path(d) / "m", "qwen2", seed=4)
+        m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
+        with torch.no_grad():
+            ours = MarsLoss(t.model, mask_id=3, distill=(1.0, 1.0))(
+                **loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=w), consistency=0.3)
+        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3, slot_weights=w), mask_id=3, distill=(1.0, 1.0),
+                             consistency=0.3)
+    for a, b in zip(ours, theirs):
+        assert float(a) == pytest.approx(float(b), rel=1e-4)
+
+
+def test_finetune_slot_weights_and_consistency_train_but_validate_on_the_plain_objective(tiny, data, tmp_path):
+    """Both options change what a step trains (the training loss), not what validation
+    reports: at learning rate 0 a run with them validates exactly as a run without."""
+    import shutil
+
+    both = tmp_path / "data"
+    both.mkdir()
+    for split in ("train", "valid"):
+        shutil.copy(data / "train.jsonl", both / f"{split}.jsonl")
+    for backend in ("torch", "mlx"):
+        if backend == "mlx":
+            pytest.importorskip("mlx_lm")
+        logs = {}
+        for name, extra in (("plain", ()), ("weighted", ("--slot-weights", "0.5,1,2,4", "--consistency", 0.5))):
+            out = tmp_path / f"{backend}-{name}"
+            ok(invoke("finetune", "--model", tiny, "--data", both, "--output", out, "--gate", "masks", "--objective", "distill",
+                      "--iters", 2, "--steps-per-eval", 2, "--learning-rate", 0, "--backend", backend, *extra))
+            logs[name] = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
+        plain, weighted = logs["plain"][-1], logs["weighted"][-1]
+        assert weighted["val_noisy"] == pytest.approx(plain["val_noisy"], rel=1e-5), backend
+        assert weighted["val_clean"] == pytest.approx(plain["val_clean"], rel=1e-5), backend
+        assert weighted["noisy"] != pytest.approx(plain["noisy"], rel=1e-3), backend
+        assert weighted["clean"] == pytest.approx(plain["clean"], rel=1e-5), backend
+
+
+def test_finetune_refuses_slot_weights_that_do_not_fit_the_block(tiny, data, tmp_path):
+    out = tmp_path / "o"
+    result = invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--slot-weights", "1,2", "--iters", 1)
+    assert result.exit_code != 0 and "--slot-weights" in result.output and "4 (the block size)" in result.output
+    result = invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--slot-weights", "1,a,2,2", "--iters", 1)
+    assert result.exit_code != 0 and "comma-separated" in result.output
+    assert not out.exists()
+
+
 def test_finetune_with_distill_and_gate_runs_on_both_backends(tiny, data, tmp_path):
     for backend in ("torch", "mlx"):
         if backend == "mlx":

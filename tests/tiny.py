@@ -172,6 +172,9 @@ def load_script(relpath: str):
     path = Path(__file__).resolve().parent.parent / relpath
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script runs
     spec.loader.exec_module(module)
     return module
 

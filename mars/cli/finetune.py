@@ -17,6 +17,14 @@ T, F = defaults(TrainSettings), defaults(finetune)  # the options' defaults
 FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumulation-steps", "normalize": "--loss-normalization"}
 
 
+def _floats(value: str, param) -> tuple[float, ...]:
+    """A comma-separated list of numbers as floats ("" is none)."""
+    try:
+        return tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of numbers (e.g. 1,1.5,2,2.5)", param=param) from None
+
+
 @click.command("finetune")
 @click.option("--model", default=None, help="Base model: HF directory or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")
 @click.option("--data", required=True, type=click.Path(path_type=Path), help="Directory with train.jsonl (valid.jsonl optional) or one .jsonl file.")
@@ -53,6 +61,12 @@ FLAGS = {"steps_per_save": "--save-every", "grad_accumulation": "--grad-accumula
                    "at the same position (stop-gradient; with --gate masks, exactly the base model's).")
 @click.option("--distill-temperature", type=Finite(min=0.0, min_open=True), default=T["distill_temperature"], show_default=True, help="--objective distill: softmax temperature of teacher and student.")
 @click.option("--distill-mix", type=Finite(0.0, 1.0), default=T["distill_mix"], show_default=True, help="--objective distill: weight of the KL term; the rest is the label's cross-entropy.")
+@click.option("--slot-weights", callback=lambda ctx, param, value: _floats(value, param), default="", show_default=False,
+              help="The noisy loss's weight per mask slot 1..B, comma-separated (e.g. 1,1.5,2,2.5): each row's noisy "
+                   "loss keeps its total, the slots trade weight within it. Default: every slot alike.")
+@click.option("--consistency", type=Finite(min=0.0), default=T["consistency"], show_default=True,
+              help="Weight of a consistency term at the mask positions: the noisy stream's last hidden state pulled to the "
+                   "clean stream's at the same position (relative squared error; the clean stream is the teacher).")
 @click.option("--gate", type=click.Choice(GATES), default=T["gate"], show_default=True,
               help="LoRA: masks = the adapter's deltas act at mask positions only, so every real token runs the base weights "
                    "and threshold 1.0 / lossless output is exactly the base model's (recorded in mars.json; cannot be fused).")

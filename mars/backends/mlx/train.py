@@ -166,13 +166,17 @@ class MlxTrainer:
         self.total = 0
 
     # -- the loss ----------------------------------------------------------
-    def _batch(self, batch) -> dict:
+    def _batch(self, batch, training: bool = True) -> dict:
+        """The arrays of a batch: in training with the settings' slot weights; in validation
+        (`training` False) without, so runs with different settings validate alike."""
         ids, labels, lengths = batch
-        return loss_inputs(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize)
+        return loss_inputs(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize,
+                           slot_weights=self.s.slot_weights if training else ())
 
-    def _losses(self, arrays: dict):
+    def _losses(self, arrays: dict, training: bool = True):
         distill = (self.s.distill_temperature, self.s.distill_mix) if self.s.objective == "distill" else None
-        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id, gate=self.gate, distill=distill)
+        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id, gate=self.gate,
+                           distill=distill, consistency=self.s.consistency if training else 0.0)
 
     def _loss(self, arrays: dict):
         noisy, clean = self._losses(arrays)
@@ -223,7 +227,7 @@ class MlxTrainer:
         self.net.eval()
 
         def losses(batch):
-            a, b = self._losses(self._batch(batch))
+            a, b = self._losses(self._batch(batch, training=False), training=False)
             mx.eval(a, b)
             return a.item(), b.item()
 

@@ -686,18 +686,32 @@ class MarsLoss(torch.nn.Module):
             out = self.body(inputs_embeds=self.embed(input_ids), position_ids=positions, attention_mask=attn, use_cache=False)
         return out.last_hidden_state
 
-    def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights):
+    def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights, noisy_weights=None,
+                consistency: float = 0.0):
+        """(noisy, clean) losses; `noisy_weights` (default `weights`) weigh the noisy stream's
+        targets (slot weights, core.loss.align); `consistency` adds that weight times the
+        noisy last hidden state's squared distance to the clean one's (detached), relative to
+        the clean state's squared norm, to each noisy target's loss."""
         hidden = self.hidden(input_ids, positions, attn)
         index = torch.cat([noisy_index, clean_index])
-        logits = self.head(hidden[torch.cat([rows, rows]), index]).float()
+        states = hidden[torch.cat([rows, rows]), index]
+        logits = self.head(states).float()
         ce = F.cross_entropy(logits, torch.cat([targets, targets]), reduction="none")
         n = targets.shape[0]
         per_token = ce[:n]
         if self.distill is not None:
             per_token = mix_distill(per_token, logits[:n], logits[n:], *self.distill)
-        noisy = (per_token * weights).sum()
+        if consistency:
+            per_token = per_token + consistency * relative_distance(states[:n].float(), states[n:].float())
+        noisy = (per_token * (weights if noisy_weights is None else noisy_weights)).sum()
         clean = (ce[n:] * weights).sum()
         return noisy, clean
+
+
+def relative_distance(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per row: |student - teacher|^2 / |teacher|^2, the teacher detached."""
+    teacher = teacher.detach()
+    return ((student - teacher) ** 2).sum(-1) / (teacher**2).sum(-1).clamp_min(1e-12)
 
 
 def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -713,16 +727,18 @@ def mix_distill(ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, 
     return kl if mix >= 1.0 else (1.0 - mix) * ce + mix * kl
 
 
-def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True, windows=()):
+def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True, windows=(),
+                slot_weights=()):
     """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment).
     trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same.
-    windows: the model's sliding windows per layer (model_windows), cut into the mask by position."""
+    windows: the model's sliding windows per layer (model_windows), cut into the mask by position.
+    slot_weights: the noisy loss's weight per mask slot (core.loss.align)."""
     from ...core.loss import align
     from ...core.masks import noisy_start, training_inputs
 
     start = noisy_start(labels, block_size) if trim else 0
     input_ids, positions, mask = training_inputs(ids, labels, lengths, block_size, mask_id, start=start)
-    al: Alignment = align(labels, normalize, start)
+    al: Alignment = align(labels, normalize, start, block_size, slot_weights)
 
     def t(a):
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -736,6 +752,7 @@ def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, devi
         clean_index=t(al.clean_index),
         targets=t(al.targets),
         weights=t(al.weights),
+        **({"noisy_weights": t(al.noisy_weights)} if al.noisy_weights is not al.weights else {}),
     )
 
 

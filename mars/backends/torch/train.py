@@ -129,12 +129,17 @@ class TorchTrainer:
         return True
 
     # -- the loop ----------------------------------------------------------
-    def _losses(self, batch):
+    def _losses(self, batch, training: bool = True):
+        """(noisy, clean) losses of a batch: in training with the slot weights and consistency
+        term of the settings; in validation (`training` False) the plain objective, so runs with
+        different settings report comparable validation losses."""
         ids, labels, lengths = batch
         inputs = loss_inputs(
             ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.autocast or self.tm.dtype,
-            self.device, self.s.normalize, windows=self.windows,
+            self.device, self.s.normalize, windows=self.windows, slot_weights=self.s.slot_weights if training else (),
         )
+        if training and self.s.consistency:
+            inputs["consistency"] = self.s.consistency
         with torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None):
             return self.loss_module(**inputs)
 
@@ -144,7 +149,7 @@ class TorchTrainer:
             return {}
         self.loss_module.eval()
         result = validation_losses(
-            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch)), self.mars.ar_weight,
+            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch, training=False)), self.mars.ar_weight,
             progress=progress,
         )
         self.loss_module.train()

@@ -48,6 +48,12 @@ class TrainSettings:
     objective: str = "ce"
     distill_temperature: float = 1.0
     distill_mix: float = 1.0
+    # The noisy loss's weight per mask slot 1..B (core.loss.align): () weighs every slot alike.
+    slot_weights: tuple[float, ...] = ()
+    # Weight of a consistency term at the mask positions: the noisy stream's last hidden state
+    # (what the LM head reads) pulled to the clean stream's at the same position (stop-gradient),
+    # as a squared error relative to the clean state's own squared norm. 0: no such term.
+    consistency: float = 0.0
 
 
 def process_rank() -> int:
