@@ -360,7 +360,7 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
     settings = TrainSettings(
         fine_tune_type="lora", block_size=block_size, batch_size=args.batch_size, learning_rate=args.learning_rate,
         lora_rank=rank, lora_alpha=alpha, seed=args.seed, init_adapter=str(args.init_adapter), gate=init.gate,
-        objective="distill", steps_per_save=10**9,
+        objective="distill", steps_per_save=10**9, slot_weights=args.slot_weights, consistency=args.consistency,
     )
     adapter_dir = args.work / "adapter"
     trainer = base.trainer("torch")(loaded, mars, settings, adapter_dir)
@@ -372,6 +372,7 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
         f"and for at least {min_steps} steps")
     summary["train"] = {"examples": len(train_examples), "valid_examples": len(valid_examples), "batch_size": args.batch_size,
                         "learning_rate": args.learning_rate, "block_size": block_size, "lora_rank": rank,
+                        "slot_weights": list(args.slot_weights), "consistency": args.consistency,
                         "autocast": str(trainer.autocast), "split_forward": trainer.loss.split, "steps": 0}
     summary["train"]["valid_before"] = trainer.evaluate(valid_examples)
     log(f"validation before: {summary['train']['valid_before']}")
@@ -457,8 +458,26 @@ def main(argv=None) -> int:
     ap.add_argument("--reserve-seconds", type=float, default=25.0, help="kept at the end for the last validation and snapshot")
     ap.add_argument("--min-steps", type=int, default=1,
                     help="training steps run however late training starts (past --minutes if need be)")
+    ap.add_argument("--slot-weights", default="", help="the noisy loss's weight per mask slot 1..B, comma-separated "
+                    "(mars finetune --slot-weights); default: every slot alike")
+    ap.add_argument("--consistency", type=float, default=0.0, help="weight of the hidden-state consistency term at the masks "
+                    "(mars finetune --consistency)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    try:
+        args.slot_weights = tuple(float(w) for w in args.slot_weights.split(",") if w.strip())
+    except ValueError:
+        ap.error(f"--slot-weights {args.slot_weights!r} is not a comma-separated list of numbers")
+    if args.consistency < 0:
+        ap.error("--consistency must be >= 0")
+    if args.slot_weights:  # checked against the adapter's block size before any work
+        from mars.core.config import read_config
+        from mars.core.loss import check_slot_weights
+
+        try:
+            check_slot_weights(args.slot_weights, read_config(args.init_adapter).block_size)
+        except ValueError as e:
+            ap.error(f"--slot-weights: {e}")
     if args.unpack:
         print(unpack(*args.unpack, store=args.store))
         return 0

@@ -115,16 +115,25 @@ def test_every_phase_runs_one_batch_however_late_it_starts(tiny, gated, tmp_path
     generate = script.generate_rows
     monkeypatch.setattr(script, "generate_rows", lambda *a, **kw: calls.append(kw["sample"]) or generate(*a, **kw))
 
-    assert script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 10)) == 0
+    assert script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 10, "--slot-weights", "1,2,2,3", "--consistency", 0.5)) == 0
     printed = capsys.readouterr().out
     assert "distil: time's up after 1 of 3 batches" in printed
     assert calls.count(True) == 1  # sampling user turns: one round
     assert calls.count(False) == 2  # greedy replies: one batch for validation, one for training
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["final"] is True and summary["train"]["steps"] == 1
+    assert summary["train"]["slot_weights"] == [1, 2, 2, 3] and summary["train"]["consistency"] == 0.5
     assert 0 < summary["distil"]["replies"] <= 8 and summary["distil"]["valid"] == 4
     assert (tmp_path / "out" / "train_log.jsonl").read_text().count("\n") == 1
     assert (script.unpack(tmp_path / "out", tmp_path / "adapter") / "adapter_model.safetensors").is_file()
+
+
+def test_slot_weights_that_do_not_fit_the_adapter_are_refused_before_any_work(tiny, gated, tmp_path, capsys):
+    script = load_script("scripts/train_gpu.py")
+    with pytest.raises(SystemExit) as stop:
+        script.main(dry_run_args(tiny, gated, tmp_path, "--slot-weights", "1,2"))
+    assert stop.value.code == 2 and "one weight per mask slot: 4" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_sampling_prompts_runs_one_round_however_late_it_starts(monkeypatch):
