@@ -160,15 +160,19 @@ def train(recipe: Recipe, args, work: Path) -> dict:
         if out.exists():
             shutil.rmtree(out)  # a run cut off: its training starts again
         model = ["--model", args.model] if args.model else []
+        started = time.time()
         run(MARS + ["finetune", *model, "--data", data, "--output", out, "--init-adapter", init, "--fine-tune-type", "lora",
                     "--gate", "masks", "--objective", "distill", "--learning-rate", args.learning_rate, "--batch-size",
                     args.batch_size, "--iters", args.steps, "--warmup", 0.05, "--steps-per-eval", args.steps, "--val-batches", -1,
                     "--save-every", args.steps, "--max-seq-length", 512, "--on-long", "skip", "--seed", args.seed + recipe.seed,
                     "--no-draft-corpus", "--default-mode", "lossless", "--default-threshold", 0.95, "--device", "cpu",
                     *recipe.flags])
+        (out / "recipe_seconds.txt").write_text(f"{time.time() - started:.1f}\n")
     history = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
-    return {"steps": history[-1]["step"], "seconds": history[-1].get("t"), "val_noisy": history[-1].get("val_noisy"),
-            "val_clean": history[-1].get("val_clean"), "train_noisy_last": history[-1].get("noisy")}
+    timed = out / "recipe_seconds.txt"
+    return {"steps": history[-1]["step"], "val_noisy": history[-1].get("val_noisy"), "val_clean": history[-1].get("val_clean"),
+            "train_noisy_last": history[-1].get("noisy"),
+            "seconds": float(timed.read_text()) if timed.is_file() else None}  # finetune's whole run: load, steps, validation
 
 
 def measure(name: str, model: Path, args, work: Path) -> dict:
@@ -197,6 +201,14 @@ def measure(name: str, model: Path, args, work: Path) -> dict:
         "t95_identical": t95["exact_match"],
         "t95_agreement": round(t95["prefix_token_share"], 4),
     }
+
+
+def shown(path: Path) -> str:
+    """A path as the report records it: relative to the repository when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
 
 
 def table(rows: list[dict]) -> str:
@@ -239,7 +251,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}")
     args.work.mkdir(parents=True, exist_ok=True)
 
-    rows = [{"name": "start", "what": f"the starting weights ({args.init_adapter}), not trained on",
+    rows = [{"name": "start", "what": f"the starting weights ({shown(args.init_adapter)}), not trained on",
              "measured": measure("start", args.init_adapter, args, args.work), "prompts": args.limit}]
     for name in names:
         recipe = RECIPES[name]
@@ -250,9 +262,9 @@ def main(argv=None) -> int:
                      "wall_seconds": round(time.time() - started, 1)})
         log(f"{name}: {rows[-1]['measured']}")
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps, "batch_size": args.batch_size,
-              "learning_rate": args.learning_rate, "seed": args.seed, "init_adapter": str(args.init_adapter),
-              "data": str(args.data), "prompts": str(args.prompts), "limit": args.limit, "max_tokens": args.max_tokens,
-              "valid_data": str(args.valid_data), "recipes": rows}
+              "learning_rate": args.learning_rate, "seed": args.seed, "init_adapter": shown(args.init_adapter),
+              "data": shown(args.data), "prompts": shown(args.prompts), "limit": args.limit, "max_tokens": args.max_tokens,
+              "valid_data": shown(args.valid_data), "recipes": rows}
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
