@@ -236,6 +236,7 @@ def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_promp
     assert script.main(dry_run_args(tiny, gated, first, *base, "--store", tmp_path / "none.npz")) == 0
     summary = json.loads((first / "out" / "summary.json").read_text())
     assert summary["distil"]["reused"] == 0 and summary["distil"]["stored_before"] == 0
+    assert summary["distil"]["share"] == 0.3  # an empty store: the default share of the time for distillation
     assert summary["store"]["replies"] == 8 and summary["store"]["parts"] == ["distilled.npz.00"]  # one batch of --gen-batch 8
     script.unpack(first / "out", tmp_path / "adapter1", store=store)
     from mars.backends.paths import load_tokenizer
@@ -244,8 +245,9 @@ def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_promp
     kept = script.read_store(store, key)
     assert len(kept) == 8 and all(len(ids) <= 8 for _, ids, _ in kept)
 
-    assert script.main(dry_run_args(tiny, gated, second, *base, "--store", store)) == 0
+    assert script.main(dry_run_args(tiny, gated, second, *base, "--store", store, "--enough-replies", 8)) == 0
     summary = json.loads((second / "out" / "summary.json").read_text())
+    assert summary["distil"]["share"] == 0.1  # the store holds enough: more of the call for the optimizer
     usable = sum(script.record(load_tokenizer(tiny), *r) is not None for r in kept)
     assert summary["distil"]["stored_before"] == 8 and summary["distil"]["reused"] == usable
     assert summary["distil"]["distilled"] > 0 and summary["distil"]["replies"] == usable + summary["distil"]["distilled"]
