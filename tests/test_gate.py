@@ -206,7 +206,9 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
     assert float(noisy) != pytest.approx(float(ce_noisy), rel=1e-3)
 
 
-def test_distill_loss_agrees_across_backends():
+@pytest.mark.parametrize("distill,slot_weights,consistency", [((1.5, 0.6), (), 0.0), ((1.0, 1.0), (1.0, 2.0, 3.0, 0.5), 0.3)])
+def test_the_training_losses_agree_across_backends(distill, slot_weights, consistency):
+    """Distillation (and with it, slot weights and the consistency term): torch = MLX."""
     pytest.importorskip("mlx_lm")
     from mars.backends.mlx.model import load as mlx_load
     from mars.backends.mlx.model import mars_losses, loss_inputs as mlx_loss_inputs
@@ -222,8 +224,10 @@ def test_distill_loss_agrees_across_backends():
         path = save_model(Path(d) / "m", "qwen2", seed=4)
         m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
         with torch.no_grad():
-            ours = MarsLoss(t.model, mask_id=3, distill=(1.5, 0.6))(**loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu"))
-        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3), mask_id=3, distill=(1.5, 0.6))
+            ours = MarsLoss(t.model, mask_id=3, distill=distill)(
+                **loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=slot_weights), consistency=consistency)
+        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3, slot_weights=slot_weights), mask_id=3,
+                             distill=distill, consistency=consistency)
     for a, b in zip(ours, theirs):
         assert float(a) == pytest.approx(float(b), rel=1e-4)
 
@@ -254,31 +258,6 @@ def test_slot_weights_and_the_consistency_term_equal_a_hand_computation():
     assert float(clean) == pytest.approx(float(base_clean), rel=1e-6)  # the AR term keeps its weights
     assert float(noisy) == pytest.approx(float(want), rel=1e-4)
     assert float(noisy) != pytest.approx(float(base_noisy), rel=1e-3)
-
-
-def test_slot_weights_and_consistency_agree_across_backends():
-    pytest.importorskip("mlx_lm")
-    from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.mlx.model import mars_losses, loss_inputs as mlx_loss_inputs
-    from mars.backends.torch.model import MarsLoss, loss_inputs
-    from tiny import make_tokenizer, save_model
-
-    import tempfile
-    from pathlib import Path
-
-    tok = make_tokenizer()
-    ids, labels, lengths = _batch(tok)
-    w = (1.0, 2.0, 3.0, 0.5)
-    with tempfile.TemporaryDirectory() as d:
-        path = save_model(Path(d) / "m", "qwen2", seed=4)
-        m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
-        with torch.no_grad():
-            ours = MarsLoss(t.model, mask_id=3, distill=(1.0, 1.0))(
-                **loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=w), consistency=0.3)
-        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3, slot_weights=w), mask_id=3, distill=(1.0, 1.0),
-                             consistency=0.3)
-    for a, b in zip(ours, theirs):
-        assert float(a) == pytest.approx(float(b), rel=1e-4)
 
 
 def test_finetune_slot_weights_and_consistency_train_but_validate_on_the_plain_objective(tiny, data, tmp_path):
