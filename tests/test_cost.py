@@ -335,11 +335,11 @@ def test_the_default_feed_is_unchanged_without_a_cost_curve():
 
 
 def test_lookup_takes_the_longest_latest_match():
-    assert ngram.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], max_drafts=3) == [7, 8, 1]
-    assert ngram.lookup([5, 6, 1, 2, 4, 2], max_drafts=2) == [4, 2]  # only the 1-gram "2" matches
-    assert ngram.lookup([1, 2, 3], max_drafts=4) == []
-    assert ngram.lookup([4, 4], max_drafts=4) == [4]
-    assert ngram.lookup([1, 2, 1, 2], max_drafts=0) == []
+    assert ngram.match([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], max_drafts=3)[1] == [7, 8, 1]
+    assert ngram.match([5, 6, 1, 2, 4, 2], max_drafts=2)[1] == [4, 2]  # only the 1-gram "2" matches
+    assert ngram.match([1, 2, 3], max_drafts=4)[1] == []
+    assert ngram.match([4, 4], max_drafts=4)[1] == [4]
+    assert ngram.match([1, 2, 1, 2], max_drafts=0)[1] == []
     # Matches longer than 3 tokens count: the 5-gram [3, 4, 5, 6, 7] beats the later 1-gram 7.
     seq = [3, 4, 5, 6, 7, 8, 9, 7, 0, 3, 4, 5, 6, 7]
     assert ngram.match(seq, max_drafts=2) == (5, [8, 9])

@@ -146,17 +146,25 @@ def expert_shapes(config: dict, i: int, experts: int, h: int) -> dict:
     return shapes
 
 
+def expert_projections(config: dict):
+    """Per projection of every layer with experts: (the Hugging Face names of its experts'
+    tensors, expert by expert, mlx-lm's name of them stacked)."""
+    block, names = EXPERTS[config["model_type"]]
+    for i in range(config["num_hidden_layers"]):
+        experts = expert_layer(config, i)
+        for hf, mlx in names.items() if experts else ():
+            yield ([f"model.layers.{i}.{block}.experts.{e}.{hf}.weight" for e in range(experts)],
+                   f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight")
+
+
 def stack_experts(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
     """Hugging Face names -> mlx-lm's: each projection's experts stacked into one tensor."""
     if config["model_type"] not in EXPERTS:
         return tensors
-    block, names = EXPERTS[config["model_type"]]
     out = dict(tensors)
-    for i in range(config["num_hidden_layers"]):
-        experts = expert_layer(config, i)
-        for hf, mlx in names.items() if experts else ():
-            parts = [out.pop(f"model.layers.{i}.{block}.experts.{e}.{hf}.weight") for e in range(experts)]
-            out[f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight"] = Tensor(parts[0].dtype, np.stack([t.array for t in parts]))
+    for names, stacked in expert_projections(config):
+        parts = [out.pop(name) for name in names]
+        out[stacked] = Tensor(parts[0].dtype, np.stack([t.array for t in parts]))
     return out
 
 
@@ -164,19 +172,15 @@ def unstack_experts(tensors: dict[str, Tensor], config: dict, where: Path) -> di
     """mlx-lm names -> Hugging Face's (a directory in Hugging Face names is returned as it is)."""
     if config["model_type"] not in EXPERTS or not any(".switch_mlp." in k for k in tensors):
         return tensors
-    block, names = EXPERTS[config["model_type"]]
     out = dict(tensors)
-    for i in range(config["num_hidden_layers"]):
-        experts = expert_layer(config, i)
-        for hf, mlx in names.items() if experts else ():
-            name = f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight"
-            if name not in out:
-                raise ConvertError(f"{where}: tensor {name} is missing")
-            stacked = out.pop(name)
-            if stacked.array.ndim != 3 or stacked.shape[0] != experts:
-                raise ConvertError(f"{where}: {name} has shape {list(stacked.shape)}, expected {experts} experts first")
-            for e in range(experts):
-                out[f"model.layers.{i}.{block}.experts.{e}.{hf}.weight"] = Tensor(stacked.dtype, np.ascontiguousarray(stacked.array[e]))
+    for names, name in expert_projections(config):
+        if name not in out:
+            raise ConvertError(f"{where}: tensor {name} is missing")
+        stacked = out.pop(name)
+        if stacked.array.ndim != 3 or stacked.shape[0] != len(names):
+            raise ConvertError(f"{where}: {name} has shape {list(stacked.shape)}, expected {len(names)} experts first")
+        for e, expert in enumerate(names):
+            out[expert] = Tensor(stacked.dtype, np.ascontiguousarray(stacked.array[e]))
     return out
 
 

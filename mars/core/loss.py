@@ -91,9 +91,9 @@ def align(labels, normalize: str = "row", start: int = 0, block_size: int | None
         slot = slots(labels, block_size)[rows, t - 1]
     if len(slot_weights) and block_size is None:
         raise ValueError("slot weights need the block size")
-    slot_weights = check_slot_weights(slot_weights, block_size) if len(slot_weights) else ()
-    if slot_weights:
-        scale = np.concatenate([[1.0], slot_weights])[slot]
+    by_slot = check_slot_weights(slot_weights, block_size or 0)
+    if by_slot:
+        scale = np.concatenate([[1.0], by_slot])[slot]
         scaled = weights * scale
         row_total = np.bincount(rows, weights, minlength=labels.shape[0])
         scaled_total = np.bincount(rows, scaled, minlength=labels.shape[0])

@@ -27,6 +27,7 @@ import numpy as np
 from .cost import BatchCosts, CostCurve
 from .plan import DecodeSettings, Mode
 
+
 @dataclass
 class DraftStats:
     """Per draft source and slot j: steps where slot j was fed and every draft before it
@@ -276,7 +277,6 @@ def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int,
     block = tokens / policy.costs.seconds(batch, block_cache + tokens)
     window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
     return block >= window
-
 
 
 @dataclass

@@ -60,11 +60,6 @@ def _longest(arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max
     return found, [int(t) for t in arr[best + 1 : min(best + 1 + max_drafts, end)]]
 
 
-def lookup(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ngram: int = 1) -> list[int]:
-    """The drafts of `match` alone."""
-    return match(seq, max_drafts=max_drafts, max_ngram=max_ngram, min_ngram=min_ngram)[1]
-
-
 class _Index:
     """One sequence's tokens in a growing array, and where each token occurs: what `match`
     finds by scanning the whole sequence, kept up to date as the sequence grows."""
