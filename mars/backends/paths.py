@@ -37,6 +37,26 @@ def check_model_path(path: Path) -> None:
         raise ModelError(f"{path}: no weights (*.safetensors or *.bin) beside config.json")
 
 
+def mlx_quantization(path: Path) -> dict | None:
+    """The `quantization` block of an mlx-lm quantized model directory ({"bits", "group_size", ...}), or None."""
+    config = path / "config.json"
+    if not (path.is_dir() and config.is_file()):
+        return None
+    q = json.loads(config.read_text()).get("quantization")
+    return q if isinstance(q, dict) and "bits" in q else None
+
+
+def refuse_mlx_quantized(path: Path) -> None:
+    """transformers cannot read mlx-lm's packed layers: name the float model that fits instead."""
+    q = mlx_quantization(path)
+    if q is not None:
+        raise ModelError(
+            f"{path}: an mlx-lm {q['bits']}-bit model, which the torch backend cannot read; use --backend mlx, or "
+            f"dequantize it once (mars convert {path} --to hf --output {path.name}-hf) and pass --model {path.name}-hf "
+            "(an adapter trained on it fits the dequantized weights: add --adapter-path ADAPTER)"
+        )
+
+
 def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None, *, weights: bool = True):
     """(base path, adapter path or None). `model` may be an adapter directory: its base is then
     read from mars.json or adapter_config.json. None means the embedded default with the

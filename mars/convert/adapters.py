@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 from dataclasses import dataclass, field
@@ -283,8 +284,11 @@ def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False)
     else:
 
         def write(d: Path):
+            from .card import adapter_card
+
             to_peft(lora, src, d)
             _copy_others(src, d)
+            (d / "README.md").write_text(adapter_card(Path(os.path.abspath(output)), src))
 
     return atomic_dir(output, write)
 

@@ -107,3 +107,40 @@ def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfi
             "```\n",
         ]
     return "\n".join(parts)
+
+
+def adapter_card(output: Path, source: Path) -> str:
+    """README.md of a PEFT adapter converted from an mlx-lm one: the base model it fits. An adapter
+    trained on an mlx-lm quantized model fits that model's dequantized weights, which transformers
+    can read once `mars convert` has written them."""
+    from ..backends.paths import mlx_quantization, portable_ref
+    from ..core.config import has_config, read_config
+
+    mars = read_config(source) if has_config(source) else None
+    base = mars.base_model if mars is not None else ""
+    out = shlex.quote(str(output))
+    parts = [_front_matter(base, ["mars", "peft", "lora"] if mars is not None else ["peft", "lora"]), f"# {output.name}\n"]
+    what = "A MARS LoRA adapter (with its trained mask-token row)" if mars is not None else "A LoRA adapter"
+    quant = mlx_quantization(Path(base)) if base and not portable_ref(base) else None
+    if quant is not None:
+        hf = shlex.quote(str(Path(base).with_name(Path(base).name + "-hf")))
+        parts += [
+            f"{what}, converted from mlx-lm's format by `mars convert`. It was trained on `{base}`, an mlx-lm "
+            f"{quant['bits']}-bit model (groups of {quant.get('group_size', '?')}): it fits that model's dequantized weights, "
+            "which is what a float model made from it holds. For transformers and peft, write them once:\n",
+            "```bash",
+            f"mars convert {shlex.quote(base)} --to hf --output {hf}",
+            f"mars generate --backend torch --model {hf} --adapter-path {out} --prompt 'Hello'",
+            "```\n",
+            f"On MLX it runs on the quantized model itself: `mars generate --backend mlx --model {shlex.quote(base)} "
+            f"--adapter-path {out}`.",
+            "",
+        ]
+    else:
+        parts += [f"{what}, converted from mlx-lm's format by `mars convert`, for the base model `{base or 'it was trained on'}`.", ""]
+    if mars is not None:
+        parts += ["## What mars.json says\n", mars_table(mars), ""]
+    figures = measured(source)
+    if figures:
+        parts += ["## Measured\n", figures, ""]
+    return "\n".join(parts)

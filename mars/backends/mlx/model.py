@@ -267,12 +267,42 @@ def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, b
     return mars
 
 
+class MaskRowEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding whose mask-token row is a float vector of its own, used wherever the
+    mask id is fed: a trained row rounded to 4 bits would lose what training put into it, and
+    the quantized table (its tied output head too) stays the base's, bit for bit."""
+
+    def __call__(self, x):
+        out = super().__call__(x)
+        return mx.where((x == self._mars_mask_id)[..., None], self._mars_mask_row.astype(out.dtype), out)
+
+
 def set_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
+    """The trained mask-token row into the model: written into a float embedding, kept beside a
+    quantized one (MaskRowEmbedding; not a parameter, so saving the model leaves it out)."""
     emb = embed_tokens(model)
     if isinstance(emb, nn.QuantizedEmbedding):
-        raise MlxModelError("cannot place a trained mask-token row into a quantized embedding; fuse into a float model")
+        emb.__class__ = MaskRowEmbedding
+        object.__setattr__(emb, "_mars_mask_id", int(mask_id))
+        object.__setattr__(emb, "_mars_mask_row", mx.array(row))
+        return
     weight = emb.weight
     emb.weight = mx.concatenate([weight[:mask_id], row.astype(weight.dtype)[None], weight[mask_id + 1 :]])
+
+
+def quantize_mask_row(model: nn.Module, mask_id: int, row: mx.array) -> None:
+    """The trained row quantized into a quantized embedding's own table (a fused model that any
+    mlx-lm loader reads with its masks); every other row keeps its bits (groups lie within a row)."""
+    emb = embed_tokens(model)
+    dtype = emb.scales.dtype
+    w, s, *b = mx.quantize(row.astype(dtype)[None], emb.group_size, emb.bits, mode=emb.mode)
+
+    def splice(table, new):
+        return mx.concatenate([table[:mask_id], new.astype(table.dtype), table[mask_id + 1 :]])
+
+    emb.weight, emb.scales = splice(emb.weight, w), splice(emb.scales, s)
+    if b and emb.get("biases") is not None:
+        emb.biases = splice(emb.biases, b[0])
 
 
 def mlx_adapter(adapter: Path, base: Path, announce=print) -> Path:

@@ -43,6 +43,7 @@ from .model import (
     embed_tokens,
     mars_losses,
     set_mask_row,
+    quantize_mask_row,
     loss_inputs,
 )
 
@@ -319,7 +320,7 @@ class MlxTrainer:
         from mlx_lm.utils import save_config, save_model
 
         model = self.model
-        originals, old_embedding = [], None
+        originals, old_table = [], None
         try:
             if fuse_lora:
                 # As mlx_lm.fuse: every LoRA layer becomes a plain (or quantized) linear.
@@ -330,14 +331,16 @@ class MlxTrainer:
                         fused.append((name, m.fuse()))
                 if fused:
                     model.update_modules(tree_unflatten(fused))
-                old_embedding = embed_tokens(model).weight
-                set_mask_row(model, self.mars.mask_token_id, self.mask_row)
+                emb = embed_tokens(model)
+                old_table = {k: emb[k] for k in ("weight", "scales", "biases") if emb.get(k) is not None}
+                place = quantize_mask_row if isinstance(emb, nn.QuantizedEmbedding) else set_mask_row
+                place(model, self.mars.mask_token_id, self.mask_row)
             save_model(d, model)
         finally:
             if originals:
                 model.update_modules(tree_unflatten(originals))
-            if old_embedding is not None:
-                embed_tokens(model).weight = old_embedding
+            if old_table is not None:
+                embed_tokens(model).update(old_table)
         save_config(self._base_config(), d / "config.json")
         generation = Path(self.loaded.path) / "generation_config.json"
         if generation.is_file():

@@ -26,6 +26,7 @@ from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     ModelError,
     check_model_path,
     load_tokenizer,
+    refuse_mlx_quantized,
     resolve_model_path,
     tokenizer_path,
 )
@@ -183,6 +184,7 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     check_model_path(path)
+    refuse_mlx_quantized(path)
     kwargs = dict(dtype=dtype, attn_implementation="sdpa")
     try:
         if path.is_file():
