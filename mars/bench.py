@@ -8,7 +8,10 @@ every other round in reverse (A B C C B A ...), so drift on a shared machine hit
 every configuration alike and none always runs after the same one;
 medians are reported, and every speed also as a ratio to AR with KV cache in the
 same round. The per-forward cost curve times one cached forward of k new tokens on
-a prefilled prompt cache, cropped back after each sample.
+a prefilled prompt cache, cropped back after each sample. Lossless and verified rows also
+report, untimed, their parity with the AR row's replies in the format the model ran in
+(mars.parity: identical replies, and each other reply's first divergence with AR's top-2
+logit gap there).
 """
 
 from __future__ import annotations
@@ -419,6 +422,21 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
     return {"runs": rows, "reference_check": check}
 
 
+def add_parity(runs: list[dict], configs: list[Config], loaded, decoder, prompts) -> None:
+    """To each run (one per configuration, in order) whose plan verifies against AR (lossless:
+    AR's replies by construction; verified threshold mode: close to them) add its parity with
+    the AR row's replies of the same round, in the format the model ran in (mars.parity), after
+    the timing: one plain forward per differing reply."""
+    from .core.decode.plan import Mode
+    from .parity import parity
+
+    ar = configs[0]
+    for run, c in zip(runs, configs):
+        plan = getattr(c.run, "settings", None)
+        if plan is not None and plan.mode in (Mode.LOSSLESS, Mode.VERIFIED):
+            run["parity"] = parity(decoder, loaded, prompts, ar.tokens, c.tokens)
+
+
 def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick, ar_filler: int | None = None) -> list[dict]:
     """Median time of one cached forward of k new tokens on a prefilled cache of the first
     `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out).
@@ -503,6 +521,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
 
         for batch in s.batch_sizes:
             result = bench_batch(configs, prompts, batch, s, eos, log, tick)
+            add_parity(result["runs"], configs, loaded, decoder, prompts)
             runs += result["runs"]
             checks.append(result["reference_check"])
         for batch in s.batch_sizes if ks else ():
@@ -563,6 +582,13 @@ def format_table(report: dict) -> str:
             f"{'-' if r.get('masks_share') is None else format(r['masks_share'], '.0%'):>6}"
             + (f"  (ran the {r['cache_ran']} cache)" if r.get("cache_ran") and r["cache_ran"] != r.get("cache") else "")
         )
+    checked = [r for r in report["runs"] if "parity" in r]
+    if checked:
+        from .parity import GAP_MEANING, summary
+
+        lines += ["", "parity with AR in this run and format (lossless, verified rows; each divergence in the JSON):"]
+        lines += [f"{r['batch_size']:>5}  {r['name']:<24} {summary(r['parity'])}" for r in checked]
+        lines.append(GAP_MEANING)
     if report["forward_cost"]:
         lines += ["", "one cached forward of k new tokens (median ms; x the first k)"]
         for batch in s["batch_sizes"]:

@@ -9,7 +9,10 @@ Two measurements per model, on one dataset or prompt file:
    every response token, its EOS included, counts once.
 2. A threshold sweep with the decoding loop (docs/method.md §5): per threshold, tokens per forward,
    the acceptance rate of each window slot, and agreement with the same model's AR output
-   (threshold 1.0): exact-match rate and mean matching-prefix length.
+   (threshold 1.0): exact-match rate and mean matching-prefix length. Lossless and verified
+   rows also report their parity with AR in the format the model ran in (mars.parity): the
+   replies identical to AR's and, for each other one, its first divergence and AR's top-2
+   logit gap there (a gap within the format's rounding is a near-tie, not a method error).
 
 Backend-neutral: the models are opened as a mars.session.Session, and `nll` reaches the
 framework only through the backend contract (mars.backends.base.losses).
@@ -30,6 +33,7 @@ from .core.decode.types import masks_share, sum_ragged
 from .core.files import atomic_write_text
 from .core.decode.plan import Mode
 from .core.decode.rules import block_size_for, metric_for
+from .parity import GAP_MEANING, common_prefix, parity, summary
 from .prompts import RawText, prompt_of, split_files
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
@@ -171,15 +175,6 @@ def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: i
 # -- decoding sweep -----------------------------------------------------------------------------
 
 
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -> dict:
     """Decode every prompt in batches; tokens per row plus the summed statistics."""
     from .session import decode_batches
@@ -255,6 +250,9 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             **({"tokens_by_source": d["by_source"], "masks_share": masks_share(d["by_source"])} if d["by_source"] else {}),
             **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
             **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
+            # Lossless rows promise AR's replies, verified rows come close: where, in this format, they did not.
+            **({"parity": parity(em.decoder, em.tm, prompt_ids, reference["outputs"], d["outputs"])}
+               if lossless or verify else {}),
             "outputs": d["outputs"],
         })
     out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
@@ -420,11 +418,16 @@ def format_table(report: dict) -> str:
                     f"  {tau:>{w}} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
                     f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}{passed}  {slots}"
                 )
+            checked = [r for r in sw["thresholds"] if "parity" in r]
+            lines += [f"  parity {_mode_name(r, '.3g')}: {summary(r['parity'])}" for r in checked]
             if sw.get("note"):
                 lines.append(f"  note: {sw['note']}")
     if any(m.get("sweep") or m.get("humaneval") for m in report["models"]):
         humaneval = any(m.get("humaneval") for m in report["models"])
         lines += [f"  {name}: {meaning}" for name, meaning in SWEEP_COLUMNS if humaneval or name != "pass@1"]
+        rows = [r for m in report["models"] for k in ("sweep", "humaneval") for r in m.get(k, {}).get("thresholds", [])]
+        if any("parity" in r for r in rows):
+            lines.append(f"  parity: replies identical to AR's in this run and format; {GAP_MEANING}")
     return "\n".join(lines)
 
 

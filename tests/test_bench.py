@@ -118,7 +118,12 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
         assert len(runs[name]["wall_s_runs"]) == 2
         assert runs[name]["ar_prefix_kept"] == 1.0
         assert sum(runs[name]["tokens_by_source"].values()) == runs[name]["tokens"]
+        # Parity with AR in the format it ran in: float32 leaves no divergence.
+        assert runs[name]["parity"] == {"identical": 4, "replies": 4, "format": "torch float32", "logits_dtype": "float32",
+                                        "max_ar_gap": None, "max_ar_gap_ulps": None, "divergences": []}
     assert runs["ar-kv-cache"]["tokens_by_source"] is None  # AR has no drafts to report
+    assert "parity" not in runs["ar-kv-cache"] and "parity" not in runs["transformers.generate"]
+    assert "lossless-block4          4/4 identical to AR (torch float32)" in format_table(report)
     assert list((tmp_path / "cost").glob("*.json"))  # the curve was kept for the next run
 
 
@@ -133,6 +138,13 @@ def test_verified_threshold_mode_is_timed_at_each_threshold(tiny, tmp_path, monk
     assert runs["verified t=1"]["rows_equal_to_ar"] == 1.0 and runs["verified t=1"]["tokens_per_forward"] == 1.0
     assert runs["verified t=0.5"]["cache"] == "window"
     assert sum(runs["verified t=0.5"]["tokens_by_source"].values()) == runs["verified t=0.5"]["tokens"]
+    # Each verified row's parity: the replies equal to AR's, and where each other one first left it.
+    assert "parity" not in runs["verified t=1"]  # its plan is AR mode: the AR row itself
+    p = runs["verified t=0.5"]["parity"]
+    assert p["format"] == "torch float32" and p["identical"] + len(p["divergences"]) == 4
+    assert p["identical"] == round(4 * runs["verified t=0.5"]["rows_equal_to_ar"])
+    assert all(d["ar_token"] != d["token"] and d["ar_gap"] >= 0 for d in p["divergences"])
+    assert "parity" not in runs["mars-window t=0.5"]
 
 
 def test_thresholds_below_one_need_force_without_mars_json(tiny):

@@ -45,8 +45,11 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 @click.option("--forward-repeats", type=click.IntRange(min=1), default=B["forward_repeats"], show_default=True)
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the full report as JSON here.")
 @click.option("--force", is_flag=True, help="Allow thresholds < 1 on a model without mars.json (its mask guesses are untrained).")
-@click.option("--lossless", is_flag=True, help="Also time lossless decoding (window and each --block-cache).")
-@click.option("--verify", is_flag=True, help="Also time verified threshold mode at each --threshold (window cache, n-gram drafts per --ngram).")
+@click.option("--lossless", is_flag=True,
+              help="Also time lossless decoding (window and each --block-cache); parity with AR reported (see above).")
+@click.option("--verify", is_flag=True,
+              help="Also time verified threshold mode at each --threshold (window cache, n-gram drafts per --ngram); "
+                   "parity reported as for --lossless.")
 @click.option("--window/--no-window", default=B["window"], show_default=True, help="Time MARS with the window cache (threshold and lossless).")
 @click.option("--prompt-lookup", type=click.IntRange(min=0), default=B["prompt_lookup"], show_default=True, help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.")
 @click.option("--ngram", type=click.IntRange(min=0), default=B["ngram"], show_default=True, help="--lossless: n-gram drafts of the default lossless configuration.")
@@ -63,7 +66,17 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
 def bench_command(model, adapter_path, prompt_file, humaneval, raw, batch_sizes, thresholds, block_caches, block_size, metric,
                   max_tokens, repeats, forward_ks, forward_repeats, output, force, lossless, verify, window, prompt_lookup, ngram, alternatives, llama_cpp, feeds, threads, verbose,
                   backend):
-    """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side."""
+    """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side.
+
+    \b
+    Lossless and verified rows also report their parity with the AR row (untimed): replies
+    identical to AR's in the same run and format (e.g. torch bfloat16, mlx 4-bit) and, per
+    other reply, its first divergence with AR's top-2 logit gap there (largest minus
+    second-largest logit, from a plain forward of the prompt and AR's reply up to it). A gap
+    within a few units in the last place of the format at the logits' magnitude is a near-tie
+    that rounding decides (a multi-token forward may round differently from a one-token
+    forward outside float32), not an error of the method.
+    """
     from ..bench import BenchError, benchmark, format_table
     from ..prompts import read_prompts
 

@@ -55,9 +55,12 @@ def _hedges(ctx, param, value):
 @click.option("--no-nll", is_flag=True, help="Skip the NLL measurement.")
 @click.option("--no-decode", is_flag=True, help="Skip the threshold sweep.")
 @click.option("--force", is_flag=True, help="Sweep thresholds below 1 on models without mars.json too.")
-@click.option("--lossless", is_flag=True, help="Also decode in lossless mode (the masks draft, the next forward verifies).")
-@click.option("--verify", is_flag=True, help="Also decode each threshold below 1.0 in verified threshold mode (rows vX): "
-                                             "proposals not taken are verified by the next step.")
+@click.option("--lossless", is_flag=True,
+              help="Also decode in lossless mode (the masks draft, the next forward verifies), and report its parity "
+                   "with AR in the format the model ran in (see above).")
+@click.option("--verify", is_flag=True,
+              help="Also decode each threshold below 1.0 in verified threshold mode (rows vX): proposals not taken are "
+                   "verified by the next step; parity reported as for --lossless.")
 @click.option("--hedge", "hedges", multiple=True, callback=_hedges,
               help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block size.")
 @click.option("--alternatives", type=click.IntRange(min=0), default=E["alternatives"], show_default=True,
@@ -79,7 +82,18 @@ def _hedges(ctx, param, value):
 def evaluate_command(models, baseline, data, split, prompt_file, thresholds, metric, block_size, max_tokens, batch_size, cache,
                      block_cache, limit, max_seq_length, on_long, no_nll, no_decode, force, lossless, verify, hedges, alternatives, ngram, humaneval, output, with_outputs, plot_path,
                      plot_x, dtype, device, backend):
-    """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep."""
+    """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep.
+
+    \b
+    Parity (lossless and verified rows): the replies identical to AR's in the same run and
+    format (dtype and backend, e.g. torch bfloat16, mlx 4-bit) and, for each other reply, its
+    first divergence: prompt, position, AR's token and the row's, and AR's top-2 logit gap
+    there (largest minus second-largest logit, from a plain forward of the prompt and AR's
+    reply up to that position). Lossless replies equal AR's in float32; in bfloat16, float16
+    or quantized weights a multi-token forward may round differently from a one-token forward.
+    A gap within a few units in the last place of the format at the logits' magnitude is a
+    near-tie that rounding decides, not an error of the method.
+    """
     from .. import evaluate as ev
     from ..core.train.data import read_jsonl
     from ..prompts import read_prompts
