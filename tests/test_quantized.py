@@ -57,7 +57,7 @@ def json_line(output: str) -> dict:
 
 
 def plan_for(m, **asked):
-    return make_plan(mask_id=m.mars.mask_token_id, eos_ids=m.eos_ids, block_size=4, max_tokens=24, **asked)
+    return make_plan(**{"mask_id": m.mars.mask_token_id, "eos_ids": m.eos_ids, "block_size": 4, "max_tokens": 24, **asked})
 
 
 @pytest.mark.parametrize("bits", sorted(FORMATS))
@@ -192,3 +192,46 @@ def test_qlora_end_to_end(models, tmp_path):
     ok(invoke("generate", "--backend", "mlx", "--model", fused_by_training, "--threshold", "0.8", "--prompt", "Say c",
               "--max-tokens", 8))
     assert hf.is_dir()
+
+
+@pytest.mark.slow
+def test_the_default_model_at_4_bit_end_to_end(tmp_path):
+    """The embedded default quantized as Mac users get their models: the shipped weights decode on
+    it losslessly and at 0.8 (generate and chat), threshold 1.0 is mlx-lm's greedy output; a QLoRA
+    fine-tune of it chats at 0.8, converts to PEFT and fuses back into a 4-bit model."""
+    from mlx_lm import load as mlx_lm_load
+
+    from mars.default_model import DEFAULT_REF, shipped_weights
+
+    q4 = tmp_path / "q4"
+    ok(invoke("convert", DEFAULT_REF, "--to", "mlx", "-q", "--q-bits", 4, "--output", q4))
+    weights = shipped_weights()
+    common = ("--backend", "mlx", "--model", q4, "--adapter-path", weights, "--max-tokens", 16, "--feed", "fixed")
+    question = "What is the capital of France?"
+    replies = {}
+    for mode in (("--threshold", "1.0"), ("--lossless",), ("--threshold", "0.8")):
+        replies[mode] = json_line(ok(invoke("generate", *common, *mode, "--prompt", question, "--json")).output)
+    assert replies[("--lossless",)]["text"] == replies[("--threshold", "1.0")]["text"]
+    assert replies[("--threshold", "0.8")]["mode"].startswith("verified threshold 0.8")
+    m = load(q4, adapter_path=weights, **QUIET)
+    prompt = encode_prompt(m.tokenizer, question)
+    ours = generate(MlxDecoder(m), [prompt], plan_for(m, threshold=1.0, max_tokens=16)).tokens[0]
+    model, _ = mlx_lm_load(str(q4))
+    assert ours == mlx_lm_greedy(model, prompt, m.eos_ids, max_tokens=16)
+    assert m.tokenizer.decode(ours, skip_special_tokens=True) == replies[("--threshold", "1.0")]["text"]
+    assert "verified threshold 0.8" in ok(invoke("chat", *common, "--threshold", "0.8", input=question + "\n/quit\n")).output
+
+    data = tmp_path / "data"
+    write_jsonl(data / "train.jsonl", [{"prompt": f"Spell {w}.", "completion": " ".join(w)} for w in ("cat", "house", "river")])
+    out = tmp_path / "qlora"
+    ok(invoke("finetune", "--backend", "mlx", "--model", q4, "--data", data, "--output", out, "--iters", 1, "--batch-size", 1))
+    chat = ok(invoke("chat", "--backend", "mlx", "--model", out, "--threshold", "0.8", "--max-tokens", 8, "--feed", "fixed",
+                     input="Spell dog.\n/quit\n"))
+    assert "verified threshold 0.8" in chat.output
+    ok(invoke("convert", out, "--to", "hf", "--output", tmp_path / "peft"))
+    assert f"mars convert {q4} --to hf" in (tmp_path / "peft" / "README.md").read_text()
+    fused = tmp_path / "fused"
+    ok(invoke("convert", q4, "--adapter", out, "--fuse", "--to", "mlx", "-q", "--q-bits", 4, "--output", fused))
+    reply = json_line(ok(invoke("generate", "--backend", "mlx", "--model", fused, "--threshold", "0.8", "--prompt", "Spell dog.",
+                                "--max-tokens", 8, "--feed", "fixed", "--json")).output)
+    assert reply["mode"].startswith("verified threshold 0.8") and reply["tokens"] > 0
