@@ -113,6 +113,7 @@ def test_the_entry_points_decode_a_quantized_base_with_an_adapter(models, tmp_pa
         result = ok(invoke("generate", *common, *mode, "--prompt", "Say c", "--json"))
         outs[mode] = json_line(result.output)
     assert outs[("--lossless",)]["text"] == outs[("--threshold", "1.0")]["text"]
+    assert outs[("--lossless",)]["mode"] == "lossless greedy (4-bit: AR's up to near-ties)"
     assert outs[("--threshold", "0.8")]["mode"].startswith("verified threshold 0.8")
     chat = ok(invoke("chat", *common, "--threshold", "0.8", input="Say c\n/quit\n"))
     assert "verified threshold 0.8" in chat.output

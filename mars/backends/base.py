@@ -133,6 +133,7 @@ def decode_plan(loaded, **asked):
 
     if "corpus" not in asked and "drafts" not in asked:
         asked["corpus"] = draft_corpus(loaded)
+    asked.setdefault("numerics", getattr(loaded, "number_format", "float32"))
     return plan_for(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 
 

@@ -104,9 +104,9 @@ def backend_option(f):
 
 def device_options(f):
     f = click.option("--dtype", type=DTYPE_CHOICE, default="auto", show_default=True,
-                     help="auto: float32, bfloat16 on a CUDA device that supports it. Lossless decoding reproduces AR "
-                          "exactly in float32 only: in float16/bfloat16 a multi-token forward rounds differently from a "
-                          "one-token one, and on a CPU 7 of 16 bfloat16 lossless replies differed from bfloat16 AR's.")(f)
+                     help="auto: float32, bfloat16 on a CUDA device that supports it. Outside float32 lossless output is "
+                          "AR's up to near-ties of AR's two best logits, which rounding may decide otherwise (the mode's "
+                          "name says so); `mars eval --lossless` measures it.")(f)
     return click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")(f)
 
 

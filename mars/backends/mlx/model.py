@@ -60,6 +60,19 @@ class MlxModel:
     def eos_ids(self) -> tuple[int, ...]:
         return eos_ids(self.tokenizer, list(self.generation_eos))
 
+    @property
+    def number_format(self) -> str:
+        """"4-bit" (the quantized layers' widths), else the float type most weights have ("float32", "bfloat16")."""
+        return number_format(self.model)
+
+
+def number_format(model: nn.Module) -> str:
+    bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))})
+    if bits:
+        return "/".join(map(str, bits)) + "-bit"
+    kinds = [str(m.weight.dtype).rsplit(".", 1)[-1] for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+    return max(set(kinds), key=kinds.count) if kinds else "float32"
+
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
     model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")

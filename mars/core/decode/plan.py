@@ -115,6 +115,11 @@ class DecodeSettings:
     # on the device (mars.core.decode.feed; lossless output stays AR's, threshold-mode text may
     # then depend on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
     feed: str = "auto"
+    # The number format the model computes in ("float32", "bfloat16", "float16", "4-bit", ...;
+    # the loaded model's number_format). Lossless output is AR's token for token where a forward
+    # of several tokens rounds as one of one token does (float32 here); in a narrower format a
+    # near-tie of AR's two best logits may round the other way, and the mode's name says so.
+    numerics: str = "float32"
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -199,7 +204,7 @@ class DecodeSettings:
         mode, sampling = self.mode, self.sampling
         how = "greedy" if sampling.greedy else f"sampling (temp {sampling.temperature:g})"
         if mode is Mode.LOSSLESS:
-            return f"lossless {how}"
+            return f"lossless {how}" + ("" if self.numerics == "float32" else f" ({self.numerics}: AR's up to near-ties)")
         if mode is Mode.AR:
             return f"AR {how}"
         return f"{'verified ' if mode is Mode.VERIFIED else ''}threshold {self.threshold:g} ({self.metric})"
@@ -270,6 +275,6 @@ def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSett
     /lossless, and `mars generate --compare`'s AR run beside the mode."""
     request = dict(mask_id=plan.mask_id, eos_ids=plan.eos_ids, metric=plan.metric, block_size=plan.block_size,
                    max_tokens=plan.max_tokens, cache=plan.cache, block_cache=plan.block_cache, sampling=plan.sampling,
-                   feed=plan.feed, drafts=plan.drafts, lossless=plan.mode is Mode.LOSSLESS,
+                   feed=plan.feed, drafts=plan.drafts, numerics=plan.numerics, lossless=plan.mode is Mode.LOSSLESS,
                    threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold, verify=plan.mode is not Mode.THRESHOLD)
     return decode_plan(mars, **{**request, **asked})
