@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from .backends import base
 from .core.decode.feed import FeedController
 from .core.decode.loop import DecodeSettings, DecodeStats, generate
+from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 from .core.tokens import encode_prompt
 
 
@@ -89,7 +90,11 @@ class Session:
 
     def plan(self, **asked) -> DecodeSettings:
         """The plan a request decodes by: the checkpoint's defaults plus `asked`
-        (mars.core.decode.plan.decode_plan)."""
+        (mars.core.decode.plan.decode_plan), with the draft sources `mars generate` takes by
+        default (n-gram lookup, runner-up groups) unless `asked` names them."""
+        if "drafts" not in asked:
+            asked.setdefault("ngram", DEFAULT_NGRAM)
+            asked.setdefault("alternatives", DEFAULT_ALTERNATIVES)
         return base.decode_plan(self.loaded, **asked)
 
     def prepare_feed(self, settings: DecodeSettings, batch: int = 1) -> None:

@@ -221,3 +221,14 @@ def test_the_checkpoint_and_server_default_modes_are_the_plans_names():
     from mars.serve.policy import DEFAULT_MODES
 
     assert MODES == DEFAULT_MODES == (Mode.THRESHOLD.value, Mode.LOSSLESS.value)
+
+
+def test_the_python_session_plans_the_drafts_the_cli_does(tmp_path):
+    """`Session.plan()` with nothing asked takes the draft sources `mars generate` takes by default."""
+    from mars.core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
+    from mars.session import Session
+
+    session = Session(save_model(tmp_path / "m", "llama", seed=1), backend="torch", announce=lambda m: None)
+    plan = session.plan(lossless=True)
+    assert (plan.drafts.ngram, plan.drafts.alternatives) == (DEFAULT_NGRAM, DEFAULT_ALTERNATIVES)
+    assert session.plan(lossless=True, ngram=0).drafts.ngram == 0

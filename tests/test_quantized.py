@@ -236,3 +236,10 @@ def test_the_default_model_at_4_bit_end_to_end(tmp_path):
     reply = json_line(ok(invoke("generate", "--backend", "mlx", "--model", fused, "--threshold", "0.8", "--prompt", "Spell dog.",
                                 "--max-tokens", 8, "--feed", "fixed", "--json")).output)
     assert reply["mode"].startswith("verified threshold 0.8") and reply["tokens"] > 0
+
+
+def test_a_quantized_base_keeps_its_own_cost_curve(models):
+    """The cost curve's key names the number format: a 4-bit base and the float one read through
+    the same adapter directory, and their forwards cost differently on a GPU."""
+    keys = {b: MlxDecoder(load(models[b], adapter_path=models["masks"], **QUIET)).cost_key() for b in ("hf", 4)}
+    assert keys["hf"]["format"] == "float32" and keys[4]["format"] == "4-bit"
