@@ -19,6 +19,7 @@ from ...core.masks import decode_mask
 from ..hf_config import position_gaps, sliding_windows
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
+from .attention import REDUCED, row_exact
 from .cache import cache_argument
 from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
@@ -166,6 +167,11 @@ class TorchModel:
     @property
     def vocab_rows(self) -> int:
         return self.model.get_input_embeddings().weight.shape[0]
+
+    @property
+    def number_format(self) -> str:
+        """The dtype the model computes in: "float32", "bfloat16" or "float16"."""
+        return str(self.dtype).rsplit(".", 1)[-1]
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -371,6 +377,9 @@ class TorchDecoder:
         self.skips_holes = bool(self.packed)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
         self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
+        # CPU, bfloat16 or float16: each attention row computes what a one-token forward computes
+        # (attention.row_exact), so lossless verification reads AR's own predictions.
+        self.row_exact = self.grouped and tm.dtype in REDUCED
         # Sliding-window layers: the masks cut the window by position (attention_masks), so the
         # cache keeps every position; the cached keys' positions are kept beside it, per row.
         self.windows = model_windows(tm.model)
@@ -383,7 +392,7 @@ class TorchDecoder:
                 "packed_min_rows": packed.MIN_ROWS if self.packed else None,
                 "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
                 "linear_rows": self.linear_rows if self.packed else None,
-                "grouped": self.grouped, "torch": torch.__version__}
+                "grouped": self.grouped, "torch": torch.__version__, **({"row_exact": True} if self.row_exact else {})}
 
     def new_cache(self, batch: int):
         from .cache import growing_cache
@@ -463,13 +472,24 @@ class TorchDecoder:
             read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
         flat = (np.arange(b)[:, None] * q + read).reshape(-1)
         distinct, where = np.unique(flat, return_inverse=True)
-        with packed.active():
+        with packed.active(), self._row_exact(input_ids, valid):
             with real:  # the body alone: the head's rows are reads, not positions
                 out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=cache is not None,
                                 **cache_argument(self.body, cache))
             hidden = out.last_hidden_state
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
+
+    def _row_exact(self, input_ids, valid):
+        """Row-exact attention (attention.row_exact) for the rows fed a real token, whose outputs
+        may be taken as AR's; masks only propose drafts, and holes nothing."""
+        if not self.row_exact:
+            return contextlib.nullcontext()
+        mask_id = self.tm.mars.mask_token_id if self.tm.mars is not None else None
+        if mask_id is None and valid is None:
+            return row_exact()
+        exact = np.ones(np.shape(input_ids), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+        return row_exact(exact if mask_id is None else exact & (np.asarray(input_ids) != mask_id))
 
     def _window_masks(self, cache, mask, positions):
         """The attention argument of a model with sliding layers (attention_masks), with the
