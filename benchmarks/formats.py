@@ -85,7 +85,7 @@ def parse_formats(text: str) -> list[Format]:
 def open_format(fmt: Format, model: Path | None, tmp: Path, args, say) -> None:
     """Load `fmt`'s session (converting for MLX formats other than the directory as it is)."""
     from mars.convert import convert_model
-    from mars.default_model import default_model_dir, shipped_weights
+    from mars.checkpoint.default_model import default_model_dir, shipped_weights
     from mars.session import Session
 
     t0 = time.perf_counter()

@@ -107,9 +107,9 @@ def main(argv=None) -> dict:
 
     import mlx.core as mx
 
-    from mars.backends.paths import load_tokenizer
+    from mars.checkpoint.paths import load_tokenizer
     from mars.convert import convert_model
-    from mars.default_model import default_model_dir
+    from mars.checkpoint.default_model import default_model_dir
 
     float_dir = Path(args.model) if args.model else default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:

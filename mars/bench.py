@@ -33,7 +33,7 @@ from .core.decode.loop import DecodeSettings, Sampling, generate
 from .core.decode.plan import FEEDS
 from .core.masks import decode_mask
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
-from .default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
+from .checkpoint.default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",

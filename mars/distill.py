@@ -22,6 +22,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from tqdm import tqdm
 
 from .core.train.data import DataError
 from .core.files import atomic_write_text
@@ -155,7 +156,6 @@ def _check_resume(output: Path, run: dict) -> None:
 
 def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, model_ref: str = "", progress=True, log=print) -> dict:
     """Distill every split of `prompts` into `output`; resumes from `<split>.jsonl.partial`."""
-    from tqdm import tqdm
 
     output = Path(output)
     files = prompt_files(prompts)

@@ -47,9 +47,9 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     which lossless decoding drafts from. Returns the trainer's result ("steps", "seconds",
     "history") with "output" and "main" (False in the processes other than rank 0 of a run
     launched by torchrun, accelerate launch or mlx.launch: they write and announce nothing)."""
-    from .backends.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
+    from .checkpoint.paths import ModelError, check_model_path, load_tokenizer, resolve_model_path
     from .core.train.data import find_split_file, load_split
-    from .default_model import model_ref
+    from .checkpoint.default_model import model_ref
 
     name = base.resolve(backend)
     output = Path(output)
@@ -137,9 +137,9 @@ def read_init_adapter(path, base_path: Path, kind: str, block_size: int | None, 
     """(MarsConfig, block size, LoRA rank, LoRA alpha) of a MARS adapter to start LoRA from,
     after checking it fits this run: its block size unless `block_size` names another, its rank
     and alpha (they are what will train)."""
-    from .backends.paths import MASK_EMBEDDING_FILE, ModelError
-    from .convert.adapters import ConvertError, adapter_format, read_adapter
-    from .default_model import model_ref
+    from .checkpoint.paths import MASK_EMBEDDING_FILE, ModelError
+    from .checkpoint.adapters import ConvertError, adapter_format, read_adapter
+    from .checkpoint.default_model import model_ref
 
     path = Path(path)
     where = f"--init-adapter {path}"

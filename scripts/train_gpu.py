@@ -336,10 +336,10 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
     import torch
 
     from mars.backends import base
-    from mars.backends.paths import load_tokenizer
+    from mars.checkpoint.paths import load_tokenizer
     from mars.core.train.data import DataError, batches, load_split
     from mars.core.train.loop import TRAINING_LOG, TrainSettings, write_history
-    from mars.default_model import model_ref
+    from mars.checkpoint.default_model import model_ref
     from mars.finetune import read_init_adapter
 
     tokenizer = load_tokenizer(base_path)
@@ -499,9 +499,9 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mars.backends.paths import load_tokenizer
+    from mars.checkpoint.paths import load_tokenizer
     from mars.core.tokens import eos_ids
-    from mars.default_model import default_model_dir
+    from mars.checkpoint.default_model import default_model_dir
 
     import make_prompts
 
@@ -518,7 +518,7 @@ def main(argv=None) -> int:
     held = {make_prompts.normalise(p) for name in HELD_OUT for p in first_turns(prompts_dir / name)}
     valid_prompts = first_turns(prompts_dir / "valid.jsonl")[: args.valid]
     # Replies earlier runs distilled are reused; this run's prompts are all new ones.
-    from mars.default_model import model_ref
+    from mars.checkpoint.default_model import model_ref
 
     key = store_key(model_ref(base_path), tokenizer, args.max_tokens)
     stored = [r for r in read_store(args.store, key) if make_prompts.normalise(r[0]) not in held]

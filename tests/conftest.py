@@ -23,7 +23,7 @@ from tiny import save_model  # noqa: E402
 def mars_home(tmp_path_factory):
     """The tests' own cache directory: the cost curves and path choices they measure never
     land in the user's. The default model converted there before is reused (read, not written)."""
-    from mars.default_model import cache_root
+    from mars.checkpoint.default_model import cache_root
 
     real = cache_root()
     home = tmp_path_factory.mktemp("mars_home")

@@ -229,7 +229,7 @@ def test_finetune_keeps_its_training_data_as_the_draft_corpus(lora, full, tiny, 
     import numpy as np
 
     from mars.backends import base
-    from mars.backends.paths import load_tokenizer
+    from mars.checkpoint.paths import load_tokenizer
     from mars.core.decode.drafts import corpus
 
     want = corpus.from_data(data, load_tokenizer(Path(tiny)))

@@ -115,7 +115,7 @@ def test_torch_trained_whole_model_loads_alike_in_mlx_lm_and_transformers(tmp_pa
 
 
 def test_cached_default_model_from_an_older_version_is_repaired(tmp_path, monkeypatch):
-    from mars.default_model import DEFAULT_NAME, default_model_dir
+    from mars.checkpoint.default_model import DEFAULT_NAME, default_model_dir
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
     cached = save_rope_model(tmp_path / "home" / "models" / DEFAULT_NAME, "llama3")
@@ -133,7 +133,7 @@ def test_cached_default_model_from_an_older_version_is_repaired(tmp_path, monkey
 def test_default_model_and_gguf_import_load_alike_in_mlx_lm_and_transformers(tmp_path, monkeypatch):
     """The real default (SmolLM2, RoPE theta 100000): both ways mars dequantizes a GGUF."""
     from mars.convert.models import import_gguf
-    from mars.default_model import default_gguf, default_model_dir
+    from mars.checkpoint.default_model import default_gguf, default_model_dir
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
     for path in (default_model_dir(**QUIET), import_gguf(default_gguf(), tmp_path / "imported", **QUIET)):
@@ -156,7 +156,7 @@ def text_files_naming(directory: Path, needle: str) -> list[str]:
 def test_torch_lora_output_names_no_local_base_path(tmp_path):
     from huggingface_hub import ModelCard
 
-    from mars.default_model import DEFAULT_REF
+    from mars.checkpoint.default_model import DEFAULT_REF
 
     base = save_rope_model(tmp_path / "base")
     trainer, tm = torch_trainer(base, tmp_path / "adapter", "lora")
@@ -196,7 +196,7 @@ def mlx_trainer(base: Path, out: Path, kind: str = "lora", announce=None):
 
 def test_mlx_lora_output_names_no_local_base_path(tmp_path):
     from mars.backends.mlx.model import load as mlx_load
-    from mars.default_model import DEFAULT_REF
+    from mars.checkpoint.default_model import DEFAULT_REF
 
     base = save_rope_model(tmp_path / "base")
     trainer, loaded = mlx_trainer(base, tmp_path / "adapter")

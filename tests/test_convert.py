@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mars.backends.paths import rope_overrides
+from mars.checkpoint.paths import rope_overrides
 from mars.cli.main import cli
 from mars.convert import ConvertError, convert_adapter, convert_model, read_safetensors
-from mars.convert.tensors import Tensor, from_float32, to_float32, write_safetensors
+from mars.checkpoint.tensors import Tensor, from_float32, to_float32, write_safetensors
 from tiny import make_model, make_tokenizer
 
 mx = pytest.importorskip("mlx.core")
@@ -324,7 +324,7 @@ def test_bad_adapter(tmp_path):
 
 @pytest.mark.slow
 def test_gguf_import(tmp_path):
-    from mars.default_model import default_gguf
+    from mars.checkpoint.default_model import default_gguf
 
     gguf = default_gguf()
     r = invoke(gguf, "--to", "mlx", "--output", tmp_path / "mlx")

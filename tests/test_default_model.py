@@ -14,7 +14,7 @@ from mars.backends.torch.model import TorchDecoder, load
 from tiny import make_plan
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from mars.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
+from mars.checkpoint.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +63,7 @@ def test_cli_generate_runs_on_the_default():
 
 
 def test_a_gguf_file_loads_directly(default):
-    from mars.default_model import default_gguf
+    from mars.checkpoint.default_model import default_gguf
 
     direct = load(default_gguf(), announce=lambda m: None)
     ids = torch.tensor([encode_prompt(default.tokenizer, PROMPTS[0])])

@@ -125,7 +125,7 @@ def test_finetune_output_is_a_file(tiny, data, tmp_path):
 
 def test_convert_accepts_the_default_reference(tiny, tmp_path, monkeypatch):
     """`default:SmolLM2-135M-Instruct` names the embedded default as SRC and as --model, as in every other command."""
-    import mars.default_model as dm
+    import mars.checkpoint.default_model as dm
 
     monkeypatch.setattr(dm, "default_model_dir", lambda announce=print: tiny)
     out = tmp_path / "mlx"

@@ -299,7 +299,7 @@ def test_init_adapter_from_an_mlx_adapter_on_both_backends(lora, tmp_path):
     from click.testing import CliRunner
 
     from mars.cli.main import cli
-    from mars.convert.adapters import convert_adapter
+    from mars.checkpoint.adapters import convert_adapter
 
     base, adapter, _, _ = lora
     data = tmp_path / "data"

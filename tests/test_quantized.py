@@ -202,7 +202,7 @@ def test_the_default_model_at_4_bit_end_to_end(tmp_path):
     fine-tune of it chats at 0.8, converts to PEFT and fuses back into a 4-bit model."""
     from mlx_lm import load as mlx_lm_load
 
-    from mars.default_model import DEFAULT_REF, shipped_weights
+    from mars.checkpoint.default_model import DEFAULT_REF, shipped_weights
 
     q4 = tmp_path / "q4"
     ok(invoke("convert", DEFAULT_REF, "--to", "mlx", "-q", "--q-bits", 4, "--output", q4))

@@ -239,7 +239,7 @@ def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_promp
     assert summary["distil"]["share"] == 0.3  # an empty store: the default share of the time for distillation
     assert summary["store"]["replies"] == 8 and summary["store"]["parts"] == ["distilled.npz.00"]  # one batch of --gen-batch 8
     script.unpack(first / "out", tmp_path / "adapter1", store=store)
-    from mars.backends.paths import load_tokenizer
+    from mars.checkpoint.paths import load_tokenizer
 
     key = script.store_key(str(tiny.resolve()), load_tokenizer(tiny), 8)
     kept = script.read_store(store, key)

@@ -101,7 +101,7 @@ def test_the_readme_serve_command_answers_with_the_targets_greedy_replies(tmp_pa
 
 
 def test_shipped_weights_draft_for_vllm_with_the_targets_greedy_replies(tmp_path):
-    from mars.default_model import shipped_weights
+    from mars.checkpoint.default_model import shipped_weights
 
     export = tmp_path / "vllm"
     ok(invoke("convert", shipped_weights(), "--to", "vllm", "-o", export))

@@ -142,7 +142,7 @@ def test_what_cannot_be_exported_fails_in_one_line(tiny, data, tmp_path):
 
 @pytest.mark.slow
 def test_shipped_weights_export_for_vllm(tmp_path):
-    from mars.default_model import shipped_weights
+    from mars.checkpoint.default_model import shipped_weights
 
     weights = shipped_weights()
     out = tmp_path / "vllm"

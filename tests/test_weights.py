@@ -14,7 +14,7 @@ from tiny import make_plan
 from mars.core.config import read_config
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from mars.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weights
+from mars.checkpoint.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weights
 from mars.evaluate import common_prefix
 
 pytestmark = pytest.mark.slow

@@ -168,7 +168,7 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     `announce` hears, before a measurement, what it is, about how long it takes and where
     its result is kept. The decoding loop refreshes its copy from the forwards it times."""
     from ..core.decode.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
-    from ..default_model import keyed_cache_file
+    from ..checkpoint.default_model import keyed_cache_file
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
     # "calibration" 2: one-token forwards timed as AR (no mask); 3: over CALIBRATION_ROUNDS

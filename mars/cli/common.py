@@ -78,14 +78,14 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from ..backends.base import BackendUnavailable
-        from ..backends.paths import ModelError
+        from ..checkpoint.paths import ModelError
         from ..convert import ConvertError
         from ..core.config import ConfigError
         from ..core.decode.drafts.corpus import CorpusError
         from ..core.train.data import DataError
         from ..core.files import OutputError
         from ..core.decode.rules import ThresholdError, UntrainedModelError
-        from ..default_model import DefaultModelError
+        from ..checkpoint.default_model import DefaultModelError
 
         known = (BackendUnavailable, ConfigError, ConvertError, CorpusError, DataError, DefaultModelError, FileNotFoundError, ModelError,
                  OutputError, ThresholdError, UntrainedModelError)

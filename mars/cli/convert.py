@@ -29,7 +29,7 @@ def convert_command(src, to, output, overwrite, dtype, quantize, q_bits, q_group
 
     SRC and --model may also be default:SmolLM2-135M-Instruct, the embedded default model."""
     from ..convert import ConvertError, adapter_format, convert_adapter, convert_model, convert_vllm
-    from ..default_model import DEFAULT_REF, default_model_dir
+    from ..checkpoint.default_model import DEFAULT_REF, default_model_dir
 
     src, base = (default_model_dir(announce=say) if p is not None and str(p) == DEFAULT_REF else p for p in (src, base))
     if to == "vllm":

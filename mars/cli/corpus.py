@@ -20,7 +20,7 @@ from .common import friendly_errors, say
 def corpus_command(data, model, output):
     """Build a draft corpus: lossless decoding (with --ngram > 0) also drafts what these replies
     say comes next, verified like every draft, so the output stays AR's."""
-    from ..backends.paths import load_tokenizer, resolve_model_path, tokenizer_path
+    from ..checkpoint.paths import load_tokenizer, resolve_model_path, tokenizer_path
     from ..core.decode.drafts.corpus import FILE, CorpusError, from_data
 
     if output.suffix != ".npz":

@@ -29,8 +29,8 @@ def distill_command(model, adapter_path, dtype, device, prompts, output, max_tok
 
     Resumable: rerun the same command after an interruption and it continues.
     """
-    from ..backends.paths import resolve_model_path
-    from ..default_model import model_ref
+    from ..checkpoint.paths import resolve_model_path
+    from ..checkpoint.default_model import model_ref
     from ..distill import distill, prompt_files, read_prompt_file
 
     for _, path in prompt_files(prompts):  # bad prompts fail before the model loads

@@ -7,6 +7,7 @@ import shlex
 import sys
 
 import click
+from tqdm import tqdm
 
 EXIT_INTERRUPTED = 130
 ARGS_KEY = "mars.args"  # where the group keeps the arguments it was given
@@ -45,7 +46,6 @@ class InterruptibleGroup(click.Group):
 def _close_progress_bars() -> None:
     """Close the bars the interrupted work left open: collected later, they would print
     themselves again under the line."""
-    from tqdm import tqdm
 
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()

@@ -9,9 +9,9 @@ torch nor mlx; only quantizing (-q) uses mlx and GGUF import uses transformers. 
 ConvertError (a ValueError) with a one-line message; nothing is written on failure.
 """
 
-from .adapters import adapter_format, convert_adapter, read_adapter
+from ..checkpoint.adapters import adapter_format, convert_adapter, read_adapter
 from .models import SUPPORTED, convert_model, import_gguf
-from .tensors import ConvertError, Tensor, read_safetensors, write_safetensors
+from ..checkpoint.tensors import ConvertError, Tensor, read_safetensors, write_safetensors
 from .vllm import convert_vllm
 
 __all__ = [

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..backends.architectures import CONVERT, refusal
-from ..backends.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
+from ..checkpoint.architectures import CONVERT, refusal
+from ..checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
 from ..core.files import atomic_dir
-from .adapters import Lora, read_adapter, safe_output
+from ..checkpoint.adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize
-from .tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
+from ..checkpoint.tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
-SUPPORTED = CONVERT  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
+SUPPORTED = CONVERT  # mars.checkpoint.architectures: the table, as tests/test_architectures.py checks it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 _SKIP = ("config.json", "model.safetensors.index.json")  # rewritten, never copied
 
@@ -371,8 +371,8 @@ def _carry_fused(src: Path, adapter: Path, d: Path, output: Path) -> None:
     from ..core.decode.drafts import corpus
     from ..core.config import has_config
     from ..core.config import read_config as read_mars
-    from ..default_model import model_ref
-    from .card import fused_card
+    from ..checkpoint.default_model import model_ref
+    from ..checkpoint.card import fused_card
 
     if (adapter / corpus.FILE).is_file():
         shutil.copy2(adapter / corpus.FILE, d / corpus.FILE)

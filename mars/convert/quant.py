@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tensors import ConvertError, Tensor, from_float32, to_float32
+from ..checkpoint.tensors import ConvertError, Tensor, from_float32, to_float32
 
 BITS = (2, 3, 4, 5, 6, 8)  # the affine widths mlx packs; each value little-endian in a uint32 stream
 GROUP_SIZES = (32, 64, 128)  # the affine group sizes mlx quantizes with

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from ..core.config import MarsConfig, has_config, read_config as read_mars, write_config
 from ..core.files import atomic_dir
-from .adapters import adapter_format, safe_output
-from .card import fused_card
+from ..checkpoint.adapters import adapter_format, safe_output
+from ..checkpoint.card import fused_card
 from .models import convert_model, read_config
-from .tensors import ConvertError
+from ..checkpoint.tensors import ConvertError
 
 DRAFTER = "drafter"
 TARGET = "target"
@@ -41,7 +41,7 @@ def speculative_config(drafter: Path) -> dict:
 def _adapter_base(src: Path) -> Path:
     """The base an adapter was trained on, found as every loader finds it (mars.json, else
     adapter_config.json)."""
-    from ..backends.paths import ModelError, resolve_model_path
+    from ..checkpoint.paths import ModelError, resolve_model_path
 
     try:
         base, _ = resolve_model_path(src)
@@ -55,7 +55,7 @@ def _adapter_base(src: Path) -> Path:
 def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Path:
     """Write `output` (see the module's description) for the MARS checkpoint `src`: an adapter
     directory with mars.json, or a full model directory with mars.json."""
-    from ..default_model import DEFAULT_REF, model_ref
+    from ..checkpoint.default_model import DEFAULT_REF, model_ref
 
     src, output = Path(src), Path(output)
     if not src.is_dir() or not has_config(src):

@@ -24,11 +24,11 @@ from ...core.config import MarsConfig, has_config, read_config
 from ...core.decode.types import runners_up_of
 from ...core.decode.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
-from ..architectures import MLX, refusal
-from ..hf_config import position_gaps, sliding_windows
-from ..paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
+from ...checkpoint.architectures import MLX, refusal
+from ...checkpoint.hf_config import position_gaps, sliding_windows
+from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
 
-SUPPORTED = MLX  # mars.backends.architectures: the table, as tests/test_architectures.py checks it
+SUPPORTED = MLX  # mars.checkpoint.architectures: the table, as tests/test_architectures.py checks it
 
 
 class MlxModelError(ModelError):
@@ -190,7 +190,7 @@ def segment_positions(segments, batch: int) -> np.ndarray:
 
 
 def layer_windows(model: nn.Module) -> list[int | None]:
-    """Per layer, the sliding window of the model's config.json (mars.backends.hf_config), read
+    """Per layer, the sliding window of the model's config.json (mars.checkpoint.hf_config), read
     at loading; None everywhere for a model loaded otherwise."""
     return getattr(model, "_mars_windows", None) or [None] * len(body(model).layers)
 
@@ -323,8 +323,8 @@ def mlx_adapter(adapter: Path, base: Path, announce=print) -> Path:
     shipped default weights) its conversion, made once and kept in the cache."""
     import hashlib
 
-    from ...convert.adapters import adapter_format, convert_adapter
-    from ...default_model import cache_root
+    from ...checkpoint.adapters import adapter_format, convert_adapter
+    from ...checkpoint.default_model import cache_root
 
     if adapter_format(adapter) != "peft":
         return adapter

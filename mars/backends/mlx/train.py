@@ -31,8 +31,8 @@ from ...core.train.loop import (
     validation_losses,
     write_history,
 )
-from ..architectures import FUSED_LORA_TARGETS
-from ..paths import portable_ref
+from ...checkpoint.architectures import FUSED_LORA_TARGETS
+from ...checkpoint.paths import portable_ref
 from .model import (
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,

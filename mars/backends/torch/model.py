@@ -16,12 +16,12 @@ from ...core.decode.types import runners_up_of
 from ...core.decode.plan import Sampling
 from ...core.loss import Alignment
 from ...core.masks import decode_mask
-from ..hf_config import position_gaps, sliding_windows
+from ...checkpoint.hf_config import position_gaps, sliding_windows
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from . import packed
 from .attention import REDUCED, row_exact
 from .cache import cache_argument
-from ..paths import (  # noqa: F401  (re-exported for callers of this backend)
+from ...checkpoint.paths import (  # noqa: F401  (re-exported for callers of this backend)
     MASK_EMBEDDING_FILE,
     MASK_EMBEDDING_KEY,
     ModelError,
@@ -71,7 +71,7 @@ def additive_mask(mask: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 def model_windows(model: torch.nn.Module) -> list[int | None]:
-    """Per layer, the sliding window the model applies, or None (mars.backends.hf_config)."""
+    """Per layer, the sliding window the model applies, or None (mars.checkpoint.hf_config)."""
     return sliding_windows(body_and_head(model)[0].config.to_dict())
 
 
@@ -231,10 +231,10 @@ def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: 
 
 
 def check_architecture(path: Path, arch: str | None = None) -> None:
-    """Refuse a model whose architecture is outside the table (mars.backends.architectures):
+    """Refuse a model whose architecture is outside the table (mars.checkpoint.architectures):
     a directory before any work, from its config.json; a GGUF file once transformers has read
     it (`arch`, its model_type)."""
-    from ..architectures import model_type, refusal
+    from ...checkpoint.architectures import model_type, refusal
 
     arch = arch or (model_type(path) if path.is_dir() else None)
     refused = refusal(arch, path if path.is_file() else f"{path}/config.json", "torch") if arch is not None else None
@@ -324,7 +324,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
     import json
 
     from ...core.files import atomic_write_text
-    from ...default_model import keyed_cache_file
+    from ...checkpoint.default_model import keyed_cache_file
 
     layers = packed.packed_layers(tm.model)
     size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)

@@ -12,8 +12,8 @@ import torch
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
-from ..architectures import FUSED_LORA_TARGETS
-from ..paths import add_rope_keys, portable_ref
+from ...checkpoint.architectures import FUSED_LORA_TARGETS
+from ...checkpoint.paths import add_rope_keys, portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs, model_windows
 
 class TorchTrainer:
@@ -247,7 +247,7 @@ def _from_adapter(model, adapter: Path, base) -> tuple:
 
     from peft import PeftModel
 
-    from ...convert.adapters import adapter_format, convert_adapter
+    from ...checkpoint.adapters import adapter_format, convert_adapter
 
     with tempfile.TemporaryDirectory(prefix="mars-init-") as tmp:
         source = adapter

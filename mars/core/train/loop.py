@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from tqdm.auto import tqdm
 
 from ..config import MarsConfig
 
@@ -162,7 +163,6 @@ def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: 
     `rank` of `world` takes every world-th), accumulation, history, validation, checkpoints.
     Ctrl-C raises TrainingInterrupted; alone, the first one stops after its step with a
     checkpoint."""
-    from tqdm.auto import tqdm
 
     from ..files import restore_swapped_dir
 
@@ -238,7 +238,6 @@ def validation_losses(examples, s: TrainSettings, pad_id: int, losses, ar_weight
     fixed shuffled order, since the length-sorted order would take only the shortest."""
     from itertools import islice
 
-    from tqdm.auto import tqdm
 
     from .data import batches
 

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..backends.paths import MASK_EMBEDDING_FILE
+from .paths import MASK_EMBEDDING_FILE
 from ..core.files import OutputError, atomic_dir, check_output
 from .tensors import ConvertError, Tensor, read_safetensors, write_safetensors
 

@@ -10,8 +10,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from .backends.hf_config import add_rope_keys
-from .core.files import atomic_dir
+from .hf_config import add_rope_keys
+from ..core.files import atomic_dir
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_REF = f"default:{DEFAULT_NAME}"
@@ -25,7 +25,7 @@ class DefaultModelError(RuntimeError):
 
 # The MARS weights this project trained on the default (weights/README.md): a LoRA adapter
 # plus the mask-token row, applied whenever no --model is given.
-WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+WEIGHTS_DIR = Path(__file__).resolve().parents[2] / "weights"
 
 
 def shipped_weights() -> Path | None:

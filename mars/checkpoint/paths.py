@@ -62,7 +62,7 @@ def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLi
     read from mars.json or adapter_config.json. None means the embedded default with the
     shipped MARS weights (`weights=False`, or an explicit adapter: without them);
     "default:SmolLM2-135M-Instruct" names the plain default base."""
-    from ..default_model import DEFAULT_REF, default_model_dir, resolve_named_base, shipped_weights
+    from .default_model import DEFAULT_REF, default_model_dir, resolve_named_base, shipped_weights
 
     if model is None:
         if adapter is None and weights:

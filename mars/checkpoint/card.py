@@ -22,7 +22,7 @@ _MARS_FIELDS = {
 
 
 def _front_matter(base: str | None, tags: list[str]) -> str:
-    from ..backends.paths import portable_ref
+    from .paths import portable_ref
 
     lines = ["---", "library_name: transformers"]
     if base and portable_ref(base):  # a local path names nothing on another machine
@@ -113,7 +113,7 @@ def adapter_card(output: Path, source: Path) -> str:
     """README.md of a PEFT adapter converted from an mlx-lm one: the base model it fits. An adapter
     trained on an mlx-lm quantized model fits that model's dequantized weights, which transformers
     can read once `mars convert` has written them."""
-    from ..backends.paths import mlx_quantization, portable_ref
+    from .paths import mlx_quantization, portable_ref
     from ..core.config import has_config, read_config
 
     mars = read_config(source) if has_config(source) else None
