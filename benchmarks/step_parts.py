@@ -415,18 +415,18 @@ def mode_plans(session, max_tokens: int):
     """(AR, lossless) plans as `mars generate` makes them: its options' own defaults, then
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
     shipped weights; --lossless where a checkpoint's default is not)."""
-    from mars.cli.common import decode_plan
+    from mars.cli.common import plan_from_options
     from mars.core.decode.plan import Mode
     from mars.cli.generate import generate_command
 
-    names = set(decode_plan.__code__.co_varnames[1 : decode_plan.__code__.co_argcount])
+    names = set(plan_from_options.__code__.co_varnames[1 : plan_from_options.__code__.co_argcount])
     given = generate_command.make_context("generate", ["--prompt", "-"]).params  # every option at its default
     options = {k: v for k, v in given.items() if k in names}
     options["max_tokens"] = max_tokens
-    ar = decode_plan(session, **dict(options, threshold=1.0))
-    default = decode_plan(session, **options)
+    ar = plan_from_options(session, **dict(options, threshold=1.0))
+    default = plan_from_options(session, **options)
     if default.mode is not Mode.LOSSLESS:
-        default = decode_plan(session, **dict(options, lossless=True))
+        default = plan_from_options(session, **dict(options, lossless=True))
     return {"AR": ar, "lossless": default}
 
 

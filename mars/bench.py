@@ -125,8 +125,8 @@ def metric_of(loaded, s: BenchSettings) -> str:
 
 def plan(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
          hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False, alternatives: int = 0) -> DecodeSettings:
-    """The plan `mars generate` would make for this model (mars.core.decode.plan.decode_plan), greedy."""
-    return base.decode_plan(loaded, threshold=threshold, lossless=lossless, verify=verify, metric=s.metric, block_size=s.block_size,
+    """The plan `mars generate` would make for this model (mars.core.decode.plan.make_plan), greedy."""
+    return base.plan_for_model(loaded, threshold=threshold, lossless=lossless, verify=verify, metric=s.metric, block_size=s.block_size,
                             force=s.force, max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge,
                             ngram=ngram, feed=feed, alternatives=alternatives)
 

@@ -98,12 +98,12 @@ class Distiller:
     """Greedy replies from a loaded model, batched on the KV-cached decoding loop."""
 
     def __init__(self, loaded, decoder, settings: DistillSettings):
-        from .backends.base import decode_plan
+        from .backends.base import plan_for_model
         from .core.decode.rules import ar_threshold, metric_for
 
         self.tm, self.decoder, self.s = loaded, decoder, settings
         ar = ar_threshold(metric_for(loaded.mars))  # plain greedy AR
-        self.decode = decode_plan(loaded, threshold=ar, max_tokens=settings.max_tokens, cache="window")
+        self.decode = plan_for_model(loaded, threshold=ar, max_tokens=settings.max_tokens, cache="window")
         self.generated = 0
 
     def replies(self, conversations: list[list]) -> list[tuple[str, str]]:

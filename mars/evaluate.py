@@ -208,7 +208,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
     def run(threshold, lossless=False, hedge=None, verify=False):
-        s = base.decode_plan(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
+        s = base.plan_for_model(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
                              max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
                              verify=verify, alternatives=settings.alternatives, ngram=settings.ngram)
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""

@@ -90,12 +90,12 @@ class Session:
 
     def plan(self, **asked) -> DecodeSettings:
         """The plan a request decodes by: the checkpoint's defaults plus `asked`
-        (mars.core.decode.plan.decode_plan), with the draft sources `mars generate` takes by
+        (mars.core.decode.plan.make_plan), with the draft sources `mars generate` takes by
         default (n-gram lookup, runner-up groups) unless `asked` names them."""
         if "drafts" not in asked:
             asked.setdefault("ngram", DEFAULT_NGRAM)
             asked.setdefault("alternatives", DEFAULT_ALTERNATIVES)
-        return base.decode_plan(self.loaded, **asked)
+        return base.plan_for_model(self.loaded, **asked)
 
     def prepare_feed(self, settings: DecodeSettings, batch: int = 1) -> None:
         """Measure now (once per device, mars.backends.base.cost_curve) the cost curves a plan's

@@ -25,16 +25,16 @@ from mars.backends.torch.train import TorchTrainer  # noqa: E402
 from mars.core.train.loop import TrainSettings  # noqa: E402
 from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
-from mars.core.decode.plan import decode_plan  # noqa: E402
+from mars.core.decode.plan import make_plan  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
 
 
 def plan(**asked):
-    """A plan as decode_plan makes one, for weights with no checkpoint to read: threshold mode
+    """A plan as make_plan makes one, for weights with no checkpoint to read: threshold mode
     (plain, unverified) below 1.0, AR at 1.0."""
-    return decode_plan(None, force=True, verify=False, **asked)
+    return make_plan(None, force=True, verify=False, **asked)
 
 
 def decoding_checks(arch, device):

@@ -238,7 +238,7 @@ def test_finetune_keeps_its_training_data_as_the_draft_corpus(lora, full, tiny, 
         assert np.array_equal(corpus.DraftCorpus.load(out / corpus.FILE).tokens, want.tokens)
         assert f"draft corpus: {len(want):,} tokens" in result.output
     loaded = base.load("torch", *lora[:1], device="cpu", announce=lambda m: None)
-    assert np.array_equal(base.decode_plan(loaded, lossless=True).drafts.corpus.tokens, want.tokens)
+    assert np.array_equal(base.plan_for_model(loaded, lossless=True).drafts.corpus.tokens, want.tokens)
     out = tmp_path / "none"
     ok(invoke(*finetune_args(tiny, data, out, "--no-draft-corpus", iters=1)))
     assert (out / "mars.json").is_file() and not (out / corpus.FILE).exists()

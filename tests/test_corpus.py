@@ -148,11 +148,11 @@ def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
     book = DraftCorpus.load(ckpt / corpus_drafts.FILE)
     assert len(book) > 20 * 5 and book.tokens[-1] == -1
     loaded = load(str(ckpt), device="cpu", announce=lambda m: None)
-    s = base.decode_plan(loaded, lossless=True)
+    s = base.plan_for_model(loaded, lossless=True)
     assert s.drafts.corpus is not None and s.drafts.corpus.tokens.tolist() == book.tokens.tolist()
-    assert base.decode_plan(loaded, lossless=True).drafts.corpus is s.drafts.corpus  # read once per loaded model
-    assert base.decode_plan(loaded, lossless=True, corpus=None).drafts.corpus is None
-    assert base.decode_plan(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).drafts.corpus is None
+    assert base.plan_for_model(loaded, lossless=True).drafts.corpus is s.drafts.corpus  # read once per loaded model
+    assert base.plan_for_model(loaded, lossless=True, corpus=None).drafts.corpus is None
+    assert base.plan_for_model(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).drafts.corpus is None
 
 
 def test_mars_corpus_rejects_bad_input(tmp_path, tiny):

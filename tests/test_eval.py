@@ -239,7 +239,7 @@ def test_verified_rows_follow_their_thresholds(paths, tmp_path):
 
     prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
     for row in rows[3:]:
-        s = base.decode_plan(em.tm, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
+        s = base.plan_for_model(em.tm, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
         assert row["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
         assert sum(row["drafts"]["kept_per_slot"]) <= sum(row["drafts"]["verified_per_slot"])
     r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "0.5",
@@ -291,7 +291,7 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     shutil.copytree(paths["mars"], model)
     em = ev.load_model(model, "torch", **QUIET)
     prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
-    ar = base.decode_plan(em.tm, threshold=1.0, max_tokens=FAST["max_tokens"])
+    ar = base.plan_for_model(em.tm, threshold=1.0, max_tokens=FAST["max_tokens"])
     replies = [generate(em.decoder, [p], ar).tokens[0] for p in prompts]
     corpus.DraftCorpus([p + r for p, r in zip(prompts, replies)]).save(model / corpus.FILE)
 
@@ -306,7 +306,7 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     masks_only = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False))
     assert lossless["forwards"] < 0.6 * masks_only["models"][0]["sweep"]["thresholds"][-1]["forwards"]
     # The verified row is generate's verified threshold mode with the same drafts (fixed feed).
-    s = base.decode_plan(em.tm, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
+    s = base.plan_for_model(em.tm, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
     assert s.drafts.corpus is not None
     assert rows[2]["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
     table = ev.format_table(report)

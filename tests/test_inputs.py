@@ -229,7 +229,7 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     req = lambda b: parse(b, chat=True, model=engine.model, policy=engine.policy, limits=limits)  # noqa: E731
 
     def planned(b):
-        """The plan the engine makes for the request (decode_plan, with the server's defaults)."""
+        """The plan the engine makes for the request (make_plan, with the server's defaults)."""
         r = req(b)
         return engine._plan(Job(prompt=r.prompt, max_tokens=r.max_tokens, outbox=None, sampling=r.sampling, lossless=r.lossless,
                                 verify=r.verify, threshold=r.threshold, pinned=r.pinned))

@@ -112,15 +112,15 @@ def test_mlx_gap_is_a_plain_forwards_top2_and_a_quantized_model_says_its_bits(mo
     nn.quantize(em.tm.model, group_size=32, bits=4)
     assert pa.number_format(em.tm) == ("mlx 4-bit (float32)", "float32")
     assert pa.parity(em.decoder, em.tm, prompts, ar, other)["format"] == "mlx 4-bit (float32)"
-    assert base.decode_plan(em.tm, lossless=True, force=True).name == "lossless greedy (4-bit: AR's up to near-ties)"
+    assert base.plan_for_model(em.tm, lossless=True, force=True).name == "lossless greedy (4-bit: AR's up to near-ties)"
 
 
 def test_a_torch_model_names_the_dtype_it_loaded_in(model):
     em = ev.load_model(model, "torch", dtype="bfloat16", **QUIET)
     assert pa.number_format(em.tm) == ("torch bfloat16", "bfloat16")
     # Where a forward of several tokens may round otherwise, lossless mode's name says what it keeps.
-    assert base.decode_plan(em.tm, lossless=True, force=True).name == "lossless greedy (bfloat16: AR's up to near-ties)"
-    assert base.decode_plan(ev.load_model(model, "torch", **QUIET).tm, lossless=True, force=True).name == "lossless greedy"
+    assert base.plan_for_model(em.tm, lossless=True, force=True).name == "lossless greedy (bfloat16: AR's up to near-ties)"
+    assert base.plan_for_model(ev.load_model(model, "torch", **QUIET).tm, lossless=True, force=True).name == "lossless greedy"
 
 
 def test_eval_lossless_reports_parity_with_no_divergence_in_float32(model, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from clitools import invoke, ok
 from mars.core.config import MarsConfig, write_config
-from mars.core.decode.plan import DecodeSettings, Mode, Sampling, decode_plan, why_not_verified
+from mars.core.decode.plan import DecodeSettings, Mode, Sampling, make_plan, why_not_verified
 from tiny import make_tokenizer, save_model
 
 pytest.importorskip("starlette")
@@ -43,28 +43,28 @@ def mask_config(**fields) -> MarsConfig:
     ],
 )
 def test_one_function_resolves_the_mode_and_names_it(mars, asked, mode, name):
-    plan = decode_plan(mars, mask_id=3, eos_ids=(2,), **asked)
+    plan = make_plan(mars, mask_id=3, eos_ids=(2,), **asked)
     assert plan.mode is mode and plan.name == name
 
 
 def test_sampling_and_verify_where_it_cannot_apply():
-    sampled = decode_plan(mask_config(default_threshold=0.8), mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
+    sampled = make_plan(mask_config(default_threshold=0.8), mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
     assert sampled.mode is Mode.THRESHOLD and "greedy" in why_not_verified(sampled)  # a sampled draft's check needs its distribution
-    lossless = decode_plan(None, mask_id=3, eos_ids=(2,), lossless=True, sampling=Sampling(temperature=0.7))
+    lossless = make_plan(None, mask_id=3, eos_ids=(2,), lossless=True, sampling=Sampling(temperature=0.7))
     assert lossless.name == "lossless sampling (temp 0.7)"
-    ar = decode_plan(None, mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
+    ar = make_plan(None, mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
     assert ar.name == "AR sampling (temp 0.7)"
-    assert decode_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, verify=True, lossless=True).mode is Mode.LOSSLESS
+    assert make_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, verify=True, lossless=True).mode is Mode.LOSSLESS
 
 
 def test_a_plan_is_a_frozen_value_whose_mode_agrees_with_its_threshold():
     """The mode is a field, set once: a plan never changes (a change of mode is a new plan,
-    made by decode_plan), and one built by hand must say a mode its threshold allows."""
+    made by make_plan), and one built by hand must say a mode its threshold allows."""
     import dataclasses
 
     from mars.core.decode.plan import DraftSources, replan
 
-    plan = decode_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, force=True, ngram=4, hedge=1)
+    plan = make_plan(None, mask_id=3, eos_ids=(2,), threshold=0.5, force=True, ngram=4, hedge=1)
     assert plan.mode is Mode.VERIFIED and plan.drafts == DraftSources(hedge=1, ngram=4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.mode = Mode.LOSSLESS
@@ -93,18 +93,18 @@ def test_a_plan_is_a_frozen_value_whose_mode_agrees_with_its_threshold():
 
 
 def test_a_servers_default_mode_is_decided_by_the_plan_function():
-    """A server's default mode and threshold are defaults of decode_plan: a request that names
+    """A server's default mode and threshold are defaults of make_plan: a request that names
     neither a threshold nor lossless takes them; one that names either does not."""
     ask = dict(mask_id=3, eos_ids=(2,), force=True)
-    assert decode_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, **ask).mode is Mode.LOSSLESS
-    at = decode_plan(None, default_mode=Mode.THRESHOLD, default_threshold=0.6, **ask)
+    assert make_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, **ask).mode is Mode.LOSSLESS
+    at = make_plan(None, default_mode=Mode.THRESHOLD, default_threshold=0.6, **ask)
     assert at.mode is Mode.VERIFIED and at.threshold == 0.6
-    assert decode_plan(None, default_mode=Mode.THRESHOLD, default_threshold=1.0, **ask).mode is Mode.AR
-    assert decode_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, lossless=False, **ask).mode is Mode.VERIFIED
-    assert decode_plan(None, threshold=0.7, default_mode=Mode.LOSSLESS, **ask).threshold == 0.7
+    assert make_plan(None, default_mode=Mode.THRESHOLD, default_threshold=1.0, **ask).mode is Mode.AR
+    assert make_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, lossless=False, **ask).mode is Mode.VERIFIED
+    assert make_plan(None, threshold=0.7, default_mode=Mode.LOSSLESS, **ask).threshold == 0.7
     # Verified threshold mode runs on the window cache where the block cache was asked for.
-    assert decode_plan(None, threshold=0.7, cache="block", **ask).cache == "window"
-    assert decode_plan(None, threshold=0.7, cache="block", verify=False, **ask).cache == "block"
+    assert make_plan(None, threshold=0.7, cache="block", **ask).cache == "window"
+    assert make_plan(None, threshold=0.7, cache="block", verify=False, **ask).cache == "block"
 
 
 # -- every entry point decodes the default mode alike ----------------------------------------------

@@ -22,7 +22,7 @@ from mars.core.decode.rules import (
     metric_for,
     strict_and_loose,
 )
-from mars.core.decode.plan import Mode, decode_plan
+from mars.core.decode.plan import Mode, make_plan
 from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model
 
@@ -31,7 +31,7 @@ LOSSLESS = MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, def
 
 
 def settings(mars, **asked):
-    return decode_plan(mars, mask_id=3, eos_ids=(2,), **asked)
+    return make_plan(mars, mask_id=3, eos_ids=(2,), **asked)
 
 
 # -- the policy ------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_the_backend_contract(plain, name):
     (batch_ids, batch_labels, lengths), = batches([Example(ids, labels, "x", False)], 1, pad_id=2, shuffle=False)
     noisy, clean = base.losses(loaded)(batch_ids, batch_labels, lengths, 2, mars.mask_token_id)
     assert np.isfinite(noisy) and np.isfinite(clean)
-    s = base.decode_plan(loaded, max_tokens=3)
+    s = base.plan_for_model(loaded, max_tokens=3)
     assert s.threshold == 1.0 and s.mask_id == base.mask_id_for(loaded) and s.eos_ids == loaded.eos_ids
     # The step protocol (mars.core.decode.types.StepBackend): a forward on a cache equals the
     # same forward without one, a crop undoes what a step added, a row kept is that row.

@@ -180,12 +180,12 @@ def load_script(relpath: str):
 
 
 def make_plan(*, verify: bool = False, force: bool = True, **asked):
-    """A plan built as `decode_plan` builds one, for a model with no checkpoint to read
+    """A plan built as `make_plan` builds one, for a model with no checkpoint to read
     (mask_id and eos_ids given; MarsConfig's block size and metric unless given), allowed
     below AR mode (`force`), and plain threshold mode unless `verify`."""
-    from mars.core.decode.plan import decode_plan
+    from mars.core.decode.plan import make_plan
 
-    return decode_plan(None, verify=verify, force=force, **asked)
+    return make_plan(None, verify=verify, force=force, **asked)
 
 
 def feed_of(cost, **options):

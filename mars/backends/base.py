@@ -16,7 +16,7 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
   `.trainable`, `.train(train, valid, resume=..., log=...)` and `.save(tokenizer, base_ref,
   fuse=...)`; `ensure_mask_token(loaded, mars, ...)` readies the mask token before training;
 - `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
-- `context_length(loaded)`, `mask_id_for(loaded)`, `decode_plan(loaded, ...)` (the
+- `context_length(loaded)`, `mask_id_for(loaded)`, `plan_for_model(loaded, ...)` (the
   plan of mars.core.decode.plan for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`.
 """
 
@@ -125,16 +125,16 @@ def mask_id_for(loaded) -> int:
     return mask_id
 
 
-def decode_plan(loaded, **asked):
-    """mars.core.decode.plan.decode_plan for a loaded model: its checkpoint, mask token, EOS ids and
+def plan_for_model(loaded, **asked):
+    """mars.core.decode.plan.make_plan for a loaded model: its checkpoint, mask token, EOS ids and
     draft corpus, plus what was asked (threshold, lossless, verify, metric, block size, force,
     other fields)."""
-    from ..core.decode.plan import decode_plan as plan_for
+    from ..core.decode.plan import make_plan
 
     if "corpus" not in asked and "drafts" not in asked:
         asked["corpus"] = draft_corpus(loaded)
     asked.setdefault("numerics", getattr(loaded, "number_format", "float32"))
-    return plan_for(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
+    return make_plan(loaded.mars, mask_id=mask_id_for(loaded), eos_ids=loaded.eos_ids, **asked)
 
 
 def draft_corpus(loaded):

@@ -190,7 +190,7 @@ def decode_options(f):
     return f
 
 
-def decode_plan(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
+def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
                 lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..core.decode.types import masks_share
-from .common import backend_option, decode_options, decode_plan, friendly_errors, model_options, open_session
+from .common import backend_option, decode_options, plan_from_options, friendly_errors, model_options, open_session
 
 
 @click.command("generate")
@@ -37,7 +37,7 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
     if not prompts:
         raise click.UsageError("give --prompt TEXT or --prompts FILE")
     session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
-    settings = decode_plan(session, **decode)
+    settings = plan_from_options(session, **decode)
     tok = session.tokenizer
     ids = session.encode(prompts, chat=not raw)
     runs = [settings]
@@ -155,7 +155,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     from ..core.tokens import encode_prompt
 
     session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
-    settings = decode_plan(session, **decode)
+    settings = plan_from_options(session, **decode)
     tok = session.tokenizer
     history = [{"role": "system", "content": system}] if system else []
     click.echo(f"{settings.name}, B={settings.block_size}. /help lists the commands", err=True)
@@ -214,7 +214,7 @@ a message that starts with "/" is sent by doubling the slash: //etc/hosts ..."""
 def chat_command_line(line: str, asked: dict, settings, session):
     """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends
     text to the model. `asked`: the chat's decoding options, which a command changes; returns
-    the plan to decode by from now on, made anew by decode_plan where the options changed."""
+    the plan to decode by from now on, made anew by plan_from_options where the options changed."""
     from ..core.decode.plan import replan, why_not_verified
     from ..core.decode.rules import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
 

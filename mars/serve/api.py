@@ -213,7 +213,7 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
         except ThresholdError as e:
             raise _bad("threshold", str(e)) from None
     # Neither asked: the server's default mode applies when the request is planned (the engine,
-    # mars.core.decode.plan.decode_plan); a threshold asks for threshold mode.
+    # mars.core.decode.plan.make_plan); a threshold asks for threshold mode.
     if threshold is not None and not lossless:
         try:
             policy.check(threshold)

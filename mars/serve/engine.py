@@ -10,7 +10,7 @@ default mode of a checkpoint whose mars.json says so) run `mars generate`'s loss
 (mask, spare-group and n-gram drafts, the feed chosen per step from the device's cost curves
 by one policy that learns for the server's life), so they are as fast as in `mars generate`
 and say what greedy AR says. Each request is planned as `mars generate` plans it
-(mars.core.decode.plan.decode_plan): a greedy request below AR mode runs verified threshold mode
+(mars.core.decode.plan.make_plan): a greedy request below AR mode runs verified threshold mode
 unless it says `"verify": false`, deciding on the stored cost curves as `mars generate`
 does. `cache="block"` decodes on the block-level cache instead (docs/method.md §6; requests
 join at block boundaries). Rows that decode differently cannot share a forward (a backend
@@ -356,13 +356,13 @@ class Engine:
         return admitted
 
     def _plan(self, job: Job, threshold: float | None = None) -> DecodeSettings:
-        """The job's plan (mars.core.decode.plan.decode_plan, as every entry point makes it): at
+        """The job's plan (mars.core.decode.plan.make_plan, as every entry point makes it): at
         the threshold it decodes at now (or `threshold`), in the server's default mode where
         the request named neither a threshold nor lossless."""
         m = self.model
         now = self._threshold(job) if threshold is None else threshold
         drafts = job.sampling.greedy  # the draft sources, used where the plan verifies drafts
-        return base.decode_plan(
+        return base.plan_for_model(
             m.loaded, threshold=None if job.threshold is None and threshold is None else now, lossless=job.lossless,
             verify=job.verify, default_mode=self.policy.default_mode, default_threshold=now, metric=m.metric,
             block_size=m.block_size, max_tokens=job.max_tokens, cache=self.limits.cache, block_cache=self.limits.block_cache,

@@ -94,8 +94,8 @@ class DraftSources:
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """A plan: made by `decode_plan` (or built whole, as the tests do), never changed; a change
-    of mode or threshold (chat's /lossless, /threshold) makes a new plan through `decode_plan`.
+    """A plan: made by `make_plan` (or built whole, as the tests do), never changed; a change
+    of mode or threshold (chat's /lossless, /threshold) makes a new plan through `make_plan`.
     `mode` must agree with the threshold: AR mode at the metric's AR threshold, threshold and
     verified threshold mode below it (lossless mode ignores the threshold)."""
 
@@ -235,7 +235,7 @@ def choose_mode(metric: str, threshold: float, *, lossless: bool, verify: bool |
     return Mode.THRESHOLD
 
 
-def decode_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool | None = None,
+def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool | None = None,
                 verify: bool | None = None, metric: str | None = None, block_size: int | None = None, force: bool = False,
                 warn: Callable[[str], None] | None = None, default_mode: Mode | None = None,
                 default_threshold: float | None = None, hedge: int | None = None,
@@ -270,11 +270,11 @@ def decode_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: fl
 
 
 def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:
-    """A new plan through `decode_plan` for the same checkpoint (`mars`) and request as `plan`
+    """A new plan through `make_plan` for the same checkpoint (`mars`) and request as `plan`
     but for what `asked` changes (threshold, lossless, verify, force...): chat's /threshold and
     /lossless, and `mars generate --compare`'s AR run beside the mode."""
     request = dict(mask_id=plan.mask_id, eos_ids=plan.eos_ids, metric=plan.metric, block_size=plan.block_size,
                    max_tokens=plan.max_tokens, cache=plan.cache, block_cache=plan.block_cache, sampling=plan.sampling,
                    feed=plan.feed, drafts=plan.drafts, numerics=plan.numerics, lossless=plan.mode is Mode.LOSSLESS,
                    threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold, verify=plan.mode is not Mode.THRESHOLD)
-    return decode_plan(mars, **{**request, **asked})
+    return make_plan(mars, **{**request, **asked})

@@ -1,5 +1,5 @@
 """The decoding policy: what a model decodes at when nothing is asked, and what it may decode at
-(docs/method.md §5, §7): the rules mars.core.decode.plan.decode_plan applies for every entry point.
+(docs/method.md §5, §7): the rules mars.core.decode.plan.make_plan applies for every entry point.
 
 - A checkpoint's defaults: a model without mars.json decodes with MarsConfig's block size and
   metric (`block_size_for`, `metric_for`).
