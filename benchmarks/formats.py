@@ -110,7 +110,8 @@ def make_plans(fmt: Format, max_tokens: int, feed: str) -> None:
     (its masks are untrained, which lossless decoding tolerates: the output stays AR's), with the
     draft sources `mars generate` feeds by default."""
     from mars.core.decode.plan import Mode
-    from mars.core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, ar_threshold
+    from mars.core.acceptance import ar_threshold
+    from mars.core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     s = fmt.session
     # Session.plan's draft sources default to none (masks only); the CLI's options default to these,

@@ -33,7 +33,7 @@ def main() -> None:
     import torch
 
     from mars.backends.torch.model import TorchDecoder, load
-    from mars.core.decode.loop import Sampling
+    from mars.core.decode.plan import Sampling
 
     torch.set_num_threads(args.threads)
     quiet = dict(announce=lambda m: None)

@@ -44,7 +44,7 @@ def parse(argv):
 
 async def _serve(engine, ids, max_tokens, extra, concurrency):
     """Every prompt through the engine, `concurrency` in flight; returns the replies' tokens."""
-    from mars.core.decode.loop import Sampling
+    from mars.core.decode.plan import Sampling
     from mars.serve.engine import Job
 
     loop = asyncio.get_running_loop()

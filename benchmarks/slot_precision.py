@@ -41,7 +41,7 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
     import torch
 
     from mars.backends.torch.model import MarsLoss, additive_mask, slot_predictions
-    from mars.core.decode.loop import Sampling
+    from mars.core.decode.plan import Sampling
     from mars.core.train.data import batches
     from mars.core.loss import IGNORE
     from mars.core.masks import training_inputs

@@ -29,10 +29,12 @@ from tqdm import tqdm
 
 from .backends import base
 from .core.decode.types import masks_share
-from .core.decode.loop import DecodeSettings, Sampling, generate
+from .core.decode.loop import generate
+from .core.decode.plan import DecodeSettings, Sampling
 from .core.decode.plan import FEEDS
 from .core.masks import decode_mask
-from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, ar_threshold, block_size_for, check_may_decode, check_threshold, metric_for
+from .core.acceptance import ar_threshold, check_threshold
+from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, block_size_for, check_may_decode, metric_for
 from .checkpoint.default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 
 DEFAULT_PROMPTS = [
@@ -244,7 +246,7 @@ class _Ours:
         self.mode = settings.name
 
     def __call__(self, prompts):
-        result = generate(self.decoder, prompts, self.settings, feed=self.feed)
+        result = generate(self.decoder, prompts, self.settings, controller=self.feed)
         return result.tokens, result.stats
 
 

@@ -99,7 +99,8 @@ class Distiller:
 
     def __init__(self, loaded, decoder, settings: DistillSettings):
         from .backends.base import plan_for_model
-        from .core.decode.rules import ar_threshold, metric_for
+        from .core.acceptance import ar_threshold
+        from .core.decode.rules import metric_for
 
         self.tm, self.decoder, self.s = loaded, decoder, settings
         ar = ar_threshold(metric_for(loaded.mars))  # plain greedy AR

@@ -192,7 +192,8 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
 def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
     """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
     output (threshold 1.0, or 0.0 for entropy), which is always run first."""
-    from .core.decode.rules import ar_threshold, is_ar_mode, may_decode
+    from .core.acceptance import ar_threshold, is_ar_mode
+    from .core.decode.rules import may_decode
     from .core.tokens import encode_prompt
 
     metric = metric_for(em.mars, settings.metric)
@@ -273,7 +274,7 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
     The baseline gets the NLL only; each model's NLL is compared with it.
     """
-    from .core.decode.rules import check_threshold
+    from .core.acceptance import check_threshold
 
     s = settings or EvalSettings()
     if data is None and prompts is None and not s.humaneval:

@@ -14,7 +14,8 @@ from .backends import base
 from .core.config import GATED_FUSE_REFUSED, ConfigError, has_config, read_config
 from .core.files import OutputError, check_output, restore_swapped_dir
 from .core.loss import check_slot_weights
-from .core.decode.rules import DEFAULT_METRIC, ThresholdError, check_threshold
+from .core.acceptance import ThresholdError, check_threshold
+from .core.decode.rules import DEFAULT_METRIC
 from .core.train.loop import CHECKPOINT, TrainSettings, process_rank
 
 
@@ -138,7 +139,8 @@ def read_init_adapter(path, base_path: Path, kind: str, block_size: int | None, 
     after checking it fits this run: its block size unless `block_size` names another, its rank
     and alpha (they are what will train)."""
     from .checkpoint.paths import MASK_EMBEDDING_FILE, ModelError
-    from .checkpoint.adapters import ConvertError, adapter_format, read_adapter
+    from .checkpoint.adapters import adapter_format, read_adapter
+    from .checkpoint.tensors import ConvertError
     from .checkpoint.default_model import model_ref
 
     path = Path(path)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 from .backends import base
 from .core.decode.feed import FeedController
-from .core.decode.loop import DecodeSettings, DecodeStats, generate
+from .core.decode.loop import generate
+from .core.decode.plan import DecodeSettings
+from .core.decode.types import DecodeStats
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 from .core.tokens import encode_prompt
 
@@ -51,12 +53,12 @@ class Decoded:
 
 
 def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *,
-                   feed: FeedController | None = None) -> Decoded:
-    """Decode every prompt (token ids) in batches of `batch_size`, the feed chosen by `feed`."""
+                   controller: FeedController | None = None) -> Decoded:
+    """Decode every prompt (token ids) in batches of `batch_size`, the feed chosen by `controller`."""
     out = Decoded()
     t0 = time.perf_counter()
     for start in range(0, len(ids), batch_size):
-        result = generate(decoder, ids[start : start + batch_size], settings, feed=feed)
+        result = generate(decoder, ids[start : start + batch_size], settings, controller=controller)
         out.tokens += result.tokens
         out.finish += result.finish
         out.stats.append(result.stats)
@@ -113,9 +115,9 @@ class Session:
 
     def decode(self, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8) -> Decoded:
         """Decode prompts (token ids) in batches, with the cost-aware feed where `settings` takes it."""
-        return decode_batches(self.decoder, ids, settings, batch_size, feed=self.feed)
+        return decode_batches(self.decoder, ids, settings, batch_size, controller=self.feed)
 
     def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
         """One batch through the decoding loop (mars.core.decode.loop.generate), with the cost-aware
         feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
-        return generate(self.decoder, ids, settings, feed=self.feed, **kwargs)
+        return generate(self.decoder, ids, settings, controller=self.feed, **kwargs)

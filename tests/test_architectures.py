@@ -223,7 +223,7 @@ def test_convert_round_trip_and_vllm_export(tmp_path, arch):
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load as mlx_lm_load
 
-        from mars.checkpoint.paths import rope_overrides
+        from mars.checkpoint.hf_config import rope_overrides
 
         def weights(d):
             model, _ = mlx_lm_load(str(d), model_config=rope_overrides(json.loads((d / "config.json").read_text())))

@@ -13,7 +13,8 @@ from tiny import make_tokenizer, make_plan
 from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.data import Example, encode_record, pad_to_block
-from mars.core.decode.loop import Sampling, generate
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
 from mars.core.train.loop import TrainSettings
 
 QUIET = {"announce": lambda m: None}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mars.checkpoint.paths import rope_overrides
+from mars.checkpoint.hf_config import rope_overrides
 from mars.cli.main import cli
 from mars.convert import ConvertError, convert_adapter, convert_model, read_safetensors
 from mars.checkpoint.tensors import Tensor, from_float32, to_float32, write_safetensors

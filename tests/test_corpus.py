@@ -99,8 +99,8 @@ def test_corpus_drafts_keep_the_output_and_report_their_source(cost):
     prompt = [oracle(p) for p in range(6)]
     reply = [oracle(p) for p in range(6, 46)]
     book = DraftCorpus([[oracle(p) for p in range(3, 60)]])
-    plain = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6), feed=feed_of(cost))
-    drafted = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=book), feed=feed_of(cost))
+    plain = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6), controller=feed_of(cost))
+    drafted = generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=book), controller=feed_of(cost))
     assert plain.tokens == drafted.tokens == [reply]
     sources = drafted.stats.by_source()
     assert sources.get("corpus", 0) > len(reply) // 2
@@ -109,7 +109,7 @@ def test_corpus_drafts_keep_the_output_and_report_their_source(cost):
     assert sum(drafted.stats.draft_kept.get("corpus6", [0])) > len(reply) // 2
     # A corpus of other text drafts nothing that is kept, and changes nothing.
     other = DraftCorpus([[EOS + 1 + (p % 3) for p in range(50)]])
-    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), feed=feed_of(cost)).tokens == [reply]
+    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), controller=feed_of(cost)).tokens == [reply]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -129,7 +129,7 @@ def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
     for batch in (1, 3):
         out = []
         for start in range(0, len(prompts), batch):
-            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), feed=feed)
+            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), controller=feed)
             out += result.tokens
             kept += result.stats.by_source().get("corpus", 0)
         assert out == ar, (arch, batch)

@@ -241,7 +241,7 @@ def test_masks_whose_drafts_other_sources_displace_count_for_less():
     period = 5
     prompt = [oracle(p, period) for p in range(12)]
     feed = feed_of(fixed(FLAT))
-    result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), feed=feed)
+    result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), controller=feed)
     assert result.tokens == [[oracle(p, period) for p in range(12, 52)]]
     (fresh,) = feed.policies.values()  # hedge 0: no spare groups
     assert fresh.max_groups == 0
@@ -268,8 +268,8 @@ def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
 
 @pytest.mark.parametrize("good", [0, 2, 4])
 def test_a_flat_curve_feeds_wide_a_steep_one_like_ar_output_unchanged(good):
-    flat = generate(OracleBackend(good), [PROMPT], settings(), feed=feed_of(fixed(FLAT)))
-    steep = generate(OracleBackend(good), [PROMPT], settings(), feed=feed_of(fixed(STEEP), explore=10**6))
+    flat = generate(OracleBackend(good), [PROMPT], settings(), controller=feed_of(fixed(FLAT)))
+    steep = generate(OracleBackend(good), [PROMPT], settings(), controller=feed_of(fixed(STEEP), explore=10**6))
     fixed_feed = generate(OracleBackend(good), [PROMPT], settings())
     for result in (flat, steep, fixed_feed):
         assert result.tokens == [ORACLE_REPLY]
@@ -312,13 +312,13 @@ def test_alternative_groups_are_fed_where_they_pay(curve):
     them; a curve where they double a step's cost feeds none. The output is the oracle's."""
     points = FLAT if curve == "flat" else {1: 1.0, 9: 1.0, 14: 3.0, 64: 20.0}
     s = settings(hedge=0, alternatives=1)
-    res = generate(RunnerUpBackend(), [PROMPT], s, feed=feed_of(fixed(points)))
+    res = generate(RunnerUpBackend(), [PROMPT], s, controller=feed_of(fixed(points)))
     assert res.tokens == [ORACLE_REPLY]
     taken = res.stats.by_source().get("alt", 0)
     stats = DraftStats(slots=4, reached=res.stats.draft_reached, kept=res.stats.draft_kept)
     if curve == "flat":
         assert taken >= 5 and stats.rate("runner_up", 0) > 0.7, (res.stats.by_source(), stats.kept)
-        without = generate(RunnerUpBackend(), [PROMPT], settings(hedge=0), feed=feed_of(fixed(points)))
+        without = generate(RunnerUpBackend(), [PROMPT], settings(hedge=0), controller=feed_of(fixed(points)))
         assert without.tokens == [ORACLE_REPLY] and res.stats.forwards < without.stats.forwards
     else:
         assert taken == 0 and not sum(stats.reached.get("runner_up", []))  # none fed
@@ -388,8 +388,8 @@ def test_ngram_drafts_keep_the_output_and_report_their_source(cost):
     period = 5
     prompt = [oracle(p, period) for p in range(12)]
     reply = [oracle(p, period) for p in range(12, 52)]
-    plain = generate(OracleBackend(0, period), [prompt], settings(hedge=0), feed=feed_of(cost))
-    looked = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), feed=feed_of(cost))
+    plain = generate(OracleBackend(0, period), [prompt], settings(hedge=0), controller=feed_of(cost))
+    looked = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), controller=feed_of(cost))
     assert plain.tokens == looked.tokens == [reply]
     sources = looked.stats.by_source()
     assert sources.get("ngram", 0) > len(reply) // 2  # the text repeats: lookup drafts it
@@ -464,7 +464,7 @@ def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, c
         out = []
         for start in range(0, len(prompts), batch):
             s = settings(cache=cache, max_tokens=24, ngram=5)
-            out += generate(dec, prompts[start : start + batch], s, feed=feed).tokens
+            out += generate(dec, prompts[start : start + batch], s, controller=feed).tokens
         assert out == ar, (arch, cache, batch)
     (policy,) = feed.policies.values()
     assert len(policy.choices) > 1  # the feed changed from step to step (probes included)
@@ -479,7 +479,7 @@ def test_the_block_cache_gives_way_to_the_window_cache_where_it_does_not_pay(cur
     if cost is not None:
         assert block_cache_pays(cost, 4, 8, 4, 3) == (ran == "block")
     prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
-    result = generate(OracleBackend(2), prompts, settings(cache="block", block_cache=8), feed=feed_of(cost))
+    result = generate(OracleBackend(2), prompts, settings(cache="block", block_cache=8), controller=feed_of(cost))
     assert result.stats.cache == ran and result.stats.to_dict()["cache"] == ran
     assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
     assert bool(result.stats.draft_reached) == (ran == "window")  # the window's drafting ran, and learned
@@ -492,7 +492,7 @@ def test_lossless_block_cache_with_a_cost_curve_equals_ar_on_a_real_model(curve)
     dec = TorchDecoder(tm)
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:4]]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=20)).tokens
-    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), feed=feed_of(fixed(curve)))
+    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), controller=feed_of(fixed(curve)))
     assert result.tokens == ar
     assert result.stats.cache == ("block" if curve is FLAT else "window")
 
@@ -592,8 +592,8 @@ def test_threshold_policy_decides_on_a_snapshot_of_the_curves():
 
 @pytest.mark.parametrize("good", [1, 4])
 def test_threshold_mode_feeds_masks_on_a_flat_curve_and_like_ar_on_a_steep_one(good):
-    flat = generate(ConfidentOracle(good), [PROMPT], threshold(), feed=feed_of(fixed(FLAT)))
-    steep = generate(ConfidentOracle(good), [PROMPT], threshold(), feed=feed_of(fixed(STEEP)))
+    flat = generate(ConfidentOracle(good), [PROMPT], threshold(), controller=feed_of(fixed(FLAT)))
+    steep = generate(ConfidentOracle(good), [PROMPT], threshold(), controller=feed_of(fixed(STEEP)))
     fixed_feed = generate(ConfidentOracle(good), [PROMPT], threshold())
     # Confident guesses are right here, so every feed gives the oracle's text.
     for result in (flat, steep, fixed_feed):
@@ -607,21 +607,21 @@ def test_threshold_mode_feeds_masks_on_a_flat_curve_and_like_ar_on_a_steep_one(g
     assert flat.stats.masks_fed == {m: n for (m, _), n in flat_choices.items()}
     assert sum(steep.stats.masks_fed.values()) == steep.stats.forwards
     assert flat.stats.tokens_per_forward > 1 + 0.5 * good
-    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), feed=feed_of(fixed(FLAT))).stats.feed_choices == {}
+    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), controller=feed_of(fixed(FLAT))).stats.feed_choices == {}
 
 
 def test_threshold_mode_without_a_curve_or_in_ar_mode_feeds_as_asked():
     result = generate(ConfidentOracle(4), [PROMPT], threshold())
     assert result.stats.feed_choices == {}
     assert result.stats.forwards == -(-len(ORACLE_REPLY) // 5)  # B + 1 tokens every step
-    ar = generate(ConfidentOracle(4), [PROMPT], threshold(threshold=1.0), feed=feed_of(fixed(FLAT)))
+    ar = generate(ConfidentOracle(4), [PROMPT], threshold(threshold=1.0), controller=feed_of(fixed(FLAT)))
     assert ar.stats.feed_choices == {} and ar.stats.forwards == len(ORACLE_REPLY)
 
 
 @pytest.mark.parametrize("curve,ran", [(FLAT, "block"), (STEEP, "window")])
 def test_threshold_mode_leaves_the_block_cache_where_it_does_not_pay(curve, ran):
     prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
-    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), feed=feed_of(fixed(curve)))
+    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), controller=feed_of(fixed(curve)))
     assert result.stats.cache == ran
     assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
 
@@ -635,7 +635,7 @@ def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
     prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:3]]
     ar = generate(dec, prompts, threshold(threshold=1.0, max_tokens=20)).tokens
     for cache in ("window", "block"):
-        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), feed=feed_of(fixed(STEEP)))
+        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), controller=feed_of(fixed(STEEP)))
         assert result.tokens == ar
         assert set(result.stats.feed_choices) == {(0, 0)}
 

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
-from mars.core.decode.loop import Row, Sampling, WindowStrategy, feed_mask, generate
+from mars.core.decode.layout import layout_mask
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
+from mars.core.decode.strategies import WindowStrategy
+from mars.core.decode.types import Row
 from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
@@ -90,13 +94,13 @@ def check_spare_groups(dec, prompts, cached: bool) -> None:
     cache = dec.new_cache(len(rows)) if cached else None
     if cached:  # commit all but each prompt's last token first, as the loop would have
         head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
-        feed = strategy.plan(head)  # no drafts yet: the heads and B masks, which the commit crops
-        dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        feed = strategy.lay_out(head)  # no drafts yet: the heads and B masks, which the commit crops
+        dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
         # The rows start with the heads: committing records on them what the cache now holds.
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
-    feed = strategy.plan(rows)
+    feed = strategy.lay_out(rows)
     assert feed.spare_groups == B
-    ids, conf = dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read,
+    ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
                          metric="probability", sampling=Sampling())
     spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
     spare_conf = conf[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
@@ -156,12 +160,12 @@ def check_alternative_groups(dec, prompts, cached: bool) -> None:
     cache = dec.new_cache(len(rows)) if cached else None
     if cached:
         head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
-        feed = strategy.plan(head)
-        dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        feed = strategy.lay_out(head)
+        dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
-    feed = strategy.plan(rows)
+    feed = strategy.lay_out(rows)
     assert feed.columns.alt_groups == 2 and feed.n_alts.tolist() == [2, 1, 0]
-    ids, conf = dec.step(cache, feed.ids, feed.positions, feed_mask(strategy.keys(feed), feed), feed.read,
+    ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
                          metric="probability", sampling=Sampling())
     group_ids = ids[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
     group_conf = conf[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
@@ -266,7 +270,7 @@ def lossless_samples(decoder, prompt, n: int, cache: str, rows: int = 500, feed=
     totals = None
     s = settings(lossless=True, max_tokens=N_TOKENS, cache=cache, block_size=3, sampling=SAMPLING)
     for _ in range(n // rows):
-        res = generate(decoder, [prompt] * rows, s, feed=feed)
+        res = generate(decoder, [prompt] * rows, s, controller=feed)
         counts.update(tuple(t) for t in res.tokens)
         d = res.stats.draft_totals()
         totals = d if totals is None else {k: [a + b for a, b in zip(totals[k], d[k])] for k in d}

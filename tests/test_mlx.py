@@ -16,7 +16,8 @@ from mars.backends.mlx.model import slot_predictions as mlx_slots  # noqa: E402
 from mars.backends.torch.model import MarsLoss, TorchDecoder, loss_inputs  # noqa: E402
 from mars.backends.torch.model import load as torch_load  # noqa: E402
 from mars.core.acceptance import confidence_from_logits  # noqa: E402
-from mars.core.decode.loop import Sampling, generate  # noqa: E402
+from mars.core.decode.loop import generate  # noqa: E402
+from mars.core.decode.plan import Sampling  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 from tiny import feed_of, make_plan, save_model  # noqa: E402
 
@@ -247,7 +248,7 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     dec, counts, kept, verified, n = MlxDecoder(m), Counter(), 0, 0, 3000
     feed = feed_of(CostCurve({1: 1.0, 2: 2.0, 64: 64.0}, refresh=0.0), explore=1) if steep else None
     for _ in range(n // 500):
-        res = generate(dec, [prompt] * 500, s, feed=feed)
+        res = generate(dec, [prompt] * 500, s, controller=feed)
         counts.update(tuple(x) for x in res.tokens)
         kept += res.stats.draft_totals()["kept_per_slot"][0]
         verified += res.stats.draft_totals()["verified_per_slot"][0]
@@ -272,7 +273,7 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
         for batch in (1, 3):
             out = []
             for start in range(0, len(prompts), batch):
-                out += generate(dec, prompts[start : start + batch], s, feed=feed_of(CostCurve(dict(curve), refresh=0.0))).tokens
+                out += generate(dec, prompts[start : start + batch], s, controller=feed_of(CostCurve(dict(curve), refresh=0.0))).tokens
             assert out == ar, (type(dec).__name__, batch)
 
 
@@ -288,7 +289,7 @@ def test_lossless_with_corpus_drafts_is_ar_on_both_backends(pair):
     s = settings(lossless=True, ngram=6, corpus=book)
     sources = []
     for dec in (MlxDecoder(m), TorchDecoder(t)):
-        result = generate(dec, prompts, s, feed=feed_of(CostCurve({1: 1.0, 64: 1.0}, refresh=0.0)))
+        result = generate(dec, prompts, s, controller=feed_of(CostCurve({1: 1.0, 64: 1.0}, refresh=0.0)))
         assert result.tokens == ar, type(dec).__name__
         sources.append(result.stats.by_source())
     assert sources[0] == sources[1] and sources[0].get("corpus", 0) > 0

@@ -9,19 +9,8 @@ import pytest
 
 from mars.core.config import MarsConfig
 from mars.core.train.data import DataError
-from mars.core.decode.rules import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_METRIC,
-    UntrainedModelError,
-    ar_threshold,
-    block_size_for,
-    check_may_decode,
-    checkpoint_mode,
-    looser,
-    may_decode,
-    metric_for,
-    strict_and_loose,
-)
+from mars.core.acceptance import ar_threshold, looser, strict_and_loose
+from mars.core.decode.rules import DEFAULT_BLOCK_SIZE, DEFAULT_METRIC, UntrainedModelError, block_size_for, check_may_decode, checkpoint_mode, may_decode, metric_for
 from mars.core.decode.plan import Mode, make_plan
 from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model

@@ -5,7 +5,6 @@ more often, and the whole comparison trains, measures, reports and resumes."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -254,7 +254,7 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     feed = feed_of(CostCurve({1: 1.0, 8: 1.1, 32: 1.6})) if cost else None
 
     def serve(keep_keys):
-        batch = ContinuousBatch(dec, s, keep_keys=keep_keys, feed=feed)
+        batch = ContinuousBatch(dec, s, keep_keys=keep_keys, controller=feed)
         assert batch.can_join  # the window cache takes rows at any step
         rows, widest, step, pending = {}, 0, 0, list(enumerate(prompts))
         while pending or batch.rows:

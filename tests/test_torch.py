@@ -11,7 +11,8 @@ import torch
 
 from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, slot_predictions
 from mars.core.acceptance import confidence_from_logits
-from mars.core.decode.loop import Sampling, generate
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
 from mars.core.loss import IGNORE
 from mars.core.masks import training_inputs
 from tiny import make_model, make_tokenizer, make_plan

@@ -16,7 +16,8 @@ import torch
 
 from mars.backends.torch.model import TorchDecoder, TorchModel
 from mars.core.decode.cost import BatchCosts, CostCurve
-from mars.core.decode.loop import Sampling, generate
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
 from test_cost import PROMPT, ConfidentOracle, OracleBackend, RunnerUpBackend, fixed, oracle
 from test_lossless import EOS, MASK, prompts_of
 from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
@@ -100,7 +101,7 @@ def test_the_reference_takes_unverified_tokens_somewhere(dec, tok):
 def test_at_threshold_one_it_is_greedy_ar(dec, tok, cache):
     prompts = prompts_of(tok, PROMPTS[:4])
     ar = generate(dec, prompts, make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24)).tokens
-    assert generate(dec, prompts, settings(threshold=1.0, cache=cache, feed="auto", hedge=None), feed=feed_of(fixed({1: 1.0, 64: 1.0}))).tokens == ar
+    assert generate(dec, prompts, settings(threshold=1.0, cache=cache, feed="auto", hedge=None), controller=feed_of(fixed({1: 1.0, 64: 1.0}))).tokens == ar
 
 
 def test_never_past_max_tokens(dec, tok):
@@ -189,7 +190,7 @@ def test_the_feed_policy_decides_on_a_frozen_copy_of_the_curves():
     curve = CostCurve({1: 1.0, 64: 1.0}, refresh=0.5)
     costs = BatchCosts(curve)
     before = dict(curve.points)
-    result = generate(ConfidentOracle(2), [PROMPT], settings(threshold=0.9, max_tokens=40, feed="auto", hedge=None), feed=feed_of(costs))
+    result = generate(ConfidentOracle(2), [PROMPT], settings(threshold=0.9, max_tokens=40, feed="auto", hedge=None), controller=feed_of(costs))
     assert curve.points == before
     assert result.stats.feed_choices  # the cost-aware feed chose every step, on its own copy
     assert result.tokens == [[oracle(p) for p in range(len(PROMPT), len(PROMPT) + 40)]]

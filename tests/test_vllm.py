@@ -8,7 +8,6 @@ import importlib.util
 import json
 import os
 import re
-import shlex
 import signal
 import socket
 import subprocess

@@ -25,8 +25,7 @@ from __future__ import annotations
 import importlib
 import platform
 
-from ..core.decode import rules as policy
-from ..core.decode.loop import StepBackend  # noqa: F401  (re-exported: the protocol lives with the loop)
+from ..core.decode import rules
 
 BACKENDS = ("torch", "mlx")
 
@@ -93,7 +92,7 @@ def trainer(name: str):
     return TorchTrainer
 
 
-def ensure_mask_token(loaded, mars, *, block_size: int = policy.DEFAULT_BLOCK_SIZE, announce=print):
+def ensure_mask_token(loaded, mars, *, block_size: int = rules.DEFAULT_BLOCK_SIZE, announce=print):
     """The MarsConfig to train with: `mars`, or for None the mask token chosen for the model
     (mars.core.tokens.mask_config); the token and the embedding row it needs are made to exist."""
     return _model_module(loaded.backend).ensure_mask_token(

@@ -18,7 +18,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .paths import MASK_EMBEDDING_FILE
 from ..core.files import OutputError, atomic_dir, check_output
 from .tensors import ConvertError, Tensor, read_safetensors, write_safetensors
 
@@ -292,5 +291,3 @@ def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False)
 
     return atomic_dir(output, write)
 
-
-__all__ = ["Lora", "adapter_format", "convert_adapter", "read_adapter", "read_mlx", "read_peft", "MASK_EMBEDDING_FILE"]

@@ -7,7 +7,6 @@ import os
 from pathlib import Path
 
 from ..core.config import has_config, read_config
-from .hf_config import add_rope_keys, rope_overrides  # noqa: F401  (the converters and trainers import them from here)
 
 # The trained mask-token row beside an adapter: the same name in both backends' adapter directories.
 MASK_EMBEDDING_FILE = "mask_embedding.safetensors"

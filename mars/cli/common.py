@@ -84,7 +84,8 @@ def friendly_errors(fn):
         from ..core.decode.drafts.corpus import CorpusError
         from ..core.train.data import DataError
         from ..core.files import OutputError
-        from ..core.decode.rules import ThresholdError, UntrainedModelError
+        from ..core.acceptance import ThresholdError
+        from ..core.decode.rules import UntrainedModelError
         from ..checkpoint.default_model import DefaultModelError
 
         known = (BackendUnavailable, ConfigError, ConvertError, CorpusError, DataError, DefaultModelError, FileNotFoundError, ModelError,
@@ -196,7 +197,8 @@ def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, 
     note for each option that has no effect."""
     from ..core.decode.drafts.corpus import DraftCorpus
     from ..core.decode.plan import Mode, Sampling, why_not_verified
-    from ..core.decode.rules import check_threshold, metric_for
+    from ..core.acceptance import check_threshold
+    from ..core.decode.rules import metric_for
 
     drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
     if corpus is not None:

@@ -30,7 +30,7 @@ from .common import backend_option, decode_options, plan_from_options, friendly_
 def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
     """Generate replies; prints the text and tokens per forward."""
     from ..core.decode.plan import replan
-    from ..core.decode.rules import ar_threshold
+    from ..core.acceptance import ar_threshold
     from ..prompts import read_prompts
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
@@ -216,7 +216,8 @@ def chat_command_line(line: str, asked: dict, settings, session):
     text to the model. `asked`: the chat's decoding options, which a command changes; returns
     the plan to decode by from now on, made anew by plan_from_options where the options changed."""
     from ..core.decode.plan import replan, why_not_verified
-    from ..core.decode.rules import ThresholdError, UntrainedModelError, ar_threshold, check_may_decode, check_threshold
+    from ..core.acceptance import ThresholdError, ar_threshold, check_threshold
+    from ..core.decode.rules import UntrainedModelError, check_may_decode
 
     parts = line.split()
     command = parts[0]

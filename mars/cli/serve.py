@@ -76,7 +76,8 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
         import uvicorn
     except ImportError:
         raise click.ClickException("mars serve needs starlette and uvicorn: pip install 'mars-mtp[serve]'") from None
-    from ..core.decode.rules import check_threshold, metric_for
+    from ..core.acceptance import check_threshold
+    from ..core.decode.rules import metric_for
     from ..serve import EngineLimits, ServeLimits, build
     from ..serve.policy import PolicyError
 

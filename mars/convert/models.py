@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from ..checkpoint.architectures import CONVERT, refusal
-from ..checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, add_rope_keys, rope_overrides
+from ..checkpoint.hf_config import add_rope_keys, rope_overrides
+from ..checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY
 from ..core.files import atomic_dir
 from ..checkpoint.adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize

@@ -16,8 +16,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.decode.loop import Sampling
-from ..core.decode.rules import ThresholdError, UntrainedModelError, check_threshold
+from ..core.decode.plan import Sampling
+from ..core.acceptance import ThresholdError, check_threshold
+from ..core.decode.rules import UntrainedModelError
 from ..core.tokens import encode_prompt
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI

@@ -38,7 +38,8 @@ from ..backends import base
 from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
 from ..core.decode.plan import DecodeSettings, Mode, Sampling
-from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, looser, metric_for
+from ..core.acceptance import looser
+from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, metric_for
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -176,7 +177,7 @@ class _Batch:
     def __init__(self, decoder, settings: DecodeSettings, feed: FeedController | None = None):
         """`feed`, for a greedy batch that verifies drafts: the engine's feed controller."""
         self.decoder = decoder
-        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, feed=feed)
+        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, controller=feed)
         self.jobs: dict[int, Job] = {}  # id(row) -> job
 
     def __len__(self):

@@ -28,17 +28,8 @@ import threading
 from dataclasses import asdict, dataclass, replace
 
 from ..core.decode.plan import Mode
-from ..core.decode.rules import (
-    ThresholdError,
-    UntrainedModelError,
-    ar_threshold,
-    check_may_decode,
-    check_metric,
-    check_threshold,
-    looser,
-    may_decode,
-    strict_and_loose,
-)
+from ..core.acceptance import ThresholdError, ar_threshold, check_metric, check_threshold, looser, strict_and_loose
+from ..core.decode.rules import UntrainedModelError, check_may_decode, may_decode
 
 POLICIES = ("fixed", "adaptive")
 LEVELS = 5  # the adaptive threshold moves between this many evenly spaced values

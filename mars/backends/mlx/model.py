@@ -26,7 +26,8 @@ from ...core.decode.plan import Sampling
 from ...core.tokens import eos_ids, mask_config, new_row_init
 from ...checkpoint.architectures import MLX, refusal
 from ...checkpoint.hf_config import position_gaps, sliding_windows
-from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, rope_overrides, tokenizer_path
+from ...checkpoint.hf_config import rope_overrides
+from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, ModelError, check_model_path, load_tokenizer, resolve_model_path, tokenizer_path
 
 SUPPORTED = MLX  # mars.checkpoint.architectures: the table, as tests/test_architectures.py checks it
 

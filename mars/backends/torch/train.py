@@ -13,7 +13,8 @@ from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
 from ...checkpoint.architectures import FUSED_LORA_TARGETS
-from ...checkpoint.paths import add_rope_keys, portable_ref
+from ...checkpoint.hf_config import add_rope_keys
+from ...checkpoint.paths import portable_ref
 from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs, model_windows
 
 class TorchTrainer:

@@ -9,7 +9,7 @@ from .drafts import IN_FORWARD, lookup_sources
 from .feed import DraftStats, FeedPolicy
 from .types import Row
 from .plan import DecodeSettings
-from .layout import Feed, lossless_width
+from .layout import Layout, lossless_width
 from .verify import Verdict
 from .strategies import WindowStrategy
 
@@ -19,7 +19,7 @@ class Drafting:
     lookup and no spare groups).
 
     Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
-    groups to feed (none: AR's feed, and a row's mask drafts are dropped); with n-gram
+    groups to feed (none: AR's layout, and a row's mask drafts are dropped); with n-gram
     lookup on, a row drafts from lookup (or, with a draft corpus, from the corpus) instead
     of the masks when that is expected to keep more (`DraftStats`, per source and slot;
     lookup's and the corpus's per match length, `ngram.source`, `corpus.source`), and a row
@@ -136,16 +136,16 @@ class Drafting:
                 picks.append((source, key, drafts[: chosen[1]]))
         return picks
 
-    def after_step(self, feed: Feed, verdict: Verdict, rows: list[Row], seconds: float) -> None:
-        n_alts = feed.n_alts
+    def after_step(self, layout: Layout, verdict: Verdict, rows: list[Row], seconds: float) -> None:
+        n_alts = layout.n_alts
         # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
-        alt_groups = [k for k, g in enumerate(feed.columns.groups) if g.source == "alt"]
+        alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == "alt"]
         for i, r in enumerate(rows):
-            if feed.limit[i] > 0 and feed.n_drafts[i]:
-                self.stats.record(self._keys[i], int(feed.n_drafts[i]), int(verdict.kept[i]))
+            if layout.limit[i] > 0 and layout.n_drafts[i]:
+                self.stats.record(self._keys[i], int(layout.n_drafts[i]), int(verdict.kept[i]))
                 if n_alts is not None and n_alts[i] and not verdict.kept[i]:
                     hit = alt_groups.index(verdict.group[i]) if verdict.group[i] in alt_groups else -1
                     self.stats.record_alternatives(int(n_alts[i]), hit)
         if self.policy is not None and self.learn:
-            self.policy.costs.observe(int(feed.ids.shape[0]), int(feed.ids.shape[1]), seconds)
+            self.policy.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)
 

@@ -132,7 +132,7 @@ class Columns:
 
 
 @dataclass
-class Feed:
+class Layout:
     ids: np.ndarray  # (b, q) int64
     positions: np.ndarray  # (b, q) int64
     valid: np.ndarray  # (b, q) bool: False for holes
@@ -240,14 +240,14 @@ def consecutive_positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
     return np.where(valid, pos, 0)
 
 
-def feed_mask(keys: np.ndarray, feed: Feed) -> np.ndarray | None:
+def layout_mask(keys: np.ndarray, layout: Layout) -> np.ndarray | None:
     """The attention mask of a step: causal over the cache and the fed columns, with holes
-    (None when plain causal attention is exact), narrowed by `feed.attend` where spare
+    (None when plain causal attention is exact), narrowed by `layout.attend` where spare
     groups must see only what precedes them."""
-    q = feed.ids.shape[1]
-    if keys.all() and feed.attend is None:
+    q = layout.ids.shape[1]
+    if keys.all() and layout.attend is None:
         return None
     mask = decode_mask(keys, q)
-    if feed.attend is not None:  # its diagonal is set, so a hole still sees itself
-        mask[:, :, -q:] &= feed.attend
+    if layout.attend is not None:  # its diagonal is set, so a hole still sees itself
+        mask[:, :, -q:] &= layout.attend
     return mask

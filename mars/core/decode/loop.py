@@ -35,7 +35,7 @@ import numpy as np
 from ..acceptance import ar_mode_rows, check_threshold
 from .drafting import Drafting
 from .feed import FeedController, FeedRun, ThresholdFeed
-from .layout import Columns, Feed, feed_mask
+from .layout import Columns, Layout, layout_mask
 from .plan import STRATEGIES, DecodeSettings, Mode, Sampling
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 from .types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
@@ -52,13 +52,13 @@ __all__ = [
     "FeedController",
     "Mode",
     "Drafting",
-    "Feed",
+    "Layout",
     "Row",
     "RowStats",
     "Sampling",
     "StepBackend",
     "WindowStrategy",
-    "feed_mask",
+    "layout_mask",
     "generate",
 ]
 
@@ -68,7 +68,7 @@ def generate(
     prompts: list[list[int]],
     settings: DecodeSettings,
     on_tokens: Callable[[int, list[int]], None] | None = None,
-    feed: FeedController | None = None,
+    controller: FeedController | None = None,
 ) -> DecodeResult:
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 
@@ -88,7 +88,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     slots = settings.masks_per_step + 1
     rows = [Row(p, slots, threshold=settings.threshold, max_tokens=settings.max_tokens) for p in prompts]
-    run = _Run.of(settings, feed, len(rows))
+    run = _Run.of(settings, controller, len(rows))
     s = run.plan
     stats = DecodeStats(rows=[r.stats for r in rows], cache=s.cache)
     strategy = make_strategy(s, rows)
@@ -160,25 +160,25 @@ def _advance(backend, cache, strategy, rows: list[Row], run: _Run, stats: Decode
     (none if it waited)."""
     s, drafting, threshold_feed = run.plan, run.drafting, run.threshold_feed
     run.choose(strategy, rows, stats)
-    feed = strategy.plan(rows)
-    mask = feed_mask(strategy.keys(feed), feed)
+    layout = strategy.lay_out(rows)
+    mask = layout_mask(strategy.keys(layout), layout)
     stats.forwards += 1
-    stats.fed_tokens += feed.ids.size
+    stats.fed_tokens += layout.ids.size
     confident = s.mode is Mode.VERIFIED
     if s.verifies:
         t0 = time.perf_counter()
-        verdict = verify(backend, cache, feed, mask, s.sampling, metric=s.metric if confident else None, runners_up=s.alternative_groups)
+        verdict = verify(backend, cache, layout, mask, s.sampling, metric=s.metric if confident else None, runners_up=s.alternative_groups)
         if drafting is not None:
-            drafting.after_step(feed, verdict, rows, time.perf_counter() - t0)
+            drafting.after_step(layout, verdict, rows, time.perf_counter() - t0)
         accepted, proposals = verdict.accepted, verdict.nxt
         taken = take_confident(accepted, proposals, verdict.conf, rows, s.metric) if confident else None
     else:
-        accepted = accept_by_threshold(backend, cache, feed, mask, rows, s)
-        stats.masks_fed[feed.columns.masks] = stats.masks_fed.get(feed.columns.masks, 0) + 1
+        accepted = accept_by_threshold(backend, cache, layout, mask, rows, s)
+        stats.masks_fed[layout.columns.masks] = stats.masks_fed.get(layout.columns.masks, 0) + 1
         if threshold_feed is not None:
             for i, r in enumerate(rows):
-                if feed.limit[i] > 0:
-                    threshold_feed.record(int(feed.limit[i]) - 1, len(accepted[i]) - 1)
+                if layout.limit[i] > 0:
+                    threshold_feed.record(int(layout.limit[i]) - 1, len(accepted[i]) - 1)
     # What each row had fed for real: the cached variants commit it (kept drafts too).
     before = [len(r.seq) if not r.done else r.cached for r in rows]
     eos = set(s.eos_ids)
@@ -190,20 +190,20 @@ def _advance(backend, cache, strategy, rows: list[Row], run: _Run, stats: Decode
             r.stats.waited += 1
             continue
         if s.verifies:
-            count_drafts(r, int(feed.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
+            count_drafts(r, int(layout.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
             # The runners-up of the row's next first draft: after confident drafts taken
             # unverified (verified threshold mode), of the first draft left.
             first = taken[i] if taken is not None else 0
             r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
             if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
-                group = feed.columns.groups[verdict.group[i]]
+                group = layout.columns.groups[verdict.group[i]]
                 if group.prefix.shape[1]:
                     r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + group.prefix.shape[1]
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(verdict.kept[i])
         accepted[i] = _take(r, accepted[i], eos)
-    strategy.commit(backend, cache, rows, feed, before, verdict.kept if s.verifies else None)
+    strategy.commit(backend, cache, rows, layout, before, verdict.kept if s.verifies else None)
     return accepted
 
 
@@ -271,13 +271,13 @@ class ContinuousBatch:
     """
 
     def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None,
-                 feed: FeedController | None = None):
+                 controller: FeedController | None = None):
         if settings.cache not in ("block", "window"):
             raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend
         # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
         # window decoding the drafting (its feed policy learns across the batch's life).
-        self.run = _Run.of(settings, feed, 1, served=True)
+        self.run = _Run.of(settings, controller, 1, served=True)
         self.s = self.run.plan
         self._stats = DecodeStats(rows=[], cache=self.s.cache)
         self.keep_keys = keep_keys

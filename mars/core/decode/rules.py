@@ -11,31 +11,15 @@
   `check_may_decode`, which raises UntrainedModelError with one message for every caller).
 
 The threshold rules themselves (range, AR mode, which direction loosens) live in
-acceptance.py and are re-exported here.
+mars.core.acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..acceptance import (
-    METRICS,
-    ThresholdError,
-    ar_threshold,
-    check_metric,
-    check_threshold,
-    is_ar_mode,
-    loosen,
-    looser,
-    strict_and_loose,
-)
+from ..acceptance import ar_threshold, check_metric, is_ar_mode
 from ..config import MarsConfig
-
-__all__ = [
-    "DEFAULT_ALTERNATIVES", "DEFAULT_BLOCK_SIZE", "DEFAULT_METRIC", "DEFAULT_NGRAM", "METRICS", "ThresholdError", "UntrainedModelError",
-    "ar_threshold", "block_size_for", "check_may_decode", "check_metric", "check_threshold", "checkpoint_mode",
-    "is_ar_mode", "loosen", "looser", "may_decode", "metric_for", "strict_and_loose",
-]
 
 # What a model without mars.json decodes with: a checkpoint's defaults (MarsConfig's fields).
 DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size

@@ -12,7 +12,7 @@ import numpy as np
 from .types import Row
 from .plan import DecodeSettings
 from .drafts import GROUP_SOURCES
-from .layout import Columns, Feed, consecutive_positions, pad_drafts, right_aligned, with_groups
+from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, with_groups
 
 
 class WindowStrategy:
@@ -36,7 +36,7 @@ class WindowStrategy:
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
 
 
-    def plan(self, rows: list[Row]) -> Feed:
+    def lay_out(self, rows: list[Row]) -> Layout:
         s, m = self.s, self.masks
         # Lossless: as many drafts as leave room for the AR token after them.
         drafts = [[] if r.done else r.drafts[: r.max_tokens - r.produced - 1] for r in rows]
@@ -54,12 +54,12 @@ class WindowStrategy:
                           groups=groups)
         if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
-            return Feed(ids, positions, valid, np.asarray(limit), columns)
+            return Layout(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
         if not groups:
-            return Feed(ids, positions, valid, limit, columns, drafts=padded)
+            return Layout(ids, positions, valid, limit, columns, drafts=padded)
         ids, valid, positions, attend = with_groups(ids, valid, positions, columns, s.mask_id)
-        return Feed(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
+        return Layout(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -71,19 +71,19 @@ class WindowStrategy:
         if self.key_valid is not None:
             self.key_valid = np.concatenate([self.key_valid, np.zeros((1, self.key_valid.shape[1]), dtype=bool)])
 
-    def keys(self, feed: Feed) -> np.ndarray:
+    def keys(self, layout: Layout) -> np.ndarray:
         if not self.cached or self.key_valid is None:
-            return feed.valid
-        return joined_keys(self.key_valid, feed)
+            return layout.valid
+        return joined_keys(self.key_valid, layout)
 
-    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
+    def commit(self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None) -> None:
         """Keep what the step fed for real (`kept`, lossless: the drafts each row kept)."""
         if not self.cached:
             return
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
-        columns = feed.columns
+        columns = layout.columns
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
-        self.key_valid = self.keys(feed)[:, : old + columns.keep].copy()
+        self.key_valid = self.keys(layout)[:, : old + columns.keep].copy()
         if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
             for r, k in enumerate(kept):
                 self.key_valid[r, old + columns.last[r] + 1 + k : old + columns.first_mask[r]] = False
@@ -113,7 +113,7 @@ class BlockStrategy:
         self.key_valid: np.ndarray | None = None
         self.block_start: list[int] = [len(r.seq) for r in rows]  # len(seq) at the start of each row's block
 
-    def plan(self, rows: list[Row]) -> Feed:
+    def lay_out(self, rows: list[Row]) -> Layout:
         s, size = self.s, self.s.block_cache
         fold = [r.seq[r.cached : start] if not r.done else [] for r, start in zip(rows, self.block_start)]
         width_fold = max(len(f) for f in fold)
@@ -139,9 +139,9 @@ class BlockStrategy:
         columns = Columns(last=last, n_drafts=n, draft_slots=padded.shape[1], masks=self.masks, width=ids.shape[1], keep=width_fold)
         if s.verifies:
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
-            return Feed(ids, positions, valid, limit, columns, drafts=padded)
+            return Layout(ids, positions, valid, limit, columns, drafts=padded)
         limit = [0 if w else min(self.masks + 1, k) for w, k in zip(waiting, room)]
-        return Feed(ids, positions, valid, np.asarray(limit), columns)
+        return Layout(ids, positions, valid, np.asarray(limit), columns)
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -162,14 +162,14 @@ class BlockStrategy:
         if self.block_start and all(r.done or len(r.seq) - start >= size for r, start in zip(rows, self.block_start)):
             self.block_start = [len(r.seq) for r in rows]
 
-    def keys(self, feed: Feed) -> np.ndarray:
+    def keys(self, layout: Layout) -> np.ndarray:
         if self.key_valid is None:
-            return feed.valid
-        return joined_keys(self.key_valid, feed)
+            return layout.valid
+        return joined_keys(self.key_valid, layout)
 
-    def commit(self, backend, cache, rows: list[Row], feed: Feed, before: list[int], kept: np.ndarray | None = None) -> None:
+    def commit(self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None) -> None:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
-        self.key_valid = self.keys(feed)[:, : old + feed.columns.keep]
+        self.key_valid = self.keys(layout)[:, : old + layout.columns.keep]
         backend.crop(cache, self.key_valid.shape[1])
         for r, start in zip(rows, self.block_start):
             if not r.done:
@@ -177,12 +177,12 @@ class BlockStrategy:
         self.next_block_if_filled(rows)
 
 
-def joined_keys(key_valid: np.ndarray, feed: Feed) -> np.ndarray:
+def joined_keys(key_valid: np.ndarray, layout: Layout) -> np.ndarray:
     """(b, C + q) the keys a step's queries may see, the cached ones then the fed columns: made
-    once a step (the attention mask and the commit both read it), kept on the feed."""
-    if feed.keys is None:
-        feed.keys = np.concatenate([key_valid, feed.valid], axis=1)
-    return feed.keys
+    once a step (the attention mask and the commit both read it), kept on the layout."""
+    if layout.keys is None:
+        layout.keys = np.concatenate([key_valid, layout.valid], axis=1)
+    return layout.keys
 
 
 def make_strategy(settings: DecodeSettings, rows: list[Row]):

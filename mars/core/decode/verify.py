@@ -16,20 +16,20 @@ import numpy as np
 from ..acceptance import accept_counts, ar_mode_rows
 from .types import Row
 from .plan import DecodeSettings, Sampling
-from .layout import Feed
+from .layout import Layout
 
 
-def accept_by_threshold(backend, cache, feed: Feed, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:
+def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:
     """Threshold step: per row, the leading slots the acceptance rule keeps at the row's own
     threshold (none for a waiting row)."""
     thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
     # Greedy AR accepts slot 0 by rule: no confidence is needed (every row in AR mode, or no
     # mask fed this step), so none is computed.
-    no_masks = ar_mode_rows(s.metric, thresholds).all() or feed.columns.masks == 0
+    no_masks = ar_mode_rows(s.metric, thresholds).all() or layout.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
-    ids, conf = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=step_metric, sampling=s.sampling,
-                             valid=feed.valid)
-    counts = accept_counts(conf, s.metric, thresholds, feed.limit)
+    ids, conf = backend.step(cache, layout.ids, layout.positions, mask, layout.read, metric=step_metric, sampling=s.sampling,
+                             valid=layout.valid)
+    counts = accept_counts(conf, s.metric, thresholds, layout.limit)
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
 
@@ -40,7 +40,7 @@ class Verdict:
     accepted: list[list[int]]  # the tokens it takes: kept drafts, one AR token (none for a waiting row)
     nxt: list[tuple[str, list[int]]]  # its next drafts, (source, ids)
     kept: np.ndarray  # (b,) drafts that passed verification
-    group: np.ndarray  # (b,) the group (index into feed.columns.groups) whose proposals follow (-1: none)
+    group: np.ndarray  # (b,) the group (index into layout.columns.groups) whose proposals follow (-1: none)
     next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
     conf: list | None = None  # with a metric: per row, the confidence of each next draft
 
@@ -53,12 +53,12 @@ def confirmed(group, i: int, kept: int, token: int) -> bool:
     return group.prefix.shape[1] == 0 or int(group.prefix[i, 0]) == token
 
 
-def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
+def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
     """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR
     token; none for a waiting row) and its next drafts, (source, ids).
 
     Greedy, one rule for every in-forward source: the masks after the drafts propose where
-    every draft was kept; otherwise a group (feed.columns.groups: spare groups, runner-up
+    every draft was kept; otherwise a group (layout.columns.groups: spare groups, runner-up
     alternatives) whose context AR confirmed (`confirmed`: anchored after the kept drafts, its
     prefix beginning with AR's token there) proposes, the one whose prefix is longest first;
     a confirmed prefix also adds AR's token after it (read at the prefix, where the group was
@@ -68,37 +68,37 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
     With `runners_up` n (greedy) each row's next drafts come with the n runners-up of each
     (`next_alts`), for the next step's alternative groups. With `metric` (greedy only) also
     gives, per row, the confidence of each next draft (`conf`, see `take_confident`)."""
-    columns, width = feed.columns, feed.columns.draft_slots
-    b = len(feed.ids)
+    columns, width = layout.columns, layout.columns.draft_slots
+    b = len(layout.ids)
     chosen = np.full(b, -1, dtype=np.int64)
     conf = second = ids = None
     if sampling.greedy:
-        out = backend.step(cache, feed.ids, feed.positions, mask, feed.read, metric=metric, sampling=sampling, valid=feed.valid,
+        out = backend.step(cache, layout.ids, layout.positions, mask, layout.read, metric=metric, sampling=sampling, valid=layout.valid,
                            **({"runners_up": runners_up} if runners_up else {}))
         ids = out[0]
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
-        same = (feed.drafts == ar[:, :width]) & (np.arange(width)[None, :] < feed.n_drafts[:, None])
+        same = (layout.drafts == ar[:, :width]) & (np.arange(width)[None, :] < layout.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
         token = ar[np.arange(b), kept]
         for i in range(b):
-            if feed.limit[i] <= 0 or kept[i] == feed.n_drafts[i]:
+            if layout.limit[i] <= 0 or kept[i] == layout.n_drafts[i]:
                 continue  # waiting, or every draft kept: the masks after them propose
             fits = [k for k, g in enumerate(columns.groups) if confirmed(g, i, int(kept[i]), int(token[i]))]
             if fits:
                 chosen[i] = max(fits, key=lambda k: (columns.groups[k].prefix.shape[1], -k))
     else:
         kept, token, proposals = backend.speculate(
-            cache, feed.ids, feed.positions, mask, feed.read, feed.drafts, feed.n_drafts, sampling=sampling
+            cache, layout.ids, layout.positions, mask, layout.read, layout.drafts, layout.n_drafts, sampling=sampling
         )
         kept = np.asarray(kept, dtype=np.int64)
     accepted, nxt, nxt_conf, nxt_alts = [], [], [], []
     for i in range(b):
-        if feed.limit[i] <= 0:
+        if layout.limit[i] <= 0:
             accepted.append([])
         else:
-            took = [int(t) for t in feed.drafts[i, : kept[i]]] + [int(token[i])]
+            took = [int(t) for t in layout.drafts[i, : kept[i]]] + [int(token[i])]
             if chosen[i] >= 0:  # AR's tokens after the group's prefix, read in the group: it was AR's window there
                 reads = columns.group_reads(int(chosen[i]))
                 took += [int(t) for t in ids[i, reads.start : reads.start + columns.groups[chosen[i]].prefix.shape[1]]]
@@ -109,7 +109,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
             read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
             nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
             nxt_conf.append(None if conf is None else conf[i, read : read + group.masks])
-        elif kept[i] == feed.n_drafts[i]:
+        elif kept[i] == layout.n_drafts[i]:
             nxt.append(("masks", [int(t) for t in proposals[i]]))
             nxt_conf.append(None if conf is None else conf[i, columns.mask_reads])
             read = columns.mask_reads.start
@@ -119,7 +119,7 @@ def verify(backend, cache, feed: Feed, mask, sampling: Sampling, metric: str | N
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
         nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
-    return Verdict(accepted, nxt, np.where(feed.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None)
+    return Verdict(accepted, nxt, np.where(layout.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None)
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
