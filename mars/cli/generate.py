@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..core.decode.drafts import LABELS
 from ..core.decode.types import masks_share
 from .common import backend_option, decode_options, plan_from_options, friendly_errors, model_options, open_session
 
@@ -98,8 +99,7 @@ def compare_line(runs, results, timed, prompts: int) -> str:
     return line + f", the medians above; round by round {min(per_round):.2f}-{max(per_round):.2f}x)"
 
 
-SOURCES = {"masks": "mask drafts", "spare": "spare-group drafts", "ngram": "n-gram drafts", "corpus": "corpus drafts", "alt": "alternative groups", "ar": "AR",
-           "threshold": "unverified (threshold)"}
+SOURCES = {**LABELS, "ar": "AR", "threshold": "unverified (threshold)"}
 
 
 def summary(settings, r, round_speeds: list[float] | None = None) -> str:

@@ -5,31 +5,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from .drafts import IN_FORWARD, lookup_sources
-from .feed import DraftStats, FeedPolicy
+from .drafts import ALT, IN_FORWARD, MASKS, SPARE, lookup_sources
+from .feed import DraftStats, LosslessFeed
 from .types import Row
 from .plan import DecodeSettings
 from .layout import Layout, lossless_width
 from .verify import Verdict
 from .strategies import WindowStrategy
 
+
 class Drafting:
-    """Lossless window decoding: which drafts each row feeds, and how wide a step is (greedy;
-    sampled, with a cost curve: the masks and the length of the drafts only, no n-gram
-    lookup and no spare groups).
+    """Which drafts each row of a window step that verifies them feeds, and how many
+    alternative groups the step feeds (greedy; sampled with a cost curve: the length of the
+    mask drafts only, no lookup and no groups).
 
-    Per step, before the plan: with a cost curve, `FeedPolicy` picks the masks and spare
-    groups to feed (none: AR's layout, and a row's mask drafts are dropped); with n-gram
-    lookup on, a row drafts from lookup (or, with a draft corpus, from the corpus) instead
-    of the masks when that is expected to keep more (`DraftStats`, per source and slot;
-    lookup's and the corpus's per match length, `ngram.source`, `corpus.source`), and a row
-    with no drafts takes lookup's if it pays; with alternative
-    groups allowed (`DraftSources.alternatives`), how many the step feeds (all of them
-    without a cost curve; with one, the number that maximises expected tokens per second,
-    each runner-up counted at its measured chance of being AR's token where the first
-    draft fails). After the forward: the acceptance statistics and the cost curve learn."""
+    Before the layout, given the masks and spare groups the step feeds (Execution.choose): a
+    row drafts from lookup (n-gram, corpus) instead of its in-forward drafts where that is
+    expected to keep more (`DraftStats`, per source and match length); with a cost curve the
+    rows' drafts are cut to the common length, and the alternative groups to the number, with
+    the most expected tokens per second. After the forward the statistics and the curve learn."""
 
-    def __init__(self, settings: DecodeSettings, policy: FeedPolicy | None, *, learn: bool = True):
+    def __init__(self, settings: DecodeSettings, policy: LosslessFeed | None, *, learn: bool = True):
         self.s = settings
         self.policy = policy
         # Verified threshold mode (mars.core.decode.verify.take_confident): what a step feeds
@@ -41,9 +37,7 @@ class Drafting:
 
     def before_step(self, strategy: WindowStrategy, rows: list[Row]) -> None:
         batch = max(1, len(rows))  # the rows of the forward: a finished row not yet dropped still takes its slots
-        if self.policy is not None:
-            strategy.masks, strategy.group_counts["spare"] = self.policy.choose(batch=batch)
-        m, g = strategy.masks, strategy.group_counts["spare"]
+        m, g = strategy.masks, strategy.group_counts[SPARE]  # as the step's feed set them (Execution.choose)
         self._keys = [r.source for r in rows]
         live, owns, options = [], [], []
         for i, r in enumerate(rows):
@@ -58,7 +52,7 @@ class Drafting:
                     row_options.append((lookup.name, *found))
             options.append(row_options)
         picks = self._pick_all(options, m, g, batch)
-        if self.policy is not None:  # how often the masks' drafts win where they are on offer (FeedPolicy.used)
+        if self.policy is not None:  # how often the masks' drafts win where they are on offer (LosslessFeed.used)
             for row_options, (source, _, drafts) in zip(options, picks):
                 if any(o[0] in IN_FORWARD for o in row_options):
                     self.policy.mask_use[1] += 1
@@ -69,7 +63,7 @@ class Drafting:
             if r.source not in IN_FORWARD:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
-            strategy.group_counts["alt"] = self._alternatives(rows, m, g, batch)
+            strategy.group_counts[ALT] = self._alternatives(rows, m, g, batch)
 
     def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:
         """How many alternative groups the step feeds: all that are allowed without a cost
@@ -130,16 +124,16 @@ class Drafting:
         for row_options, row_kept in zip(options, kept_each):
             chosen = best(row_options, row_kept, best_d) if best_d else None
             if chosen is None:
-                picks.append(("masks", "masks", []))
+                picks.append((MASKS, MASKS, []))
             else:
                 source, key, drafts = row_options[chosen[0]]
                 picks.append((source, key, drafts[: chosen[1]]))
         return picks
 
     def after_step(self, layout: Layout, verdict: Verdict, rows: list[Row], seconds: float) -> None:
-        n_alts = layout.n_alts
+        n_alts = layout.live_groups(ALT)
         # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
-        alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == "alt"]
+        alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == ALT]
         for i, r in enumerate(rows):
             if layout.limit[i] > 0 and layout.n_drafts[i]:
                 self.stats.record(self._keys[i], int(layout.n_drafts[i]), int(verdict.kept[i]))

@@ -3,7 +3,7 @@ and what the drafts keep, and the one controller that owns it between calls.
 
 `DraftStats` keeps, per draft source (the masks, the spare groups, n-gram lookup, the corpus,
 runner-up alternatives) and per draft slot j, how often slot j was reached (every draft before
-it kept) and kept. `FeedPolicy.choose` picks, per lossless step, the masks and spare groups
+it kept) and kept. `LosslessFeed.choose` picks, per lossless step, the masks and spare groups
 that maximise the expected tokens per second of a steady state (a three-state chain: a step
 has mask drafts, spare-group drafts or none), AR's own feed (no masks) included: when nothing
 pays it feeds what AR feeds, so decoding is never meaningfully slower than AR. Threshold mode
@@ -13,8 +13,8 @@ feeds only masks; `ThresholdFeed` picks how many per step, from a frozen copy of
 `FeedController` is what `mars.session.Session` and the server's engine each own: the
 curves (measured once, lossless decoding refreshing its copy from the forwards it times, a
 frozen copy for the modes whose text depends on the feed) and the lossless feed policies,
-which learn across calls. `FeedController.start` takes a plan and a batch and says how one
-call (or one served batch) runs: its cache strategy and the policy that chooses its feed.
+which learn across calls. How one call (or one served batch) uses them is decided in
+mars.core.decode.execution.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .cost import BatchCosts, CostCurve
+from .drafts import MASKS, SPARE
 from .plan import DecodeSettings, Mode
 
 
@@ -124,7 +125,7 @@ def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, 
     return float(tokens), float(width), drafting
 
 
-class FeedPolicy:
+class LosslessFeed:
     """Per step, the masks and spare groups a lossless window step feeds (see the module
     docstring); `max_masks` is the checkpoint's block size B, `max_groups` the spare-group
     cap. Keep one policy per loaded model to carry what it learned across calls.
@@ -136,7 +137,7 @@ class FeedPolicy:
     the masks never pay (a CPU at batch 8) spends ever fewer steps on probes; a choice
     other than AR's restores `explore`."""
 
-    source = "masks"  # the draft source whose keep rates `block_tokens` reads
+    source = MASKS  # the draft source whose keep rates `block_tokens` reads
 
     def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
                  explore: int = 32):
@@ -154,7 +155,7 @@ class FeedPolicy:
         self._interval = explore  # AR steps in a row before the next probe
 
     @classmethod
-    def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> FeedPolicy:
+    def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> LosslessFeed:
         """The policy of a plan's (mars.core.decode.plan.DecodeSettings) lossless loop: its block
         size, and the spare groups it may feed on the window cache (where the block cache
         gives way to the window's too). Every caller builds its policy here."""
@@ -182,7 +183,7 @@ class FeedPolicy:
         width is the batch's widest row's), the masks' drafts counted where they are taken
         (`used`)."""
         s = self.stats
-        tokens, width, _ = steady_state(s.rates("masks", masks), s.rates("spare", masks), masks, groups, batch)
+        tokens, width, _ = steady_state(s.rates(MASKS, masks), s.rates(SPARE, masks), masks, groups, batch)
         return (1.0 + self.used() * (tokens - 1.0)) / self.costs.seconds(batch, width)
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
@@ -213,7 +214,7 @@ class FeedPolicy:
         return 1.0 + self.stats.expected_kept(self.source, slots)
 
 
-class ThresholdFeed(FeedPolicy):
+class ThresholdFeed(LosslessFeed):
     """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9).
 
     A threshold step feeding m masks takes the AR token plus the run of leading masks whose
@@ -222,7 +223,7 @@ class ThresholdFeed(FeedPolicy):
     `stats`, source "threshold", with the weak prior) for a forward as wide as the widest
     row: its uncached tokens (1 + the run it took last step) plus m masks. The policy feeds
     the m with the most expected tokens per second, m = 0 being AR's own feed, and probes
-    as FeedPolicy does.
+    as LosslessFeed does.
 
     Unlike lossless mode, what a threshold step feeds changes the text (a mask not fed
     cannot be accepted), so the choice must not depend on when it is made: the policy
@@ -233,7 +234,7 @@ class ThresholdFeed(FeedPolicy):
 
     source = "threshold"
 
-    def __init__(self, curve: CostCurve | BatchCosts | FeedPolicy, max_masks: int, *, explore: int = 32):
+    def __init__(self, curve: CostCurve | BatchCosts | LosslessFeed, max_masks: int, *, explore: int = 32):
         super().__init__(frozen_costs(curve), max_masks, 0, explore=explore)
 
     def candidates(self):
@@ -253,18 +254,18 @@ class ThresholdFeed(FeedPolicy):
         self.stats.record(self.source, fed, taken)
 
 
-def frozen_costs(cost: CostCurve | BatchCosts | FeedPolicy) -> BatchCosts:
+def frozen_costs(cost: CostCurve | BatchCosts | LosslessFeed) -> BatchCosts:
     """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one
     curve): what a feed that changes the text decides on, so that the run's own timings do
     not steer it."""
-    costs = cost.costs if isinstance(cost, FeedPolicy) else cost
+    costs = cost.costs if isinstance(cost, LosslessFeed) else cost
     return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
 
 
-def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
+def block_cache_pays(cost: CostCurve | BatchCosts | LosslessFeed, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
     """Whether decoding `batch` rows with the block cache is expected to be faster than with
     the window cache and the cost-aware feed (which falls back to AR's own feed when nothing
-    pays): greedy lossless decoding with a FeedPolicy (or a curve), threshold mode with a
+    pays): greedy lossless decoding with a LosslessFeed (or a curve), threshold mode with a
     ThresholdFeed.
 
     A block step feeds every row's B_cache slots, and once per block the finished block in
@@ -272,25 +273,11 @@ def block_cache_pays(cost: CostCurve | BatchCosts | FeedPolicy, block_size: int,
     token plus the drafts kept (the masks passed) out of min(B, B_cache - 1). The window's
     best feed is the policy's own choice. Where a forward's cost grows slowly with width (a
     GPU) the block cache can win; where it grows fast (a CPU) it cannot."""
-    policy = cost if isinstance(cost, FeedPolicy) else FeedPolicy(cost, block_size, spare_groups)
+    policy = cost if isinstance(cost, LosslessFeed) else LosslessFeed(cost, block_size, spare_groups)
     tokens = policy.block_tokens(min(block_size, block_cache - 1))
     block = tokens / policy.costs.seconds(batch, block_cache + tokens)
     window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
     return block >= window
-
-
-@dataclass
-class FeedRun:
-    """How one call of the loop (or one served batch) runs its plan: the cache strategy that
-    runs (the plan's, or the window's where the block cache does not pay against the
-    cost-aware feed), and what chooses each step's feed: `policy`, the lossless loop's masks
-    and spare groups (with `learn`, the curves learn from the forwards the loop times), and
-    `threshold`, threshold mode's masks. Neither: the plan's fixed feed."""
-
-    cache: str
-    policy: FeedPolicy | None = None
-    threshold: ThresholdFeed | None = None
-    learn: bool = False
 
 
 class FeedController:
@@ -313,8 +300,8 @@ class FeedController:
         self._stored: BatchCosts | None = None
         if costs is not None:
             self._set(costs)
-        self.explore = explore  # the policies' probing (FeedPolicy)
-        self.policies: dict[tuple, FeedPolicy] = {}
+        self.explore = explore  # the policies' probing (LosslessFeed)
+        self.policies: dict[tuple, LosslessFeed] = {}
 
     def _set(self, costs: CostCurve | BatchCosts) -> None:
         self._live = costs if isinstance(costs, BatchCosts) else BatchCosts(costs)
@@ -352,35 +339,10 @@ class FeedController:
         if stored:
             self._stored.prepare(batch)
 
-    def policy_for(self, plan: DecodeSettings) -> FeedPolicy:
+    def policy_for(self, plan: DecodeSettings) -> LosslessFeed:
         """The lossless feed policy of a plan's block size, window spare-group cap and kind of
         decoding, kept across calls."""
         key = (plan.block_size, plan.window_spare_groups, plan.sampling.greedy)
         if key not in self.policies:
-            self.policies[key] = FeedPolicy.for_plan(self.costs, plan, explore=self.explore)
+            self.policies[key] = LosslessFeed.for_plan(self.costs, plan, explore=self.explore)
         return self.policies[key]
-
-    def start(self, plan: DecodeSettings, batch: int, *, served: bool = False) -> FeedRun:
-        """How a call of `plan` over `batch` rows runs (a served batch, `served`, keeps its cache
-        and feeds threshold mode's masks as its rows' thresholds ask)."""
-        if not self.uses(plan):
-            return FeedRun(plan.cache)
-        self.prepare(plan, batch)
-        if plan.mode is Mode.VERIFIED:
-            # What it feeds changes the text: a fresh policy per call (per served batch) on a
-            # frozen copy of the curves, which the run's timings do not refresh.
-            return FeedRun(plan.cache, policy=FeedPolicy.for_plan(self.stored.snapshot(), plan))
-        if plan.mode is Mode.THRESHOLD:
-            if served:
-                return FeedRun(plan.cache)
-            feed = ThresholdFeed(self.stored, plan.block_size, explore=self.explore)  # one policy per call, on a frozen copy
-            cache = plan.cache
-            if cache == "block" and not block_cache_pays(feed, plan.block_size, plan.block_cache, 0, batch):
-                cache = "window"
-            return FeedRun(cache, threshold=feed)
-        if plan.cache == "block":  # no per-step feed there: only whether the window's would be faster
-            if served or not plan.sampling.greedy:
-                return FeedRun(plan.cache)
-            if block_cache_pays(self.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch):
-                return FeedRun(plan.cache)
-        return FeedRun("window" if plan.cache == "block" else plan.cache, policy=self.policy_for(plan), learn=True)

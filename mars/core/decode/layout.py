@@ -97,18 +97,6 @@ class Columns:
         return slice(self.group_reads(indices[0]).start, self.group_reads(indices[-1]).stop)
 
     @property
-    def spare_groups(self) -> int:
-        return self.count("spare")
-
-    @property
-    def alt_groups(self) -> int:
-        return self.count("alt")
-
-    @property
-    def alt_reads(self) -> slice:
-        return self.reads("alt")
-
-    @property
     def ar_reads(self) -> slice:
         return slice(0, self.draft_slots + 1)
 
@@ -160,15 +148,10 @@ class Layout:
         """Masks fed and read per (live) row, the spare groups' not counted."""
         return self.columns.masks
 
-    @property
-    def spare_groups(self) -> int:
-        return self.columns.spare_groups
-
-    @cached_property
-    def n_alts(self) -> np.ndarray | None:
-        """(b,) runner-up alternatives each row fed (None without alternative groups)."""
-        alts = [g for g in self.columns.groups if g.source == "alt"]
-        return np.sum([g.live for g in alts], axis=0).astype(np.int64) if alts else None
+    def live_groups(self, source: str) -> np.ndarray | None:
+        """(b,) the groups of `source` each row fed live (None where the step fed none)."""
+        groups = [g for g in self.columns.groups if g.source == source]
+        return np.sum([g.live for g in groups], axis=0).astype(np.int64) if groups else None
 
 
 def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:

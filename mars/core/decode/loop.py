@@ -27,41 +27,18 @@ on the block cache), leaving at any step, and each decoding at its own threshold
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from typing import Any, Callable
 
 import numpy as np
 
-from ..acceptance import ar_mode_rows, check_threshold
-from .drafting import Drafting
-from .feed import FeedController, FeedRun, ThresholdFeed
-from .layout import Columns, Layout, layout_mask
-from .plan import STRATEGIES, DecodeSettings, Mode, Sampling
+from ..acceptance import check_threshold
+from .execution import Execution, execution
+from .feed import FeedController
+from .layout import layout_mask
+from .plan import DecodeSettings, Mode
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
-from .types import DecodeResult, DecodeStats, Row, RowStats, StepBackend
+from .types import DecodeResult, DecodeStats, Row, StepBackend
 from .verify import accept_by_threshold, count_drafts, take_confident, verify
-
-__all__ = [
-    "STRATEGIES",
-    "BlockStrategy",
-    "Columns",
-    "ContinuousBatch",
-    "DecodeResult",
-    "DecodeSettings",
-    "DecodeStats",
-    "FeedController",
-    "Mode",
-    "Drafting",
-    "Layout",
-    "Row",
-    "RowStats",
-    "Sampling",
-    "StepBackend",
-    "WindowStrategy",
-    "layout_mask",
-    "generate",
-]
-
 
 def generate(
     backend: StepBackend,
@@ -88,7 +65,7 @@ def generate(
         raise ValueError("every prompt needs at least one token")
     slots = settings.masks_per_step + 1
     rows = [Row(p, slots, threshold=settings.threshold, max_tokens=settings.max_tokens) for p in prompts]
-    run = _Run.of(settings, controller, len(rows))
+    run = execution(settings, controller, len(rows))
     s = run.plan
     stats = DecodeStats(rows=[r.stats for r in rows], cache=s.cache)
     strategy = make_strategy(s, rows)
@@ -112,48 +89,7 @@ def generate(
     return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
 
 
-class _Run:
-    """How the loop runs a plan, for `generate` and `ContinuousBatch` alike: the plan with the
-    cache strategy that runs (FeedController.start), the drafting of the loops that verify
-    drafts (greedy, or sampled with a chosen feed), and threshold mode's chosen feed."""
-
-    def __init__(self, plan: DecodeSettings, feed: FeedRun, *, served: bool = False):
-        self.plan = plan if feed.cache == plan.cache else replace(plan, cache=feed.cache)
-        self.threshold_feed: ThresholdFeed | None = feed.threshold
-        self.drafting: Drafting | None = None
-        s = self.plan
-        if s.verifies and s.cache != "block" and (s.sampling.greedy or (feed.policy is not None and not served)):
-            # Sampled lossless decoding: the cost-aware choice of how many masks to feed (and of
-            # how many of its drafts to verify) alone; the output distribution stays AR
-            # sampling's, whatever is fed (the choice is made before the step's draws).
-            self.drafting = Drafting(s, feed.policy, learn=feed.learn)
-
-    def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> None:
-        """Before a step: the chosen feed (masks, spare groups; threshold mode: masks) and drafts."""
-        choice = None
-        if self.drafting is not None:
-            self.drafting.before_step(strategy, rows)
-            if self.drafting.policy is not None:
-                choice = (strategy.masks, strategy.group_counts["spare"])
-        if self.threshold_feed is not None:
-            strategy.masks = self.threshold_feed.choose(batch=max(1, len(rows)))[0]
-            choice = (strategy.masks, 0)
-        if choice is not None:
-            stats.feed_choices[choice] = stats.feed_choices.get(choice, 0) + 1
-
-    def report(self, stats: DecodeStats) -> None:
-        """The drafting statistics as they stand, into `stats` (plain copies)."""
-        draft = self.drafting.stats if self.drafting is not None else None
-        if draft is not None:
-            stats.draft_reached = {k: list(v) for k, v in draft.reached.items()}
-            stats.draft_kept = {k: list(v) for k, v in draft.kept.items()}
-
-    @classmethod
-    def of(cls, plan: DecodeSettings, feed: FeedController | None, batch: int, *, served: bool = False) -> _Run:
-        return cls(plan, feed.start(plan, batch, served=served) if feed is not None else FeedRun(plan.cache), served=served)
-
-
-def _advance(backend, cache, strategy, rows: list[Row], run: _Run, stats: DecodeStats) -> list[list[int]]:
+def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: DecodeStats) -> list[list[int]]:
     """One forward of the loop: the strategy lays out what every row feeds, the backend runs
     it, the mode (each row at its own threshold, or verification of the drafts) decides what
     each row keeps, the rows grow and the strategy commits. Returns the tokens each row took
@@ -277,7 +213,7 @@ class ContinuousBatch:
         self.backend = backend
         # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
         # window decoding the drafting (its feed policy learns across the batch's life).
-        self.run = _Run.of(settings, controller, 1, served=True)
+        self.run = execution(settings, controller, 1, served=True)
         self.s = self.run.plan
         self._stats = DecodeStats(rows=[], cache=self.s.cache)
         self.keep_keys = keep_keys
@@ -355,9 +291,6 @@ class ContinuousBatch:
         Rows that finished in this step have left the batch when it returns."""
         if not self.rows:
             return []
-        s = self.s
-        all_ar = ar_mode_rows(s.metric, [r.threshold for r in self.rows]).all()
-        self.strategy.masks = 0 if all_ar and not s.verifies else s.block_size  # drafts verified: the drafting may narrow it
         rows = list(self.rows)
         accepted = _advance(self.backend, self.cache, self.strategy, rows, self.run, self._stats)
         self.leave([r for r in rows if r.done])

@@ -240,7 +240,7 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
                 warn: Callable[[str], None] | None = None, default_mode: Mode | None = None,
                 default_threshold: float | None = None, hedge: int | None = None,
                 alternatives: int = 0, ngram: int = 0, corpus: Any = None, drafts: DraftSources | None = None,
-                **fields) -> DecodeSettings:
+                feed: str | None = "auto", **fields) -> DecodeSettings:
     """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request,
     the only place a mode is chosen (`choose_mode`): the metric and block size default to the
     checkpoint's; with no threshold the default mode applies: a server's (`default_mode`, at
@@ -249,8 +249,10 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
     `lossless` None or False: not asked; greedy threshold mode is verified unless `verify` is
     False; a model without mars.json is held to AR mode or lossless decoding unless `force`.
     The draft sources come as `drafts` or as their fields (`hedge`, `alternatives`, `ngram`,
-    `corpus`); `fields`: the other DecodeSettings fields (max_tokens, cache, sampling, feed...).
-    Verified threshold mode runs on the window cache where the block cache was asked for."""
+    `corpus`); `feed` "auto" or "fixed", None for the CLI's default: fixed where a lossless
+    plan names its spare groups (`hedge`), else auto; `fields`: the other DecodeSettings fields
+    (max_tokens, cache, sampling...). Verified threshold mode runs on the window cache where the
+    block cache was asked for."""
     metric = metric_for(mars, metric)
     if threshold is not None:
         threshold = check_threshold(metric, threshold)
@@ -265,8 +267,10 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
         fields["cache"] = "window"
     if drafts is None:
         drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus)
+    if feed is None:
+        feed = "fixed" if mode is Mode.LOSSLESS and drafts.hedge is not None else "auto"
     return DecodeSettings(mask_id=mask_id, eos_ids=tuple(eos_ids), mode=mode, block_size=block_size_for(mars, block_size),
-                          threshold=threshold, metric=metric, drafts=drafts, **fields)
+                          threshold=threshold, metric=metric, drafts=drafts, feed=feed, **fields)
 
 
 def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:

@@ -30,7 +30,7 @@ class WindowStrategy:
         self.s = settings
         self.cached = cached
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
-        # Per step, a cost-aware loop may narrow these (FeedPolicy); lossless output stays AR's.
+        # Per step, a cost-aware loop may narrow these (LosslessFeed); lossless output stays AR's.
         self.masks = settings.masks_per_step
         # The most groups of each in-forward source a step feeds ("spare", "alt").
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}

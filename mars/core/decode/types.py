@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .drafts import MASKS, SPARE
+
 
 class StepBackend(Protocol):
     """What the loop needs from a backend (see mars/backends/base.py)."""
@@ -145,7 +147,7 @@ class DecodeStats:
         return out
 
 
-MASK_SOURCES = ("masks", "spare", "threshold")  # what the masks bring: drafts, spare groups, unverified threshold tokens
+MASK_SOURCES = (MASKS, SPARE, "threshold")  # what the masks bring: drafts, spare groups, unverified threshold tokens
 
 
 def masks_share(sources: dict[str, int] | None) -> float | None:
@@ -182,7 +184,7 @@ class Row:
         self.done = False
         self.finish = ""
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
-        self.source = "masks"  # where `drafts` came from: masks | spare | ngram | corpus | alt
+        self.source = MASKS  # where `drafts` came from: masks | spare | ngram | corpus | alt
         self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DraftSources.alternatives)
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 

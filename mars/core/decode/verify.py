@@ -16,6 +16,8 @@ import numpy as np
 from ..acceptance import accept_counts, ar_mode_rows
 from .types import Row
 from .plan import DecodeSettings, Sampling
+from .drafts import MASKS
+from .drafts.masks import Masks
 from .layout import Layout
 
 
@@ -78,7 +80,7 @@ def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str
         ids = out[0]
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
-        ar, proposals = ids[:, columns.ar_reads], ids[:, columns.mask_reads]
+        ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
         same = (layout.drafts == ar[:, :width]) & (np.arange(width)[None, :] < layout.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
         token = ar[np.arange(b), kept]
@@ -110,11 +112,11 @@ def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str
             nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
             nxt_conf.append(None if conf is None else conf[i, read : read + group.masks])
         elif kept[i] == layout.n_drafts[i]:
-            nxt.append(("masks", [int(t) for t in proposals[i]]))
+            nxt.append((MASKS, [int(t) for t in proposals[i]]))
             nxt_conf.append(None if conf is None else conf[i, columns.mask_reads])
             read = columns.mask_reads.start
         else:
-            nxt.append(("masks", []))
+            nxt.append((MASKS, []))
             nxt_conf.append(None)
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)

@@ -33,7 +33,7 @@ import numpy as np
 
 from .alternatives import Alternatives
 from .corpus import DraftCorpus
-from .masks import NAME as MASKS
+from .masks import Masks
 from .ngram import NgramLookup
 from .spare import SpareGroups
 
@@ -79,7 +79,11 @@ class GroupSource(Protocol):
 
 # The in-forward sources beside the masks, in the order their groups follow the window.
 GROUP_SOURCES: dict[str, GroupSource] = {SpareGroups.name: SpareGroups(), Alternatives.name: Alternatives()}
-IN_FORWARD = (MASKS, *GROUP_SOURCES)  # the model's own proposals, read from the verifying forward
+IN_FORWARD = (Masks.name, *GROUP_SOURCES)  # the model's own proposals, read from the verifying forward
+# Every source's name, for the code that counts tokens by source or sizes a source's groups.
+MASKS, SPARE, ALT = Masks.name, SpareGroups.name, Alternatives.name
+# How a report names each source's tokens.
+LABELS = {s.name: s.label for s in (Masks, SpareGroups, NgramLookup, DraftCorpus, Alternatives)}
 
 
 def lookup_sources(plan: DecodeSettings) -> list[Proposer]:

@@ -18,6 +18,7 @@ class Alternatives:
     """The runner-up alternatives source: up to `count` groups, for rows that feed a draft."""
 
     name = "alt"
+    label = "alternative groups"
 
     @staticmethod
     def count(plan) -> int:

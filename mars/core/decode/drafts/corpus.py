@@ -52,6 +52,7 @@ class DraftCorpus:
     `match`. Immutable once built: copies share it."""
 
     name = "corpus"
+    label = "corpus drafts"
 
     def __init__(self, sequences=None, *, tokens: np.ndarray | None = None):
         if tokens is None:

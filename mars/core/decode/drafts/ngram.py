@@ -103,6 +103,7 @@ class NgramLookup:
     prompt and reply."""
 
     name = "ngram"
+    label = "n-gram drafts"
     KEEP = 256
 
     def __init__(self):

@@ -17,6 +17,7 @@ class SpareGroups:
     feeds (a spare group follows a draft), and only where masks are fed."""
 
     name = "spare"
+    label = "spare-group drafts"
 
     @staticmethod
     def count(plan) -> int:

@@ -1,0 +1,91 @@
+"""How a run executes, decided once (`execution`) from its plan and the model's feed controller:
+the cache strategy that runs, the drafting of a run that verifies drafts, and what chooses each
+step's feed (a policy on the measured cost curves, or the plan's fixed feed). The loop
+(`generate`, `ContinuousBatch`) asks nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..acceptance import ar_mode_rows
+from .drafting import Drafting
+from .drafts import SPARE
+from .feed import FeedController, LosslessFeed, ThresholdFeed, block_cache_pays
+from .plan import DecodeSettings, Mode
+from .types import DecodeStats, Row
+
+
+@dataclass
+class Execution:
+    """One call of the loop (or one served batch): `plan` with the cache strategy that runs,
+    `drafting` where drafts are verified on the window cache, `lossless_feed` (masks and spare
+    groups of a step that verifies drafts) or `threshold_feed` (threshold mode's masks) where
+    the feed is measured, and `served` for a batch whose rows join and leave."""
+
+    plan: DecodeSettings
+    drafting: Drafting | None = None
+    lossless_feed: LosslessFeed | None = None
+    threshold_feed: ThresholdFeed | None = None
+    served: bool = False
+
+    @property
+    def measured(self) -> bool:
+        """Each step's feed is chosen from the cost curves (else the plan's fixed feed)."""
+        return self.lossless_feed is not None or self.threshold_feed is not None
+
+    def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> None:
+        """Before a step: the masks (and spare groups) it feeds, then each row's drafts. The only
+        place a step's width is set."""
+        s = self.plan
+        batch = max(1, len(rows))  # a finished row not yet dropped still takes its slots
+        if self.served:  # rows of a served batch decode at their own thresholds
+            all_ar = ar_mode_rows(s.metric, [r.threshold for r in rows]).all()
+            strategy.masks = 0 if all_ar and not s.verifies else s.block_size
+        choice = None
+        if self.lossless_feed is not None and self.drafting is not None:
+            strategy.masks, strategy.group_counts[SPARE] = choice = self.lossless_feed.choose(batch=batch)
+        if self.threshold_feed is not None:
+            strategy.masks = self.threshold_feed.choose(batch=batch)[0]
+            choice = (strategy.masks, 0)
+        if self.drafting is not None:
+            self.drafting.before_step(strategy, rows)
+        if choice is not None:
+            stats.feed_choices[choice] = stats.feed_choices.get(choice, 0) + 1
+
+    def report(self, stats: DecodeStats) -> None:
+        """The drafting statistics as they stand, into `stats` (plain copies)."""
+        if self.drafting is not None:
+            draft = self.drafting.stats
+            stats.draft_reached = {k: list(v) for k, v in draft.reached.items()}
+            stats.draft_kept = {k: list(v) for k, v in draft.kept.items()}
+
+
+def execution(plan: DecodeSettings, controller: FeedController | None, batch: int, *,
+              served: bool = False) -> Execution:
+    """How a call of `plan` over `batch` rows runs (a served batch, `served`, keeps its cache and
+    feeds threshold mode's masks as its rows' thresholds ask). Without a controller, or with a
+    plan whose feed is fixed, every step feeds what the plan says."""
+    cache, lossless, threshold, learn = plan.cache, None, None, False
+    if controller is not None and controller.uses(plan):
+        controller.prepare(plan, batch)
+        if plan.mode is Mode.VERIFIED:
+            # What it feeds changes the text: a fresh policy per call (per served batch) on a
+            # frozen copy of the curves, which the run's timings do not refresh.
+            lossless = LosslessFeed.for_plan(controller.stored.snapshot(), plan)
+        elif plan.mode is Mode.THRESHOLD:
+            if not served:  # one policy per call, on a frozen copy
+                threshold = ThresholdFeed(controller.stored, plan.block_size, explore=controller.explore)
+                if cache == "block" and not block_cache_pays(threshold, plan.block_size, plan.block_cache, 0, batch):
+                    cache = "window"
+        elif not (cache == "block" and (served or not plan.sampling.greedy or block_cache_pays(
+                controller.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch))):
+            # Lossless: the measured feed on the window cache, unless the block cache pays.
+            cache, lossless, learn = "window" if cache == "block" else cache, controller.policy_for(plan), True
+    run = plan if cache == plan.cache else replace(plan, cache=cache)
+    drafting = None
+    if run.verifies and cache != "block" and (run.sampling.greedy or (lossless is not None and not served)):
+        # Sampled lossless decoding drafts with a measured feed only (how many masks, how many
+        # of their drafts to verify); its output distribution stays AR sampling's.
+        drafting = Drafting(run, lossless, learn=learn)
+    return Execution(run, drafting, lossless if drafting is not None else None, threshold, served)
