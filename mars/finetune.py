@@ -16,7 +16,7 @@ from .core.files import OutputError, check_output, restore_swapped_dir
 from .core.loss import check_slot_weights
 from .core.acceptance import ThresholdError, check_threshold
 from .core.decode.rules import DEFAULT_METRIC
-from .core.train.loop import CHECKPOINT, TrainSettings, process_rank
+from .core.train.loop import CHECKPOINT, GATE_NEEDS_LORA, TrainSettings, process_rank
 
 
 # The most tokens of training data `finetune` keeps as the checkpoint's draft corpus (about
@@ -67,7 +67,7 @@ def finetune(data, output, *, model=None, backend: str = "auto", dtype: str = "a
     if fuse and kind != "lora":
         raise FinetuneError("fuse", "only applies to fine_tune_type lora")
     if gate != "none" and kind != "lora":
-        raise FinetuneError("gate", "gates LoRA deltas; it needs fine_tune_type lora")
+        raise FinetuneError("gate", GATE_NEEDS_LORA)
     if fuse and gate == "masks":
         raise FinetuneError("fuse", GATED_FUSE_REFUSED)
     val_batches = train.get("val_batches", TrainSettings.val_batches)

@@ -19,6 +19,8 @@ CHECKPOINT = "checkpoint"  # the resumable state inside the output directory
 TRAINING_LOG = "training_log.jsonl"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
+GATE_NEEDS_LORA = "gates LoRA deltas; it needs fine_tune_type lora"
+
 
 @dataclass
 class TrainSettings:
@@ -55,6 +57,10 @@ class TrainSettings:
     # (what the LM head reads) pulled to the clean stream's at the same position (stop-gradient),
     # as a squared error relative to the clean state's own squared norm. 0: no such term.
     consistency: float = 0.0
+
+    def __post_init__(self):
+        if self.gate != "none" and self.fine_tune_type != "lora":
+            raise ValueError(f"gate {self.gate} {GATE_NEEDS_LORA}")
 
 
 def process_rank() -> int:
