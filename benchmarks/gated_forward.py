@@ -32,7 +32,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from mars.backends.torch.model import TorchDecoder, load
+    from mars.backends.torch.load import load
+    from mars.backends.torch.decode import TorchDecoder
     from mars.core.decode.plan import Sampling
 
     torch.set_num_threads(args.threads)

@@ -33,7 +33,8 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     from mars.backends.torch.gate import MaskGate
-    from mars.backends.torch.model import MarsLoss, ensure_mask_token, load, loss_inputs
+    from mars.backends.torch.load import ensure_mask_token, load
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from mars.core.train.data import batches, load_split
     from mars.core.train.loop import LORA_TARGETS
 

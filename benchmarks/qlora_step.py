@@ -40,7 +40,7 @@ def rows_of(tokenizer, batch: int, length: int):
 
 def mars_step(path: Path, batch, out: Path):
     """A function running one MARS LoRA step of `mars finetune --backend mlx` on `batch`."""
-    from mars.backends.mlx.model import ensure_mask_token, load
+    from mars.backends.mlx.load import ensure_mask_token, load
     from mars.backends.mlx.train import MlxTrainer
     from mars.core.train.loop import TrainSettings
 

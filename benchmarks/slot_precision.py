@@ -40,7 +40,9 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
     decoder's own (greedy `slot_predictions`)."""
     import torch
 
-    from mars.backends.torch.model import MarsLoss, additive_mask, slot_predictions
+    from mars.backends.torch.forward import additive_mask
+    from mars.backends.torch.decode import slot_predictions
+    from mars.backends.torch.loss import MarsLoss
     from mars.core.decode.plan import Sampling
     from mars.core.train.data import batches
     from mars.core.loss import IGNORE

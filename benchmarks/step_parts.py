@@ -320,7 +320,7 @@ class Profiler:
         import mlx.core as mx
         import numpy as np
 
-        from mars.backends.mlx import model as mlx_model
+        from mars.backends.mlx import decode as mlx_model, forward as mlx_forward
 
         c, P, t = self.clock, self.patches, self.transfers
         profiler = self
@@ -367,6 +367,7 @@ class Profiler:
         counted.array = reading(np.array)
         counted.asarray = reading(np.asarray)
         P.set(mlx_model, "np", counted)
+        P.set(mlx_forward, "np", counted)
 
     # -- on and off ----------------------------------------------------------------------------
 
@@ -469,7 +470,7 @@ def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward
 
 
 def machine(args, session) -> dict:
-    from mars.backends.torch.model import cpu_name
+    from mars.backends.torch.decode import cpu_name
 
     info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_name(), "cores": os.cpu_count()}
     if hasattr(os, "getloadavg"):

@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
 
     import numpy as np
 
-    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from mars.core.train.data import batches
     from mars.evaluate import load_examples, load_model
 

@@ -92,7 +92,7 @@ def environment(device: str) -> dict:
     import torch
     import transformers
 
-    from mars.backends.torch.model import cpu_name
+    from mars.backends.torch.decode import cpu_name
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": device, "cpu": cpu_name(), "torch_threads": torch.get_num_threads()}

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny import make_model, make_tokenizer  # noqa: E402
 
-from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load  # noqa: E402
+from mars.backends.torch.load import TorchModel, ensure_mask_token, load  # noqa: E402
+from mars.backends.torch.decode import TorchDecoder  # noqa: E402
 from mars.backends.torch.train import TorchTrainer  # noqa: E402
 from mars.core.train.loop import TrainSettings  # noqa: E402
 from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402

@@ -6,7 +6,7 @@ model built here, on both backends.
   sliding windows included), for windows larger and smaller than the sequence.
 - torch: threshold 1.0 equals transformers' greedy `generate`; lossless equals AR; cached
   equals uncached; batched rows (holes, per-row positions) equal the rows alone.
-- MLX (mars.backends.mlx.model.SUPPORTED): the same tokens as torch on the same weights, the
+- MLX (mars.backends.mlx.load.SUPPORTED): the same tokens as torch on the same weights, the
   same training losses, lossless equal to AR.
 - `mars convert` HF -> MLX -> HF bit for bit (mars.convert.SUPPORTED), and `--to vllm` writes a
   drafter transformers loads with the checkpoint's logits.
@@ -20,7 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, model_windows
+from mars.backends.torch.forward import model_windows
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.loss import MarsLoss, loss_inputs
 from mars.core.decode.loop import generate
 from mars.core.loss import IGNORE
 from tiny import ARCHITECTURES, make_model, make_plan, make_tokenizer, save_model
@@ -132,7 +135,7 @@ def test_torch_decoding_is_exact(tok, case):
 
 
 def mlx_cases():
-    from mars.backends.mlx.model import SUPPORTED
+    from mars.backends.mlx.load import SUPPORTED
 
     return [c for c in CASES if c[0] in SUPPORTED]
 
@@ -143,8 +146,8 @@ _PAIRS = {}
 def pair(tmp_path_factory, case):
     """(directory, MLX-loaded, torch-loaded) of a tiny model, built once per test session."""
     if case not in _PAIRS:
-        from mars.backends.mlx.model import load as mlx_load
-        from mars.backends.torch.model import load as torch_load
+        from mars.backends.mlx.load import load as mlx_load
+        from mars.backends.torch.load import load as torch_load
 
         arch, window = case
         path = save_model(tmp_path_factory.mktemp(case_id(case)) / "model", arch, seed=1, window=window)
@@ -158,8 +161,9 @@ def test_mlx_equals_torch_and_is_exact(tmp_path_factory, case):
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
-    from mars.backends.mlx.model import MlxDecoder, mars_losses
-    from mars.backends.mlx.model import loss_inputs as mlx_loss_inputs
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.loss import mars_losses
+    from mars.backends.mlx.loss import loss_inputs as mlx_loss_inputs
 
     path, m, t = pair(tmp_path_factory, case)
     prompts = prompts_of(t.tokenizer)
@@ -351,7 +355,7 @@ def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok,
         dec = TorchDecoder(tiny_torch(tok, arch, SMALL_WINDOW))
     else:
         pytest.importorskip("mlx_lm")
-        from mars.backends.mlx.model import MlxDecoder
+        from mars.backends.mlx.decode import MlxDecoder
 
         dec = MlxDecoder(pair(tmp_path_factory, (arch, SMALL_WINDOW))[1])
     prompts = prompts_of(tok) * 2
@@ -380,9 +384,9 @@ def test_a_lora_adapter_decodes_alike_on_both_backends(tmp_path, data, arch):
     pytest.importorskip("mlx_lm")
     from clitools import invoke, ok
 
-    from mars.backends.mlx.model import MlxDecoder
-    from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.torch.model import load as torch_load
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.load import load as mlx_load
+    from mars.backends.torch.load import load as torch_load
 
     base = save_model(tmp_path / "base", arch, seed=1, window=SMALL_WINDOW if arch in SLIDING else None)
     out = tmp_path / "adapter"

@@ -10,7 +10,8 @@ import pytest
 import torch
 from tiny import make_tokenizer, make_plan
 
-from mars.backends.torch.model import TorchDecoder, TorchModel, ensure_mask_token, load
+from mars.backends.torch.load import TorchModel, ensure_mask_token, load
+from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.data import Example, encode_record, pad_to_block
 from mars.core.decode.loop import generate
@@ -185,8 +186,8 @@ def test_torch_lora_output_names_no_local_base_path(tmp_path):
 
 def mlx_trainer(base: Path, out: Path, kind: str = "lora", announce=None):
     pytest.importorskip("mlx.core")
-    from mars.backends.mlx.model import ensure_mask_token as mlx_mask_token
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.load import ensure_mask_token as mlx_mask_token
+    from mars.backends.mlx.load import load as mlx_load
     from mars.backends.mlx.train import MlxTrainer
 
     loaded = mlx_load(base, **QUIET)
@@ -196,7 +197,7 @@ def mlx_trainer(base: Path, out: Path, kind: str = "lora", announce=None):
 
 
 def test_mlx_lora_output_names_no_local_base_path(tmp_path):
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.load import load as mlx_load
     from mars.checkpoint.default_model import DEFAULT_REF
 
     base = save_rope_model(tmp_path / "base")
@@ -241,8 +242,8 @@ def test_unseeded_sampling_leaves_the_global_torch_rng_alone(lossless):
 
 def test_mlx_training_on_the_cpu_says_it_is_slow(tmp_path, capsys):
     mx = pytest.importorskip("mlx.core")
-    from mars.backends.mlx.model import ensure_mask_token as mlx_mask_token
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.load import ensure_mask_token as mlx_mask_token
+    from mars.backends.mlx.load import load as mlx_load
     from mars.backends.mlx.train import MlxTrainer
 
     base = save_rope_model(tmp_path / "base")

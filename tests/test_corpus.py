@@ -14,7 +14,8 @@ import torch
 
 from clitools import invoke, ok, one_line_error
 from mars.backends import base
-from mars.backends.torch.model import TorchDecoder, TorchModel
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.drafts import corpus as corpus_drafts
 from mars.core.decode.drafts.corpus import CorpusError, DraftCorpus
 from mars.core.decode.cost import CostCurve
@@ -140,7 +141,7 @@ def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
 def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
     # `mars corpus` writes the file into a model directory; loaded from there, the decode
     # settings carry it unless asked otherwise, and a model without one has none.
-    from mars.backends.torch.model import load
+    from mars.backends.torch.load import load
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(tiny, ckpt)

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchDecoder, TorchModel
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
 from hypothesis import given
 from hypothesis import settings as settings_hypothesis
 from hypothesis import strategies as st

@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchDecoder, load
+from mars.backends.torch.load import load
+from mars.backends.torch.decode import TorchDecoder
 from tiny import make_plan
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt

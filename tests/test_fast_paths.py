@@ -11,7 +11,9 @@ import torch.nn.functional as F
 
 from mars.backends.torch import packed
 from mars.backends.torch.attention import NAME, use_grouped_sdpa
-from mars.backends.torch.model import TorchDecoder, TorchModel, additive_mask
+from mars.backends.torch.forward import additive_mask
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
 from mars.core.masks import decode_mask
 from tiny import make_model, make_tokenizer, make_plan
 
@@ -225,7 +227,7 @@ def test_row_counts_chosen_for_f_linear_run_it(monkeypatch):
 
 
 def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, tmp_path):
-    from mars.backends.torch import model as torch_model
+    from mars.backends.torch import decode as torch_model
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path))
     tok = make_tokenizer()
@@ -262,7 +264,7 @@ def test_lossless_decoding_is_ar_with_small_products_on_f_linear():
 
 
 def test_a_read_only_cache_does_not_stop_the_decoder(monkeypatch, tmp_path):
-    from mars.backends.torch import model as torch_model
+    from mars.backends.torch import decode as torch_model
     from mars.core import files
 
     def refuse(*args, **kw):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from clitools import invoke, ok, one_line_error
-from mars.backends.torch.model import TorchDecoder
+from mars.backends.torch.decode import TorchDecoder
 from tiny import make_plan
-from mars.backends.torch.model import load as torch_load
+from mars.backends.torch.load import load as torch_load
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 
@@ -111,8 +111,9 @@ def test_a_gated_adapter_loads_and_decodes_alike_on_mlx(tiny, gated, tmp_path):
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
-    from mars.backends.mlx.model import MlxDecoder, head, hidden_states
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.forward import head, hidden_states
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.load import load as mlx_load
 
     ok(invoke("convert", gated, "--to", "mlx", "--output", tmp_path / "mlx-adapter", "--model", tiny))
     assert json.loads((tmp_path / "mlx-adapter" / "mars.json").read_text())["gate"] == "masks"
@@ -137,8 +138,8 @@ def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path)
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
-    from mars.backends.mlx.model import head, hidden_states
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.forward import head, hidden_states
+    from mars.backends.mlx.load import load as mlx_load
 
     out = tmp_path / "mlx-gated"
     ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 20,
@@ -180,7 +181,7 @@ def _batch(tok):
 
 @pytest.mark.parametrize("temperature,mix", [(1.0, 1.0), (2.0, 1.0), (0.5, 0.3)])
 def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
-    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
@@ -191,7 +192,7 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
         noisy, clean = MarsLoss(model, mask_id=3, distill=(temperature, mix))(**inputs)
         ce_noisy, ce_clean = MarsLoss(model, mask_id=3)(**inputs)
         # By hand: the logits at the noisy and the clean positions of each label, from a plain forward.
-        from mars.backends.torch.model import body_and_head
+        from mars.backends.torch.forward import body_and_head
 
         body, head = body_and_head(model)
         h = body(input_ids=inputs["input_ids"], position_ids=inputs["positions"], attention_mask=inputs["attn"]).last_hidden_state
@@ -210,9 +211,9 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
 def test_the_training_losses_agree_across_backends(distill, slot_weights, consistency):
     """Distillation (and with it, slot weights and the consistency term): torch = MLX."""
     pytest.importorskip("mlx_lm")
-    from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.mlx.model import mars_losses, loss_inputs as mlx_loss_inputs
-    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from mars.backends.mlx.load import load as mlx_load
+    from mars.backends.mlx.loss import mars_losses, loss_inputs as mlx_loss_inputs
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from tiny import make_tokenizer, save_model
 
     import tempfile
@@ -233,7 +234,8 @@ def test_the_training_losses_agree_across_backends(distill, slot_weights, consis
 
 
 def test_slot_weights_and_the_consistency_term_equal_a_hand_computation():
-    from mars.backends.torch.model import MarsLoss, body_and_head, loss_inputs
+    from mars.backends.torch.forward import body_and_head
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
@@ -310,7 +312,7 @@ def test_the_gated_split_forward_gives_the_joint_forwards_losses_and_gradients(t
     from peft import LoraConfig, get_peft_model
 
     from mars.backends.torch.gate import MaskGate
-    from mars.backends.torch.model import MarsLoss, loss_inputs
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from tiny import make_tokenizer
 
     tok = make_tokenizer()
@@ -343,7 +345,7 @@ def test_the_gated_split_forward_gives_the_joint_forwards_losses_and_gradients(t
 def test_eval_losses_of_a_gated_adapter_run_its_gate_on_both_backends(tiny, gated, tmp_path):
     """`mars eval`'s NLL goes through the adapter's gate: the noisy loss is the adapter's
     (not the base's with its deltas held at zero), the clean loss is the base weights', and MLX agrees."""
-    from mars.backends.torch.model import MarsLoss, loss_inputs, losses
+    from mars.backends.torch.loss import MarsLoss, loss_inputs, losses
 
     tm = torch_load(gated, **QUIET)
     mask = tm.mars.mask_token_id
@@ -362,8 +364,8 @@ def test_eval_losses_of_a_gated_adapter_run_its_gate_on_both_backends(tiny, gate
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
-    from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.mlx.model import losses as mlx_losses
+    from mars.backends.mlx.load import load as mlx_load
+    from mars.backends.mlx.loss import losses as mlx_losses
 
     ok(invoke("convert", gated, "--to", "mlx", "--output", tmp_path / "mlx-adapter", "--model", tiny))
     m = mlx_load(tmp_path / "mlx-adapter", **QUIET)

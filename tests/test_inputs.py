@@ -215,7 +215,8 @@ def test_ignored_options_are_reported(lossless_ckpt):
 def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     """Without a threshold the server decodes a lossless-default checkpoint losslessly, as generate does."""
     pytest.importorskip("starlette")
-    from mars.backends.torch.model import TorchDecoder, load
+    from mars.backends.torch.load import load
+    from mars.backends.torch.decode import TorchDecoder
     from mars.serve import ServeLimits, build
     from mars.serve.api import ApiError, parse
     from mars.serve.engine import Job
@@ -407,7 +408,8 @@ def served(lossless_ckpt):
     import threading
     import time
 
-    from mars.backends.torch.model import TorchDecoder, load
+    from mars.backends.torch.load import load
+    from mars.backends.torch.decode import TorchDecoder
     from mars.serve import ServeLimits, build
 
     tm = load(lossless_ckpt, device="cpu", announce=lambda m: None)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mars.backends.torch.model import TorchDecoder
+from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
 from tiny import load_script, spell_records, train_spelling, make_plan

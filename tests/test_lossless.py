@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchDecoder, TorchModel, sampling_probs
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder, sampling_probs
 from mars.core.decode.layout import layout_mask
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling

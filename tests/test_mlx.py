@@ -10,11 +10,14 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from mars.backends.mlx.model import MlxDecoder, head, hidden_states, mars_losses, loss_inputs as mlx_loss_inputs  # noqa: E402
-from mars.backends.mlx.model import load as mlx_load  # noqa: E402
-from mars.backends.mlx.model import slot_predictions as mlx_slots  # noqa: E402
-from mars.backends.torch.model import MarsLoss, TorchDecoder, loss_inputs  # noqa: E402
-from mars.backends.torch.model import load as torch_load  # noqa: E402
+from mars.backends.mlx.forward import head, hidden_states  # noqa: E402
+from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
+from mars.backends.mlx.loss import mars_losses, loss_inputs as mlx_loss_inputs  # noqa: E402
+from mars.backends.mlx.load import load as mlx_load  # noqa: E402
+from mars.backends.mlx.decode import slot_predictions as mlx_slots  # noqa: E402
+from mars.backends.torch.decode import TorchDecoder  # noqa: E402
+from mars.backends.torch.loss import MarsLoss, loss_inputs  # noqa: E402
+from mars.backends.torch.load import load as torch_load  # noqa: E402
 from mars.core.acceptance import confidence_from_logits  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.decode.plan import Sampling  # noqa: E402
@@ -147,7 +150,7 @@ def test_mlx_sampling_is_seeded_and_top_k_one_is_greedy(pair):
 def test_unsupported_architecture_is_a_clear_error(tmp_path):
     import json
 
-    from mars.backends.mlx.model import MlxModelError
+    from mars.backends.mlx.load import MlxModelError
 
     path = save_model(tmp_path / "m", "llama")
     config = json.loads((path / "config.json").read_text())
@@ -175,8 +178,8 @@ def test_quantized_mlx_lm_model_decodes_like_mlx_lm(tmp_path):
 
 
 def test_both_backends_choose_the_same_mask_token(pair):
-    from mars.backends.mlx.model import ensure_mask_token as mlx_mask
-    from mars.backends.torch.model import ensure_mask_token as torch_mask
+    from mars.backends.mlx.load import ensure_mask_token as mlx_mask
+    from mars.backends.torch.load import ensure_mask_token as torch_mask
 
     m, t = pair
     a = mlx_mask(m.model, m.tokenizer, None, block_size=4, exclude=m.eos_ids, announce=lambda x: None)

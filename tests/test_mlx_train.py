@@ -14,13 +14,9 @@ mx = pytest.importorskip("mlx.core")
 
 from tiny import save_model, make_plan
 
-from mars.backends.mlx.model import (
-    MASK_EMBEDDING_FILE,
-    MASK_EMBEDDING_KEY,
-    MlxDecoder,
-    ensure_mask_token,
-    load,
-)
+from mars.backends.mlx.decode import MlxDecoder
+from mars.backends.mlx.load import ensure_mask_token, load
+from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY
 from mars.backends.mlx.train import MlxTrainer
 from mars.core.train.data import Example, encode_record, pad_to_block
 from mars.core.decode.loop import generate
@@ -240,8 +236,8 @@ def test_same_history_as_the_torch_trainer(tmp_path):
     as torch's) give the same losses, step by step, on both backends."""
     pytest.importorskip("torch")
     pytest.importorskip("accelerate")
-    from mars.backends.torch.model import ensure_mask_token as torch_mask_token
-    from mars.backends.torch.model import load as torch_load
+    from mars.backends.torch.load import ensure_mask_token as torch_mask_token
+    from mars.backends.torch.load import load as torch_load
     from mars.backends.torch.train import TorchTrainer
 
     base = save_model(tmp_path / "base", "llama", seed=3, hidden=32)

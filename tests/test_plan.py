@@ -138,7 +138,7 @@ def chatted(path, prompt: str) -> tuple[str, str]:
 def served(path, **fields) -> list[tuple[str, str]]:
     """`mars serve` with no mode fields in the request but `fields` (temperature 0): (text, usage.mode)."""
     from mars.backends import base
-    from mars.backends.torch.model import TorchDecoder
+    from mars.backends.torch.decode import TorchDecoder
     from mars.serve import EngineLimits
     from test_serve import live
 

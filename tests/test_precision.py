@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from mars.backends.torch import attention
-from mars.backends.torch.model import TorchDecoder, TorchModel, additive_mask
+from mars.backends.torch.forward import additive_mask
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.loop import generate
 from mars.core.masks import decode_mask
 from tiny import PROMPTS, make_model, make_plan, make_tokenizer

@@ -3,7 +3,7 @@ quantized base itself (QLoRA) decode there in every mode and through every entry
 QLoRA's output converts to PEFT (for the dequantized weights) and fuses back into a quantized model.
 
 The mask token's trained row is kept beside a quantized embedding as a float vector of its own
-(mars.backends.mlx.model.MaskRowEmbedding); the quantized table stays the base's, bit for bit.
+(mars.backends.mlx.load.MaskRowEmbedding); the quantized table stays the base's, bit for bit.
 A token equal to the mask id fed back as input is a mask to a MARS model: where the base's own
 greedy reply contains the (tiny tokenizer's) mask id, a gated adapter's AR cannot equal the
 base's, so the comparisons with mlx-lm skip those prompts and say how many are left.
@@ -21,7 +21,9 @@ from clitools import invoke, ok, one_line_error, spell_records, write_jsonl  # n
 from test_mlx_train import examples_of, mlx_lm_greedy  # noqa: E402
 from tiny import PROMPTS, make_plan, save_model  # noqa: E402
 
-from mars.backends.mlx.model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MaskRowEmbedding, MlxDecoder, ensure_mask_token, load  # noqa: E402
+from mars.backends.mlx.load import MaskRowEmbedding, ensure_mask_token, load  # noqa: E402
+from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
+from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY  # noqa: E402
 from mars.backends.mlx.train import MlxTrainer  # noqa: E402
 from mars.convert import convert_model  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
@@ -163,8 +165,8 @@ def test_qlora_end_to_end(models, tmp_path):
     one_line_error(invoke("generate", "--backend", "torch", "--model", peft, "--prompt", "x"), "4-bit", "mars convert", "--to hf")
     dequantized = tmp_path / "q4-hf"
     ok(invoke("convert", q4, "--to", "hf", "--output", dequantized))
-    from mars.backends.torch.model import TorchDecoder
-    from mars.backends.torch.model import load as torch_load
+    from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import load as torch_load
 
     t = torch_load(dequantized, adapter_path=peft, **QUIET)
     assert generate(TorchDecoder(t), [encode_prompt(t.tokenizer, x) for x in TEXTS[:4]], plan_for(t, threshold=1.0)).tokens == ar

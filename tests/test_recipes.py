@@ -12,7 +12,7 @@ import torch
 from safetensors.numpy import load_file
 
 from clitools import invoke, ok
-from mars.backends.torch.model import load as torch_load
+from mars.backends.torch.load import load as torch_load
 from tiny import load_script, spell_records
 
 QUIET = dict(announce=lambda m: None)

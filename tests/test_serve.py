@@ -26,7 +26,8 @@ httpx = pytest.importorskip("httpx")
 
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st  # noqa: E402
 
-from mars.backends.torch.model import TorchDecoder, TorchModel  # noqa: E402
+from mars.backends.torch.load import TorchModel  # noqa: E402
+from mars.backends.torch.decode import TorchDecoder  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
 from mars.core.decode.loop import ContinuousBatch, generate  # noqa: E402
@@ -319,8 +320,8 @@ def test_a_served_batch_needs_a_cache(tm):
 @pytest.mark.parametrize("cache,lossless", [("block", False), ("window", False), ("window", True)])
 def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
     pytest.importorskip("mlx.core")
-    from mars.backends.mlx.model import MlxDecoder
-    from mars.backends.mlx.model import load as mlx_load
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.load import load as mlx_load
     from tiny import save_model
 
     loaded = mlx_load(save_model(tmp_path / "model", "llama", seed=1), announce=lambda m: None)
@@ -487,9 +488,9 @@ def test_sampling_requests_are_seeded_and_batched_apart(server):
 
 def test_serves_on_mlx(tmp_path, tok):
     pytest.importorskip("mlx.core")
-    from mars.backends.mlx.model import MlxDecoder
-    from mars.backends.mlx.model import load as mlx_load
-    from mars.backends.torch.model import load as torch_load
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.load import load as mlx_load
+    from mars.backends.torch.load import load as torch_load
     from tiny import save_model
 
     path = save_model(tmp_path / "model", "llama", seed=1)

@@ -73,7 +73,7 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
     else:
         import numpy as np
 
-        from mars.backends.mlx import model as mlx_model
+        from mars.backends.mlx import decode as mlx_model
 
         assert mlx_model.np is np
 

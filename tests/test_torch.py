@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import MarsLoss, TorchDecoder, TorchModel, loss_inputs, slot_predictions
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder, slot_predictions
+from mars.backends.torch.loss import MarsLoss, loss_inputs
 from mars.core.acceptance import confidence_from_logits
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
@@ -288,7 +290,7 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_takes(tm):
     import inspect
 
     from mars.backends.torch.cache import cache_argument
-    from mars.backends.torch.model import body_and_head
+    from mars.backends.torch.forward import body_and_head
 
     class Old(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, **kwargs):
@@ -316,7 +318,7 @@ def test_a_steps_results_cross_to_the_host_in_one_copy_bit_for_bit():
     """On a device, `step` and `speculate` pack their results (ids, confidences, runners-up)
     into one int64 tensor, a float32 by its bits, and copy it once; unpacked, every value and
     dtype is what a copy of each would give."""
-    from mars.backends.torch.model import to_host
+    from mars.backends.torch.decode import to_host
 
     conf = torch.tensor([[0.1, -2.5e-38, float("inf")], [float("-inf"), 1.0, 3.4e38]], dtype=torch.float32)
     ids = torch.tensor([[0, 49151, 2**40], [-1, 7, 3]], dtype=torch.int64)
@@ -348,7 +350,7 @@ def test_a_decoding_gate_reads_the_masks_places_off_the_host(tm):
 def test_decoding_is_the_same_when_every_step_packs_its_results(tm, tok, monkeypatch):
     """The packed copy a device makes, forced here on the CPU: AR, threshold mode with its
     confidences, lossless with runners-up and lossless sampling decode the same tokens."""
-    import mars.backends.torch.model as torch_model
+    import mars.backends.torch.decode as torch_model
     from mars.core.decode.plan import Sampling
 
     prompts = prompts_of(tok, PROMPTS)

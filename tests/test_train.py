@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchModel, ensure_mask_token
+from mars.backends.torch.load import TorchModel, ensure_mask_token
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.loop import TrainSettings, lr_lambda
 from mars.core.train.data import Example, encode_record, pad_to_block
@@ -55,7 +55,8 @@ def test_warmup_then_cosine():
 
 
 def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
-    from mars.backends.torch.model import TorchDecoder, load
+    from mars.backends.torch.load import load
+    from mars.backends.torch.decode import TorchDecoder
     from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
     from tiny import save_model

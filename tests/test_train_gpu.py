@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from clitools import invoke, ok
-from mars.backends.torch.model import load as torch_load
+from mars.backends.torch.load import load as torch_load
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.data import Example, batches, encode_record, pad_to_block
 from mars.core.train.loop import TrainSettings

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchDecoder, TorchModel
+from mars.backends.torch.load import TorchModel
+from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.cost import BatchCosts, CostCurve
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mars.backends.torch.model import TorchDecoder, load
+from mars.backends.torch.load import load
+from mars.backends.torch.decode import TorchDecoder
 from tiny import make_plan
 from mars.core.config import read_config
 from mars.core.decode.loop import generate

@@ -144,7 +144,7 @@ def train_spelling(out_dir, *, steps: int = 150):
     returns (TorchModel with its MarsConfig, training result)."""
     import torch
 
-    from mars.backends.torch.model import TorchModel, ensure_mask_token
+    from mars.backends.torch.load import TorchModel, ensure_mask_token
     from mars.backends.torch.train import TorchTrainer
     from mars.core.train.data import Example, encode_record, pad_to_block
     from mars.core.train.loop import TrainSettings

@@ -53,9 +53,9 @@ def resolve(name: str = "auto") -> str:
 
 def _model_module(name: str):
     if name == "mlx":
-        from .mlx import model
+        from . import mlx as model
     else:
-        from .torch import model
+        from . import torch as model
     return model
 
 

@@ -52,7 +52,7 @@ def warn(message: str) -> None:
 
 
 # Library errors name a setting as `name=value` (or `name=` alone); the CLI says the flag.
-_SETTING = re.compile(r"\b(max_seq_length|on_long|block_size|gate)=")
+_SETTING = re.compile(r"\b(max_seq_length|on_long|block_size|gate|device)=")
 
 
 def as_flags(text: str) -> str:

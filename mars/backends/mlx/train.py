@@ -32,20 +32,11 @@ from ...core.train.loop import (
     write_history,
 )
 from ...checkpoint.architectures import FUSED_LORA_TARGETS
-from ...checkpoint.paths import portable_ref
-from .model import (
-    MASK_EMBEDDING_FILE,
-    MASK_EMBEDDING_KEY,
-    MlxModel,
-    MlxModelError,
-    rope_overrides,
-    body,
-    embed_tokens,
-    mars_losses,
-    set_mask_row,
-    quantize_mask_row,
-    loss_inputs,
-)
+from ...checkpoint.hf_config import rope_overrides
+from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, portable_ref
+from .forward import body, embed_tokens
+from .load import MlxModel, MlxModelError, quantize_mask_row, set_mask_row
+from .loss import loss_inputs, mars_losses
 
 TRAINABLE_FILE = "trainable.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -109,7 +100,7 @@ class MlxTrainer:
         if settings.fine_tune_type == "lora":
             keys = lora_keys(model)
             if not keys:
-                raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
+                raise ValueError("LoRA: none of the usual projection layers found; use fine_tune_type full")
             self.num_layers = len(body(model).layers)
             self.lora_parameters = {
                 "rank": settings.lora_rank,
@@ -119,7 +110,7 @@ class MlxTrainer:
             }
             init = None
             if settings.init_adapter:
-                from .model import mlx_adapter
+                from .load import mlx_adapter
 
                 # A PEFT adapter is converted once (into the cache); its rank, scale and layers rule.
                 init = mlx_adapter(Path(settings.init_adapter), Path(loaded.path), announce=lambda m: None)
@@ -141,16 +132,16 @@ class MlxTrainer:
             mask_row = row.astype(mx.float32)
         elif settings.fine_tune_type == "full":
             if _quantized(model):
-                raise MlxModelError("full fine-tuning needs a float model, not a quantized one; use --fine-tune-type lora")
+                raise MlxModelError("full fine-tuning needs a float model, not a quantized one; use fine_tune_type lora")
             model.unfreeze()
         else:
-            raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+            raise ValueError(f"fine_tune_type must be lora or full, got {settings.fine_tune_type!r}")
         self.gate = None
         if settings.gate == "masks":
             from .gate import MlxMaskGate
 
             if settings.fine_tune_type != "lora":
-                raise ValueError("--gate masks gates LoRA deltas; it needs --fine-tune-type lora")
+                raise ValueError("gate masks gates LoRA deltas; it needs fine_tune_type lora")
             self.gate = MlxMaskGate(model, mars.mask_token_id)
         model.train()
         self.net = _Trainable(model, mask_row)

@@ -1,5 +1,7 @@
 """PyTorch backend: transformers models on CPU, CUDA or MPS; peft LoRA; accelerate for many GPUs."""
 
-from .model import ModelError, TorchDecoder, TorchModel, load
+from .decode import TorchDecoder
+from .load import ModelError, TorchModel, ensure_mask_token, load
+from .loss import losses
 
-__all__ = ["ModelError", "TorchDecoder", "TorchModel", "load"]
+__all__ = ["ModelError", "TorchDecoder", "TorchModel", "ensure_mask_token", "load", "losses"]

@@ -78,7 +78,7 @@ def growing_cache(config):
     position and grow in place. A sliding-window layer of transformers keeps only the last
     `sliding_window` positions, which the decoder's crops (counted from the start) and masks
     (one column per cached position) cannot follow; here the window is applied by the masks
-    instead (mars.backends.torch.model.attention_masks), by position."""
+    instead (mars.backends.torch.forward.attention_masks), by position."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)

@@ -14,8 +14,10 @@ from ...core.files import atomic_dir
 from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
 from ...checkpoint.architectures import FUSED_LORA_TARGETS
 from ...checkpoint.hf_config import add_rope_keys
-from ...checkpoint.paths import portable_ref
-from .model import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, MarsLoss, TorchModel, load_mask_embedding, loss_inputs, model_windows
+from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, portable_ref
+from .forward import model_windows
+from .load import TorchModel, load_mask_embedding
+from .loss import MarsLoss, loss_inputs
 
 class TorchTrainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
@@ -45,7 +47,7 @@ class TorchTrainer:
             present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
             targets = [t for t in LORA_TARGETS + FUSED_LORA_TARGETS if t in present]
             if not targets:
-                raise ValueError("LoRA: none of the usual projection layers found; use --fine-tune-type full")
+                raise ValueError("LoRA: none of the usual projection layers found; use fine_tune_type full")
             config = LoraConfig(
                 r=settings.lora_rank,
                 lora_alpha=settings.lora_alpha,
@@ -63,13 +65,13 @@ class TorchTrainer:
             # EOS is a real, labelled token (and padding is masked out), so it must train.
             model.get_input_embeddings().padding_idx = None
         else:
-            raise ValueError(f"--fine-tune-type must be lora or full, got {settings.fine_tune_type!r}")
+            raise ValueError(f"fine_tune_type must be lora or full, got {settings.fine_tune_type!r}")
         self.gate = None
         if settings.gate == "masks":
             from .gate import GateError, MaskGate
 
             if settings.fine_tune_type != "lora":
-                raise GateError("--gate masks gates LoRA deltas; it needs --fine-tune-type lora")
+                raise GateError("gate masks gates LoRA deltas; it needs fine_tune_type lora")
             self.gate = MaskGate(model, mars.mask_token_id)
         model.train()
         self.model = model

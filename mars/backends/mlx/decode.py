@@ -1,0 +1,198 @@
+"""The MLX backend's decoding step (MlxDecoder, a mars.core.decode.loop.StepBackend) on mlx-lm
+KV caches: forwards, the predictions and confidences of the slots read, sampling, and lossless
+sampling's speculate."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from ...core.acceptance import speculative_sampling
+from ...core.decode.plan import Sampling
+from ...core.decode.types import runners_up_of
+from .forward import Caches, body, head, hidden_states
+from .load import MlxModel
+
+
+def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None):
+    """(ids, confidence) per slot on the device; the same rule as the torch backend."""
+    if metric is None and sampling.greedy:
+        return mx.argmax(logits, axis=-1), mx.zeros(logits.shape[:-1])
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    probs = mx.exp(logp)
+    if sampling.greedy:
+        chosen = mx.argmax(logits, axis=-1)
+    else:
+        chosen = sample(logits, sampling, key)
+    if metric == "probability":
+        conf = mx.take_along_axis(probs, chosen[..., None], axis=-1)[..., 0]
+    elif metric == "margin":
+        top2 = mx.topk(probs, 2, axis=-1)
+        conf = mx.abs(top2[..., 1] - top2[..., 0])
+    else:
+        conf = -mx.sum(mx.where(probs > 0, probs * logp, 0.0), axis=-1)
+    return chosen, conf
+
+
+def sample(logits: mx.array, sampling: Sampling, key):
+    return mx.random.categorical(sampling_logits(logits, sampling), axis=-1, key=key)
+
+
+def sampling_logits(logits: mx.array, sampling: Sampling) -> mx.array:
+    """Tempered, top-k and top-p filtered logits: the distribution sampling draws from (as
+    logits; the torch backend's sampling_probs gives it as probabilities)."""
+    z = logits.astype(mx.float32)
+    z = (z - mx.max(z, axis=-1, keepdims=True)) / sampling.divisor
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = mx.sort(z, axis=-1)[..., -sampling.top_k][..., None]
+        z = mx.where(z < kth, -mx.inf, z)
+    if sampling.top_p < 1.0:
+        order = mx.argsort(-z, axis=-1)
+        sorted_z = mx.take_along_axis(z, order, axis=-1)
+        p = mx.softmax(sorted_z, axis=-1)
+        drop = (mx.cumsum(p, axis=-1) - p) >= sampling.top_p
+        drop[..., 0] = False
+        sorted_z = mx.where(drop, -mx.inf, sorted_z)
+        z = mx.put_along_axis(mx.full(z.shape, -mx.inf), order, sorted_z, axis=-1)
+    return z
+
+
+class MlxDecoder:
+    """The decoding step of docs/method.md §5 for the core loop, on mlx-lm KV caches (trim, never copy)."""
+
+    def __init__(self, loaded: MlxModel):
+        self.loaded = loaded
+        self.model = loaded.model
+        self._key = None
+        self._seed = None
+        self._drafted = None  # lossless sampling: the last step's mask distributions
+
+    def cost_key(self) -> dict:
+        """What a forward's cost depends on besides the model: the cost curve's cache key."""
+        import mlx.core as mx
+
+        # The number format too: a 4-bit base and the float one read through the same adapter path.
+        return {"backend": "mlx", "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", ""),
+                "format": self.loaded.number_format}
+
+    def new_cache(self, batch: int):
+        from mlx_lm.models.cache import KVCache
+
+        self._drafted = None
+        return Caches(KVCache() for _ in body(self.model).layers)
+
+    def crop(self, cache, length: int) -> None:
+        for c in cache:
+            if c.offset > length:
+                c.trim(c.offset - length)
+
+    def keep_rows(self, cache, rows: list[int]) -> None:
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[rows]
+        idx = mx.array(rows, dtype=mx.int32)
+        for c in cache if cache is not None else ():
+            if c.keys is not None:
+                c.keys, c.values = c.keys[idx], c.values[idx]
+        if self._drafted is not None:
+            self._drafted = self._drafted[idx]
+
+    def keep_keys(self, cache, columns) -> None:
+        """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
+        idx = mx.array(np.asarray(columns, dtype=np.int32))
+        for c in cache:
+            if c.keys is not None:
+                c.keys = mx.take(c.keys[..., : c.offset, :], idx, axis=2)
+                c.values = mx.take(c.values[..., : c.offset, :], idx, axis=2)
+                c.offset = len(columns)
+
+    def _next_key(self, sampling: Sampling):
+        if self._key is None or self._seed != sampling.seed:
+            seed = sampling.seed if sampling.seed is not None else int(np.random.SeedSequence().entropy % (2**31))
+            self._key, self._seed = mx.random.key(seed), sampling.seed
+        self._key, sub = mx.random.split(self._key)
+        return sub
+
+    def logits(self, cache, input_ids, positions, mask, read) -> mx.array:
+        """One forward of `input_ids` (as `step`): the logits of the `read` columns."""
+        ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
+        attn = "causal" if mask is None else mx.array(mask)[:, None]
+        if self.loaded.gate is not None:
+            self.loaded.gate.set(ids)
+        h = hidden_states(self.model, ids, positions, attn, cache)
+        idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
+        picked = mx.take_along_axis(h, idx[..., None], axis=1)
+        return head(self.model, picked)
+
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
+        logits = self.logits(cache, input_ids, positions, mask, read)
+        key = None if sampling.greedy else self._next_key(sampling)
+        chosen, conf = slot_predictions(logits, metric, sampling, key)
+        if not (runners_up and sampling.greedy):
+            mx.eval(chosen, conf)
+            return np.array(chosen), np.array(conf)
+        # The n + 1 most likely ids, most likely first: a partition, then a sort of those.
+        top = mx.argpartition(-logits, runners_up, axis=-1)[..., : runners_up + 1]
+        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+        top = mx.take_along_axis(top, order, axis=-1)
+        mx.eval(chosen, conf, top)
+        ids = np.array(chosen)
+        return ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up)
+
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
+        logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
+        width = drafts.shape[1]
+        p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)
+        masks = logits.shape[1] - width - 1  # none when a cost-aware step fed AR's feed alone
+        q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1) if masks else logits[:, :0]
+        batch = p.shape[0]
+        dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)
+        n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
+        u = mx.random.uniform(shape=dr.shape, key=self._next_key(sampling)) if width else None
+        q = self._drafted[:, :width] if width else None
+        kept, dist = speculative_sampling(MLX_OPS, p, q, dr, n, u)
+        token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
+        if masks:
+            proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
+        else:
+            proposals = mx.zeros((batch, 0), dtype=mx.int32)
+        self._drafted = q_next
+        mx.eval(kept, token, proposals, q_next)
+        return np.array(kept), np.array(token), np.array(proposals)
+
+
+class MlxOps:
+    """mars.core.acceptance.DeviceOps on MLX arrays."""
+
+    def arange(self, n):
+        return mx.arange(n)
+
+    def zeros_int(self, n):
+        return mx.zeros((n,), dtype=mx.int32)
+
+    def zeros_like(self, x):
+        return mx.zeros(x.shape)
+
+    def take(self, x, ids):
+        return mx.take_along_axis(x, ids[..., None], axis=-1)[..., 0]
+
+    def leading(self, ok):
+        return mx.cumprod(ok.astype(mx.int32), axis=1).sum(axis=1)
+
+    def where(self, condition, a, b):
+        return mx.where(condition, a, b)
+
+    def minimum(self, x, n):
+        return mx.minimum(x, n)
+
+    def at_least(self, x, low):
+        return mx.maximum(x, low)
+
+    def row_sum(self, x):
+        return x.sum(axis=-1, keepdims=True)
+
+
+MLX_OPS = MlxOps()

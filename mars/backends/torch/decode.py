@@ -1,0 +1,373 @@
+"""The torch backend's decoding step (TorchDecoder, a mars.core.decode.loop.StepBackend): forwards
+on the KV cache, the predictions and confidences of the slots read, sampling, and lossless
+sampling's speculate, with one device-to-host copy a step."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from ...core.acceptance import speculative_sampling
+from ...core.decode.plan import Sampling
+from ...core.decode.types import runners_up_of
+from ...core.masks import decode_mask
+from . import packed
+from .attention import REDUCED, row_exact
+from .cache import cache_argument
+from .forward import additive_mask, attention_masks, model_windows
+from .load import TorchModel
+
+# Below this many bytes of packed weights the row paths are not measured (packed for every
+# product of 2 rows or more): a small model's products cost too little to tell them apart.
+ROW_PATHS_MIN_BYTES = 8 << 20
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo where there is one), for keys of measurements."""
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8", errors="replace"):
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def linear_rows_for(tm: TorchModel) -> list[int]:
+    """The row counts (of 2-4) whose products run `F.linear` rather than the packed product
+    on this CPU (packed.time_row_paths): measured once per CPU model, thread count, dtype,
+    torch version and layer shapes, about a second on the default model, and kept under
+    the cache directory (`MARS_HOME`, default ~/.cache/mars/paths). None for a small model
+    (below ROW_PATHS_MIN_BYTES of packed weights): every product of 2 rows or more is packed."""
+    import json
+
+    from ...checkpoint.default_model import keyed_cache_file
+    from ...core.files import atomic_write_text
+
+    layers = packed.packed_layers(tm.model)
+    size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
+    if size < ROW_PATHS_MIN_BYTES:
+        return []
+    key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(tm.dtype), "torch": torch.__version__,
+           "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}), "layers": len(layers),
+           "paths": 1}
+    path = keyed_cache_file("paths", key)
+    try:
+        return [int(r) for r in json.loads(path.read_text())["linear_rows"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    timings = packed.time_row_paths(tm.model)
+    rows = packed.faster_on_linear(timings)
+    report = {"key": key, "linear_rows": rows,
+              "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()}}
+    try:
+        atomic_write_text(path, json.dumps(report, indent=1))
+    except OSError:
+        pass  # a read-only cache: measure again next time
+    return rows
+
+
+class TorchDecoder:
+    """The decoding step of docs/method.md §5 for the core loop (mars.core.decode.loop.StepBackend).
+
+    `pack` (default: on the CPU where oneDNN is available): the linear layers also keep
+    their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
+    a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards are
+    unchanged. The packed copies double the weights' memory. With packed layers a batch's
+    step computes its real positions alone, not its holes (`skips_holes`)."""
+
+    def __init__(self, tm: TorchModel, pack: bool | None = None):
+        from .attention import use_grouped_sdpa
+        from .packed import can_pack, pack_linears
+
+        self.tm = tm
+        self.body = tm.body
+        self.head = tm.head
+        self.generator = None
+        self._seeded = None
+        self._drafted = None  # lossless sampling: the last step's mask distributions
+        if pack is None:
+            pack = can_pack(tm.device, tm.dtype)
+        self.packed = pack_linears(tm.model) if pack else 0
+        # Row counts whose products run F.linear, where this CPU computes them faster (packed.py).
+        self.linear_rows = linear_rows_for(tm) if self.packed else []
+        if self.packed:
+            packed.use_linear_rows(tm.model, self.linear_rows)
+        # A batch's step computes its real positions alone, not its holes (packed.real_rows).
+        self.skips_holes = bool(self.packed)
+        # CPU: masked multi-token forwards share key heads instead of copying them (same results).
+        self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
+        # CPU, bfloat16 or float16: each attention row computes what a one-token forward computes
+        # (attention.row_exact), so lossless verification reads AR's own predictions.
+        self.row_exact = self.grouped and tm.dtype in REDUCED
+        # Sliding-window layers: the masks cut the window by position (attention_masks), so the
+        # cache keeps every position; the cached keys' positions are kept beside it, per row.
+        self.windows = model_windows(tm.model)
+        self.slides = any(self.windows)
+
+    def cost_key(self) -> dict:
+        """What a forward's cost depends on besides the model: the cost curve's cache key."""
+        return {"backend": "torch", "device": str(self.tm.device), "dtype": str(self.tm.dtype).replace("torch.", ""),
+                "threads": torch.get_num_threads(), "packed": bool(self.packed),
+                "packed_min_rows": packed.MIN_ROWS if self.packed else None,
+                "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
+                "linear_rows": self.linear_rows if self.packed else None,
+                "grouped": self.grouped, "torch": torch.__version__, **({"row_exact": True} if self.row_exact else {})}
+
+    def new_cache(self, batch: int):
+        from .cache import growing_cache
+
+        self._drafted = None
+        return growing_cache(self.tm.model.config)
+
+    def crop(self, cache, length: int) -> None:
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+
+    def keep_rows(self, cache, rows: list[int]) -> None:
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[rows]
+        idx = torch.tensor(rows, device=self.tm.device)
+        for layer in cache.layers if cache is not None else ():
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                layer.keys = layer.keys.index_select(0, idx)
+                layer.values = layer.values.index_select(0, idx)
+        if self._drafted is not None:
+            self._drafted = self._drafted.index_select(0, idx)
+
+    def keep_keys(self, cache, columns) -> None:
+        """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        if getattr(cache, "key_positions", None) is not None:
+            cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                idx = torch.as_tensor(columns, device=layer.keys.device)
+                layer.keys = layer.keys.index_select(-2, idx)
+                layer.values = layer.values.index_select(-2, idx)
+
+    def rng(self, sampling: Sampling):
+        """The generator sampling draws from: this decoder's own, seeded by `sampling.seed`
+        (reseeded when the seed changes), never torch's global one."""
+        if self.generator is None or self._seeded != sampling.seed:
+            self.generator = torch.Generator(device=self.tm.device)
+            if sampling.seed is None:
+                self.generator.seed()  # this generator only: torch.seed() would reseed the global one
+            else:
+                self.generator.manual_seed(sampling.seed)
+            self._seeded = sampling.seed
+        return self.generator
+
+    def logits(self, cache, input_ids, positions, mask, read, valid=None) -> torch.Tensor:
+        """One forward of `input_ids` (as `step`): the float32 logits of the `read` columns,
+        on the device. `step` and `speculate` reduce them; a subclass may inspect them."""
+        unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+        return unique[torch.from_numpy(where).to(unique.device)]
+
+    def _read_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
+        """One forward: the float32 logits of each distinct (row, column) that `read` names,
+        (n, vocab), and where each read finds its own among them, (b, k). A row that
+        feeds fewer drafts than the widest repeats its last read: the head (a large matrix
+        product on a small model) runs once per distinct read. With `valid` (b, q), reads at
+        holes (never used) share the row's first, and with packed layers the body computes
+        the real positions alone (packed.real_rows)."""
+        dev = self.tm.device
+        ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
+        pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
+        if self.slides:
+            attn = self._window_masks(cache, mask, positions)
+        else:
+            attn = None if mask is None else additive_mask(mask, self.tm.dtype, dev)
+        if self.tm.gate is not None:  # the masks' places read off the host's ids: no copy back
+            self.tm.gate.set_host(input_ids, dev)
+        b, q = ids.shape
+        read = np.asarray(read)
+        real = contextlib.nullcontext()
+        if valid is not None:
+            valid = np.asarray(valid)
+            if self.skips_holes and not valid.all():
+                real = packed.real_rows(torch.from_numpy(np.flatnonzero(valid)).to(dev), b * q)
+            # A read at a hole is never used: let it share the row's first read.
+            read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
+        flat = (np.arange(b)[:, None] * q + read).reshape(-1)
+        distinct, where = np.unique(flat, return_inverse=True)
+        with packed.active(), self._row_exact(input_ids, valid):
+            with real:  # the body alone: the head's rows are reads, not positions
+                out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=cache is not None,
+                                **cache_argument(self.body, cache))
+            hidden = out.last_hidden_state
+            picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
+            return self.head(picked[None])[0].float(), where.reshape(read.shape)
+
+    def _row_exact(self, input_ids, valid):
+        """Row-exact attention (attention.row_exact) for the rows fed a real token, whose outputs
+        may be taken as AR's; masks only propose drafts, and holes nothing."""
+        if not self.row_exact:
+            return contextlib.nullcontext()
+        mask_id = self.tm.mars.mask_token_id if self.tm.mars is not None else None
+        if mask_id is None and valid is None:
+            return row_exact()
+        exact = np.ones(np.shape(input_ids), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+        return row_exact(exact if mask_id is None else exact & (np.asarray(input_ids) != mask_id))
+
+    def _window_masks(self, cache, mask, positions):
+        """The attention argument of a model with sliding layers (attention_masks), with the
+        positions of the cached keys (kept on the cache, cut to its length: crops only shorten
+        it) followed by the step's own."""
+        positions = np.asarray(positions, dtype=np.int64)
+        b, q = positions.shape
+        cached = 0 if cache is None else cache.get_seq_length()
+        before = getattr(cache, "key_positions", None)
+        before = np.zeros((b, 0), np.int64) if before is None or not cached else before[:, :cached]
+        keys = np.concatenate([before, positions], axis=1)
+        if cache is not None:
+            cache.key_positions = keys
+        if mask is None:  # plain causal on top of the cache, no holes
+            mask = decode_mask(np.ones(keys.shape, dtype=bool), q)
+        return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
+
+    @torch.inference_mode()
+    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
+        if not sampling.greedy:  # every read draws its own token: the reads stay apart
+            logits = self.logits(cache, input_ids, positions, mask, read, valid)
+            return tuple(to_host(*slot_predictions(logits, metric, sampling, self.rng(sampling))))
+        unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+        chosen, conf = slot_predictions(unique, metric, sampling)
+        # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros)
+        # and the runners-up together.
+        wanted = ([chosen] + ([conf] if metric is not None else [])
+                  + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else []))
+        host = [a[where] for a in to_host(*wanted)]
+        ids = host[0]
+        conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
+        if not runners_up:
+            return ids, conf
+        return ids, conf, runners_up_of(host[-1], ids, runners_up)
+
+    @torch.inference_mode()
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
+        logits = self.logits(cache, input_ids, positions, mask, read)
+        gen = self.rng(sampling)
+        width = drafts.shape[1]
+        p = sampling_probs(logits[:, : width + 1], sampling)
+        q_next = sampling_probs(logits[:, width + 1 :], sampling)
+        device = p.device
+        dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(device)
+        n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(device)
+        u = torch.rand(dr.shape, generator=gen, device=device) if width else None
+        q = self._drafted[:, :width] if width else None
+        kept, dist = speculative_sampling(TorchOps(device), p, q, dr, n, u)
+        token = torch.multinomial(dist, 1, generator=gen)[:, 0]
+        proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
+        self._drafted = q_next
+        return tuple(to_host(kept, token, proposals))
+
+
+_HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
+def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]:
+    """Device tensors (integers, booleans, float32) copied to the host in one transfer: each
+    flattened to int64 (a float32 by its bits), joined, copied, then split and given back its
+    dtype and shape, bit for bit. Tensors already on the CPU are read as they are (`pack`
+    True packs them anyway, as a device would)."""
+    if not (pack if pack is not None else any(a.device.type != "cpu" for a in arrays)):
+        return [a.numpy() for a in arrays]
+    flat = [a.reshape(-1).view(torch.int32).long() if a.dtype == torch.float32 else a.reshape(-1).long()
+            for a in arrays]
+    host = torch.cat(flat).cpu().numpy()
+    out, at = [], 0
+    for a in arrays:
+        part = host[at : at + a.numel()]
+        at += a.numel()
+        part = (part.astype(np.int32).view(np.float32) if a.dtype == torch.float32
+                else part.astype(_HOST_DTYPES[a.dtype]))
+        out.append(part.reshape(tuple(a.shape)))
+    return out
+
+
+class TorchOps:
+    """mars.core.acceptance.DeviceOps on torch tensors of one device."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def arange(self, n):
+        return torch.arange(n, device=self.device)
+
+    def zeros_int(self, n):
+        return torch.zeros(n, dtype=torch.long, device=self.device)
+
+    def zeros_like(self, x):
+        return torch.zeros_like(x)
+
+    def take(self, x, ids):
+        return x.gather(-1, ids[..., None])[..., 0]
+
+    def leading(self, ok):
+        return ok.long().cumprod(1).sum(1)
+
+    def where(self, condition, a, b):
+        return torch.where(condition, a, b)
+
+    def minimum(self, x, n):
+        return x.clamp(max=n)
+
+    def at_least(self, x, low):
+        return x.clamp(min=low)
+
+    def row_sum(self, x):
+        return x.sum(-1, keepdim=True)
+
+
+def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
+    """(ids, confidence) per slot, on the device. Confidence is measured on the untempered
+    distribution: of the drawn token for `probability`, of the slot for entropy and margin.
+    No metric (greedy AR): the argmax alone, as `generate` takes it."""
+    if metric is None and sampling.greedy:
+        return logits.argmax(-1), torch.zeros(logits.shape[:-1], device=logits.device)
+    logp = torch.log_softmax(logits, dim=-1)
+    probs = logp.exp()
+    if sampling.greedy:
+        top = probs.topk(2 if metric == "margin" else 1, dim=-1)
+        chosen = top.indices[..., 0]
+    else:
+        chosen = sample(logits, sampling, generator)
+    if metric == "probability":
+        conf = probs.gather(-1, chosen[..., None])[..., 0]
+    elif metric == "margin":
+        top2 = top.values if sampling.greedy else probs.topk(2, dim=-1).values
+        conf = top2[..., 0] - top2[..., 1]
+    else:
+        conf = -(probs * logp).nan_to_num().sum(-1)
+    return chosen, conf
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Tensor:
+    probs = sampling_probs(logits, sampling)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def sampling_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The distribution sampling draws from: tempered, then top-k and top-p filtered."""
+    z = logits.float()
+    z = (z - z.amax(-1, keepdim=True)) / sampling.divisor
+    if sampling.top_k and sampling.top_k < z.shape[-1]:
+        kth = z.topk(sampling.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(-1).cumsum(-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        drop = (cum - sorted_z.softmax(-1)) >= sampling.top_p
+        drop[..., 0] = False
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, order, sorted_z)
+    return z.softmax(-1)
