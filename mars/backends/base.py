@@ -170,9 +170,7 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     from ..checkpoint.default_model import keyed_cache_file
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
-    # "calibration" 2: one-token forwards timed as AR (no mask); 3: over CALIBRATION_ROUNDS
-    # rounds, not 3; 4: each width's fastest round, kept non-decreasing. Curves of the
-    # earlier ways are stale.
+    # "calibration" versions the measurement method, so stored curves measured another way are not reused.
     key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 4,
            **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
     if batch > 1:

@@ -105,9 +105,9 @@ def backend_option(f):
 
 def device_options(f):
     f = click.option("--dtype", type=DTYPE_CHOICE, default="auto", show_default=True,
-                     help="auto: float32, bfloat16 on a CUDA device that supports it. Outside float32 lossless output is "
-                          "AR's up to near-ties of AR's two best logits, which rounding may decide otherwise (the mode's "
-                          "name says so); `mars eval --lossless` measures it.")(f)
+                     help="The number format the model runs in; auto: float32, bfloat16 on a CUDA device that "
+                          "supports it. Lossless output equals AR's exactly in float32, and up to near-ties of "
+                          "AR's two best logits in narrower formats (README, \"Formats\").")(f)
     return click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")(f)
 
 

@@ -1,14 +1,6 @@
-"""What a forward costs on a device: the curve the feed decides on, measured and stored.
-
-A lossless step feeds the token(s) not yet cached, the drafts to verify, masks that propose
-the next drafts, and optionally spare and alternative groups. Its output is AR's whatever is
-fed; only the speed changes. Feeding more tokens pays when the forward's cost grows slowly
-with width (a GPU, Apple silicon, packed CPU weights) and loses when it grows fast. So the
-feed (mars.core.decode.feed) decides on a `CostCurve`: seconds of one forward against the
-tokens it feeds (batch x width), measured once per device, dtype and model (`calibrate`,
-kept by the caller) and refreshed from the forwards the loop actually times; `BatchCosts`
-holds one per batch size.
-"""
+"""What a forward costs on a device (docs/method.md §9), the curve the feed (mars.core.decode.feed)
+decides on: feeding more tokens pays only where a forward's cost grows slowly with its width.
+Measured once (`calibrate`, kept by the caller), refreshed from the forwards the loop times."""
 
 from __future__ import annotations
 
@@ -26,9 +18,8 @@ BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's cur
 
 
 def non_decreasing(values: np.ndarray) -> np.ndarray:
-    """The closest non-decreasing sequence in least squares (pool adjacent violators): a
-    point timed too high by noise is averaged with the lower ones after it, where a running
-    maximum would carry it over every wider point."""
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): unlike a
+    running maximum, one point timed high by noise does not raise every wider point."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([float(v), 1])
@@ -39,10 +30,8 @@ def non_decreasing(values: np.ndarray) -> np.ndarray:
 
 
 class CostCurve:
-    """Seconds of one forward as a function of the tokens it feeds (rows x width), on a
-    prefilled cache. Between measured points it interpolates; past the last it extends
-    the last slope; it is made non-decreasing (a wider forward never counts as cheaper:
-    `non_decreasing`)."""
+    """Seconds of one forward against the tokens it feeds (rows x width), on a prefilled cache:
+    interpolated, the last slope extended, made non-decreasing (never cheaper for being wider)."""
 
     def __init__(self, points: dict[int, float], *, refresh: float = 0.1):
         if not points or any(k < 1 or not s > 0 for k, s in points.items()):
@@ -93,9 +82,8 @@ class CostCurve:
 
     @classmethod
     def load(cls, path: Path) -> CostCurve | None:
-        """The curve kept at `path`; None when there is none, or when its `seconds` fall
-        somewhere (a wider forward cheaper than a narrower one: measured on a busy machine,
-        or edited), since a curve like that is never kept: it is measured again."""
+        """The curve kept at `path`, or None when there is none or its `seconds` ever fall (measured
+        on a busy machine, or edited): such a curve is measured again."""
         try:
             d = json.loads(Path(path).read_text())
             if any(b < a for a, b in zip(d["seconds"], d["seconds"][1:])):
@@ -106,16 +94,10 @@ class CostCurve:
 
 
 class BatchCosts:
-    """What a forward of `batch` rows of `width` fed tokens each costs, for the policy.
-
-    A batch's forward does not cost what one row of the same number of tokens does (each
-    row attends to its own cache), so with `measure` (batch size -> a CostCurve measured
-    at that batch, in total fed tokens) rows are costed on the curve of their bucket: the
-    smallest of `buckets` at or above the batch (the last bucket for larger ones). A
-    batch of b rows then runs on the b-row curve of the bucket B >= b at width x B tokens:
-    the policy only compares feeds of one batch with each other, so the shape of the curve
-    is what matters. Without `measure` every batch runs on the one-row curve at
-    batch x width tokens. Curves are measured when first needed."""
+    """What a forward of `batch` rows of `width` fed tokens each costs. A row attends to its own cache,
+    so with `measure` (batch size -> a CostCurve at that batch, in total fed tokens) b rows are costed
+    on the curve of the smallest bucket B >= b (the last for larger batches) at width x B tokens (the
+    policy compares feeds of one batch only); without it, the one-row curve at batch x width tokens."""
 
     def __init__(self, one: CostCurve, measure=None, buckets=(1, 2, 4, 8)):
         self.one = one
@@ -135,8 +117,7 @@ class BatchCosts:
         return self.curves[b]
 
     def prepare(self, batch: int) -> None:
-        """Measure now every curve a decode of up to `batch` rows may need (its batch shrinks
-        as rows finish), so that no measurement falls inside a timed run."""
+        """Measure now every curve a decode of up to `batch` rows may need, so none falls in a timed run."""
         for b in self.buckets:
             if b <= self.bucket(batch):
                 self.curve(b)
@@ -147,15 +128,13 @@ class BatchCosts:
         return self.curve(batch).seconds(max(1, round(rows * width)))
 
     def snapshot(self) -> BatchCosts:
-        """A copy of the curves measured so far that forwards timed later leave unchanged
-        (curves it measures later are its own)."""
+        """A copy of the curves so far that later timed forwards leave unchanged."""
         copy = BatchCosts(self.one.frozen(), self.measure, self.buckets)
         copy.curves.update({b: c.frozen() for b, c in self.curves.items() if b != 1})
         return copy
 
     def observe(self, batch: int, width: int, seconds: float) -> None:
-        """Fold in a forward the loop timed, where its batch is its bucket's (or no curve
-        of its own was measured)."""
+        """Fold in a timed forward where its batch is its bucket's (or all share the one-row curve)."""
         b = self.bucket(batch)
         if b == 1:
             self.one.observe(batch * width, seconds)
@@ -165,13 +144,10 @@ class BatchCosts:
 
 def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1,
                   ar_filler: int | None = None, before=None) -> dict[int, list[float]]:
-    """Seconds of one cached forward of k new tokens (per k in `widths`), one per round, on a
-    cache prefilled with `prompt` (`batch` copies), cropped back after each; greedy, no metric
-    (a lossless step's cost). The widths are interleaved round by round so drift hits them
-    alike. The new tokens are `filler`, or `ar_filler` for k = 1: a one-token forward is an AR
-    step, which feeds no mask (a gated adapter does no work there). `before(seconds)`, when
-    given, hears how long the rounds should take, from a forward of the narrowest and of the
-    widest width (after one to warm up), before they start."""
+    """Seconds of one forward of k new tokens, per k in `widths`, one per round after a warm-up, on a
+    cache prefilled with `prompt` (`batch` copies), widths interleaved so drift hits them alike. A
+    one-token forward feeds `ar_filler`, as an AR step feeds no mask (a gated adapter does no work
+    there). `before(seconds)` hears beforehand about how long the rounds will take."""
     greedy = Sampling()
     n = len(prompt)
     ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
@@ -202,29 +178,22 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     return samples
 
 
-# Rounds a stored curve is measured over. With 3, on a shared 2-core machine, a batch-2 curve
-# came out with its 2-token point 13% above its 4-token one, though both run the same 4-row
-# product (packed.PAD_ROWS); after the non-decreasing fit a mask looked free at batch 2,
-# where one mask a row made a real forward (rows of different lengths) cost 12% more.
+# Rounds a stored curve is measured over (benchmarks/README.md, "Cost curves: how the calibration changed").
 CALIBRATION_ROUNDS = 7
-# Where a width's median round is this much slower than its fastest (the median over the
-# widths), the machine was busy: as many rounds again are timed before the curve is kept.
+# Rounds slower than the fastest by this much (`noise`) mean a busy machine: `calibrate` times more.
 NOISY = 0.25
 
 
 def noise(samples: dict[int, list[float]]) -> float:
-    """How much slower a typical round was than the fastest, per width, in the median over
-    the widths: 0 on a quiet machine."""
+    """The median over the widths of how much slower a typical round was than the fastest: 0 if quiet."""
     return float(statistics.median(statistics.median(v) / min(v) - 1.0 for v in samples.values()))
 
 
 def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = CALIBRATION_ROUNDS, filler: int = 0,
               ar_filler: int | None = None, batch: int = 1, before=None) -> CostCurve:
-    """A cost curve for `backend` measured now (a few seconds on a small model); with
-    `batch` > 1, of forwards of that many rows (the curve in total fed tokens). Load only
-    ever adds time, so each width keeps its fastest round; where the rounds disagree by more
-    than `NOISY` (`noise`), as many rounds again are timed first. `before`: see
-    `time_forwards`."""
+    """A cost curve for `backend` measured now; with `batch` > 1, of forwards of that many rows (in
+    total fed tokens). Load only adds time, so each width keeps its fastest round; where the rounds
+    disagree by more than `NOISY`, as many again are timed first."""
     samples = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch, before=before)
     if noise(samples) > NOISY:
         more = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch)

@@ -15,21 +15,15 @@ from .strategies import WindowStrategy
 
 
 class Drafting:
-    """Which drafts each row of a window step that verifies them feeds, and how many
-    alternative groups the step feeds (greedy; sampled with a cost curve: the length of the
-    mask drafts only, no lookup and no groups).
-
-    Before the layout, given the masks and spare groups the step feeds (Execution.choose): a
-    row drafts from lookup (n-gram, corpus) instead of its in-forward drafts where that is
-    expected to keep more (`DraftStats`, per source and match length); with a cost curve the
-    rows' drafts are cut to the common length, and the alternative groups to the number, with
-    the most expected tokens per second. After the forward the statistics and the curve learn."""
+    """Which drafts each row of a window step that verifies them feeds, and how many alternative
+    groups the step feeds, given its masks and spare groups: a row drafts from lookup where that is
+    expected to keep more; with a cost curve, the drafts' common length and the alternative groups
+    maximise expected tokens per second (sampled decoding: the mask drafts' length alone)."""
 
     def __init__(self, settings: DecodeSettings, policy: LosslessFeed | None, *, learn: bool = True):
         self.s = settings
         self.policy = policy
-        # Verified threshold mode (mars.core.decode.verify.take_confident): what a step feeds
-        # changes the text, so the cost curves are not refreshed from the run's timings.
+        # False where what a step feeds changes the text (verified threshold mode): no timing refreshes a curve.
         self.learn = learn
         self.stats = policy.stats if policy is not None else DraftStats(slots=settings.block_size)
         self.lookups = lookup_sources(settings)
@@ -66,10 +60,9 @@ class Drafting:
             strategy.group_counts[ALT] = self._alternatives(rows, m, g, batch)
 
     def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:
-        """How many alternative groups the step feeds: all that are allowed without a cost
-        curve; with one, the number with the most expected tokens per second, where a row's
-        runner-up k adds a token with the chance that its first draft fails and runner-up k
-        is AR's token then (`DraftStats`, source "runner_up", slot k)."""
+        """How many alternative groups the step feeds: all allowed without a cost curve; with one, the
+        number with the most expected tokens per second, runner-up k adding a token with the chance
+        that the first draft fails and runner-up k is AR's token (source "runner_up", slot k)."""
         most = self.s.alternative_groups
         if self.policy is None:
             return most
@@ -90,15 +83,10 @@ class Drafting:
         return best
 
     def _pick_all(self, options: list[list], masks: int, spare_groups: int, batch: int) -> list[tuple[str, str, list[int]]]:
-        """The drafts each row feeds, (source, statistics key, drafts), from its `options` of
-        that form. Without a cost curve, each row's option expected to keep the most drafts.
-        With one, the batch decides together: a step is as wide as its widest row, so the
-        rows feed their best options cut to a common length d (expected drafts kept, per
-        row), with the d that maximises the step's expected tokens per second,
-        (batch + the rows' expected kept drafts) / the cost of the step; d = 0 (no drafts)
-        is the choice to beat. Row by row, a row's drafts that would widen the step for
-        all its rows never paid for themselves at batch 8, though the rows' drafts together
-        might have; at batch 1 the two are the same."""
+        """The drafts each row feeds, (source, statistics key, drafts), from its `options` of that
+        form: without a cost curve each row's option expected to keep the most; with one, each row's
+        best option cut to the common length d (0: no drafts) with the most expected tokens per second
+        for the step, decided for the batch together since a step is as wide as its widest row."""
         # Per row and option, the expected drafts kept out of its first n, at [n - 1].
         kept_each = [[self.stats.expected_kept_each(key, len(drafts)).tolist() for _, key, drafts in row_options]
                      for row_options in options]

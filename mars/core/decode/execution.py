@@ -1,8 +1,6 @@
 """How a run executes, decided once (`execution`) from its plan and the model's feed controller:
 the cache strategy that runs, the drafting of a run that verifies drafts, and what chooses each
-step's feed (a policy on the measured cost curves, or the plan's fixed feed). The loop
-(`generate`, `ContinuousBatch`) asks nothing else.
-"""
+step's feed (a policy on the measured cost curves, or the plan's fixed feed)."""
 
 from __future__ import annotations
 
@@ -18,10 +16,9 @@ from .types import DecodeStats, Row
 
 @dataclass
 class Execution:
-    """One call of the loop (or one served batch): `plan` with the cache strategy that runs,
-    `drafting` where drafts are verified on the window cache, `lossless_feed` (masks and spare
-    groups of a step that verifies drafts) or `threshold_feed` (threshold mode's masks) where
-    the feed is measured, and `served` for a batch whose rows join and leave."""
+    """One call of the loop (or one served batch, `served`): `plan` with the cache strategy that runs,
+    `drafting` where drafts are verified on the window cache, and `lossless_feed` (a step that
+    verifies drafts) or `threshold_feed` where the feed is measured."""
 
     plan: DecodeSettings
     drafting: Drafting | None = None
@@ -70,8 +67,7 @@ def execution(plan: DecodeSettings, controller: FeedController | None, batch: in
     if controller is not None and controller.uses(plan):
         controller.prepare(plan, batch)
         if plan.mode is Mode.VERIFIED:
-            # What it feeds changes the text: a fresh policy per call (per served batch) on a
-            # frozen copy of the curves, which the run's timings do not refresh.
+            # What it feeds changes the text: a fresh policy per call on a frozen copy of the curves.
             lossless = LosslessFeed.for_plan(controller.stored.snapshot(), plan)
         elif plan.mode is Mode.THRESHOLD:
             if not served:  # one policy per call, on a frozen copy
@@ -85,7 +81,6 @@ def execution(plan: DecodeSettings, controller: FeedController | None, batch: in
     run = plan if cache == plan.cache else replace(plan, cache=cache)
     drafting = None
     if run.verifies and cache != "block" and (run.sampling.greedy or (lossless is not None and not served)):
-        # Sampled lossless decoding drafts with a measured feed only (how many masks, how many
-        # of their drafts to verify); its output distribution stays AR sampling's.
+        # Sampled lossless decoding drafts with a measured feed only; its output distribution stays AR's.
         drafting = Drafting(run, lossless, learn=learn)
     return Execution(run, drafting, lossless if drafting is not None else None, threshold, served)

@@ -1,21 +1,5 @@
-"""The feed: how wide each step is, chosen from what a forward costs (mars.core.decode.cost)
-and what the drafts keep, and the one controller that owns it between calls.
-
-`DraftStats` keeps, per draft source (the masks, the spare groups, n-gram lookup, the corpus,
-runner-up alternatives) and per draft slot j, how often slot j was reached (every draft before
-it kept) and kept. `LosslessFeed.choose` picks, per lossless step, the masks and spare groups
-that maximise the expected tokens per second of a steady state (a three-state chain: a step
-has mask drafts, spare-group drafts or none), AR's own feed (no masks) included: when nothing
-pays it feeds what AR feeds, so decoding is never meaningfully slower than AR. Threshold mode
-feeds only masks; `ThresholdFeed` picks how many per step, from a frozen copy of the curves
-(its choice changes the text, so it must not follow timing noise).
-
-`FeedController` is what `mars.session.Session` and the server's engine each own: the
-curves (measured once, lossless decoding refreshing its copy from the forwards it times, a
-frozen copy for the modes whose text depends on the feed) and the lossless feed policies,
-which learn across calls. How one call (or one served batch) uses them is decided in
-mars.core.decode.execution.
-"""
+"""The feed (docs/method.md §9): how wide each step is, from what a forward costs (mars.core.decode.cost)
+and what the drafts keep, and `FeedController`, which keeps it between calls."""
 
 from __future__ import annotations
 
@@ -31,10 +15,9 @@ from .plan import DecodeSettings, Mode
 
 @dataclass
 class DraftStats:
-    """Per draft source and slot j: steps where slot j was fed and every draft before it
-    was kept (`reached`), and where it was kept too. `rate(source, j)` is the estimated
-    chance that slot j is kept once reached, with a prior of `prior_mean` worth
-    `prior_weight` observations."""
+    """Per draft source and slot j: steps where slot j was fed and every draft before it kept
+    (`reached`), and where it was kept too. `rate(source, j)`: the chance slot j is kept once
+    reached, with a prior of `prior_mean` worth `prior_weight` observations."""
 
     slots: int
     prior_mean: float = 0.5
@@ -59,9 +42,8 @@ class DraftStats:
             kept_[j] += 1
 
     def record_alternatives(self, fed: int, hit: int) -> None:
-        """A step whose first draft failed with `fed` runners-up fed: runner-up k was AR's
-        token if k == `hit` (-1: none was). Under source "runner_up", slot k counts the steps that
-        fed runner-up k (`reached`) and those where it was AR's token (`kept`)."""
+        """A step whose first draft failed, `fed` runners-up fed, runner-up `hit` AR's token (-1: none):
+        under source "runner_up", slot k is reached where runner-up k was fed, kept where it was hit."""
         reached, kept = self._lists("runner_up", fed)
         for k in range(fed):
             reached[k] += 1
@@ -86,17 +68,12 @@ class DraftStats:
 
 def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int,
                  batch: int = 1) -> tuple[float, float, float]:
-    """A lossless step feeding `masks` masks and `groups` spare groups forever: the
-    stationary mix of steps with mask drafts (M), spare-group drafts (S) and none (N).
-    Returns (tokens per step and row, mean fed width per row, fraction of steps with drafts).
-
-    A batch's forward is as wide as its widest row: with `batch` rows each drafting a
-    fraction f of its steps, a step has drafts in some row with chance 1 - (1 - f)^batch,
-    and then every row pays for their width (at batch 1, the chance is f).
-
-    From a step with d = masks drafts of keep rates r, exactly g are kept with chance
-    prod(r[:g]) (1 - r[g]); all kept -> M (the masks' proposals), g < groups -> S (group
-    g's proposals), else N. From N the masks' proposals make the next step M."""
+    """(tokens per step and row, mean fed width per row, fraction of steps with drafts) of feeding
+    `masks` masks and `groups` spare groups forever: a chain over steps with mask drafts (M),
+    spare-group drafts (S) and none (N). Of d = masks drafts with keep rates r, exactly g are kept
+    with chance prod(r[:g]) (1 - r[g]): all kept -> M, g < groups -> S, else N; N -> M. A batch's
+    forward is as wide as its widest row, so with `batch` rows each drafting a fraction f of steps,
+    every row pays the drafting width with chance 1 - (1 - f)^batch."""
     if masks == 0:
         return 1.0, 1.0, 0.0
 
@@ -111,9 +88,8 @@ def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, 
 
     km, mm, ms, mn = outcome(mask_rates)
     ks, sm, ss, sn = outcome(spare_rates)
-    # Stationary distribution of the chain over (M, S, N), in closed form: N always leads to
-    # M, so pi_S = pi_M ms / (1 - ss) and pi_N = pi_M mn + pi_S sn (1 - ss > 0: every keep
-    # rate is below 1, DraftStats' prior sees to that).
+    # Stationary distribution in closed form: N always leads to M, so pi_S = pi_M ms / (1 - ss) and
+    # pi_N = pi_M mn + pi_S sn (1 - ss > 0: DraftStats' prior keeps every keep rate below 1).
     s_per_m = ms / max(1.0 - ss, 1e-12)
     n_per_m = mn + s_per_m * sn
     pi_m = 1.0 / (1.0 + s_per_m + n_per_m)
@@ -126,16 +102,12 @@ def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, 
 
 
 class LosslessFeed:
-    """Per step, the masks and spare groups a lossless window step feeds (see the module
-    docstring); `max_masks` is the checkpoint's block size B, `max_groups` the spare-group
-    cap. Keep one policy per loaded model to carry what it learned across calls.
-
-    AR's feed teaches nothing about the masks, so after `explore` AR steps in a row the
-    policy feeds the best other choice for two steps (one proposes drafts, the next
-    verifies them): estimates that went too low can recover. Each probe that leaves AR the
-    best choice doubles the run before the next (up to 32x `explore`), so a device where
-    the masks never pay (a CPU at batch 8) spends ever fewer steps on probes; a choice
-    other than AR's restores `explore`."""
+    """Per step, the masks and spare groups a lossless window step feeds: the choice with the most
+    expected tokens per second (`rate`), AR's own feed (0, 0) included. Lossless output is AR's
+    whatever is fed, so one policy per loaded model may learn from timings across calls. AR's feed
+    teaches nothing about the masks, so after `explore` AR steps in a row the policy probes the next
+    best choice for two steps (one proposes drafts, the next verifies them) so that estimates that
+    went too low can recover; each probe that leaves AR best doubles the wait."""
 
     source = MASKS  # the draft source whose keep rates `block_tokens` reads
 
@@ -147,8 +119,7 @@ class LosslessFeed:
         self.stats = stats or DraftStats(slots=max_masks)
         self.explore = explore
         self.choices: dict[tuple[int, int], int] = {}  # (masks, groups) -> steps that fed it
-        # [used, offered]: a row's drafts from the masks (their own, a spare group's, an
-        # alternative group's) on offer at a step, and taken over lookup's and the corpus's.
+        # [used, offered]: row steps with in-forward drafts on offer, and those that took them over lookup's.
         self.mask_use = [0, 0]
         self._ar_run = 0
         self._probe = 0
@@ -156,9 +127,7 @@ class LosslessFeed:
 
     @classmethod
     def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> LosslessFeed:
-        """The policy of a plan's (mars.core.decode.plan.DecodeSettings) lossless loop: its block
-        size, and the spare groups it may feed on the window cache (where the block cache
-        gives way to the window's too). Every caller builds its policy here."""
+        """The policy of a plan's lossless loop: its block size and its spare groups on the window cache."""
         return cls(curve, plan.block_size, plan.window_spare_groups, explore=explore)
 
     @property
@@ -173,15 +142,12 @@ class LosslessFeed:
                 yield m, g
 
     def used(self) -> float:
-        """How often the masks' drafts were taken where they were on offer (prior 1/2): n-gram
-        and corpus drafts, where a row has them, usually displace them."""
+        """How often the masks' drafts were taken where on offer (prior 1/2): lookup drafts often win."""
         used, offered = self.mask_use
         return (used + 1.0) / (offered + 2.0)
 
     def rate(self, masks: int, groups: int, batch: int = 1) -> float:
-        """Expected tokens per second (per row) of feeding this forever (`steady_state`, whose
-        width is the batch's widest row's), the masks' drafts counted where they are taken
-        (`used`)."""
+        """Expected tokens per second and row of feeding this forever, mask drafts counted where taken."""
         s = self.stats
         tokens, width, _ = steady_state(s.rates(MASKS, masks), s.rates(SPARE, masks), masks, groups, batch)
         return (1.0 + self.used() * (tokens - 1.0)) / self.costs.seconds(batch, width)
@@ -194,7 +160,6 @@ class LosslessFeed:
                 self._ar_run += 1
                 if self._ar_run > self._interval:
                     self._ar_run, self._probe = 0, 2
-                    # If AR is still the best after this probe, the next one waits twice as long.
                     self._interval = min(2 * self._interval, 32 * self.explore)
             if self._probe:
                 self._probe -= 1
@@ -209,28 +174,15 @@ class LosslessFeed:
         return (self.max_masks, self.max_groups) == (max_masks, max_groups)
 
     def block_tokens(self, slots: int) -> float:
-        """Expected tokens of a block-cache step whose masks may give `slots` more tokens:
-        one AR token plus the expected run of kept ones."""
+        """Expected tokens of a block-cache step whose masks may give `slots` more: 1 + the kept run."""
         return 1.0 + self.stats.expected_kept(self.source, slots)
 
 
 class ThresholdFeed(LosslessFeed):
-    """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9).
-
-    A threshold step feeding m masks takes the AR token plus the run of leading masks whose
-    confidence passes the threshold, at most m; nothing carries over to the next step. So
-    feeding m forever gives 1 + sum_j P(run >= j) tokens a step (per-slot pass rates in
-    `stats`, source "threshold", with the weak prior) for a forward as wide as the widest
-    row: its uncached tokens (1 + the run it took last step) plus m masks. The policy feeds
-    the m with the most expected tokens per second, m = 0 being AR's own feed, and probes
-    as LosslessFeed does.
-
-    Unlike lossless mode, what a threshold step feeds changes the text (a mask not fed
-    cannot be accepted), so the choice must not depend on when it is made: the policy
-    decides on a `BatchCosts.snapshot` of the curves (the forwards of the run do not
-    refresh them) and on the statistics of the call it serves (one policy per call). The
-    text then depends on the prompt, the batch and the device's cost curve, not on timing
-    noise within the run, nor on earlier calls."""
+    """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9): feeding m
+    forever takes 1 + sum_j P(run >= j) tokens a step for a forward of the widest row's uncached
+    tokens (1 + its last run) plus m. What is fed changes the text, so the policy decides on a
+    `BatchCosts.snapshot` and one call's statistics, never on timing noise or earlier calls."""
 
     source = "threshold"
 
@@ -249,30 +201,20 @@ class ThresholdFeed(LosslessFeed):
         return tokens / self.costs.seconds(batch, 1 + masks + widest_run)
 
     def record(self, fed: int, taken: int) -> None:
-        """A row's step: `fed` masks it could take (its limit less the AR token), `taken`
-        of them taken."""
+        """A row's step: `taken` of the `fed` masks it could take (its limit less the AR token)."""
         self.stats.record(self.source, fed, taken)
 
 
 def frozen_costs(cost: CostCurve | BatchCosts | LosslessFeed) -> BatchCosts:
-    """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one
-    curve): what a feed that changes the text decides on, so that the run's own timings do
-    not steer it."""
+    """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one curve)."""
     costs = cost.costs if isinstance(cost, LosslessFeed) else cost
     return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
 
 
 def block_cache_pays(cost: CostCurve | BatchCosts | LosslessFeed, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
-    """Whether decoding `batch` rows with the block cache is expected to be faster than with
-    the window cache and the cost-aware feed (which falls back to AR's own feed when nothing
-    pays): greedy lossless decoding with a LosslessFeed (or a curve), threshold mode with a
-    ThresholdFeed.
-
-    A block step feeds every row's B_cache slots, and once per block the finished block in
-    front of them: about B_cache + t tokens a row for t tokens taken, where t is one AR
-    token plus the drafts kept (the masks passed) out of min(B, B_cache - 1). The window's
-    best feed is the policy's own choice. Where a forward's cost grows slowly with width (a
-    GPU) the block cache can win; where it grows fast (a CPU) it cannot."""
+    """Whether `batch` rows are expected to decode faster on the block cache than on the window cache
+    with the cost-aware feed: a block step feeds about B_cache + t tokens a row for t taken (one AR
+    token plus the drafts kept out of min(B, B_cache - 1))."""
     policy = cost if isinstance(cost, LosslessFeed) else LosslessFeed(cost, block_size, spare_groups)
     tokens = policy.block_tokens(min(block_size, block_cache - 1))
     block = tokens / policy.costs.seconds(batch, block_cache + tokens)
@@ -281,15 +223,10 @@ def block_cache_pays(cost: CostCurve | BatchCosts | LosslessFeed, block_size: in
 
 
 class FeedController:
-    """The feed of one loaded model, kept between calls: what `Session` and the server's engine
-    own and hand to the loop (`mars.core.decode.loop.generate`, `ContinuousBatch`).
-
-    It holds the model's cost curves, measured when first needed (`measure`, returning a
-    BatchCosts; or `costs`, given), in two copies: the live one, which lossless decoding
-    refreshes from the forwards it times, and a frozen one (as measured) that threshold and
-    verified threshold mode decide on, since their text depends on what they feed and must not
-    follow the run's timings. It keeps one lossless feed policy per block size, spare-group cap
-    and kind of decoding (greedy or sampled), which learns across calls."""
+    """The feed of one loaded model, kept between calls: its cost curves, measured when first needed
+    (`measure`) or given (`costs`), live (refreshed by lossless decoding from the forwards it times)
+    and as measured (`stored`, for the modes whose text depends on the feed), and one lossless policy
+    per block size, spare-group cap and kind of decoding, learning across calls."""
 
     def __init__(self, costs: CostCurve | BatchCosts | None = None, *, measure: Callable[[], BatchCosts] | None = None,
                  explore: int = 32):
@@ -322,13 +259,11 @@ class FeedController:
 
     @staticmethod
     def uses(plan: DecodeSettings) -> bool:
-        """Whether a plan decodes with a chosen feed: "auto", below AR mode (lossless, threshold
-        or verified threshold mode; `hedge`, where given, caps the spare groups)."""
+        """Whether a plan decodes with a chosen feed: "auto", below AR mode."""
         return plan.feed == "auto" and plan.mode is not Mode.AR
 
     def prepare(self, plan: DecodeSettings, batch: int = 1) -> None:
-        """Measure now every curve a call of `plan` over up to `batch` rows may need, so that no
-        measurement falls inside a timed run."""
+        """Measure now every curve a call of `plan` over up to `batch` rows may need."""
         if self.uses(plan):
             self.prepare_all(batch, stored=plan.mode is not Mode.LOSSLESS)
 
@@ -340,8 +275,7 @@ class FeedController:
             self._stored.prepare(batch)
 
     def policy_for(self, plan: DecodeSettings) -> LosslessFeed:
-        """The lossless feed policy of a plan's block size, window spare-group cap and kind of
-        decoding, kept across calls."""
+        """The plan's lossless feed policy, kept across calls."""
         key = (plan.block_size, plan.window_spare_groups, plan.sampling.greedy)
         if key not in self.policies:
             self.policies[key] = LosslessFeed.for_plan(self.costs, plan, explore=self.explore)

@@ -1,12 +1,6 @@
-"""What one step feeds: the fed arrays, where each part of a row sits among the fed columns
-(`Columns`), and the attention mask of the step (docs/method.md §5, §6, §8).
-
-Every strategy lays a row out the same way, in column order: holes, the row's real tokens
-ending at its last real token, its drafts (lossless), then masks; a lossless window step may
-append spare groups of masks after all of that, and alternative groups (a runner-up for the
-first draft, then masks) after those. `Columns` records where those parts sit, so
-the reads, the acceptance, the spare groups and the commit all take their columns from one
-description."""
+"""What one step feeds (docs/method.md §5, §6, §8): the fed arrays, the attention mask, and `Columns`,
+the one description of where each part of a row sits (in order: holes, its real tokens, its drafts,
+its masks, then any groups) that the reads, the acceptance, the groups and the commit all use."""
 
 from __future__ import annotations
 
@@ -20,13 +14,9 @@ from ..masks import decode_mask
 
 @dataclass(frozen=True)
 class Group:
-    """The columns an in-forward draft source (mars.core.decode.drafts: a spare group, a
-    runner-up alternative) adds to a lossless window step, per row: placed after the row's
-    first `anchor[r]` drafts (it sees the fed columns up to its last real token plus those
-    drafts, and itself, causally, as a plain window ending there would), it feeds `prefix[r]`
-    (real ids, e.g. a runner-up for the draft after the anchor) and then `masks` masks. Its
-    proposals, the outputs at its masks, follow AR's token after the anchor (and after the
-    prefix, whose outputs are AR's tokens after it). A row where `live[r]` is False gets holes."""
+    """The columns an in-forward draft source adds to a lossless window step: placed after row r's
+    first `anchor[r]` drafts, seeing what a plain window ending there would, it feeds `prefix[r]` (real
+    ids, e.g. a runner-up), then `masks` masks, which propose. Rows where `live[r]` is False get holes."""
 
     source: str  # the draft source its proposals count under
     anchor: np.ndarray  # (b,) int64: drafts before it
@@ -41,17 +31,10 @@ class Group:
 
 @dataclass(frozen=True)
 class Columns:
-    """Where a step's parts sit among the fed columns, per row.
-
-    Row r's last real token is at column `last[r]`; its `n_drafts[r]` drafts follow it, then
-    its masks, of which the first `masks` are read. The step's first `width` columns hold all
-    that; the in-forward sources' `groups` follow, one after another (`group_columns`). After
-    the step the cache keeps the first `keep` fed columns (rejected drafts aside).
-
-    Each output slot of the step is read at one column (`read`): first the AR reads, 1 + D
-    of them (the output at `last`, then at each draft; D the most drafts any row feeds, a row
-    with fewer repeating its last read), then the masks', then every group column, in order.
-    `ar_reads`, `mask_reads` and `group_reads` say which output slots are which."""
+    """Where a step's parts sit among the fed columns: row r's last real token at `last[r]`, its
+    `n_drafts[r]` drafts, its masks, within the first `width` columns, then the `groups`; the cache
+    keeps the first `keep` (rejected drafts aside). Output slots (`read`): 1 + D AR reads (at `last`,
+    then each draft, a row with fewer repeating its last), the masks', then every group column."""
 
     last: np.ndarray  # (b,) int64
     n_drafts: np.ndarray  # (b,) int64; zeros outside lossless mode
@@ -85,7 +68,6 @@ class Columns:
         return slice(start, start + self.groups[index].width)
 
     def count(self, source: str) -> int:
-        """Groups of a source fed this step."""
         return sum(g.source == source for g in self.groups)
 
     def reads(self, source: str) -> slice:
@@ -105,9 +87,7 @@ class Columns:
         return slice(self.draft_slots + 1, self.draft_slots + 1 + self.masks)
 
     def read(self) -> np.ndarray:
-        """(b, k) the column each output slot is read at. A row that feeds nothing (finished,
-        still in the batch) reads inside the feed all the same: its reads are ignored but
-        must exist."""
+        """(b, k) the column each output slot is read at (inside the feed even for a row feeding nothing)."""
         top = self.width - 1
         ar = self.last[:, None] + np.minimum(np.arange(self.draft_slots + 1)[None, :], self.n_drafts[:, None])
         mk = np.minimum(self.first_mask[:, None] + np.arange(self.masks)[None, :], top)
@@ -135,7 +115,6 @@ class Layout:
 
     @cached_property
     def read(self) -> np.ndarray:
-        """(b, k) indices into the fed columns: slot j of row r is read at read[r, j]."""
         return self.columns.read()
 
     @property
@@ -155,21 +134,15 @@ class Layout:
 
 
 def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:
-    """Columns a row feeds in a lossless window step with its cache up to date: the token the
-    last step took, its drafts, the masks, a spare group after each of the first drafts, and
-    alternative groups (1 + masks each) when it has a draft."""
+    """Columns a row feeds in a lossless window step with its cache up to date: the token the last
+    step took, its drafts, the masks, and its spare and alternative groups."""
     return 1 + drafts + masks + min(spare_groups, drafts) * masks + (alt_groups * (1 + masks) if drafts else 0)
 
 
 def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and
-    `attend`, which fed columns each fed query may see.
-
-    Group k of a row where it is live sits, by position and by what it attends to, right after
-    the row's `anchor` drafts (anchor 0: after the last verified token): it sees the fed
-    columns up to there, then its own columns causally (its prefix, then its masks), as a plain
-    window ending at the anchor and continuing with the prefix would. Other rows' group columns
-    are holes."""
+    `attend`, which fed columns each fed query may see. A live group sits, by position and by what it
+    sees, as a plain window continuing after its anchor would; elsewhere its columns are holes."""
     b, w0 = ids.shape
     width = columns.total
     wide_ids = np.full((b, width), mask_id, dtype=np.int64)
@@ -224,9 +197,8 @@ def consecutive_positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
 
 
 def layout_mask(keys: np.ndarray, layout: Layout) -> np.ndarray | None:
-    """The attention mask of a step: causal over the cache and the fed columns, with holes
-    (None when plain causal attention is exact), narrowed by `layout.attend` where spare
-    groups must see only what precedes them."""
+    """The attention mask of a step: causal over the cache and the fed columns, with holes, narrowed by
+    `layout.attend` for the groups; None where plain causal attention is exact."""
     q = layout.ids.shape[1]
     if keys.all() and layout.attend is None:
         return None

@@ -1,27 +1,9 @@
-"""The decoding loop (docs/method.md §5-6): one loop, small strategies that say what to feed and commit.
+"""The decoding loop (docs/method.md §5-6, §8-9): per step the strategy lays out what every row
+feeds on its committed cache (mars.core.decode.strategies), the backend runs one forward, the mode
+decides what each row keeps (mars.core.decode.verify), and the strategy commits and crops the cache.
 
-Per step the strategy lays out what every row feeds on top of its committed cache
-(mars.core.decode.strategies, described by mars.core.decode.layout.Columns), the backend runs one forward
-and returns per-slot (id, confidence) on the host, the mode decides how many leading slots
-each row keeps (mars.core.decode.verify), and the strategy commits: it tells the backend how far
-to crop the cache.
-
-Where the plan verifies drafts (lossless mode, docs/method.md §8, and verified threshold
-mode, §9) the same strategies also feed, as real ids, each row's drafts (from the draft
-sources, mars.core.decode.drafts) right after its uncommitted tokens and before its masks.
-The outputs before the drafts are the AR predictions for them, so a draft is kept while it
-equals that prediction (greedy) or passes the speculative-sampling test (done by the
-backend), and one AR token always follows. Rejected drafts become holes. On the window
-cache the drafts and the step's width are chosen per step (mars.core.decode.drafting), from
-the feed the caller's FeedController gives (mars.core.decode.feed).
-
-Rows of a batch share one cache length. Rows that fed fewer tokens than others
-leave holes: keys nobody attends (`key_valid` False), so every row sees exactly
-the sequence it would see alone, at its own positions.
-
-`generate` decodes a fixed set of prompts to the end; `ContinuousBatch` runs the same
-step for a server, with rows joining (at any step on the window cache, at block boundaries
-on the block cache), leaving at any step, and each decoding at its own threshold.
+Rows of a batch share one cache length: a row that fed fewer tokens than others leaves holes, keys
+nobody attends, so every row sees exactly the sequence it would see alone, at its own positions.
 """
 
 from __future__ import annotations
@@ -49,18 +31,10 @@ def generate(
 ) -> DecodeResult:
     """Decode every prompt; `on_tokens(row, ids)` sees each row's tokens as they are accepted.
 
-    `feed`, the model's feed controller (mars.core.decode.feed), unless `settings.feed` is
-    "fixed" (or None): greedy lossless decoding with the window cache (or none) then chooses
-    per step how many masks and spare groups to feed (`hedge` fixes them), and sampled
-    lossless decoding with the window cache (or none) how many masks. With the block cache it
-    first checks that the block cache pays against that and, where it does not, decodes with
-    the window cache instead (`stats.cache` says which ran). The output is the same either way.
-
-    Threshold mode (below AR mode) with `feed` chooses per step how many masks to feed
-    (ThresholdFeed: a fresh policy per call on the curves as measured, so the text depends on
-    the prompts and the device's curves, not on the run's timings), and likewise leaves the
-    block cache where it does not pay. Its text can then differ from a fixed feed's: a mask
-    not fed cannot be accepted. Verified threshold mode decides on the curves as measured too."""
+    With `controller` (the model's FeedController) and `settings.feed` "auto", each step's feed is
+    chosen from the cost curves and the block cache gives way to the window cache where it does not
+    pay (`stats.cache` says which ran; mars.core.decode.execution). Lossless output is the same
+    either way; threshold-mode text may differ from a fixed feed's."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     slots = settings.masks_per_step + 1
@@ -90,10 +64,7 @@ def generate(
 
 
 def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: DecodeStats) -> list[list[int]]:
-    """One forward of the loop: the strategy lays out what every row feeds, the backend runs
-    it, the mode (each row at its own threshold, or verification of the drafts) decides what
-    each row keeps, the rows grow and the strategy commits. Returns the tokens each row took
-    (none if it waited)."""
+    """One forward of the loop; returns the tokens each row took (none if it waited)."""
     s, drafting, threshold_feed = run.plan, run.drafting, run.threshold_feed
     run.choose(strategy, rows, stats)
     layout = strategy.lay_out(rows)
@@ -127,8 +98,7 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
             continue
         if s.verifies:
             count_drafts(r, int(layout.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
-            # The runners-up of the row's next first draft: after confident drafts taken
-            # unverified (verified threshold mode), of the first draft left.
+            # The runners-up of the next first draft: after confident drafts taken unverified, the first left.
             first = taken[i] if taken is not None else 0
             r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
             if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
@@ -176,43 +146,23 @@ def _compact(backend, cache, strategy, rows: list[Row], live: list[int]) -> list
 
 
 class ContinuousBatch:
-    """Decoding for a server: rows join and leave while the batch runs.
+    """Decoding for a server: rows join and leave while the batch runs, each at its own threshold
+    (which the caller may change between steps) and max_tokens. Lossless mode and sampling belong to
+    the batch, since a backend step samples every row alike.
 
-    With the block-level cache (`settings.cache` "block", docs/method.md §6) a row joins only
-    at a block boundary (`can_join`), so its blocks start where its prompt ends, as when it
-    is decoded alone: with a greedy decoder its tokens are those of
-    `generate(..., cache="block")` on its prompt alone, whatever else is in the batch. Its
-    prompt is fed in the first step of the block, with the other rows' previous block; a
-    block is committed once every remaining row has filled it. Each row decodes at its own
-    threshold (which the caller may change between steps).
+    On the block cache (docs/method.md §6) a row joins only at a block boundary (`can_join`), so its
+    blocks start where its prompt ends, as when decoded alone. On the window cache a row joins at any
+    step, its whole prompt fed beside the other rows' tokens and the cached keys holes to it; a greedy
+    lossless row's tokens are its AR tokens whatever else is in the batch.
 
-    With the window cache ("window"), which greedy lossless serving uses, a row joins at any
-    step: its whole prompt is fed in its first step beside the other rows' few tokens (holes
-    pad them, as for prompts of different lengths in `generate`), and the cached keys it
-    joins are holes to it. Greedy lossless decoding then runs `generate`'s lossless loop:
-    the drafts of the masks, the spare groups and the lookup sources (`settings.drafts`), and
-    with `feed` (the model's FeedController, whose policy learns across batches) the
-    cost-aware feed. A row's tokens are its greedy AR tokens whatever else is in the batch.
-    A verified threshold plan runs verified threshold mode as `generate` does, each row at
-    its own threshold; a batch of one row then says what `generate` says for its prompt on
-    the same curves. A batch planned in AR or threshold mode feeds masks as its rows'
-    thresholds ask.
-
-    Lossless mode and sampling belong to the batch, since a backend step samples every row
-    alike; each row stops at its own max_tokens. A finished or removed row leaves at once.
-
-    `keep_keys(cache, columns)`, when given, keeps only those cache positions of every layer;
-    it lets the batch drop the keys of rows that left, so a batch that never empties keeps a
-    bounded cache. Without it the cache is released only when the batch empties.
-    """
+    `keep_keys(cache, columns)`, when given, keeps only those cache positions of every layer, so a
+    batch that never empties keeps a bounded cache."""
 
     def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None,
                  controller: FeedController | None = None):
         if settings.cache not in ("block", "window"):
             raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend
-        # Forwards and fed tokens of the batch (rows keep their own), and for greedy lossless
-        # window decoding the drafting (its feed policy learns across the batch's life).
         self.run = execution(settings, controller, 1, served=True)
         self.s = self.run.plan
         self._stats = DecodeStats(rows=[], cache=self.s.cache)
@@ -227,15 +177,13 @@ class ContinuousBatch:
 
     @property
     def stats(self) -> DecodeStats:
-        """Forwards and fed tokens of the batch (rows keep their own), with the drafting
-        statistics as they stand now."""
+        """The batch's forwards and fed tokens (rows keep their own), with the drafting statistics now."""
         self.run.report(self._stats)
         return self._stats
 
     @property
     def can_join(self) -> bool:
-        """With the window cache, always; with the block cache, at a block boundary: no row has
-        filled any slot of the current block yet."""
+        """Always on the window cache; on the block cache, while no row has filled a slot of its block."""
         return self.window or all(len(r.seq) == start for r, start in zip(self.rows, self.strategy.block_start))
 
     @property
@@ -245,9 +193,8 @@ class ContinuousBatch:
         return 0 if kv is None else int(kv.shape[1])
 
     def join(self, prompt: list[int], *, threshold: float | None = None, max_tokens: int | None = None) -> Row:
-        """Add a row (only when `can_join`); it takes part in the next step. Returns the row:
-        its `out`, `done`, `finish`, `stats` and `threshold` are the caller's to read, and
-        `threshold` to set."""
+        """Add a row (only when `can_join`), decoded from the next step on. Returns the row, whose
+        `out`, `done`, `finish`, `stats` and `threshold` the caller reads, and may set `threshold`."""
         if not prompt:
             raise ValueError("every prompt needs at least one token")
         if not self.can_join:

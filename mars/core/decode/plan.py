@@ -1,13 +1,6 @@
-"""The plan a request decodes by (docs/method.md §5, §8, §9): its mode, named once, and the
-one function every entry point (generate, chat, serve, bench, eval, distill, the Python
-session) turns a checkpoint's defaults and a request's options into a plan with.
-
-A plan is a `DecodeSettings`: the mode (`Mode`, `DecodeSettings.mode`), the threshold and
-metric, the block size, the cache, the sampling, the feed and the draft sources in use
-(spare groups, runner-up alternatives, n-gram lookup, a draft corpus). `DecodeSettings.name`
-is the one printable name of a run's mode: `mars generate --json` prints it as "mode",
-chat after each reply, bench and eval in their rows, and the server in `usage.mode`.
-"""
+"""The plan a request decodes by (docs/method.md §5, §8, §9): `DecodeSettings` and its `Mode`, and
+`make_plan`, the one function that turns a checkpoint's defaults and a request's options into a
+plan. `DecodeSettings.name` is the one printable name of a run's mode, wherever a run reports it."""
 
 from __future__ import annotations
 
@@ -55,32 +48,16 @@ class Sampling:
 
 @dataclass(frozen=True)
 class DraftSources:
-    """The draft sources a plan may feed beside the masks (docs/method.md §9), one value of the
-    plan (`DecodeSettings.drafts`); each is a proposer in mars.core.decode.drafts. They apply
-    where the plan verifies drafts (lossless and verified threshold mode), greedy, on the
-    window cache or none (`DecodeSettings.no_spare_groups` says why not elsewhere)."""
+    """The draft sources a plan may feed beside the masks (docs/method.md §9), each a proposer in
+    mars.core.decode.drafts, where the plan verifies drafts, greedy, on the window cache or none."""
 
-    # The cap on spare groups (`--hedge` sets it): also feed up to this many spare groups of B
-    # masks, group g placed after the g-th draft (group 0 right after the last verified token)
-    # and attending only to what precedes it. When draft g + 1 is the first one rejected, the
-    # step still takes the AR token there, and group g's proposals (conditioned on verified
-    # tokens only) become the next drafts instead of none. Output stays AR's; only the drafts
-    # change. Each group costs B more fed tokens per step. None: B groups (after every draft);
-    # 0: no spare groups. See `DecodeSettings.spare_groups`.
+    # The most spare groups a step feeds (drafts/spare.py, `--hedge`); None: B, one after every draft.
     hedge: int | None = None
-    # Also feed, for a row's first draft, up to this many runners-up (the next most likely
-    # tokens where that draft came from), each as an alternative group: the runner-up at the
-    # first draft's position, then B masks, attending only to the verified tokens before it.
-    # When the first draft is rejected and AR's token there is a runner-up, the step also takes
-    # AR's token after it (computed by its group) and its group's proposals become the next
-    # drafts. Output stays AR's. Each group costs 1 + B fed tokens a step (0: off).
+    # The most runners-up of a first draft fed as alternative groups (drafts/alternatives.py); 0: off.
     alternatives: int = 0
-    # Also draft from n-gram lookup in the prompt and output (drafts/ngram.py), up to this many
-    # tokens a step (0: off); a row takes, per step, the source expected to keep more.
+    # The most n-gram lookup drafts (drafts/ngram.py) a step feeds (0: off).
     ngram: int = 0
-    # With `ngram` > 0, also draft from a draft corpus (drafts/corpus.py: the model's own
-    # earlier replies, e.g. the checkpoint's draft_corpus.npz), up to `ngram` tokens a step;
-    # None: no corpus drafts.
+    # With `ngram` > 0, a draft corpus (drafts/corpus.py) to draft up to `ngram` tokens a step from.
     corpus: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -94,10 +71,9 @@ class DraftSources:
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """A plan: made by `make_plan` (or built whole, as the tests do), never changed; a change
-    of mode or threshold (chat's /lossless, /threshold) makes a new plan through `make_plan`.
-    `mode` must agree with the threshold: AR mode at the metric's AR threshold, threshold and
-    verified threshold mode below it (lossless mode ignores the threshold)."""
+    """A plan, made by `make_plan` (or built whole, as the tests do) and never changed: a new mode or
+    threshold makes a new plan (`replan`). `mode` must agree with the threshold: AR mode at the
+    metric's AR threshold, threshold and verified threshold mode below it; lossless ignores it."""
 
     mask_id: int
     eos_ids: tuple[int, ...]
@@ -110,15 +86,11 @@ class DecodeSettings:
     block_cache: int = 16  # B_cache, slots per aligned block of the block strategy
     sampling: Sampling = field(default_factory=Sampling)
     drafts: DraftSources = field(default_factory=DraftSources)
-    # What a caller with a cost curve (mars.session.Session, `mars bench`, the server) lets the
-    # loop choose per step: "auto", the masks (and spare groups) fed, from what a forward costs
-    # on the device (mars.core.decode.feed; lossless output stays AR's, threshold-mode text may
-    # then depend on the device and the batch); "fixed", always B masks (and `hedge` spare groups).
+    # "auto": where the caller has cost curves, each step's masks (and spare groups) are chosen from
+    # them (mars.core.decode.feed); "fixed": always B masks (and `hedge` spare groups).
     feed: str = "auto"
-    # The number format the model computes in ("float32", "bfloat16", "float16", "4-bit", ...;
-    # the loaded model's number_format). Lossless output is AR's token for token where a forward
-    # of several tokens rounds as one of one token does (float32 here); in a narrower format a
-    # near-tie of AR's two best logits may round the other way, and the mode's name says so.
+    # The loaded model's number format. Lossless output equals AR's exactly in float32, and up to
+    # near-ties of AR's two best logits in narrower formats (the mode's name says so).
     numerics: str = "float32"
 
     def __post_init__(self):
@@ -155,9 +127,7 @@ class DecodeSettings:
 
     @property
     def no_spare_groups(self) -> str | None:
-        """Why this run feeds no spare groups whatever `hedge` says, or None when it may:
-        greedy, drafts verified, the window cache or none only (a sampled draft's acceptance
-        needs the distribution it was drawn from; spare groups would need theirs kept too)."""
+        """Why this run feeds no spare groups whatever `hedge` says, or None when it may."""
         if not self.verifies:
             return "spare mask groups are a lossless-mode (and verified threshold mode) feature"
         if not self.sampling.greedy:
@@ -176,26 +146,23 @@ class DecodeSettings:
 
     @property
     def alternative_groups(self) -> int:
-        """Alternative groups a window step may feed (DraftSources.alternatives): where spare
-        groups may be fed (`no_spare_groups`), `alternatives`, else none."""
+        """Alternative groups a window step may feed: `alternatives` where spare groups may be fed."""
         return 0 if self.no_spare_groups else self.drafts.alternatives
 
     @property
     def lookup_drafts(self) -> int:
-        """The most drafts a step takes from lookup (n-gram, corpus): greedy only (a sampled
-        draft needs the distribution it came from), where drafts are verified."""
+        """The most drafts a step takes from lookup: greedy only (a sampled draft needs the
+        distribution it came from), where drafts are verified."""
         return self.drafts.ngram if self.verifies and self.sampling.greedy else 0
 
     @property
     def window_spare_groups(self) -> int:
-        """The spare groups these settings feed with the window cache: `spare_groups`, also
-        where greedy lossless decoding leaves the block cache for the window cache."""
+        """`spare_groups` on the window cache, where greedy lossless decoding may leave the block cache."""
         return replace(self, cache="window").spare_groups
 
     @property
     def masks_per_step(self) -> int:
-        """Masks a step feeds: none in AR mode (they could never be accepted: a one-slot
-        window), else B (lossless mode's only draft)."""
+        """Masks a step feeds: none in AR mode (they could never be accepted), else B."""
         return 0 if self.mode is Mode.AR else self.block_size
 
     @property
@@ -241,18 +208,12 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
                 default_threshold: float | None = None, hedge: int | None = None,
                 alternatives: int = 0, ngram: int = 0, corpus: Any = None, drafts: DraftSources | None = None,
                 feed: str | None = "auto", **fields) -> DecodeSettings:
-    """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request,
-    the only place a mode is chosen (`choose_mode`): the metric and block size default to the
-    checkpoint's; with no threshold the default mode applies: a server's (`default_mode`, at
-    `default_threshold`), else the checkpoint's (mars.json default_threshold, lossless when its
-    default_mode says so);
-    `lossless` None or False: not asked; greedy threshold mode is verified unless `verify` is
-    False; a model without mars.json is held to AR mode or lossless decoding unless `force`.
-    The draft sources come as `drafts` or as their fields (`hedge`, `alternatives`, `ngram`,
-    `corpus`); `feed` "auto" or "fixed", None for the CLI's default: fixed where a lossless
-    plan names its spare groups (`hedge`), else auto; `fields`: the other DecodeSettings fields
-    (max_tokens, cache, sampling...). Verified threshold mode runs on the window cache where the
-    block cache was asked for."""
+    """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request; the only
+    place a mode is chosen (`choose_mode`). Unasked, the metric and block size are the checkpoint's,
+    and with no threshold the default mode applies: a server's (`default_mode` at
+    `default_threshold`), else the checkpoint's. The draft sources come as `drafts` or as their
+    fields; `feed` None: fixed where a lossless plan names its spare groups (`hedge`), else auto;
+    `fields`: the other DecodeSettings fields. Verified threshold mode never runs on the block cache."""
     metric = metric_for(mars, metric)
     if threshold is not None:
         threshold = check_threshold(metric, threshold)
@@ -274,9 +235,8 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
 
 
 def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:
-    """A new plan through `make_plan` for the same checkpoint (`mars`) and request as `plan`
-    but for what `asked` changes (threshold, lossless, verify, force...): chat's /threshold and
-    /lossless, and `mars generate --compare`'s AR run beside the mode."""
+    """A new plan through `make_plan` for the same checkpoint (`mars`) and request as `plan` but for
+    what `asked` changes (threshold, lossless, verify, force...)."""
     request = dict(mask_id=plan.mask_id, eos_ids=plan.eos_ids, metric=plan.metric, block_size=plan.block_size,
                    max_tokens=plan.max_tokens, cache=plan.cache, block_cache=plan.block_cache, sampling=plan.sampling,
                    feed=plan.feed, drafts=plan.drafts, numerics=plan.numerics, lossless=plan.mode is Mode.LOSSLESS,

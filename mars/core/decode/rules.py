@@ -1,18 +1,7 @@
-"""The decoding policy: what a model decodes at when nothing is asked, and what it may decode at
-(docs/method.md §5, §7): the rules mars.core.decode.plan.make_plan applies for every entry point.
-
-- A checkpoint's defaults: a model without mars.json decodes with MarsConfig's block size and
-  metric (`block_size_for`, `metric_for`).
-- The checkpoint's default mode: given no threshold, a run decodes at mars.json's
-  default_threshold, or losslessly when its default_mode says so; a plain model in AR mode
-  (`checkpoint_mode`).
-- A model without mars.json was never trained to fill masks, and its guesses are confidently
-  wrong: it may decode only in AR mode or losslessly, unless forced (`may_decode`,
-  `check_may_decode`, which raises UntrainedModelError with one message for every caller).
-
-The threshold rules themselves (range, AR mode, which direction loosens) live in
-mars.core.acceptance.
-"""
+"""What a model decodes at when nothing is asked, and what it may decode at (docs/method.md §5, §7):
+the rules mars.core.decode.plan.make_plan applies for every entry point. A model without mars.json
+was never trained to fill masks and its guesses are confidently wrong, so it decodes only in AR
+mode or losslessly unless forced. The threshold rules themselves live in mars.core.acceptance."""
 
 from __future__ import annotations
 
@@ -26,8 +15,7 @@ DEFAULT_BLOCK_SIZE: int = MarsConfig.block_size
 DEFAULT_METRIC: str = MarsConfig.metric
 # The most n-gram drafts a step of the default lossless configuration feeds (mars.core.decode.drafts.ngram).
 DEFAULT_NGRAM = 16
-# The most runners-up of a first draft a step of the default lossless configuration may feed
-# as alternative groups (DraftSources.alternatives; the cost-aware feed chooses how many).
+# The most runners-up of a first draft a default lossless step may feed as alternative groups.
 DEFAULT_ALTERNATIVES = 2
 
 
@@ -46,9 +34,8 @@ def block_size_for(mars: MarsConfig | None, block_size: int | None = None) -> in
 
 
 def checkpoint_mode(mars: MarsConfig | None, metric: str, threshold: float | None = None, lossless: bool = False) -> tuple[float, bool]:
-    """(threshold, lossless) of a run: the threshold asked for; else the checkpoint's default
-    mode (mars.json default_threshold, and lossless when its default_mode is lossless); a model
-    without mars.json, AR mode."""
+    """(threshold, lossless) of a run: the threshold asked for, else the checkpoint's default mode
+    (mars.json's default_threshold and default_mode); a model without mars.json, AR mode."""
     if threshold is not None:
         return threshold, lossless
     if mars is None:

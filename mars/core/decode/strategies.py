@@ -1,9 +1,5 @@
-"""The cache strategies (docs/method.md §5-6): what each row feeds on top of its committed
-cache, and what the cache keeps after the step.
-
-`WindowStrategy` feeds what is not yet cached, then the masks (with the window cache or
-none); `BlockStrategy` feeds the current block's slots on the block-start cache, with the
-last block (or the prompt) folded in front. Both describe their feed with `Columns`."""
+"""The cache strategies (docs/method.md §5-6): what each row feeds on its committed cache, and
+what the cache keeps after the step."""
 
 from __future__ import annotations
 
@@ -16,21 +12,16 @@ from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_al
 
 
 class WindowStrategy:
-    """Sliding window (docs/method.md §5-6): feed what is not yet cached, then B masks.
-
-    With `cached=False` nothing is kept: every step feeds the whole sequence.
-    With `cached=True` the cache keeps committed tokens only; mask entries are cropped.
-    Where drafts are verified, each row feeds its drafts between its real tokens and its
-    masks, and greedy decoding the in-forward sources' groups after all of them
-    (mars.core.decode.drafts.GROUP_SOURCES), up to `group_counts[name]` of each: spare groups,
-    then runner-up alternatives.
-    """
+    """Sliding window: feed what is not yet cached, then the masks. With `cached=False` nothing is
+    kept and every step feeds the whole sequence; with `cached=True` the cache keeps committed tokens
+    only. Where drafts are verified, a row's drafts sit between its real tokens and its masks, and
+    up to `group_counts[name]` groups of each in-forward source follow."""
 
     def __init__(self, settings: DecodeSettings, cached: bool):
         self.s = settings
         self.cached = cached
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
-        # Per step, a cost-aware loop may narrow these (LosslessFeed); lossless output stays AR's.
+        # Narrowed per step where the feed is measured (Execution.choose).
         self.masks = settings.masks_per_step
         # The most groups of each in-forward source a step feeds ("spare", "alt").
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
@@ -45,7 +36,6 @@ class WindowStrategy:
         ids, valid = right_aligned(parts, width, s.mask_id, [0 if r.done else m for r in rows])
         positions = consecutive_positions(valid, [r.cached for r in rows])
         padded, n = pad_drafts(drafts, s.mask_id)
-        # The in-forward sources' groups (spare groups, runner-up alternatives), where drafts are verified.
         counts = self.group_counts
         groups = tuple(g for name, source in GROUP_SOURCES.items() if s.verifies and counts.get(name)
                        for g in source.groups(rows, n, counts[name], m, s.mask_id))
@@ -66,8 +56,7 @@ class WindowStrategy:
             self.key_valid = self.key_valid[keep]
 
     def add_row(self, row: Row) -> None:
-        """A row joins the batch (ContinuousBatch): the keys cached so far are holes to it; its
-        first step feeds its whole prompt (`row.cached` is 0)."""
+        """A row joins the batch: the keys cached so far are holes to it; its first step feeds its prompt."""
         if self.key_valid is not None:
             self.key_valid = np.concatenate([self.key_valid, np.zeros((1, self.key_valid.shape[1]), dtype=bool)])
 
@@ -98,14 +87,10 @@ class WindowStrategy:
 
 
 class BlockStrategy:
-    """Block-level cache for batches (docs/method.md §6).
-
-    Rows stay aligned on blocks of B_cache generated tokens. Inside a block every
-    step feeds the block's slots (filled ones real, the rest masks) on the
-    block-start cache; a row that filled its block waits. The finished block is
-    committed by feeding it in front of the next block's first step, and the
-    prompt in front of the first block's, so no forward is spent on commits alone.
-    """
+    """Block-level cache for batches: rows stay aligned on blocks of B_cache tokens, each step feeding
+    the block's slots (filled ones real, the rest masks) on the block-start cache; a row that filled
+    its block waits. A finished block (or the prompt) is fed in front of the next block's first step,
+    so no forward only commits."""
 
     def __init__(self, settings: DecodeSettings, rows: list[Row] = ()):
         self.s = settings
@@ -150,8 +135,7 @@ class BlockStrategy:
             self.block_start = [self.block_start[j] for j in keep]
 
     def add_row(self, row: Row) -> None:
-        """A row joins the batch at a block boundary (ContinuousBatch): the keys cached so far
-        are holes to it, and its first block starts where its prompt ends."""
+        """A row joins at a block boundary: the cached keys are holes to it; its first block follows its prompt."""
         self.block_start.append(len(row.seq))
         if self.key_valid is not None:
             self.key_valid = np.concatenate([self.key_valid, np.zeros((1, self.key_valid.shape[1]), dtype=bool)])
@@ -178,8 +162,7 @@ class BlockStrategy:
 
 
 def joined_keys(key_valid: np.ndarray, layout: Layout) -> np.ndarray:
-    """(b, C + q) the keys a step's queries may see, the cached ones then the fed columns: made
-    once a step (the attention mask and the commit both read it), kept on the layout."""
+    """(b, C + q) the keys a step's queries may see, cached then fed; made once a step, kept on the layout."""
     if layout.keys is None:
         layout.keys = np.concatenate([key_valid, layout.valid], axis=1)
     return layout.keys

@@ -1,6 +1,5 @@
-"""What the decoding loop and its callers share: the backend protocol, the rows being decoded
-and the statistics they report, plain data (docs/method.md §5, §8); the plan a run decodes by
-lives in mars.core.decode.plan."""
+"""What the decoding loop and its callers share (docs/method.md §5, §8): the backend protocol, the
+rows being decoded and the statistics they report."""
 
 from __future__ import annotations
 
@@ -20,14 +19,12 @@ class StepBackend(Protocol):
     def crop(self, cache: Any, length: int) -> None: ...
 
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
-        """Forward `input_ids` (b, q) at `positions` on top of `cache` (None: no cache)
-        under `mask` (b, q, kv) bool or None (plain causal, no holes); return
-        (ids, confidence), each (b, k), for the outputs at `read` (b, k) indices into q.
-        `metric` None (greedy AR): the argmax ids alone; confidences may be zeros.
-        `valid` (b, q), when given, marks the real positions: the others are holes, never
-        attended nor read, which a backend may leave uncomputed (`skips_holes`).
-        `runners_up` n > 0 (greedy): also return, third, (b, k, n) the next n ids of each
-        read after its chosen one, most likely first (`runners_up_of`)."""
+        """Forward `input_ids` (b, q) at `positions` on `cache` (None: no cache) under `mask` (b, q, kv)
+        bool or None (plain causal, no holes); return (ids, confidence), each (b, k), for the outputs
+        at `read` (b, k) indices into q. `metric` None (greedy AR): the argmax ids alone, confidences
+        may be zeros. `valid` (b, q), when given, marks the real positions: the others are holes, never
+        attended nor read, which a backend may leave uncomputed (`skips_holes`). `runners_up` n > 0
+        (greedy): also return, third, (b, k, n) the next n ids of each read after its chosen one."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:
@@ -36,19 +33,17 @@ class StepBackend(Protocol):
         ...
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of
-        the D draft slots and after the last (AR), then the m masks. Row r's first
-        `n_drafts[r]` ids of `drafts` (b, D) were drawn by the previous call from its mask
-        distributions q, which the backend kept. Returns (kept (b,), token (b,), new drafts
-        (b, m)): drafts kept by the speculative-sampling rule (accept with min(1, p/q)), then
-        a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the
-        last draft; new drafts are drawn from this step's mask distributions, kept for the next call."""
+        """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of the D
+        draft slots and after the last (AR), then the m masks. Row r's first `n_drafts[r]` ids of
+        `drafts` (b, D) were drawn by the previous call from its mask distributions q, which the backend
+        kept. Returns (kept (b,), token (b,), new drafts (b, m)): drafts kept with chance min(1, p/q),
+        then a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the last
+        draft; the new drafts are drawn from this step's mask distributions, kept for the next call."""
         ...
 
 
 def sum_ragged(lists) -> list[int]:
-    """Element-wise sum of count lists of different lengths (the shorter ones padded with
-    zeros): rows whose n-gram drafts outnumbered the masks count more slots than the others."""
+    """Element-wise sum of count lists of different lengths (rows may draft more slots than B)."""
     out: list[int] = []
     for counts in lists:
         out.extend([0] * (len(counts) - len(out)))
@@ -67,8 +62,7 @@ class RowStats:
     drafted_per_slot: list[int] = field(default_factory=list)
     verified_per_slot: list[int] = field(default_factory=list)
     kept_per_slot: list[int] = field(default_factory=list)
-    # Lossless mode: tokens taken, by where they came from: drafts of the masks, of the spare
-    # groups or of n-gram lookup (kept by verification), and the AR token every step takes.
+    # Lossless mode: tokens taken per draft source (kept drafts), and "ar", the AR token of every step.
     by_source: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -82,15 +76,12 @@ class DecodeStats:
     forwards: int = 0  # batch forwards run
     fed_tokens: int = 0  # token slots fed, holes included (the compute spent)
     masks_fed: dict[int, int] = field(default_factory=dict)  # threshold mode: masks fed a step -> steps
-    # The cost-aware feed's choices in this run: (masks, spare groups) -> steps (threshold mode:
-    # (masks, 0)); empty with a fixed feed.
+    # The measured feed's choices: (masks, spare groups) -> steps; empty with a fixed feed.
     feed_choices: dict[tuple[int, int], int] = field(default_factory=dict)
-    # Drafts verified, per draft source and slot j, as the drafting statistics stood after the
-    # run (mars.core.decode.feed.DraftStats: `reached`, every draft before slot j kept; `kept`).
+    # The drafting statistics after the run, per source and slot (mars.core.decode.feed.DraftStats).
     draft_reached: dict[str, list[int]] = field(default_factory=dict)
     draft_kept: dict[str, list[int]] = field(default_factory=dict)
-    # The cache strategy that ran: the one asked for, or "window" where greedy lossless
-    # decoding with the block cache was expected to be slower than with the window cache.
+    # The cache strategy that ran: the one asked for, or "window" where the block cache would not pay.
     cache: str | None = None
 
     @property
@@ -151,9 +142,8 @@ MASK_SOURCES = (MASKS, SPARE, "threshold")  # what the masks bring: drafts, spar
 
 
 def masks_share(sources: dict[str, int] | None) -> float | None:
-    """The masks' share of the extra tokens: the tokens the masks brought (mask drafts, spare
-    groups, unverified threshold tokens) over every token not computed as AR's own (n-gram
-    lookup, the draft corpus and runner-up groups bring the rest). None without extra tokens."""
+    """The masks' share of the extra tokens: those of `MASK_SOURCES` over every token not computed as
+    AR's own; None without extra tokens."""
     if not sources:
         return None
     extra = sum(n for k, n in sources.items() if k != "ar")
@@ -170,10 +160,8 @@ class DecodeResult:
 
 
 class Row:
-    """One sequence being decoded: its prompt and accepted output, how much of it the cache
-    holds, whether and why it finished, its drafts (lossless) and its statistics. A served
-    batch (`ContinuousBatch.join`) hands rows to its caller, who reads `out`, `done`,
-    `finish`, `stats` and `threshold`, and may set `threshold` between steps."""
+    """One sequence being decoded: its prompt and accepted output, how much of it the cache holds,
+    whether and why it finished, its drafts and its statistics."""
 
     def __init__(self, prompt: list[int], slots: int, *, threshold: float, max_tokens: int):
         self.seq = list(prompt)  # prompt + accepted output

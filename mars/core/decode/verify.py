@@ -1,11 +1,7 @@
-"""How each mode takes tokens from a step (docs/method.md §5, §8).
-
-Threshold mode keeps the leading slots whose confidence passes each row's threshold. A plan
-that verifies drafts checks the drafts it fed against the AR predictions read before them
-(or lets the backend's `speculate` do it when sampling), always takes one AR token after the
-kept drafts, and picks the next drafts: the masks', a confirmed group's (a spare group, a
-runner-up alternative: mars.core.decode.drafts) or none; verified threshold mode then also
-takes the leading confident next drafts (`take_confident`)."""
+"""How each mode takes tokens from a step (docs/method.md §5, §8, §9): threshold mode keeps the
+leading slots whose confidence passes each row's threshold; a plan that verifies drafts keeps each
+draft while it equals AR's prediction before it (or passes speculative sampling), always takes one
+AR token after them, and picks the next drafts."""
 
 from __future__ import annotations
 
@@ -22,11 +18,9 @@ from .layout import Layout
 
 
 def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:
-    """Threshold step: per row, the leading slots the acceptance rule keeps at the row's own
-    threshold (none for a waiting row)."""
+    """Threshold step: per row, the leading slots kept at the row's own threshold (none if it waits)."""
     thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
-    # Greedy AR accepts slot 0 by rule: no confidence is needed (every row in AR mode, or no
-    # mask fed this step), so none is computed.
+    # Greedy AR accepts slot 0 by rule: without masks to judge, no confidence is computed.
     no_masks = ar_mode_rows(s.metric, thresholds).all() or layout.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
     ids, conf = backend.step(cache, layout.ids, layout.positions, mask, layout.read, metric=step_metric, sampling=s.sampling,
@@ -56,20 +50,14 @@ def confirmed(group, i: int, kept: int, token: int) -> bool:
 
 
 def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
-    """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR
-    token; none for a waiting row) and its next drafts, (source, ids).
+    """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR token; none
+    for a waiting row) and its next drafts, (source, ids).
 
-    Greedy, one rule for every in-forward source: the masks after the drafts propose where
-    every draft was kept; otherwise a group (layout.columns.groups: spare groups, runner-up
-    alternatives) whose context AR confirmed (`confirmed`: anchored after the kept drafts, its
-    prefix beginning with AR's token there) proposes, the one whose prefix is longest first;
-    a confirmed prefix also adds AR's token after it (read at the prefix, where the group was
-    AR's own window); else there are no next drafts. Sampling: the backend's `speculate`
-    verifies (the masks alone).
-
-    With `runners_up` n (greedy) each row's next drafts come with the n runners-up of each
-    (`next_alts`), for the next step's alternative groups. With `metric` (greedy only) also
-    gives, per row, the confidence of each next draft (`conf`, see `take_confident`)."""
+    Greedy: where every draft was kept the masks after them propose; otherwise the `confirmed` group
+    with the longest prefix does, a confirmed prefix also adding AR's token after it (read at the
+    prefix, where the group was AR's own window); else there are no next drafts. Sampling: the
+    backend's `speculate` verifies, the masks alone propose. Greedy, `runners_up` n adds each next
+    draft's n runners-up (`next_alts`) and `metric` their confidences (`conf`)."""
     columns, width = layout.columns, layout.columns.draft_slots
     b = len(layout.ids)
     chosen = np.full(b, -1, dtype=np.int64)
@@ -125,13 +113,11 @@ def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str
 
 
 def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
-    """Verified threshold mode (docs/method.md §9): after a lossless step, each row also takes
-    the leading next drafts whose confidence passes its threshold, unverified, as threshold
-    mode takes leading masks (the same rule, `accept_counts`, the step's tokens standing in
-    for its slot 0), within what is left of its max_tokens; the drafts after them stay
-    drafts, verified next step. A row in AR mode takes none, so at threshold 1.0 the output
-    is lossless mode's, AR's. Updates `accepted` and `nxt` in place; returns how many each
-    row took so."""
+    """Verified threshold mode (docs/method.md §9): after a lossless step each row also takes,
+    unverified, the leading next drafts whose confidence passes its threshold (`accept_counts`, the
+    step's tokens as slot 0), within its max_tokens; the rest stay drafts. A row in AR mode takes
+    none, so at threshold 1.0 the output is AR's. Updates `accepted` and `nxt` in place; returns how
+    many each row took."""
     width = max((len(d) for _, d in nxt), default=0)
     slots = np.full((len(rows), 1 + width), np.nan)  # NaN passes no threshold: rows with fewer drafts stop there
     for i, (_, drafts) in enumerate(nxt):
@@ -150,9 +136,8 @@ def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], 
 
 
 def count_drafts(r: Row, verified: int, kept: int, nxt: tuple[str, list[int]], masks: int) -> None:
-    """Lossless bookkeeping, per draft slot: drafts fed, verified and kept, and the tokens
-    taken per source; `nxt` (source, drafts) are the next step's (see `verify`), which the
-    row takes on."""
+    """Lossless bookkeeping: drafts fed, verified and kept per slot, and tokens per source; the row
+    takes on `nxt`, the next step's (source, drafts)."""
     st = r.stats
     source, drafts = nxt
     width = max(masks, verified, len(drafts))

@@ -1,11 +1,7 @@
 """Runner-up alternatives (docs/method.md §9, `--alternatives`): in-forward drafts for when the
-first draft fails.
-
-A row's first draft came with its runners-up (the next most likely tokens where it was
-proposed). Alternative group k feeds runner-up k at the first draft's position, then B masks,
-seeing only the verified tokens before it: a plain window ending at the runner-up. When the
-first draft is rejected and AR's token there is runner-up k, the step also takes AR's token
-after it (read at the runner-up) and the group's proposals become the next drafts."""
+first draft fails. Group k feeds the first draft's runner-up k at its position, then B masks, as a
+plain window ending at the runner-up; where AR's token there is runner-up k, the step also takes
+AR's token after it and the group's proposals become the next drafts."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
-"""Corpus drafts for lossless decoding: what the model's own earlier replies say comes next.
+"""Corpus drafts: what the model's own earlier replies say comes next. A greedy model repeats its
+phrasing across prompts, so lookup finds the longest n (`MAX_NGRAM` down to `MIN_NGRAM`) whose last
+n tokens of the sequence occur in a draft corpus (replies the model wrote, `mars corpus`) and
+proposes the continuation most of those places agree on.
 
-A model's greedy replies repeat its own phrasing from prompt to prompt ("Here are some",
-list layouts, code idioms). A draft corpus holds token sequences the model wrote (the
-self-distilled replies it was fine-tuned on, `mars corpus`), and lookup proposes, for the
-longest n from `MAX_NGRAM` down to `MIN_NGRAM` whose last n tokens of the sequence occur
-in it, the continuation most of those places agree on. The drafts are verified by the
-same forward and rule as the masks' and n-gram lookup's, so the output stays AR's; they
-cost no training and no mask columns.
-
-Kept beside a checkpoint as `draft_corpus.npz` (`FILE`): one int32 array `tokens`, the
-sequences joined by -1. Lookup hashes every n-gram of the corpus once (64-bit polynomial
-hashes, sorted per n), so a step's lookup is a few binary searches and a vote over the
-matching places.
+Kept beside a checkpoint as `draft_corpus.npz` (`FILE`): one int32 array `tokens`, the sequences
+joined by -1. Every n-gram is hashed once (64-bit polynomial hashes, sorted per n), so a lookup is
+a few binary searches and a vote.
 """
 
 from __future__ import annotations
@@ -29,8 +23,7 @@ MAX_NGRAM = 8
 MIN_NGRAM = 2
 # At most this many matching places vote on a continuation (the latest in the corpus).
 MAX_PLACES = 256
-# Match lengths with statistics of their own: drafts from a match of n tokens count under
-# the largest bucket <= n (mars.core.decode.drafting).
+# Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (2, 3, 4, 6)
 _P = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd, 64-bit)
 
@@ -48,8 +41,8 @@ def _hashes(values: np.ndarray, n: int) -> np.ndarray:
 
 
 class DraftCorpus:
-    """A draft source (mars.core.decode.drafts.Proposer, "corpus"): token sequences (`sequences`, or one flat array with -1 between them) indexed for
-    `match`. Immutable once built: copies share it."""
+    """A draft source (mars.core.decode.drafts.Proposer): token sequences (`sequences`, or one flat
+    array with -1 between them) indexed for `match`. Immutable once built: copies share it."""
 
     name = "corpus"
     label = "corpus drafts"
@@ -123,8 +116,7 @@ class DraftCorpus:
         return 0, []
 
     def propose(self, seq, max_drafts: int) -> tuple[str, list[int]] | None:
-        """mars.core.decode.drafts.Proposer: the drafts of `match` and the statistics key of
-        their match length (`source`), or None."""
+        """Proposer: the drafts of `match` and the statistics key of their match length, or None."""
         n, found = self.match(seq, max_drafts=max_drafts)
         return (source(n), found) if found else None
 
@@ -180,11 +172,9 @@ def beside(checkpoint) -> DraftCorpus | None:
 
 
 def from_data(data, tokenizer, *, announce=None, max_tokens: int | None = None) -> DraftCorpus:
-    """A draft corpus of every record of a data file (a .jsonl, or a data directory's
-    train.jsonl; the shapes `mars finetune` reads), each encoded as training encodes it
-    (`load_split`, without its block padding): prompt and reply through the chat template.
-    With `max_tokens`, the records in file order up to that many tokens (the index costs
-    about 100 bytes of memory a token once loaded)."""
+    """A draft corpus of every record of a data file (what `mars finetune` reads), each encoded as
+    training encodes it without the block padding. With `max_tokens`, the records in file order up
+    to that many tokens (the index costs about 100 bytes of memory a token once loaded)."""
     from ...train.data import DataError, encode_record, read_split
 
     eos_id = tokenizer.eos_token_id

@@ -1,14 +1,10 @@
-"""The masks' own drafts (docs/method.md §5, §8): the B masks after a row's drafts.
-
-They are the window's own columns (mars.core.decode.layout.Columns, read at `mask_reads`), not
-a group: every step of a plan below AR mode feeds them. Their proposals, conditioned on every
-draft the row fed, become the next drafts where every draft was kept (mars.core.decode.verify)."""
+"""The masks' own drafts (docs/method.md §5, §8): the B masks after a row's drafts, the window's own
+columns rather than a group; conditioned on every draft, they propose where every draft was kept."""
 
 from __future__ import annotations
 
 
 class Masks:
-    """The masks source: B masks a step below AR mode feeds after each row's drafts."""
 
     name = "masks"
     label = "mask drafts"

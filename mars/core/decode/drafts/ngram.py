@@ -1,21 +1,7 @@
-"""N-gram (prompt lookup) drafts for lossless decoding.
-
-Replies often repeat their prompt or themselves: names, code, lists. Lookup finds the
-most recent earlier place where the sequence's last n tokens (prompt and output alike)
-occurred, for the longest n up to `MAX_NGRAM`, and proposes the tokens that followed it
-there. The drafts are verified by the same forward and the same rule as the masks'
-drafts, so the output is unchanged; they cost no training and no mask columns.
-
-How long the match is says much about how many drafts will be kept: on the first 16
-held-out test prompts (the default model's greedy replies, 128 tokens; drafts of up to 8
-tokens at every position), a 1-token match kept 0.59 drafts on average and a match of 6
-or more tokens 4.4. The drafting statistics therefore keep one draft source per match
-length (`source`), and searching up to 10 tokens instead of 3 raised the mean drafts kept
-per position from 1.16 to 1.26. With both, greedy lossless decoding of those prompts
-(batch 1, one thread, interleaved with AR in one process, 2 rounds) went from 1.48 to 1.69
-tokens per forward and from 1.39x to 1.53x AR's speed, every reply identical to AR's; up to
-16 drafts a step (the default) instead of 8 let a long match run on (a match of 6 or more
-tokens then kept 5.9 on average instead of 4.4).
+"""N-gram (prompt lookup) drafts: replies often repeat their prompt or themselves, so lookup finds
+the latest earlier place where the sequence's last n tokens occurred, for the longest n up to
+`MAX_NGRAM`, and proposes what followed there. A longer match keeps many more of its drafts, so
+drafts count under one draft source per match-length bucket (`source`), each with its own keep rates.
 """
 
 from __future__ import annotations
@@ -25,8 +11,7 @@ from collections import OrderedDict
 import numpy as np
 
 MAX_NGRAM = 10
-# Match lengths with statistics of their own: n-gram drafts from a match of n tokens count
-# under the largest bucket <= n (mars.core.decode.drafting).
+# Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (1, 2, 3, 6)
 
 
@@ -43,9 +28,8 @@ def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ng
 
 
 def _longest(arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max_ngram: int, min_ngram: int = 1) -> tuple[int, list[int]]:
-    """`match` on the first `end` tokens of `arr`, from `starts`, the earlier places of its last
-    token (the candidates for the shortest n): a longer n keeps those whose preceding tokens
-    match too, and the latest place of the longest n gives the drafts."""
+    """`match` on the first `end` tokens of `arr` from `starts`, the earlier places of its last token:
+    each longer n keeps those whose preceding tokens match too; the latest of the longest gives drafts."""
     found = best = 0
     for n in range(1, min(max_ngram, end - 1) + 1):
         if n > 1:
@@ -87,8 +71,7 @@ class _Index:
         return True
 
     def match(self, max_drafts: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list[int]]:
-        """`match` on the indexed sequence, the work growing with the earlier places of its last
-        token rather than with its length."""
+        """`match` on the indexed sequence, in work growing with its last token's earlier places."""
         end, arr = self.n, self.tokens
         if max_drafts <= 0 or end < 2:
             return 0, []
@@ -97,10 +80,9 @@ class _Index:
 
 
 class NgramLookup:
-    """The prompt-lookup draft source (mars.core.decode.drafts.Proposer). It keeps an index of
-    each sequence it is asked about (the rows of a call or a served batch: `KEEP` at most, the
-    least recently asked dropped first), so a step's lookup does not rescan a row's whole
-    prompt and reply."""
+    """The prompt-lookup draft source (mars.core.decode.drafts.Proposer). It indexes up to `KEEP`
+    sequences it was asked about (the least recently asked dropped first), so a step's lookup does
+    not rescan a row's whole prompt and reply."""
 
     name = "ngram"
     label = "n-gram drafts"

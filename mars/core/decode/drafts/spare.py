@@ -1,9 +1,6 @@
-"""Spare mask groups (docs/method.md §9, `--hedge`): in-forward drafts for when a draft fails.
-
-Spare group g sits after a row's g-th draft (group 0 right after its last verified token),
-B masks that see only what precedes them. When draft g + 1 is the first one rejected, the
-step still takes AR's token there, which group g's first mask stood for, and the group's
-proposals (conditioned on verified tokens only) become the next drafts instead of none."""
+"""Spare mask groups (docs/method.md §9, `--hedge`): in-forward drafts for when a draft fails. Group
+g, B masks after a row's g-th draft seeing only what precedes them, proposes the next drafts where
+draft g + 1 is the first rejected (conditioned on verified tokens only), instead of none."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from ..layout import Group
 
 
 class SpareGroups:
-    """The spare groups source: up to `count` groups, no more than the most drafts a row
-    feeds (a spare group follows a draft), and only where masks are fed."""
+    """The spare groups source: at most one group per draft fed, and none without masks."""
 
     name = "spare"
     label = "spare-group drafts"
