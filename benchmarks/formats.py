@@ -128,7 +128,7 @@ def prepared_curve(fmt: Format) -> dict | None:
     decoding refreshes the live curve from the forwards it times."""
     s, plan = fmt.session, fmt.plans["default"]
     s.prepare_feed(plan, 1)
-    return dict(s.feed.costs.one.points) if s.feed.uses(plan) else None
+    return dict(s.controller.costs.one.points) if s.controller.uses(plan) else None
 
 
 def drafts_of(plan) -> dict:

@@ -90,8 +90,9 @@ def main(argv):
 
     engines = {}
     for cache in ("window", "block"):
-        _, engine = build(session.loaded, type(session.decoder), name="bench",
-                          engine_limits=EngineLimits(max_batch=max(levels), cache=cache))
+        # A session of its own per engine (the same weights): each engine's feed policies learn apart.
+        served = Session.from_loaded(session.loaded, announce=session.announce)
+        _, engine = build(served, name="bench", engine_limits=EngineLimits(max_batch=max(levels), cache=cache))
         engine.prepare_feed(announce=lambda m: print(m, file=sys.stderr))
         engine.start()
         engines[cache] = engine

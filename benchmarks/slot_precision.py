@@ -34,7 +34,7 @@ DEFAULT_THRESHOLDS = {
 ERROR_BUDGETS = (0.005, 0.01, 0.02, 0.05, 0.1)
 
 
-def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
+def slot_records(session, examples, batch_size: int = 8, metrics=("probability",)):
     """({metric: confidence (n, B+1)}, pred (n, B+1), ar (n, B+1) with -1 where the slot's
     token is unlabelled) over every labelled block start of `examples`. Confidences are the
     decoder's own (greedy `slot_predictions`)."""
@@ -49,18 +49,19 @@ def slot_records(em, examples, batch_size: int = 8, metrics=("probability",)):
     from mars.core.masks import training_inputs
     from mars.evaluate import response_labels
 
-    B, mask_id = em.block_size(), em.mask_id()
-    eos = em.tm.tokenizer.eos_token_id
-    module = MarsLoss(em.tm.model, gate=em.tm.gate)
+    B, mask_id = session.block_size(), session.mask_id()
+    eos = session.loaded.tokenizer.eos_token_id
+    module = MarsLoss(session.loaded.model, gate=session.loaded.gate)
     confs, preds, refs = {m: [] for m in metrics}, [], []
-    dev = em.tm.device
+    dev = session.loaded.device
     with torch.inference_mode():
         for ids, labels, lengths in batches(examples, batch_size, pad_id=eos, shuffle=False):
             labels = response_labels(labels, eos)
             L = ids.shape[1]
             inp, pos, mask = training_inputs(ids, labels, lengths, B, mask_id)
             hidden = module.hidden(
-                torch.from_numpy(inp).to(dev), torch.from_numpy(pos).to(dev), additive_mask(mask, em.tm.dtype, dev)
+                torch.from_numpy(inp).to(dev), torch.from_numpy(pos).to(dev),
+                additive_mask(mask, session.loaded.dtype, dev)
             )
             for r in range(ids.shape[0]):
                 starts = [t for t in range(B, L, B) if labels[r, t] != IGNORE]
@@ -177,14 +178,14 @@ def main(argv=None) -> dict:
 
     from mars.evaluate import load_model, load_examples
 
-    em = load_model(args.model, "torch")
-    if em.mars is None:
+    session = load_model(args.model, "torch")
+    if session.mars is None:
         sys.exit(f"{args.model}: no mars.json; its masks were never trained")
-    examples = load_examples(Path(args.data), em.tm.tokenizer, block_size=em.block_size())[: args.limit]
-    metric = args.metric or em.mars.metric
+    examples = load_examples(Path(args.data), session.loaded.tokenizer, block_size=session.block_size())[: args.limit]
+    metric = args.metric or session.mars.metric
     taus = [float(x) for x in args.thresholds.split(",")] if args.thresholds else DEFAULT_THRESHOLDS[metric]
     metrics = METRICS if args.compare_metrics else (metric,)
-    confs, pred, ref = slot_records(em, examples, metrics=metrics)
+    confs, pred, ref = slot_records(session, examples, metrics=metrics)
     rep = summarise(confs[metric], pred, ref, thresholds=taus, metric=metric)
     if args.compare_metrics:
         rep["metrics"] = compare_metrics(confs, pred, ref)

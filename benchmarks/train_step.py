@@ -44,18 +44,22 @@ def main(argv=None) -> dict:
     from mars.core.train.data import batches
     from mars.evaluate import load_examples, load_model
 
-    em = load_model(args.model, "torch")
-    B, mask_id = em.block_size(), em.mask_id()
-    examples = load_examples(Path(args.data), em.tm.tokenizer, block_size=B, max_seq_length=args.max_seq_length, on_long="skip")
-    module = MarsLoss(em.tm.model)
+    session = load_model(args.model, "torch")
+    B, mask_id = session.block_size(), session.mask_id()
+    tm = session.loaded
+    examples = load_examples(Path(args.data), tm.tokenizer, block_size=B, max_seq_length=args.max_seq_length,
+                             on_long="skip")
+    module = MarsLoss(tm.model)
     for p in module.parameters():
         p.requires_grad_(True)
     module.train()
     rows = []
-    for i, (ids, labels, lengths) in enumerate(batches(examples, args.batch_size, pad_id=em.tm.tokenizer.eos_token_id, seed=0)):
+    for i, (ids, labels, lengths) in enumerate(batches(examples, args.batch_size, pad_id=tm.tokenizer.eos_token_id,
+                                                       seed=0)):
         if i == args.batches + 1:
             break
-        inputs = {trim: loss_inputs(ids, labels, lengths, B, mask_id, em.tm.dtype, em.tm.device, trim=trim) for trim in (False, True)}
+        inputs = {trim: loss_inputs(ids, labels, lengths, B, mask_id, tm.dtype, tm.device, trim=trim)
+                  for trim in (False, True)}
         got = {}
         for trim in ((False, True) if i % 2 else (True, False)):
             got[trim] = step_time(module, inputs[trim])

@@ -36,6 +36,7 @@ from .core.masks import decode_mask
 from .core.acceptance import ar_threshold, check_threshold
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, block_size_for, check_may_decode, metric_for
 from .checkpoint.default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
+from .session import Session
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -241,21 +242,24 @@ def mlx_reference(loaded, max_tokens: int):
 class _Ours:
     """A configuration of this project's loop: prompts -> (tokens, statistics); `mode` names its plan."""
 
-    def __init__(self, decoder, settings: DecodeSettings, feed=None):
-        self.decoder, self.settings, self.feed = decoder, settings, feed
+    def __init__(self, decoder, settings: DecodeSettings, controller=None):
+        self.decoder, self.settings, self.controller = decoder, settings, controller
         self.mode = settings.name
 
     def __call__(self, prompts):
-        result = generate(self.decoder, prompts, self.settings, controller=self.feed)
+        result = generate(self.decoder, prompts, self.settings, controller=self.controller)
         return result.tokens, result.stats
 
 
-def build_configs(loaded, decoder, backend: str, s: BenchSettings, cost=None) -> list[Config]:
-    """`cost`: the decoder's per-forward cost curves (mars.core.decode.cost.BatchCosts); the default
+def build_configs(session: Session, s: BenchSettings, cost=None) -> list[Config]:
+    """The configurations of a model opened for decoding (its loaded model, decoder and backend).
+    `cost`: the decoder's per-forward cost curves (mars.core.decode.cost.BatchCosts); the default
     lossless configuration (what `mars generate --lossless` runs) and threshold mode's "auto"
     feed choose what they feed from them, each configuration through a feed controller of its
     own (mars.core.decode.feed.FeedController) over these curves."""
     from .core.decode.feed import FeedController
+
+    loaded, decoder, backend = session.loaded, session.decoder, session.backend
 
     def controller():
         return FeedController(cost) if cost is not None else None
@@ -424,7 +428,7 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
     return {"runs": rows, "reference_check": check}
 
 
-def add_parity(runs: list[dict], configs: list[Config], loaded, decoder, prompts) -> None:
+def add_parity(runs: list[dict], configs: list[Config], session: Session, prompts) -> None:
     """To each run (one per configuration, in order) whose plan verifies against AR (lossless:
     AR's replies by construction; verified threshold mode: close to them) add its parity with
     the AR row's replies of the same round, in the format the model ran in (mars.parity), after
@@ -436,7 +440,7 @@ def add_parity(runs: list[dict], configs: list[Config], loaded, decoder, prompts
     for run, c in zip(runs, configs):
         plan = getattr(c.run, "settings", None)
         if plan is not None and plan.mode in (Mode.LOSSLESS, Mode.VERIFIED):
-            run["parity"] = parity(decoder, loaded, prompts, ar.tokens, c.tokens)
+            run["parity"] = parity(session.decoder, session.loaded, prompts, ar.tokens, c.tokens)
 
 
 def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick, ar_filler: int | None = None) -> list[dict]:
@@ -492,9 +496,11 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: BenchSettings, log=None, progress: bool = False) -> dict:
-    """Every configuration at every batch size, and the forward-cost curve; a JSON-ready dict.
-    `progress` shows a progress bar (stderr) over every pass."""
+def run_benchmark(session: Session, prompts: list[list[int]], s: BenchSettings, log=None,
+                  progress: bool = False) -> dict:
+    """Every configuration at every batch size, and the forward-cost curve, of a model opened for
+    decoding; a JSON-ready dict. `progress` shows a progress bar (stderr) over every pass."""
+    loaded, decoder, backend = session.loaded, session.decoder, session.backend
     metric, block_size = metric_of(loaded, s), block_size_for(loaded.mars, s.block_size)
     for t in s.thresholds:
         check_threshold(metric, t)
@@ -507,7 +513,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
     if s.lossless or "auto" in s.feeds:
         cost = base.costs(loaded, decoder)
         cost.prepare(max(s.batch_sizes))  # every batch's curve measured before anything is timed
-    configs = build_configs(loaded, decoder, backend, s, cost)
+    configs = build_configs(session, s, cost)
     eos = set(loaded.eos_ids)
     runs, checks, curve = [], [], []
     ks = tuple(s.forward_ks)
@@ -523,7 +529,7 @@ def run_benchmark(loaded, decoder, backend: str, prompts: list[list[int]], s: Be
 
         for batch in s.batch_sizes:
             result = bench_batch(configs, prompts, batch, s, eos, log, tick)
-            add_parity(result["runs"], configs, loaded, decoder, prompts)
+            add_parity(result["runs"], configs, session, prompts)
             runs += result["runs"]
             checks.append(result["reference_check"])
         for batch in s.batch_sizes if ks else ():
@@ -552,8 +558,6 @@ def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=N
 
     `threads` sets torch's CPU threads: on a shared machine, fewer threads than cores avoids
     the oversubscription that makes every timing noisy."""
-    from .session import Session
-
     name = base.resolve(backend)
     if threads and name == "torch":
         import torch
@@ -561,7 +565,7 @@ def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=N
         torch.set_num_threads(threads)
     session = Session(model, adapter_path, backend=name, announce=announce)
     ids = session.encode(list(prompts) if prompts else DEFAULT_PROMPTS, chat=not raw)
-    return run_benchmark(session.loaded, session.decoder, name, ids, settings or BenchSettings(), log, progress=progress)
+    return run_benchmark(session, ids, settings or BenchSettings(), log, progress=progress)
 
 
 def format_table(report: dict) -> str:

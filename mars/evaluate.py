@@ -32,9 +32,10 @@ from .core.train.data import IGNORE, DataError, batches, load_split, read_jsonl
 from .core.decode.types import masks_share, sum_ragged
 from .core.files import atomic_write_text
 from .core.decode.plan import Mode
-from .core.decode.rules import block_size_for, metric_for
+from .core.decode.rules import metric_for
 from .parity import GAP_MEANING, common_prefix, parity, summary
 from .prompts import RawText, prompt_of, split_files
+from .session import Session, decode_batches
 
 DEFAULT_THRESHOLDS = (1.0, 0.95, 0.9, 0.8, 0.7, 0.5)
 
@@ -69,33 +70,11 @@ class EvalSettings:
     humaneval_timeout: float = 10.0  # seconds each problem's tests may run
 
 
-@dataclass
-class EvalModel:
-    """A loaded model ready for evaluation: what the backend's `load` returned plus its decoder."""
-
-    label: str
-    backend: str
-    tm: object
-    decoder: object
-
-    @property
-    def mars(self):
-        return self.tm.mars
-
-    def block_size(self, override: int | None = None) -> int:
-        return block_size_for(self.mars, override)
-
-    def mask_id(self) -> int:
-        """The checkpoint's mask token; for a plain model, the token fine-tuning would pick."""
-        return base.mask_id_for(self.tm)
-
-
-def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None) -> EvalModel:
-    """Load `model` (a path, or None for the embedded default) with the resolved backend."""
-    from .session import Session
-
-    s = Session(model, backend=backend, dtype=dtype, device=device, announce=announce)
-    return EvalModel(label=label or (str(model) if model is not None else "default"), backend=s.backend, tm=s.loaded, decoder=s.decoder)
+def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None,
+               announce=lambda m: None) -> Session:
+    """Open `model` (a path, or None for the embedded default) with the resolved backend; its
+    `label` (reports name it by) is `label`, else the model as given, else "default"."""
+    return Session(model, backend=backend, dtype=dtype, device=device, announce=announce, label=label)
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -139,20 +118,20 @@ def response_labels(labels: np.ndarray, eos_id: int) -> np.ndarray:
 # -- NLL ----------------------------------------------------------------------------------------
 
 
-def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: int = 8) -> dict:
+def nll(session: Session, examples, *, block_size: int | None = None, batch_size: int = 8) -> dict:
     """Mean clean- and noisy-stream NLL per response token over `examples` (token-weighted).
 
     Uses the training forward and loss (normalize="token"), so the clean NLL is the model's
     ordinary next-token loss on the responses. The noisy NLL is reported for MARS checkpoints
     only (None otherwise, with a note: a plain model's mask token was never trained).
     """
-    B = em.block_size(block_size)
-    mask_id = em.mask_id()
-    eos_id = em.tm.tokenizer.eos_token_id
+    B = session.block_size(block_size)
+    mask_id = session.mask_id()
+    eos_id = session.loaded.tokenizer.eos_token_id
     pad_id = eos_id
     clean_sum = noisy_sum = 0.0
     count = 0
-    step = base.losses(em.tm)
+    step = base.losses(session.loaded)
     for ids, labels, lengths in batches(examples, batch_size, pad_id=pad_id, shuffle=False):
         labels = response_labels(labels, eos_id)
         n = int((labels[:, 1:] != IGNORE).sum())
@@ -165,9 +144,9 @@ def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: i
     if count == 0:
         raise DataError("no response tokens to evaluate")
     out = {"tokens": count, "examples": len(examples), "block_size": B, "clean_nll": clean_sum / count,
-           "noisy_nll": noisy_sum / count if em.mars is not None else None}
+           "noisy_nll": noisy_sum / count if session.mars is not None else None}
     out["clean_ppl"] = math.exp(out["clean_nll"])
-    if em.mars is None:
+    if session.mars is None:
         out["note"] = "no mars.json: the noisy stream (mask predictions) was never trained; its NLL is not reported"
     return out
 
@@ -175,11 +154,9 @@ def nll(em: EvalModel, examples, *, block_size: int | None = None, batch_size: i
 # -- decoding sweep -----------------------------------------------------------------------------
 
 
-def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -> dict:
+def decode_all(session: Session, prompt_ids: list, settings, batch_size: int = 8) -> dict:
     """Decode every prompt in batches; tokens per row plus the summed statistics."""
-    from .session import decode_batches
-
-    decoded = decode_batches(em.decoder, prompt_ids, settings, batch_size)
+    decoded = decode_batches(session.decoder, prompt_ids, settings, batch_size)
     total = decoded.total
     slots = sum_ragged([[0] * (settings.masks_per_step + 1)] + [row.accepted_per_slot for row in total.rows])
     per_slot = np.asarray(slots, dtype=np.int64)
@@ -189,38 +166,40 @@ def decode_all(em: EvalModel, prompt_ids: list, settings, batch_size: int = 8) -
             "drafts": drafts, "seconds": decoded.seconds, "by_source": total.by_source()}
 
 
-def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
+def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
     """Decode `prompts` at every threshold of `settings`; agreement is measured against the AR
     output (threshold 1.0, or 0.0 for entropy), which is always run first."""
     from .core.acceptance import ar_threshold, is_ar_mode
     from .core.decode.rules import may_decode
     from .core.tokens import encode_prompt
 
-    metric = metric_for(em.mars, settings.metric)
-    B = em.block_size(settings.block_size)
+    metric = metric_for(session.mars, settings.metric)
+    B = session.block_size(settings.block_size)
     ar = ar_threshold(metric)
     thresholds = list(dict.fromkeys(float(t) for t in settings.thresholds))
     others = [t for t in thresholds if not is_ar_mode(metric, t)]
-    skipped = [] if settings.force else [t for t in others if not may_decode(em.mars is not None, metric, t)]
+    skipped = [] if settings.force else [t for t in others if not may_decode(session.mars is not None, metric, t)]
     others = [t for t in others if t not in skipped]
-    tok = em.tm.tokenizer
+    tok = session.loaded.tokenizer
     prompt_ids = [encode_prompt(tok, p, chat=not isinstance(p, RawText)) for p in prompts]
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
     def run(threshold, lossless=False, hedge=None, verify=False):
-        s = base.plan_for_model(em.tm, threshold=threshold, metric=metric, block_size=B, lossless=lossless, force=settings.force,
-                             max_tokens=settings.max_tokens, cache=settings.cache, block_cache=settings.block_cache, hedge=hedge,
-                             verify=verify, alternatives=settings.alternatives, ngram=settings.ngram)
+        s = base.plan_for_model(session.loaded, threshold=threshold, metric=metric, block_size=B, lossless=lossless,
+                                force=settings.force, max_tokens=settings.max_tokens, cache=settings.cache,
+                                block_cache=settings.block_cache, hedge=hedge, verify=verify,
+                                alternatives=settings.alternatives, ngram=settings.ngram)
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
         lookup, corpus = s.lookup_drafts, s.lookup_drafts > 0 and s.drafts.corpus is not None  # where the plan verifies drafts
         if lookup:
             alts += f", n-gram{' and corpus' if corpus else ''} drafts of up to {lookup} tokens"
         what = (f"lossless ({s.spare_groups} spare groups{alts})" if s.mode is Mode.LOSSLESS
                 else f"{'verified threshold mode ' if s.mode is Mode.VERIFIED else ''}at threshold {threshold}")
-        announce(f"{em.label}: decoding {len(prompt_ids)} prompts {what}")
-        return decode_all(em, prompt_ids, s, settings.batch_size) | {"hedges": s.spare_groups, "alternatives": s.alternative_groups,
-                                                                     "ngram": lookup, "corpus": corpus, "name": s.name}
+        announce(f"{session.label}: decoding {len(prompt_ids)} prompts {what}")
+        return decode_all(session, prompt_ids, s, settings.batch_size) | {
+            "hedges": s.spare_groups, "alternatives": s.alternative_groups, "ngram": lookup, "corpus": corpus,
+            "name": s.name}
 
     reference = run(ar)
     rows = []
@@ -252,7 +231,7 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
             **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
             **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
             # Lossless rows promise AR's replies, verified rows come close: where, in this format, they did not.
-            **({"parity": parity(em.decoder, em.tm, prompt_ids, reference["outputs"], d["outputs"])}
+            **({"parity": parity(session.decoder, session.loaded, prompt_ids, reference["outputs"], d["outputs"])}
                if lossless or verify else {}),
             "outputs": d["outputs"],
         })
@@ -267,9 +246,10 @@ def sweep(em: EvalModel, prompts: list, settings: EvalSettings, *, announce=lamb
 # -- the whole evaluation -----------------------------------------------------------------------
 
 
-def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, split: str | None = None,
+def evaluate(models: list, *, baseline: Session | None = None, data=None, split: str | None = None,
              prompts: list | None = None, settings: EvalSettings | None = None, announce=lambda m: None) -> dict:
-    """Evaluate loaded models (EvalModel) on a dataset (`data`: dir or .jsonl) and/or `prompts`.
+    """Evaluate loaded models (mars.session.Session, each named by its `label`) on a dataset
+    (`data`: dir or .jsonl) and/or `prompts`.
 
     NLL needs `data`; the sweep decodes `prompts` when given, else the dataset's prompts.
     The baseline gets the NLL only; each model's NLL is compared with it.
@@ -280,9 +260,9 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
     if data is None and prompts is None and not s.humaneval:
         raise DataError("nothing to evaluate: give a dataset, prompts or humaneval problems")
     if s.decode:  # every threshold in its metric's range before any work
-        for em in models:
+        for session in models:
             for t in s.thresholds:
-                check_threshold(metric_for(em.mars, s.metric), t)
+                check_threshold(metric_for(session.mars, s.metric), t)
     path = None
     if data is not None:
         path, split = eval_file(data, split)
@@ -292,20 +272,20 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
         prompts = prompts[: s.limit]
     report = {"data": str(path) if path else None, "split": split if path else None, "settings": _settings_dict(s), "models": []}
 
-    def quality(em):
-        examples = load_examples(path, em.tm.tokenizer, block_size=em.block_size(s.block_size),
+    def quality(session):
+        examples = load_examples(path, session.loaded.tokenizer, block_size=session.block_size(s.block_size),
                                  max_seq_length=s.max_seq_length, on_long=s.on_long)
-        announce(f"{em.label}: NLL over {len(examples)} examples")
-        return nll(em, examples, block_size=s.block_size, batch_size=s.batch_size)
+        announce(f"{session.label}: NLL over {len(examples)} examples")
+        return nll(session, examples, block_size=s.block_size, batch_size=s.batch_size)
 
     do_nll = s.nll and path is not None
     if baseline is not None and do_nll:
         report["baseline"] = {"label": baseline.label, "backend": baseline.backend, "mars": baseline.mars is not None,
                               "nll": quality(baseline)}
-    for em in models:
-        entry = {"label": em.label, "backend": em.backend, "mars": em.mars is not None}
+    for session in models:
+        entry = {"label": session.label, "backend": session.backend, "mars": session.mars is not None}
         if do_nll:
-            entry["nll"] = quality(em)
+            entry["nll"] = quality(session)
             if "baseline" in report:
                 base = report["baseline"]["nll"]
                 entry["nll"]["clean_nll_vs_baseline"] = entry["nll"]["clean_nll"] - base["clean_nll"]
@@ -319,14 +299,14 @@ def evaluate(models: list, *, baseline: EvalModel | None = None, data=None, spli
         if s.decode and (prompts is not None or path is not None):
             if not prompts:
                 raise DataError(f"{path}: no prompts to decode (text records have none; pass a prompt file)")
-            entry["sweep"] = sweep(em, prompts, s, announce=announce)
+            entry["sweep"] = sweep(session, prompts, s, announce=announce)
         if s.humaneval:
-            entry["humaneval"] = humaneval_sweep(em, s, announce=announce)
+            entry["humaneval"] = humaneval_sweep(session, s, announce=announce)
         report["models"].append(entry)
     return report
 
 
-def humaneval_sweep(em: EvalModel, s: EvalSettings, *, announce=lambda m: None) -> dict:
+def humaneval_sweep(session: Session, s: EvalSettings, *, announce=lambda m: None) -> dict:
     """The sweep on the first `s.humaneval` HumanEval problems, with pass@1 per mode: each
     reply's code runs against the problem's tests in its own Python process (mars.humaneval)."""
     import dataclasses
@@ -334,11 +314,12 @@ def humaneval_sweep(em: EvalModel, s: EvalSettings, *, announce=lambda m: None) 
     from . import humaneval
 
     problems = humaneval.load_problems(s.humaneval)
-    result = sweep(em, [humaneval.messages(p) for p in problems], dataclasses.replace(s, limit=None), announce=announce)
-    tok = em.tm.tokenizer
+    result = sweep(session, [humaneval.messages(p) for p in problems], dataclasses.replace(s, limit=None),
+                   announce=announce)
+    tok = session.loaded.tokenizer
     for row in result["thresholds"]:
         replies = [tok.decode(o, skip_special_tokens=True) for o in row["outputs"]]
-        announce(f"{em.label}: running the tests of {len(problems)} HumanEval problems ({_mode_name(row, '.3g')})")
+        announce(f"{session.label}: running the tests of {len(problems)} HumanEval problems ({_mode_name(row, '.3g')})")
         row["passed"] = humaneval.pass_count(problems, replies, timeout=s.humaneval_timeout)
         row["pass_at_1"] = row["passed"] / len(problems)
     result["problems"] = [p["task_id"] for p in problems]

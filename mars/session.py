@@ -1,11 +1,12 @@
 """A model opened for decoding: what `mars generate`, `mars chat`, `mars serve`, `mars distill`,
 eval and bench share.
 
-`Session` loads a model through the backend contract (mars.backends.base), makes its
-decoder, takes the plan of a request from its checkpoint plus what was asked
-(mars.core.decode.plan), owns the model's feed controller (mars.core.decode.feed: the
-per-forward cost curves and the feed policies that learn across calls), and decodes prompts
-in batches (`decode_batches`).
+`Session` loads a model through the backend contract (mars.backends.base) (or takes one
+already loaded: `Session.from_loaded`), makes its decoder (and more over the same weights:
+`new_decoder`, one per served batch), takes the plan of a request from its checkpoint plus
+what was asked (mars.core.decode.plan), owns the model's feed controller (`controller`,
+mars.core.decode.feed: the per-forward cost curves and the feed policies that learn across
+calls), and decodes prompts in batches (`decode_batches`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .core.decode.feed import FeedController
 from .core.decode.loop import generate
 from .core.decode.plan import DecodeSettings
 from .core.decode.types import DecodeStats
-from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
+from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for
 from .core.tokens import encode_prompt
 
 
@@ -68,18 +69,41 @@ def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batc
 
 class Session:
     """A loaded model (`loaded`: what the backend's load returned), its decoder, and what its
-    decoding keeps between calls."""
+    decoding keeps between calls. `label` names it in reports (`mars eval`): the model as
+    given, or "default" for the embedded one."""
 
     def __init__(self, model=None, adapter_path=None, *, backend: str = "auto", dtype=None, device=None, announce=print,
-                 remeasure_cost: bool = False):
-        self.backend = base.resolve(backend)
+                 remeasure_cost: bool = False, label: str | None = None):
+        name = base.resolve(backend)
+        loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
+        self._open(loaded, name, None, announce=announce, remeasure_cost=remeasure_cost,
+                   label=label or (str(model) if model is not None else "default"))
+
+    @classmethod
+    def from_loaded(cls, loaded, decoder_cls=None, *, announce=print, remeasure_cost: bool = False,
+                    label: str = "default") -> Session:
+        """A session over a model already loaded (what a backend's load returned); its decoders
+        are `decoder_cls(loaded)`, by default the backend's (mars.backends.base.decoder)."""
+        session = cls.__new__(cls)
+        session._open(loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost,
+                      label=label)
+        return session
+
+    def _open(self, loaded, backend: str, decoder_cls, *, announce, remeasure_cost: bool, label: str) -> None:
+        self.backend = backend
+        self.label = label
         self.announce = announce
         self.remeasure_cost = remeasure_cost  # measure the cost curves again instead of reading the kept ones
-        self.loaded = base.load(self.backend, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
-        self.decoder = base.decoder(self.loaded)
+        self.loaded = loaded
+        self._decoder_cls = decoder_cls
+        self.decoder = self.new_decoder()
         # What a forward costs here, measured (or read from the cache directory) when a plan
         # first needs it, and the feed policies that learn across calls.
-        self.feed = FeedController(measure=self._measured_costs)
+        self.controller = FeedController(measure=self._measured_costs)
+
+    def new_decoder(self):
+        """Another decoding step (StepBackend) over the same weights, with a cache of its own."""
+        return self._decoder_cls(self.loaded) if self._decoder_cls is not None else base.decoder(self.loaded)
 
     @property
     def mars(self):
@@ -87,8 +111,26 @@ class Session:
         return self.loaded.mars
 
     @property
+    def trained(self) -> bool:
+        """MARS-trained (has mars.json): may decode below AR mode."""
+        return self.loaded.mars is not None
+
+    @property
     def tokenizer(self):
         return self.loaded.tokenizer
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's position limit, when its config states one."""
+        return base.context_length(self.loaded)
+
+    def mask_id(self) -> int:
+        """The checkpoint's mask token; for a plain model, the token fine-tuning would pick."""
+        return base.mask_id_for(self.loaded)
+
+    def block_size(self, override: int | None = None) -> int:
+        """Masks per step: `override`, else the checkpoint's (mars.core.decode.rules.block_size_for)."""
+        return block_size_for(self.mars, override)
 
     def plan(self, **asked) -> DecodeSettings:
         """The plan a request decodes by: the checkpoint's defaults plus `asked`
@@ -102,7 +144,7 @@ class Session:
     def prepare_feed(self, settings: DecodeSettings, batch: int = 1) -> None:
         """Measure now (once per device, mars.backends.base.cost_curve) the cost curves a plan's
         chosen feed needs for up to `batch` rows, so that no measurement falls inside a timed run."""
-        self.feed.prepare(settings, batch)
+        self.controller.prepare(settings, batch)
 
     def _measured_costs(self):
         costs = base.costs(self.loaded, self.decoder, announce=self.announce, remeasure=self.remeasure_cost)
@@ -115,9 +157,9 @@ class Session:
 
     def decode(self, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8) -> Decoded:
         """Decode prompts (token ids) in batches, with the cost-aware feed where `settings` takes it."""
-        return decode_batches(self.decoder, ids, settings, batch_size, controller=self.feed)
+        return decode_batches(self.decoder, ids, settings, batch_size, controller=self.controller)
 
     def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
         """One batch through the decoding loop (mars.core.decode.loop.generate), with the cost-aware
         feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
-        return generate(self.decoder, ids, settings, controller=self.feed, **kwargs)
+        return generate(self.decoder, ids, settings, controller=self.controller, **kwargs)

@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> dict:
                                      repeats=args.repeats, forward_ks=ks, forward_repeats=3, lossless=True, verify=True,
                                      prompt_lookup=args.prompt_lookup, llama_cpp=False, lossless_variants=False)
             log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
-            bench = run_benchmark(session.loaded, session.decoder, "torch", ids, settings)
+            bench = run_benchmark(session, ids, settings)
             ks = ()  # the cost curve once
             rows = [summarize(r) for r in bench["runs"]]
             reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)

@@ -260,7 +260,7 @@ def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monke
     ids = session.encode(PROMPTS[:2])
     ar = bench.generate(session.decoder, [ids[0]], bench.plan(session.loaded, 1.0, "window", 16, settings)).tokens[0]
     replies = {tuple(ids[0]): ar}
-    report = bench.run_benchmark(session.loaded, session.decoder, "torch", ids, settings)
+    report = bench.run_benchmark(session, ids, settings)
     runs = {r["name"]: r for r in report["runs"]}
     row = runs["llama.cpp (GGUF)"]
     assert seen["path"] == str(tmp_path / "base.gguf") and seen["prompts"][-2:] == ids  # after a warm-up
@@ -268,10 +268,10 @@ def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monke
     assert ar != [2] and row["rows_equal_to_ar"] == 0.5
     assert row["tokens"] <= 2 * 6
     monkeypatch.setattr(bench, "gguf_for", lambda loaded: None)  # no GGUF known: no row
-    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session.loaded, session.decoder, "torch", settings)}
+    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session, settings)}
     settings.llama_cpp = False
     monkeypatch.setattr(bench, "gguf_for", lambda loaded: "x.gguf")
-    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session.loaded, session.decoder, "torch", settings)}
+    assert "llama.cpp (GGUF)" not in {c.name for c in bench.build_configs(session, settings)}
 
 
 def test_gguf_for_finds_the_base_gguf(tmp_path, monkeypatch):

@@ -43,11 +43,12 @@ def greedy(model_dir, conversation, max_tokens):
     from mars.core.tokens import encode_prompt
     from mars.evaluate import load_model
 
-    em = load_model(model_dir, "torch")
-    s = make_plan(mask_id=em.mask_id(), eos_ids=em.tm.eos_ids, threshold=1.0, max_tokens=max_tokens, cache="none")
-    r = generate(em.decoder, [encode_prompt(em.tm.tokenizer, conversation)], s)
-    body = [t for t in r.tokens[0] if t not in em.tm.eos_ids]
-    return em.tm.tokenizer.decode(body, skip_special_tokens=True), r.finish[0]
+    session = load_model(model_dir, "torch")
+    s = make_plan(mask_id=session.mask_id(), eos_ids=session.loaded.eos_ids, threshold=1.0, max_tokens=max_tokens,
+                  cache="none")
+    r = generate(session.decoder, [encode_prompt(session.loaded.tokenizer, conversation)], s)
+    body = [t for t in r.tokens[0] if t not in session.loaded.eos_ids]
+    return session.loaded.tokenizer.decode(body, skip_special_tokens=True), r.finish[0]
 
 
 def test_distill_writes_the_models_own_replies_and_resumes(model, tmp_path):

@@ -112,8 +112,8 @@ def test_torch_sweep(torch_report):
 
 @pytest.mark.parametrize("change", [dict(batch_size=1), dict(cache="block", block_cache=8), dict(cache="none")])
 def test_batching_and_cache_do_not_change_the_sweep(paths, torch_report, change):
-    em = ev.load_model(paths["mars"], "torch", **QUIET)
-    other = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, **change), nll=False))
+    session = ev.load_model(paths["mars"], "torch", **QUIET)
+    other = ev.evaluate([session], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, **change), nll=False))
     assert "nll" not in other["models"][0]
     for a, b in zip(other["models"][0]["sweep"]["thresholds"], torch_report["models"][0]["sweep"]["thresholds"]):
         assert a["outputs"] == b["outputs"]
@@ -123,8 +123,8 @@ def test_batching_and_cache_do_not_change_the_sweep(paths, torch_report, change)
 
 def test_mlx_matches_torch_and_a_plain_forward(paths, torch_report):
     pytest.importorskip("mlx.core")
-    em = ev.load_model(paths["mars"], "mlx", **QUIET)
-    report = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**FAST))
+    session = ev.load_model(paths["mars"], "mlx", **QUIET)
+    report = ev.evaluate([session], data=paths["data"], settings=ev.EvalSettings(**FAST))
     m, t = report["models"][0], torch_report["models"][0]
     clean, count = direct_clean_nll(paths["mars"], paths["data"] / "test.jsonl")
     assert m["backend"] == "mlx" and m["nll"]["tokens"] == count
@@ -135,13 +135,13 @@ def test_mlx_matches_torch_and_a_plain_forward(paths, torch_report):
 
 
 def test_plain_model_sweeps_ar_only_unless_forced(paths):
-    em = ev.load_model(paths["base"], "torch", **QUIET)
+    session = ev.load_model(paths["base"], "torch", **QUIET)
     prompts = ["Hello", "What is 2+2?"]
-    report = ev.evaluate([em], prompts=prompts, settings=ev.EvalSettings(**FAST))
+    report = ev.evaluate([session], prompts=prompts, settings=ev.EvalSettings(**FAST))
     sweep = report["models"][0]["sweep"]
     assert [r["threshold"] for r in sweep["thresholds"]] == [1.0]
     assert sweep["skipped_thresholds"] == [0.9, 0.5] and "nll" not in report["models"][0]
-    forced = ev.evaluate([em], prompts=prompts, settings=ev.EvalSettings(**FAST, force=True))
+    forced = ev.evaluate([session], prompts=prompts, settings=ev.EvalSettings(**FAST, force=True))
     check_sweep(forced["models"][0]["sweep"])
 
 
@@ -227,9 +227,9 @@ def test_cli_one_line_errors(paths, args, needle):
 
 
 def test_verified_rows_follow_their_thresholds(paths, tmp_path):
-    em = ev.load_model(paths["mars"], "torch", **QUIET)
+    session = ev.load_model(paths["mars"], "torch", **QUIET)
     settings = ev.EvalSettings(**dict(FAST, thresholds=(1.0, 0.5, 0.0), verify=True), nll=False)
-    rows = ev.evaluate([em], data=paths["data"], settings=settings)["models"][0]["sweep"]["thresholds"]
+    rows = ev.evaluate([session], data=paths["data"], settings=settings)["models"][0]["sweep"]["thresholds"]
     assert [(r["mode"], r["threshold"]) for r in rows] == [("threshold", 1.0), ("threshold", 0.5), ("threshold", 0.0),
                                                             ("verified", 0.5), ("verified", 0.0)]
     # Each verified row is what generate gives in verified threshold mode at its threshold (fixed feed, masks only).
@@ -237,10 +237,11 @@ def test_verified_rows_follow_their_thresholds(paths, tmp_path):
     from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
 
-    prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    prompts = [encode_prompt(session.loaded.tokenizer, p)
+               for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
     for row in rows[3:]:
-        s = base.plan_for_model(em.tm, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
-        assert row["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
+        s = base.plan_for_model(session.loaded, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
+        assert row["outputs"] == [generate(session.decoder, [p], s).tokens[0] for p in prompts]
         assert sum(row["drafts"]["kept_per_slot"]) <= sum(row["drafts"]["verified_per_slot"])
     r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "0.5",
                "--max-tokens", 8, "--no-nll", "--verify")
@@ -249,8 +250,9 @@ def test_verified_rows_follow_their_thresholds(paths, tmp_path):
 
 
 def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
-    em = ev.load_model(paths["mars"], "torch", **QUIET)
-    report = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False))
+    session = ev.load_model(paths["mars"], "torch", **QUIET)
+    report = ev.evaluate([session], data=paths["data"],
+                         settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False))
     rows = report["models"][0]["sweep"]["thresholds"]
     lossless = rows[-1]
     assert lossless["mode"] == "lossless" and lossless["threshold"] is None
@@ -289,26 +291,28 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
 
     model = tmp_path / "mars"
     shutil.copytree(paths["mars"], model)
-    em = ev.load_model(model, "torch", **QUIET)
-    prompts = [encode_prompt(em.tm.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
-    ar = base.plan_for_model(em.tm, threshold=1.0, max_tokens=FAST["max_tokens"])
-    replies = [generate(em.decoder, [p], ar).tokens[0] for p in prompts]
+    session = ev.load_model(model, "torch", **QUIET)
+    prompts = [encode_prompt(session.loaded.tokenizer, p)
+               for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    ar = base.plan_for_model(session.loaded, threshold=1.0, max_tokens=FAST["max_tokens"])
+    replies = [generate(session.decoder, [p], ar).tokens[0] for p in prompts]
     corpus.DraftCorpus([p + r for p, r in zip(prompts, replies)]).save(model / corpus.FILE)
 
-    em = ev.load_model(model, "torch", **QUIET)
+    session = ev.load_model(model, "torch", **QUIET)
     settings = ev.EvalSettings(**dict(FAST, thresholds=(1.0, 0.5), lossless=True, verify=True, ngram=8), nll=False)
-    report = ev.evaluate([em], data=paths["data"], settings=settings)
+    report = ev.evaluate([session], data=paths["data"], settings=settings)
     rows = report["models"][0]["sweep"]["thresholds"]
     assert [(r["mode"], r.get("ngram"), r.get("corpus")) for r in rows] == [
         ("threshold", None, None), ("threshold", None, None), ("verified", 8, True), ("lossless", 8, True)]
     lossless = rows[-1]
     assert lossless["outputs"] == rows[0]["outputs"] == replies and lossless["exact_match"] == 1.0
-    masks_only = ev.evaluate([em], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False))
+    masks_only = ev.evaluate([session], data=paths["data"],
+                             settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False))
     assert lossless["forwards"] < 0.6 * masks_only["models"][0]["sweep"]["thresholds"][-1]["forwards"]
     # The verified row is generate's verified threshold mode with the same drafts (fixed feed).
-    s = base.plan_for_model(em.tm, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
+    s = base.plan_for_model(session.loaded, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
     assert s.drafts.corpus is not None
-    assert rows[2]["outputs"] == [generate(em.decoder, [p], s).tokens[0] for p in prompts]
+    assert rows[2]["outputs"] == [generate(session.decoder, [p], s).tokens[0] for p in prompts]
     table = ev.format_table(report)
     assert "lossless/h4/n8c" in table and "v0.5/n8c" in table
     r = invoke("--backend", "torch", "--model", model, "--data", paths["data"], "--threshold", "1.0",

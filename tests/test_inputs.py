@@ -220,14 +220,17 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     from mars.serve import ServeLimits, build
     from mars.serve.api import ApiError, parse
     from mars.serve.engine import Job
+    from mars.session import Session
 
     tm = load(lossless_ckpt, device="cpu", announce=lambda m: None)
     limits = ServeLimits()
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
-    _, engine = build(tm, TorchDecoder)
+    session = Session.from_loaded(tm, TorchDecoder)
+    _, engine = build(session)
     assert engine.policy.default_mode is Mode.LOSSLESS
-    req = lambda b: parse(b, chat=True, model=engine.model, policy=engine.policy, limits=limits)  # noqa: E731
+    req = lambda b: parse(b, chat=True, session=engine.session, names=engine.names, policy=engine.policy,  # noqa: E731
+                          limits=limits)
 
     def planned(b):
         """The plan the engine makes for the request (make_plan, with the server's defaults)."""
@@ -244,9 +247,9 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
             req({**body, "threshold": bad})
         assert e.value.status == 400 and "out of range" in e.value.body()["error"]["message"]
     # told otherwise: a server threshold, or a policy that turns it
-    assert not build(tm, TorchDecoder, policy={"default_threshold": 0.9})[1].policy.default_mode is Mode.LOSSLESS
-    assert not build(tm, TorchDecoder, policy={"policy": "adaptive"})[1].policy.default_mode is Mode.LOSSLESS
-    assert not build(tm, TorchDecoder, policy={"default_mode": "threshold"})[1].policy.default_mode is Mode.LOSSLESS
+    assert not build(session, policy={"default_threshold": 0.9})[1].policy.default_mode is Mode.LOSSLESS
+    assert not build(session, policy={"policy": "adaptive"})[1].policy.default_mode is Mode.LOSSLESS
+    assert not build(session, policy={"default_mode": "threshold"})[1].policy.default_mode is Mode.LOSSLESS
 
 
 def test_bench_shows_progress(tiny, tmp_path):
@@ -411,9 +414,11 @@ def served(lossless_ckpt):
     from mars.backends.torch.load import load
     from mars.backends.torch.decode import TorchDecoder
     from mars.serve import ServeLimits, build
+    from mars.session import Session
 
     tm = load(lossless_ckpt, device="cpu", announce=lambda m: None)
-    app, _ = build(tm, TorchDecoder, name="tiny", serve_limits=ServeLimits(max_tokens_limit=8, default_max_tokens=4))
+    app, _ = build(Session.from_loaded(tm, TorchDecoder), name="tiny",
+                   serve_limits=ServeLimits(max_tokens_limit=8, default_max_tokens=4))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -60,11 +60,12 @@ def test_slot_precision_reads_the_decoding_window(trained):
     import torch
 
     from mars.core.train.data import Example, encode_record, pad_to_block
-    from mars.evaluate import EvalModel, response_labels
+    from mars.evaluate import response_labels
+    from mars.session import Session
 
     tm, mars, _ = trained
     sp = load_script("benchmarks/slot_precision.py")
-    em = EvalModel("tiny", "torch", tm, TorchDecoder(tm))
+    em = Session.from_loaded(tm, TorchDecoder, label="tiny")
     tok, B = tm.tokenizer, mars.block_size
     for rec in spell_records()[:3]:
         ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)

@@ -77,9 +77,9 @@ def test_torch_gap_is_a_plain_forwards_top2(model):
     import torch
     from transformers import AutoModelForCausalLM
 
-    em = ev.load_model(model, "torch", **QUIET)
-    prompts, ar, other = hand_made(em.tm.tokenizer)
-    report = pa.parity(em.decoder, em.tm, prompts, ar, other)
+    session = ev.load_model(model, "torch", **QUIET)
+    prompts, ar, other = hand_made(session.loaded.tokenizer)
+    report = pa.parity(session.decoder, session.loaded, prompts, ar, other)
     assert report["format"] == "torch float32" and report["logits_dtype"] == "float32"
     plain = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
 
@@ -90,7 +90,7 @@ def test_torch_gap_is_a_plain_forwards_top2(model):
     check_gaps(report, prompts, ar, other, plain_logits)
     assert "1/3 identical to AR (torch float32); 2 differ" in pa.summary(report)
     with pytest.raises(ValueError, match="one reply of each per prompt"):
-        pa.parity(em.decoder, em.tm, prompts, ar, other[:2])
+        pa.parity(session.decoder, session.loaded, prompts, ar, other[:2])
 
 
 def test_mlx_gap_is_a_plain_forwards_top2_and_a_quantized_model_says_its_bits(model):
@@ -99,9 +99,9 @@ def test_mlx_gap_is_a_plain_forwards_top2_and_a_quantized_model_says_its_bits(mo
     import mlx.nn as nn
     from mlx_lm import load
 
-    em = ev.load_model(model, "mlx", **QUIET)
-    prompts, ar, other = hand_made(em.tm.tokenizer)
-    report = pa.parity(em.decoder, em.tm, prompts, ar, other)
+    session = ev.load_model(model, "mlx", **QUIET)
+    prompts, ar, other = hand_made(session.loaded.tokenizer)
+    report = pa.parity(session.decoder, session.loaded, prompts, ar, other)
     assert report["format"] == "mlx float32"
     plain, _ = load(str(model))  # mlx-lm's own model and forward, untouched by mars
 
@@ -109,18 +109,21 @@ def test_mlx_gap_is_a_plain_forwards_top2_and_a_quantized_model_says_its_bits(mo
         return np.array(plain(mx.array([ids]))[0, -1].astype(mx.float32))
 
     check_gaps(report, prompts, ar, other, plain_logits)
-    nn.quantize(em.tm.model, group_size=32, bits=4)
-    assert pa.number_format(em.tm) == ("mlx 4-bit (float32)", "float32")
-    assert pa.parity(em.decoder, em.tm, prompts, ar, other)["format"] == "mlx 4-bit (float32)"
-    assert base.plan_for_model(em.tm, lossless=True, force=True).name == "lossless greedy (4-bit: AR's up to near-ties)"
+    nn.quantize(session.loaded.model, group_size=32, bits=4)
+    assert pa.number_format(session.loaded) == ("mlx 4-bit (float32)", "float32")
+    assert pa.parity(session.decoder, session.loaded, prompts, ar, other)["format"] == "mlx 4-bit (float32)"
+    lossless = base.plan_for_model(session.loaded, lossless=True, force=True)
+    assert lossless.name == "lossless greedy (4-bit: AR's up to near-ties)"
 
 
 def test_a_torch_model_names_the_dtype_it_loaded_in(model):
-    em = ev.load_model(model, "torch", dtype="bfloat16", **QUIET)
-    assert pa.number_format(em.tm) == ("torch bfloat16", "bfloat16")
+    session = ev.load_model(model, "torch", dtype="bfloat16", **QUIET)
+    assert pa.number_format(session.loaded) == ("torch bfloat16", "bfloat16")
     # Where a forward of several tokens may round otherwise, lossless mode's name says what it keeps.
-    assert base.plan_for_model(em.tm, lossless=True, force=True).name == "lossless greedy (bfloat16: AR's up to near-ties)"
-    assert base.plan_for_model(ev.load_model(model, "torch", **QUIET).tm, lossless=True, force=True).name == "lossless greedy"
+    lossless = base.plan_for_model(session.loaded, lossless=True, force=True)
+    assert lossless.name == "lossless greedy (bfloat16: AR's up to near-ties)"
+    float32 = ev.load_model(model, "torch", **QUIET).loaded
+    assert base.plan_for_model(float32, lossless=True, force=True).name == "lossless greedy"
 
 
 def test_eval_lossless_reports_parity_with_no_divergence_in_float32(model, tmp_path):

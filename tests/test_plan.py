@@ -163,7 +163,7 @@ def benched(path, mode: str) -> list[str]:
     settings = bench.BenchSettings(thresholds=(THRESHOLD,), block_caches=(), max_tokens=MAX_TOKENS, verify=True, lossless=True,
                                    prompt_lookup=0, llama_cpp=False)
     cost = base.costs(session.loaded, session.decoder)
-    configs = bench.build_configs(session.loaded, session.decoder, "torch", settings, cost)
+    configs = bench.build_configs(session, settings, cost)
     config = next(c for c in configs if c.kind != "reference" and c.run.mode == mode)
     return [session.tokenizer.decode(config.run([ids])[0][0], skip_special_tokens=True) for ids in session.encode(PROMPTS)]
 

@@ -180,7 +180,7 @@ def test_session_decodes_in_batches(plain):
     assert decoded.tokens == [session.generate([i], s).tokens[0] for i in ids]
     with pytest.raises(UntrainedModelError):
         session.plan(threshold=0.5)
-    assert not session.feed.uses(s)  # AR mode feeds what AR feeds
+    assert not session.controller.uses(s)  # AR mode feeds what AR feeds
 
 
 def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, monkeypatch):
@@ -193,10 +193,10 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the curves are measured and kept here
     session = Session(plain, backend="torch", device="cpu", announce=lambda m: None)
     t = session.plan(threshold=0.5, verify=False, force=True, max_tokens=6)
-    assert session.feed.uses(t) and not session.feed.uses(replace(t, feed="fixed"))
+    assert session.controller.uses(t) and not session.controller.uses(replace(t, feed="fixed"))
     session.prepare_feed(t, batch=2)
-    stored = session.feed.stored
-    lossless = session.feed.policy_for(session.plan(lossless=True, max_tokens=6))
+    stored = session.controller.stored
+    lossless = session.controller.policy_for(session.plan(lossless=True, max_tokens=6))
     assert lossless.costs is not stored
     ids = session.encode(["hi", "there"])
     stored_points = {b: dict(c.points) for b, c in stored.curves.items()}

@@ -35,6 +35,7 @@ from mars.core.tokens import encode_prompt  # noqa: E402
 from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
 from mars.serve.api import TextStream  # noqa: E402
 from mars.serve.policy import PolicyError, PolicySettings, ThresholdPolicy  # noqa: E402
+from mars.session import Session  # noqa: E402
 from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer, spell_records, train_spelling  # noqa: E402
 
 MASK, EOS = 3, 2
@@ -85,7 +86,7 @@ class Live:
     """A server on a free loopback port, in a background thread."""
 
     def __init__(self, tm, decoder_cls=TorchDecoder, *, policy=None, engine_limits=None, serve_limits=None, name="tiny"):
-        self.app, self.engine = build(tm, decoder_cls, name=name, policy=policy,
+        self.app, self.engine = build(Session.from_loaded(tm, decoder_cls), name=name, policy=policy,
                                       engine_limits=engine_limits or EngineLimits(max_batch=8, block_cache=8),
                                       serve_limits=serve_limits)
         sock = socket.socket()
@@ -464,7 +465,7 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
         srv.engine._plan = planned
         r = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True})
         t = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5})
-        policies = list(srv.engine.feed.policies.values())
+        policies = list(srv.engine.session.controller.policies.values())
     assert r.choices[0].message.content == ref
     assert t.usage.model_extra["threshold"] == 0.5
     assert job_kinds == [cache, "window"]  # verified threshold mode runs on the window cache

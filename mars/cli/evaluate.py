@@ -131,9 +131,10 @@ def evaluate_command(models, baseline, data, split, prompt_file, thresholds, met
             raise click.ClickException(str(e)) from None
     quiet_libraries()
     load = lambda m: ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
-    loaded = [load(m) for m in (models or [None])]
+    sessions = [load(m) for m in (models or [None])]
     base = load(baseline) if baseline is not None else None
-    report = ev.evaluate(loaded, baseline=base, data=data, split=split, prompts=prompts, settings=settings, announce=say)
+    report = ev.evaluate(sessions, baseline=base, data=data, split=split, prompts=prompts, settings=settings,
+                         announce=say)
     click.echo(ev.format_table(report))
     if output is not None:
         click.echo(f"wrote {ev.write_json(report, output, outputs=with_outputs)}", err=True)

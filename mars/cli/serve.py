@@ -81,7 +81,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
     from ..serve import EngineLimits, ServeLimits, build
     from ..serve.policy import PolicyError
 
-    session = open_session(model, adapter_path, dtype, device, backend)
+    session = open_session(model, adapter_path, dtype, device, backend, remeasure_cost=remeasure_cost)
     metric = metric_for(session.mars)
     for flag, value in (("--threshold", threshold), ("--min-threshold", min_threshold), ("--max-threshold", max_threshold)):
         if value is not None:
@@ -94,8 +94,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
         aliases.add(model)
     try:
         app, engine = build(
-            session.loaded,
-            type(session.decoder),
+            session,
             name=name,
             aliases=tuple(sorted(aliases)),
             block_size=block_size,
@@ -106,7 +105,6 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             serve_limits=ServeLimits(max_prompt_tokens=max_prompt_tokens, max_tokens_limit=max_tokens_limit,
                                      default_max_tokens=min(default_max_tokens, max_tokens_limit), temperature=temp),
             admin_from_anywhere=admin_from_anywhere,
-            remeasure_cost=remeasure_cost,
         )
     except PolicyError as e:
         raise click.ClickException(str(e)) from None
@@ -118,7 +116,7 @@ def serve_command(model, adapter_path, served_model_name, host, port, policy, th
             else f"fixed threshold {described['default_threshold']} ({described['metric']}; greedy requests verified unless they say "
                  f"\"verify\": false)")
     engine.prepare_feed(announce=lambda m: click.echo(m, err=True))
-    untrained = "" if engine.model.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
-    click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.model.block_size}, "
+    untrained = "" if session.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
+    click.echo(f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.block_size}, "
                f"{cache} cache{f' (B_cache={block_cache})' if cache == 'block' else ''}, batch {max_batch}, queue {max_queue}{untrained}", err=True)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -183,15 +183,17 @@ def _prompt(body: dict, tokenizer, vocab: int) -> list[int]:
 # -- the request ----------------------------------------------------------------------------------
 
 
-def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion:
-    """Validate a request body against the served model, the policy and the limits."""
+def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: ServeLimits) -> Completion:
+    """Validate a request body against the served model (`session`, a mars.session.Session,
+    served under `names`: its name, then its aliases), the policy and the limits."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     name = body.get("model")
     if name is not None and not isinstance(name, str):
         raise _bad("model", f"'model' must be a string, got {name!r}")
-    if name and name not in (model.name, *model.aliases):
-        raise _bad("model", f"the model '{name}' does not exist; this server serves '{model.name}' (see GET /v1/models)", "model_not_found")
+    if name and name not in names:
+        raise _bad("model", f"the model '{name}' does not exist; this server serves '{names[0]}' (see GET /v1/models)",
+                   "model_not_found")
     _integer(body, "n", 1, low=1, high=1)
     _unsupported(body, chat)
     # Greedy unless asked (as `mars generate` and mlx_lm.server; OpenAI's own default is 1.0).
@@ -225,7 +227,7 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
     max_tokens = _integer(body, "max_tokens", None, low=1, high=ceiling, code="max_tokens_limit")
     max_tokens = _integer(body, "max_completion_tokens", max_tokens, low=1, high=ceiling, code="max_tokens_limit")
 
-    tokenizer = model.tokenizer
+    tokenizer = session.tokenizer
     if chat:
         messages = _messages(body)
         if not getattr(tokenizer, "chat_template", None):
@@ -235,10 +237,10 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
         except Exception as e:  # the template itself refused (roles out of order, ...)
             raise _bad("messages", f"the chat template rejected the messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
     else:
-        prompt = _prompt(body, tokenizer, model.loaded.vocab_rows)
+        prompt = _prompt(body, tokenizer, session.loaded.vocab_rows)
     if not prompt:
         raise _bad("messages" if chat else "prompt", "the prompt is empty (no tokens)")
-    context = model.context_length
+    context = session.context_length
     prompt_limit = limits.max_prompt_tokens or context
     if prompt_limit is not None and len(prompt) > prompt_limit:
         raise _bad("messages" if chat else "prompt",
@@ -255,7 +257,7 @@ def parse(body, *, chat: bool, model, policy, limits: ServeLimits) -> Completion
                    "context_length_exceeded")
     return Completion(
         chat=chat,
-        model=model.name,
+        model=names[0],
         prompt=prompt,
         max_tokens=max_tokens,
         sampling=Sampling(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),

@@ -44,7 +44,7 @@ class Reader:
 
     def __init__(self, engine: Engine, req: Completion, job: Job):
         self.engine, self.req, self.job = engine, req, job
-        self.text = TextStream(engine.model.tokenizer, req.stop)
+        self.text = TextStream(engine.session.tokenizer, req.stop)
         self.completion_tokens = 0
         self.forwards = 0
         self.finish: str | None = None
@@ -161,7 +161,8 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
 
     async def completions(request: Request, chat: bool) -> Response:
         body = await read_json(request, limits.max_body_bytes)
-        req = api.parse(body, chat=chat, model=engine.model, policy=engine.policy, limits=limits)
+        req = api.parse(body, chat=chat, session=engine.session, names=engine.names, policy=engine.policy,
+                        limits=limits)
         job = Job(
             prompt=req.prompt,
             max_tokens=req.max_tokens,
@@ -240,11 +241,11 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
         return {"id": name, "object": "model", "created": int(engine.started_wall), "owned_by": "mars"}
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [model_card(engine.model.name)]})
+        return JSONResponse({"object": "list", "data": [model_card(engine.name)]})
 
     async def one_model(request: Request) -> Response:
         name = request.path_params["name"]
-        if name not in (engine.model.name, *engine.model.aliases):
+        if name not in engine.names:
             raise ApiError(404, f"the model '{name}' does not exist", param="model", code="model_not_found")
         return JSONResponse(model_card(name))
 

@@ -31,7 +31,7 @@ import traceback
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 
 from ..backends import base
@@ -39,7 +39,8 @@ from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
 from ..core.decode.plan import DecodeSettings, Mode, Sampling
 from ..core.acceptance import looser
-from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for, metric_for
+from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
+from ..session import Session
 from .policy import ThresholdPolicy
 
 log = logging.getLogger("mars.serve")
@@ -51,51 +52,6 @@ class QueueFull(Exception):
 
 class EngineStopped(Exception):
     """The engine thread is not running (the server is shutting down, or it failed)."""
-
-
-@dataclass
-class ServedModel:
-    """A loaded model and what serving it needs, backend-neutral."""
-
-    name: str
-    loaded: Any  # what a backend's `load` returned (mars.backends.base)
-    make_decoder: Callable[[], Any]  # a new StepBackend over the same weights (one per batch)
-    mask_id: int
-    block_size: int
-    metric: str
-    aliases: tuple[str, ...] = ()
-    # (decoder, announce) -> its per-forward cost curves (mars.core.decode.cost.BatchCosts), for the
-    # cost-aware feed of greedy lossless and verified threshold requests; None: they feed a fixed width.
-    costs: Callable[[Any, Callable[[str], None]], Any] | None = None
-
-    @classmethod
-    def from_loaded(cls, loaded, decoder_cls, name: str, *, aliases=(), block_size: int | None = None, metric: str | None = None,
-                    remeasure_cost: bool = False):
-        """`remeasure_cost`: measure the cost curves again rather than read the kept ones."""
-        return cls(
-            name=name,
-            loaded=loaded,
-            make_decoder=lambda: decoder_cls(loaded),
-            mask_id=base.mask_id_for(loaded),
-            block_size=block_size_for(loaded.mars, block_size),
-            metric=metric_for(loaded.mars, metric),
-            aliases=tuple(a for a in aliases if a and a != name),
-            costs=lambda decoder, announce: base.costs(loaded, decoder, announce=announce, remeasure=remeasure_cost),
-        )
-
-    @property
-    def tokenizer(self):
-        return self.loaded.tokenizer
-
-    @property
-    def trained(self) -> bool:
-        """MARS-trained (has mars.json): may decode below AR mode."""
-        return self.loaded.mars is not None
-
-    @property
-    def context_length(self) -> int | None:
-        """The model's position limit, when its config states one."""
-        return base.context_length(self.loaded)
 
 
 class Outbox:
@@ -174,10 +130,10 @@ class Job:
 
 
 class _Batch:
-    def __init__(self, decoder, settings: DecodeSettings, feed: FeedController | None = None):
-        """`feed`, for a greedy batch that verifies drafts: the engine's feed controller."""
+    def __init__(self, decoder, settings: DecodeSettings, controller: FeedController | None = None):
+        """`controller`, for a greedy batch that verifies drafts: the served session's feed controller."""
         self.decoder = decoder
-        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, controller=feed)
+        self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, controller=controller)
         self.jobs: dict[int, Job] = {}  # id(row) -> job
 
     def __len__(self):
@@ -200,19 +156,21 @@ class EngineLimits:
 class Engine:
     """The model's thread. `submit` and `cancel` are safe to call from any thread."""
 
-    def __init__(self, model: ServedModel, policy: ThresholdPolicy, limits: EngineLimits | None = None):
-        self.model = model
+    def __init__(self, session: Session, policy: ThresholdPolicy, limits: EngineLimits | None = None, *,
+                 name: str = "default", aliases=(), block_size: int | None = None):
+        # The served model; its feed controller (session.controller, mars.core.decode.feed) holds
+        # the cost curves, measured (or read from the cache directory) before the first request
+        # that needs them, and the lossless feed policy, which learns for the server's life.
+        # Verified threshold batches decide on the curves as measured, as `mars generate` does.
+        self.session = session
+        self.name = name  # the model id clients ask for, or one of its aliases
+        self.aliases = tuple(a for a in aliases if a and a != name)
+        self.block_size = session.block_size(block_size)
         self.policy = policy
         self.limits = limits or EngineLimits()
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._batches: dict[tuple, _Batch] = {}
-        # The model's feed (mars.core.decode.feed.FeedController), as a Session owns it: the cost
-        # curves, measured (or read from the cache directory) before the first request that
-        # needs them, and the lossless feed policy, which learns for the server's life.
-        # Verified threshold batches decide on the curves as measured, as `mars generate` does.
-        self._announce: Callable[[str], None] = log.info
-        self.feed = FeedController(measure=self._measure_costs) if model.costs is not None else None
         # Decoders of greedy batches that emptied, for the next greedy batch: making one costs
         # time (the torch decoder packs the weights, about 0.25 s on the default model on a CPU),
         # and a greedy decoder keeps no state between batches (a sampling one keeps its generator).
@@ -271,6 +229,11 @@ class Engine:
             job.cancelled = True
             self._cond.notify_all()
         job.outbox.post([], finish="cancelled")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The ids the model is served under: its name, then its aliases."""
+        return (self.name, *self.aliases)
 
     @property
     def queue_depth(self) -> int:
@@ -360,13 +323,13 @@ class Engine:
         """The job's plan (mars.core.decode.plan.make_plan, as every entry point makes it): at
         the threshold it decodes at now (or `threshold`), in the server's default mode where
         the request named neither a threshold nor lossless."""
-        m = self.model
         now = self._threshold(job) if threshold is None else threshold
         drafts = job.sampling.greedy  # the draft sources, used where the plan verifies drafts
         return base.plan_for_model(
-            m.loaded, threshold=None if job.threshold is None and threshold is None else now, lossless=job.lossless,
-            verify=job.verify, default_mode=self.policy.default_mode, default_threshold=now, metric=m.metric,
-            block_size=m.block_size, max_tokens=job.max_tokens, cache=self.limits.cache, block_cache=self.limits.block_cache,
+            self.session.loaded, threshold=None if job.threshold is None and threshold is None else now,
+            lossless=job.lossless, verify=job.verify, default_mode=self.policy.default_mode, default_threshold=now,
+            metric=self.policy.metric, block_size=self.block_size, max_tokens=job.max_tokens, cache=self.limits.cache,
+            block_cache=self.limits.block_cache,
             sampling=job.sampling, ngram=self.limits.ngram if drafts else 0, alternatives=self.limits.alternatives if drafts else 0,
             **({} if drafts else {"corpus": None}),
         )
@@ -379,18 +342,13 @@ class Engine:
             return plan.name
         return self._plan(job, threshold).name
 
-    def _measure_costs(self):
-        m = self.model
-        return m.costs(m.make_decoder(), self._announce)
-
     def prepare_feed(self, announce: Callable[[str], None] = log.info) -> None:
         """Read (or measure now) the model's cost curves, of every batch size up to
-        `max_batch`. `mars serve` does it before serving, so that no measurement falls inside a
-        request; otherwise the first request that needs the curves does it."""
-        if self.feed is None:
-            return
-        self._announce = announce
-        self.feed.prepare_all(self.limits.max_batch)
+        `max_batch`, notes of a measurement to `announce`. `mars serve` does it before serving,
+        so that no measurement falls inside a request; otherwise the first request that needs
+        the curves does it."""
+        self.session.announce = announce
+        self.session.controller.prepare_all(self.limits.max_batch)
 
     def _join(self, job: Job) -> None:
         kind = job.kind()
@@ -398,12 +356,12 @@ class Engine:
         if batch is None:
             plan = job.plan
             # The chosen feed serves greedy batches that verify drafts (lossless, verified).
-            feed = self.feed if plan.sampling.greedy and plan.verifies else None
-            if feed is not None and FeedController.uses(plan):
+            controller = self.session.controller if plan.sampling.greedy and plan.verifies else None
+            if controller is not None and FeedController.uses(plan):
                 self.prepare_feed()
             greedy = job.sampling.greedy
-            decoder = self._idle_decoders.pop() if greedy and self._idle_decoders else self.model.make_decoder()
-            batch = self._batches[kind] = _Batch(decoder, plan, feed)
+            decoder = self._idle_decoders.pop() if greedy and self._idle_decoders else self.session.new_decoder()
+            batch = self._batches[kind] = _Batch(decoder, plan, controller)
         row = batch.batch.join(job.prompt, threshold=self._threshold(job), max_tokens=job.max_tokens)
         batch.jobs[id(row)] = job
 
