@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from mars.core.decode.drafts import ngram
 from mars.core.decode.cost import BatchCosts, CostCurve
-from mars.core.decode.feed import DraftStats, FeedPolicy, ThresholdFeed, block_cache_pays, steady_state
+from mars.core.decode.feed import DraftStats, LosslessFeed, ThresholdFeed, block_cache_pays, steady_state
 from mars.core.decode.loop import generate
 from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
@@ -166,11 +166,11 @@ def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
         stats.record("masks", 4, 4)
         stats.record("masks", 4, 1)
         stats.record("spare", 4, 2)
-    assert FeedPolicy(fixed(FLAT), 4, 4, stats=stats).choose() == (4, 4)
-    assert FeedPolicy(fixed(STEEP), 4, 4, stats=stats).choose() == (0, 0)
+    assert LosslessFeed(fixed(FLAT), 4, 4, stats=stats).choose() == (4, 4)
+    assert LosslessFeed(fixed(STEEP), 4, 4, stats=stats).choose() == (0, 0)
     # A curve like a packed CPU's: wide feeds cost a little more, masks that are often
     # right pay, but not every spare group.
-    m, g = FeedPolicy(fixed({1: 1.0, 4: 1.25, 8: 1.4, 16: 1.85, 32: 2.7}), 4, 4, stats=stats).choose()
+    m, g = LosslessFeed(fixed({1: 1.0, 4: 1.25, 8: 1.4, 16: 1.85, 32: 2.7}), 4, 4, stats=stats).choose()
     assert m >= 2 and g < 4
 
 
@@ -187,7 +187,7 @@ def test_batches_are_costed_on_their_own_curve():
     stats = DraftStats(slots=4)
     for _ in range(50):
         stats.record("masks", 4, 4)
-    policy = FeedPolicy(costs, 4, 4, stats=stats)
+    policy = LosslessFeed(costs, 4, 4, stats=stats)
     assert policy.choose(batch=1)[0] == 4 and measured == []  # wide (all masks kept: no spare group needed)
     assert policy.choose(batch=8) == (0, 0) and measured == [8]
     assert costs.bucket(5) == 8 and costs.bucket(3) == 4 and costs.bucket(40) == 8
@@ -215,7 +215,7 @@ def test_a_batch_pays_for_its_widest_row():
         stats.record("masks", 2, 0)
         stats.record("masks", 2, 2)
     curve = fixed({1: 1.0, 64: 64.0})
-    policy = FeedPolicy(curve, 4, 4, stats=stats)
+    policy = LosslessFeed(curve, 4, 4, stats=stats)
     tokens, mean_width, f = steady_state(stats.rates("masks", 2), stats.rates("spare", 2), 2, 0)
     assert 0 < f < 1
     tokens = 1 + policy.used() * (tokens - 1)  # the masks' drafts count where they are taken
@@ -227,11 +227,11 @@ def test_a_batch_pays_for_its_widest_row():
 
 def test_masks_whose_drafts_other_sources_displace_count_for_less():
     """The masks' drafts add tokens only where a row takes them: where n-gram or corpus drafts
-    win most steps, feeding masks pays less (FeedPolicy.used), and the loop counts it."""
+    win most steps, feeding masks pays less (LosslessFeed.used), and the loop counts it."""
     stats = DraftStats(slots=4)
     for _ in range(20):
         stats.record("masks", 1, 1)
-    policy = FeedPolicy(fixed({1: 1.0, 4: 1.2, 64: 64.0}), 4, 0, stats=stats)
+    policy = LosslessFeed(fixed({1: 1.0, 4: 1.2, 64: 64.0}), 4, 0, stats=stats)
     assert policy.used() == 0.5
     taken = policy.rate(1, 0)
     policy.mask_use = [98, 98]
@@ -251,7 +251,7 @@ def test_masks_whose_drafts_other_sources_displace_count_for_less():
 
 
 def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
-    policy = FeedPolicy(fixed(STEEP), 4, 4, explore=5)
+    policy = LosslessFeed(fixed(STEEP), 4, 4, explore=5)
     picks = [policy.choose() for _ in range(40)]
     probes = [i for i, p in enumerate(picks) if p != (0, 0)]
     assert picks[:5] == [(0, 0)] * 5
@@ -649,7 +649,7 @@ def test_a_batch_decides_its_drafts_together():
     s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
     # 8 rows: 16 tokens (1 mask a row, no drafts) cost 1.0, 24 (a draft a row) 1.3
     curve = CostCurve({1: 0.2, 16: 1.0, 24: 1.3, 64: 4.0})
-    drafting = Drafting(s, FeedPolicy(curve, 4, 0))
+    drafting = Drafting(s, LosslessFeed(curve, 4, 0))
     kept = drafting.stats.expected_kept("masks", 1)  # the prior: 0.5
     assert (8 + kept) / 1.3 < 8 / 1.0 < (8 + 8 * kept) / 1.3
     every = [[("masks", "masks", [5, 6])]] * 8

@@ -17,6 +17,7 @@ import torch
 
 from mars.backends.torch.load import TorchModel
 from mars.backends.torch.decode import TorchDecoder, sampling_probs
+from mars.core.decode.drafts import ALT, SPARE
 from mars.core.decode.layout import layout_mask
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
@@ -100,7 +101,7 @@ def check_spare_groups(dec, prompts, cached: bool) -> None:
         # The rows start with the heads: committing records on them what the cache now holds.
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
     feed = strategy.lay_out(rows)
-    assert feed.spare_groups == B
+    assert feed.columns.count(SPARE) == B
     ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
                          metric="probability", sampling=Sampling())
     spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
@@ -165,12 +166,12 @@ def check_alternative_groups(dec, prompts, cached: bool) -> None:
         dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
     feed = strategy.lay_out(rows)
-    assert feed.columns.alt_groups == 2 and feed.n_alts.tolist() == [2, 1, 0]
+    assert feed.columns.count(ALT) == 2 and feed.live_groups(ALT).tolist() == [2, 1, 0]
     ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
                          metric="probability", sampling=Sampling())
-    group_ids = ids[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
-    group_conf = conf[:, feed.columns.alt_reads].reshape(len(rows), 2, B + 1)
-    cases = [(i, k, p + [alts[i][k]] + [MASK] * B, B + 1) for i, p in enumerate(prompts) for k in range(feed.n_alts[i])]
+    group_ids = ids[:, feed.columns.reads(ALT)].reshape(len(rows), 2, B + 1)
+    group_conf = conf[:, feed.columns.reads(ALT)].reshape(len(rows), 2, B + 1)
+    cases = [(i, k, p + [alts[i][k]] + [MASK] * B, B + 1) for i, p in enumerate(prompts) for k in range(feed.live_groups(ALT)[i])]
     assert check_windows(dec, group_ids, group_conf, cases) == 3
 
 

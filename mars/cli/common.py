@@ -171,10 +171,11 @@ def decode_options(f):
                           "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
                           "Default: chosen per step from what a forward costs on this device (at most the block size); "
                           "giving N fixes it (0: none).")(f)
-    f = click.option("--feed", type=click.Choice(FEEDS), default=d["feed"], show_default=True,
+    f = click.option("--feed", type=click.Choice(FEEDS), default=None,
                      help="auto: choose per step how many masks (and spare groups) to feed from what a forward costs on this "
                           "device, AR's own feed when masks do not pay (lossless output is AR's either way; threshold-mode "
-                          "text may then differ from device to device and with the batch); fixed: always --block-size masks.")(f)
+                          "text may then differ from device to device and with the batch); fixed: always --block-size masks. "
+                          "Default: auto, fixed where --hedge fixes the spare groups.")(f)
     f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
                      help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
                           "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
@@ -192,7 +193,7 @@ def decode_options(f):
 
 
 def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                lossless, hedge, ngram, feed="auto", verify=None, alternatives=0, corpus=None):
+                lossless, hedge, ngram, feed=None, verify=None, alternatives=0, corpus=None):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
     from ..core.decode.drafts.corpus import DraftCorpus
@@ -218,8 +219,6 @@ def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, 
     )
     if verify and settings.mode is not Mode.VERIFIED:  # asked for by name where it cannot apply
         warn(f"--verify is ignored here: {why_not_verified(settings)}")
-    if hedge is not None and settings.mode is Mode.LOSSLESS:  # --hedge N fixes the feed: B masks, N spare groups a step
-        settings = dataclasses.replace(settings, feed="fixed")
     if hedge is not None and hedge > 0 and settings.no_spare_groups:
         warn(f"--hedge is ignored here: {settings.no_spare_groups}")
     return settings

@@ -140,8 +140,6 @@ class MlxTrainer:
         if settings.gate == "masks":
             from .gate import MlxMaskGate
 
-            if settings.fine_tune_type != "lora":
-                raise ValueError("gate masks gates LoRA deltas; it needs fine_tune_type lora")
             self.gate = MlxMaskGate(model, mars.mask_token_id)
         model.train()
         self.net = _Trainable(model, mask_row)

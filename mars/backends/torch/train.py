@@ -68,10 +68,8 @@ class TorchTrainer:
             raise ValueError(f"fine_tune_type must be lora or full, got {settings.fine_tune_type!r}")
         self.gate = None
         if settings.gate == "masks":
-            from .gate import GateError, MaskGate
+            from .gate import MaskGate
 
-            if settings.fine_tune_type != "lora":
-                raise GateError("gate masks gates LoRA deltas; it needs fine_tune_type lora")
             self.gate = MaskGate(model, mars.mask_token_id)
         model.train()
         self.model = model
