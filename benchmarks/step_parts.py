@@ -17,8 +17,8 @@ warm-up of each, and splits the wall time of every loop step into three parts:
   confidences, the device-to-host copies and the numpy conversions of their results;
 - host: everything else the loop does, total - forward - reduce + D2H, itemised as step
   inputs (inside the decoder, before the forward: ids, positions, the additive mask, the
-  gate, host-to-device copies), cache (crop, keep_rows, new_cache), feed plan (the strategy's
-  plan and keys, the attention mask), drafting (which drafts and how wide, before the step;
+  gate, host-to-device copies), cache (crop, keep_rows, new_cache), layout (the strategy's
+  lay_out and keys, the attention mask; "feed plan" in results before 2026-12-05), drafting (which drafts and how wide, before the step;
   statistics and cost curve after it), acceptance (verification or threshold acceptance,
   after the step's results are on the host), commit (the strategy's cache bookkeeping) and
   loop (the rest: rows taking tokens, compaction, statistics, setting up each call).
@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # torch's own Python code: a transfer is located at the first frame outside it.
 TORCH_DIR = str(Path(importlib.util.find_spec("torch").origin).parent) + os.sep if importlib.util.find_spec("torch") else "\0"
 # The host part's items, in the order printed.
-HOST_ITEMS = ("step inputs", "cache", "feed plan", "drafting", "acceptance", "commit", "loop")
+HOST_ITEMS = ("step inputs", "cache", "layout", "drafting", "acceptance", "commit", "loop")
 PART_NAMES = ("forward", "reduce + D2H", "host")
 
 
@@ -229,10 +229,10 @@ class Profiler:
         P.set(decoding, "_advance", loop_step)
         for name in ("verify", "accept_by_threshold", "take_confident"):
             P.set(decoding, name, c.timed("acceptance", getattr(decoding, name)))
-        P.set(decoding, "feed_mask", c.timed("feed plan", decoding.feed_mask))
+        P.set(decoding, "layout_mask", c.timed("layout", decoding.layout_mask))
         for cls in (strategies.WindowStrategy, strategies.BlockStrategy):
-            for name in ("plan", "keys"):
-                P.set(cls, name, c.timed("feed plan", cls.__dict__[name]))
+            for name in ("lay_out", "keys"):
+                P.set(cls, name, c.timed("layout", cls.__dict__[name]))
             P.set(cls, "commit", c.timed("commit", cls.__dict__["commit"]))
         for name in ("before_step", "after_step"):
             P.set(drafting.Drafting, name, c.timed("drafting", drafting.Drafting.__dict__[name]))

@@ -65,7 +65,7 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
     from mars.core.decode import loop as decoding, strategies
 
     assert decoding._advance.__module__ == "mars.core.decode.loop"
-    assert strategies.WindowStrategy.plan.__module__ == "mars.core.decode.strategies"
+    assert strategies.WindowStrategy.lay_out.__module__ == "mars.core.decode.strategies"
     if backend == "torch":
         import torch
 
