@@ -75,8 +75,10 @@ def parse_formats(text: str) -> list[Format]:
         elif backend == "mlx" and kind.isdigit():
             out.append(Format(spec, backend, bits=int(kind)))
         else:
-            raise SystemExit(f"--formats: {spec!r} is not a format; use torch:{{{','.join(FLOAT_DTYPES)}}} or "
-                             f"mlx:{{{','.join(FLOAT_DTYPES)}}} or mlx:BITS (4, 8), e.g. {DEFAULT_FORMATS}")
+            raise SystemExit(
+                f"--formats: {spec!r} is not a format; use torch:{{{','.join(FLOAT_DTYPES)}}} or "
+                f"mlx:{{{','.join(FLOAT_DTYPES)}}} or mlx:BITS (4, 8), e.g. {DEFAULT_FORMATS}"
+            )
     if len({f.spec for f in out}) != len(out):
         raise SystemExit(f"--formats: a format is named twice in {text!r}")
     return out
@@ -84,8 +86,8 @@ def parse_formats(text: str) -> list[Format]:
 
 def open_format(fmt: Format, model: Path | None, tmp: Path, args, say) -> None:
     """Load `fmt`'s session (converting for MLX formats other than the directory as it is)."""
-    from mars.convert import convert_model
     from mars.checkpoint.default_model import default_model_dir, shipped_weights
+    from mars.convert import convert_model
     from mars.session import Session
 
     t0 = time.perf_counter()
@@ -97,9 +99,15 @@ def open_format(fmt: Format, model: Path | None, tmp: Path, args, say) -> None:
     else:
         # mlx-lm's own layout, quantized or cast; without --model the shipped adapter goes on top of it
         # (the mask row kept beside a quantized embedding), as a user of a quantized base would run it.
-        out = convert_model(model or default_model_dir(), tmp / fmt.spec.replace(":", "-"), "mlx",
-                            dtype=fmt.dtype, q_bits=fmt.bits, q_group_size=args.group_size,
-                            announce=say)
+        out = convert_model(
+            model or default_model_dir(),
+            tmp / fmt.spec.replace(":", "-"),
+            "mlx",
+            dtype=fmt.dtype,
+            q_bits=fmt.bits,
+            q_group_size=args.group_size,
+            announce=say,
+        )
         adapter = None if model else shipped_weights()
         fmt.session = Session(str(out), adapter_path=adapter and str(adapter), backend="mlx", **common)
     fmt.load_s = time.perf_counter() - t0
@@ -109,8 +117,8 @@ def make_plans(fmt: Format, max_tokens: int, feed: str) -> None:
     """AR and the default mode: the checkpoint's plan, or lossless for a model without mars.json
     (its masks are untrained, which lossless decoding tolerates: the output stays AR's), with the
     draft sources `mars generate` feeds by default."""
-    from mars.core.decode.plan import Mode
     from mars.core.acceptance import ar_threshold
+    from mars.core.decode.plan import Mode
     from mars.core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     s = fmt.session
@@ -133,8 +141,13 @@ def prepared_curve(fmt: Format) -> dict | None:
 
 def drafts_of(plan) -> dict:
     d = plan.drafts
-    return {"ngram": d.ngram, "corpus": d.corpus is not None and d.ngram > 0, "alternatives": d.alternatives,
-            "spare_groups_cap": d.hedge, "feed": plan.feed}
+    return {
+        "ngram": d.ngram,
+        "corpus": d.corpus is not None and d.ngram > 0,
+        "alternatives": d.alternatives,
+        "spare_groups_cap": d.hedge,
+        "feed": plan.feed,
+    }
 
 
 def median_range(values: list[float]) -> dict:
@@ -147,8 +160,11 @@ def equal_replies(a: list[list[int]], b: list[list[int]]) -> dict:
     from mars.parity import common_prefix
 
     kept = sum(common_prefix(x, y) for x, y in zip(a, b))
-    return {"identical": sum(x == y for x, y in zip(a, b)), "replies": len(b),
-            "prefix_share": round(kept / max(1, sum(len(y) for y in b)), 4)}
+    return {
+        "identical": sum(x == y for x, y in zip(a, b)),
+        "replies": len(b),
+        "prefix_share": round(kept / max(1, sum(len(y) for y in b)), 4),
+    }
 
 
 def speeds(fmt: Format, mode: str) -> list[float]:
@@ -226,14 +242,19 @@ def report_of(formats: list[Format], args, argv: list[str], prompts, started: di
         "feed": args.feed,
         "remeasure_cost": args.remeasure_cost,
         "torch_threads": args.threads,
-        "machine": {"processor": cpu_name(), "cpus": os.cpu_count(),
-                    "load_average_before": load[0], "load_average_after": load[1]},
+        "machine": {
+            "processor": cpu_name(),
+            "cpus": os.cpu_count(),
+            "load_average_before": load[0],
+            "load_average_after": load[1],
+        },
         "versions": {"torch": torch.__version__, "mlx": mlx_version},
         "git": started["git"],  # the code this run imported
         "formats": out,
         # Two backends' float32 arithmetic in different kernels: equal unless a near-tie falls otherwise.
         "mlx_float32_ar_equal_to_torch_float32_ar": (
-            equal_replies(mlx32.runs["ar"][0].tokens, torch32.runs["ar"][0].tokens) if torch32 and mlx32 else None),
+            equal_replies(mlx32.runs["ar"][0].tokens, torch32.runs["ar"][0].tokens) if torch32 and mlx32 else None
+        ),
     }
 
 
@@ -242,6 +263,7 @@ def git_state() -> dict | None:
     import subprocess
 
     try:
+
         def git(*a):
             return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
@@ -280,12 +302,14 @@ def table(report: dict) -> str:
     from mars.parity import GAP_MEANING, summary
 
     rows = report["formats"].values()
-    lines = [f"{report['limit']} prompts x {report['max_tokens']} tokens, batch 1, median of {report['repeats']} "
-             f"interleaved rounds, torch threads {report['torch_threads']}, feed {report['feed']}",
-             "",
-             "| format | AR tok/s | default tok/s | default / AR (min-max) | tokens/forward | default = AR "
-             "| AR = float32 AR |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{report['limit']} prompts x {report['max_tokens']} tokens, batch 1, median of {report['repeats']} "
+        f"interleaved rounds, torch threads {report['torch_threads']}, feed {report['feed']}",
+        "",
+        "| format | AR tok/s | default tok/s | default / AR (min-max) | tokens/forward | default = AR "
+        "| AR = float32 AR |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         p = r["parity"]
         same = r.get("ar_equal_to_float32_ar")
@@ -293,17 +317,21 @@ def table(report: dict) -> str:
             same = f"{same['identical']}/{same['replies']}"
         else:  # float32 itself, or a format whose backend's float32 is not in this run
             same = "(itself)" if r["format"] == f"{r['format'].split(':')[0]}:float32" else "-"
-        lines.append(f"| {r['computes_in']} | {r['ar']['tokens_per_s']['median']:.1f} "
-                     f"| {r['default']['tokens_per_s']['median']:.1f} | {ratio_cell(r['default_over_ar'])} "
-                     f"| {r['default']['tokens_per_forward']:.2f} | {p['identical']}/{p['replies']} "
-                     f"| {same} |")
+        lines.append(
+            f"| {r['computes_in']} | {r['ar']['tokens_per_s']['median']:.1f} "
+            f"| {r['default']['tokens_per_s']['median']:.1f} | {ratio_cell(r['default_over_ar'])} "
+            f"| {r['default']['tokens_per_forward']:.2f} | {p['identical']}/{p['replies']} "
+            f"| {same} |"
+        )
     crossed = [r for r in rows if "over_float32" in r]
     if crossed:
         lines += ["", "| tokens/s ratio (min-max) | AR | default mode |", "|---|---|---|"]
         for r in crossed:
             ref = report["formats"][r["ar_equal_to_float32_ar"]["reference"]]["computes_in"]
-            lines.append(f"| {r['computes_in']} / {ref} | {ratio_cell(r['over_float32']['ar'])} "
-                         f"| {ratio_cell(r['over_float32']['default'])} |")
+            lines.append(
+                f"| {r['computes_in']} / {ref} | {ratio_cell(r['over_float32']['ar'])} "
+                f"| {ratio_cell(r['over_float32']['default'])} |"
+            )
     drafts = "; ".join(dict.fromkeys(describe(r["default"]["drafts"]) for r in rows))
     plans = "; ".join(f"{r['computes_in']}: {r['default']['plan']}" for r in rows)
     lines += ["", f"default mode ({drafts}): {plans}. Parity with AR in each format:"]
@@ -311,39 +339,60 @@ def table(report: dict) -> str:
     if any(r["parity"]["divergences"] for r in rows):
         lines.append(GAP_MEANING)
     if crossed:
-        lines.append("AR = float32 AR is information, not a fault: a narrower or quantized format computes another "
-                     "model's arithmetic, so its greedy replies may part from float32's where two logits nearly tie "
-                     "(and quantized weights move the logits themselves).")
+        lines.append(
+            "AR = float32 AR is information, not a fault: a narrower or quantized format computes another "
+            "model's arithmetic, so its greedy replies may part from float32's where two logits nearly tie "
+            "(and quantized weights move the logits themselves)."
+        )
     same = report["mlx_float32_ar_equal_to_torch_float32_ar"]
     if same:
         lines.append(f"mlx float32 AR = torch float32 AR: {same['identical']}/{same['replies']}.")
     for r in rows:
         if r["default"]["replies_changed_after_round_1"]:
-            lines.append(f"{r['format']}: {r['default']['replies_changed_after_round_1']} default-mode replies changed "
-                         "after round 1 (parity is round 1's).")
+            lines.append(
+                f"{r['format']}: {r['default']['replies_changed_after_round_1']} default-mode replies changed "
+                "after round 1 (parity is round 1's)."
+            )
         if "cost_curve_read_from" in r:
-            lines.append(f"{r['format']}'s feed decided on {r['cost_curve_read_from']}'s cost curve (the same kept "
-                         "file: its cache key does not tell these formats apart; --remeasure-cost measures each "
-                         "format's own in this run).")
+            lines.append(
+                f"{r['format']}'s feed decided on {r['cost_curve_read_from']}'s cost curve (the same kept "
+                "file: its cache key does not tell these formats apart; --remeasure-cost measures each "
+                "format's own in this run)."
+            )
     return "\n".join(lines)
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default=DEFAULT_FORMATS, help=f"comma-separated (default {DEFAULT_FORMATS})")
-    ap.add_argument("--model", type=Path, default=None,
-                    help="a float HF model directory instead of the embedded default with the shipped weights")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="a float HF model directory instead of the embedded default with the shipped weights",
+    )
     ap.add_argument("--prompts", type=Path, default=ROOT / "data" / "prompts" / "test.jsonl")
     ap.add_argument("--limit", type=int, default=8, help="the first N prompts")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="timed rounds after the warm-up")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads (default 1: steadier on a shared machine; MLX picks its own)")
-    ap.add_argument("--feed", choices=("auto", "fixed"), default="auto",
-                    help="the default mode's feed: auto (the cost-aware one, as mars generate runs) or fixed "
-                         "(no cost curve measured)")
-    ap.add_argument("--remeasure-cost", action="store_true",
-                    help="measure every format's cost curve in this run instead of reading the kept ones")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: steadier on a shared machine; MLX picks its own)",
+    )
+    ap.add_argument(
+        "--feed",
+        choices=("auto", "fixed"),
+        default="auto",
+        help="the default mode's feed: auto (the cost-aware one, as mars generate runs) or fixed "
+        "(no cost curve measured)",
+    )
+    ap.add_argument(
+        "--remeasure-cost",
+        action="store_true",
+        help="measure every format's cost curve in this run instead of reading the kept ones",
+    )
     ap.add_argument("--group-size", type=int, default=64, help="MLX quantization group size")
     ap.add_argument("--json", type=Path, default=None, help="write the figures and replies here")
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -372,8 +421,10 @@ def main(argv=None) -> dict:
             f.ids = f.session.encode(prompts)
             make_plans(f, args.max_tokens, args.feed)
             f.curve = prepared_curve(f)
-            say(f"{f.spec}: {parity_format(f.session)}, loaded in {f.load_s:.1f} s; "
-                f"default mode {f.plans['default'].name}")
+            say(
+                f"{f.spec}: {parity_format(f.session)}, loaded in {f.load_s:.1f} s; "
+                f"default mode {f.plans['default'].name}"
+            )
         pairs = [(f, mode) for f in formats for mode in MODES]
         for f, mode in pairs:  # warm-up: allocations, MLX's first graphs, the feed policy's first steps
             f.session.decode(f.ids[:1], f.plans[mode], batch_size=1)
@@ -382,8 +433,10 @@ def main(argv=None) -> dict:
                 d = f.session.decode(f.ids, f.plans[mode], batch_size=1)
                 f.runs[mode].append(d)
                 n = sum(len(t) for t in d.tokens)
-                say(f"round {r + 1}/{args.repeats}: {f.spec} {mode} {n} tokens in {d.seconds:.1f} s "
-                    f"({n / d.seconds:.1f} tokens/s)")
+                say(
+                    f"round {r + 1}/{args.repeats}: {f.spec} {mode} {n} tokens in {d.seconds:.1f} s "
+                    f"({n / d.seconds:.1f} tokens/s)"
+                )
         report = report_of(formats, args, argv, prompts, started, (load_before, os.getloadavg()))
     print(table(report), flush=True)
     if args.json:

@@ -32,8 +32,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from mars.backends.torch.load import load
     from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import load
     from mars.core.decode.plan import Sampling
 
     torch.set_num_threads(args.threads)
@@ -48,14 +48,24 @@ def main() -> None:
     caches = {}
     for name, dec in decoders.items():
         caches[name] = dec.new_cache(1)
-        dec.step(caches[name], prompt, np.arange(args.prefix)[None], None, np.array([[args.prefix - 1]]), metric=None, sampling=greedy)
+        dec.step(
+            caches[name],
+            prompt,
+            np.arange(args.prefix)[None],
+            None,
+            np.array([[args.prefix - 1]]),
+            metric=None,
+            sampling=greedy,
+        )
 
     def once(name, k, m):
         new = rng.integers(100, 1000, size=(1, k))
         if m:
             new[0, k - m :] = mask
         t0 = time.perf_counter()
-        decoders[name].step(caches[name], new, args.prefix + np.arange(k)[None], None, np.arange(k)[None], metric=None, sampling=greedy)
+        decoders[name].step(
+            caches[name], new, args.prefix + np.arange(k)[None], None, np.arange(k)[None], metric=None, sampling=greedy
+        )
         seconds = time.perf_counter() - t0
         decoders[name].crop(caches[name], args.prefix)
         return seconds
@@ -71,8 +81,14 @@ def main() -> None:
         g, b = (statistics.median(samples[n]) * 1e3 for n in ("gated", "base"))
         rows.append({"k": k, "masks": m, "gated_ms": g, "base_ms": b, "extra_ms": g - b})
         print(f"k={k:2d} masks={m}: gated {g:6.1f} ms  base {b:6.1f} ms  extra {g - b:+5.1f} ms", flush=True)
-    report = {"weights": args.weights, "threads": args.threads, "repeats": args.repeats, "prefix": args.prefix,
-              "torch": torch.__version__, "rows": rows}
+    report = {
+        "weights": args.weights,
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "prefix": args.prefix,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         print(f"wrote {args.json}")

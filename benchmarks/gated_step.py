@@ -46,7 +46,9 @@ def main() -> None:
     pad = tm.tokenizer.eos_token_id
     chosen = list(batches(split.examples[: args.batch_size * args.batches], args.batch_size, pad_id=pad, shuffle=False))
     present = {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=[t for t in LORA_TARGETS if t in present]))
+    model = get_peft_model(
+        base, LoraConfig(r=8, lora_alpha=16, target_modules=[t for t in LORA_TARGETS if t in present])
+    )
     row = torch.nn.Parameter(model.get_input_embeddings().weight[mars.mask_token_id].detach().clone().float())
     gate = MaskGate(model, mars.mask_token_id)
     ungated = MarsLoss(model, row, mars.mask_token_id)
@@ -54,7 +56,10 @@ def main() -> None:
     joint.split = False
     gated = MarsLoss(model, row, mars.mask_token_id, gate=gate)
     variants = {"ungated": ungated, "gated, joint forward": joint, "gated, clean pass without gradients": gated}
-    inputs = [loss_inputs(ids, labels, lengths, 4, mars.mask_token_id, torch.float32, "cpu") for ids, labels, lengths in chosen]
+    inputs = [
+        loss_inputs(ids, labels, lengths, 4, mars.mask_token_id, torch.float32, "cpu")
+        for ids, labels, lengths in chosen
+    ]
 
     def step(module, inp):
         model.zero_grad(set_to_none=True)
@@ -76,9 +81,16 @@ def main() -> None:
             if rnd:
                 times[name].append(total / len(inputs))
     med = {k: statistics.median(v) for k, v in times.items()}
-    report = {"model": str(tm.path), "batch_size": args.batch_size, "batches": args.batches, "threads": args.threads,
-              "tokens_per_batch": [int(np.asarray(i["input_ids"].shape).prod()) for i in inputs],
-              "seconds_per_step": med, "runs": times, "ratio_to_ungated": {k: v / med["ungated"] for k, v in med.items()}}
+    report = {
+        "model": str(tm.path),
+        "batch_size": args.batch_size,
+        "batches": args.batches,
+        "threads": args.threads,
+        "tokens_per_batch": [int(np.asarray(i["input_ids"].shape).prod()) for i in inputs],
+        "seconds_per_step": med,
+        "runs": times,
+        "ratio_to_ungated": {k: v / med["ungated"] for k, v in med.items()},
+    }
     for k, v in med.items():
         print(f"{k:<40} {v:8.3f} s/step  {v / med['ungated']:.2f}x the ungated step")
     if args.json:

@@ -38,10 +38,16 @@ def main() -> None:
     rows = []
     for length in (int(x) for x in args.lengths.split(",")):
         base = [random.Random(length).randrange(2000) for _ in range(length)]
-        scan = min(per_lookup(lambda s: ngram.match(s, max_drafts=args.drafts), base, args.steps, random.Random(r))
-                   for r in range(args.rounds))
-        indexed = min(per_lookup(lambda s, source=ngram.NgramLookup(): source.propose(s, args.drafts), base, args.steps,
-                                 random.Random(r)) for r in range(args.rounds))
+        scan = min(
+            per_lookup(lambda s: ngram.match(s, max_drafts=args.drafts), base, args.steps, random.Random(r))
+            for r in range(args.rounds)
+        )
+        indexed = min(
+            per_lookup(
+                lambda s, source=ngram.NgramLookup(): source.propose(s, args.drafts), base, args.steps, random.Random(r)
+            )
+            for r in range(args.rounds)
+        )
         rows.append({"length": length, "whole_scan_us": round(scan, 2), "indexed_us": round(indexed, 2)})
     print("| L (row's tokens) | whole scan, us a lookup | indexed, us a lookup |")
     print("|---|---|---|")

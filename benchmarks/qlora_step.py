@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def rows_of(tokenizer, batch: int, length: int):
     import numpy as np
 
-    text = " ".join(json.loads(line)["messages"][-1]["content"] for line in (ROOT / "data/distilled/train.jsonl").open())
+    text = " ".join(
+        json.loads(line)["messages"][-1]["content"] for line in (ROOT / "data/distilled/train.jsonl").open()
+    )
     ids = tokenizer.encode(text)[: batch * length]
     ids = np.array(ids, dtype=np.int64).reshape(batch, length)
     labels = np.full(ids.shape, -100)
@@ -46,7 +48,9 @@ def mars_step(path: Path, batch, out: Path):
 
     loaded = load(path, announce=lambda m: None)
     mars = ensure_mask_token(loaded.model, loaded.tokenizer, None, block_size=4, announce=lambda m: None)
-    trainer = MlxTrainer(loaded, mars, TrainSettings(block_size=4, lora_rank=8, lora_alpha=16), out, announce=lambda m: None)
+    trainer = MlxTrainer(
+        loaded, mars, TrainSettings(block_size=4, lora_rank=8, lora_alpha=16), out, announce=lambda m: None
+    )
     trainer._world, trainer._schedule = 1, (lambda step: 1.0)
 
     def step():
@@ -69,8 +73,15 @@ def mlx_lm_step(path: Path, batch):
 
     model, _ = load(str(path))
     model.freeze()
-    keys = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
-            "mlp.down_proj"]
+    keys = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    ]
     linear_to_lora_layers(model, 16, {"rank": 8, "scale": 2.0, "dropout": 0.0, "keys": keys})
     model.train()
     opt = optim.AdamW(learning_rate=1e-5, bias_correction=True)
@@ -101,20 +112,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", action="store_true", help="one untimed step of each before the rounds (mlx-lm's always)")
+    ap.add_argument(
+        "--warmup", action="store_true", help="one untimed step of each before the rounds (mlx-lm's always)"
+    )
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
     import mlx.core as mx
 
+    from mars.checkpoint.default_model import default_model_dir
     from mars.checkpoint.paths import load_tokenizer
     from mars.convert import convert_model
-    from mars.checkpoint.default_model import default_model_dir
 
     float_dir = Path(args.model) if args.model else default_model_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        quantized = convert_model(float_dir, Path(tmp) / "q", "mlx", q_bits=args.bits, q_group_size=args.group_size,
-                                  announce=lambda m: None)
+        quantized = convert_model(
+            float_dir, Path(tmp) / "q", "mlx", q_bits=args.bits, q_group_size=args.group_size, announce=lambda m: None
+        )
         batch = rows_of(load_tokenizer(float_dir), args.batch_size, args.length)
         steps = {
             f"mars {args.bits}-bit": mars_step(quantized, batch, Path(tmp) / "a"),
@@ -135,9 +149,16 @@ def main(argv=None) -> dict:
     median = {name: statistics.median(t) for name, t in times.items()}
     unit = median[f"mlx-lm {args.bits}-bit"]
     report = {
-        "model": str(float_dir), "bits": args.bits, "group_size": args.group_size, "batch_size": args.batch_size,
-        "length": args.length, "rounds": args.rounds, "device": str(mx.default_device()),
-        "seconds": times, "median_seconds": median, "x_mlx_lm_step": {n: m / unit for n, m in median.items()},
+        "model": str(float_dir),
+        "bits": args.bits,
+        "group_size": args.group_size,
+        "batch_size": args.batch_size,
+        "length": args.length,
+        "rounds": args.rounds,
+        "device": str(mx.default_device()),
+        "seconds": times,
+        "median_seconds": median,
+        "x_mlx_lm_step": {n: m / unit for n, m in median.items()},
         "quantized_over_float": median[f"mars {args.bits}-bit"] / median["mars float"],
     }
     print(f"\n| step (batch {args.batch_size} x {args.length} tokens) | median s | x mlx-lm's {args.bits}-bit step |")

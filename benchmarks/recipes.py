@@ -51,14 +51,23 @@ class Recipe:
     seed: int = 0  # added to --seed: another data order
 
 
-RECIPES = {r.name: r for r in (
-    Recipe("current", "distillation KL, every slot alike (the shipped recipe)"),
-    Recipe("current-seed2", "the same, another data order (chance alone)", seed=1),
-    Recipe("slot-weights", "slots 1-4 weighted 1, 1.5, 2, 2.5 within each row", flags=("--slot-weights", "1,1.5,2,2.5")),
-    Recipe("consistency", "plus the clean stream's last hidden state as a target at the masks (weight 1)", flags=("--consistency", "1.0")),
-    Recipe("rank-32", "LoRA rank 16 grown to 32 (alpha kept at 2 x rank)", grow_rank=32),
-    Recipe("code-multiturn", "code and multi-turn records drawn 3x as often", mix=True),
-)}
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe("current", "distillation KL, every slot alike (the shipped recipe)"),
+        Recipe("current-seed2", "the same, another data order (chance alone)", seed=1),
+        Recipe(
+            "slot-weights", "slots 1-4 weighted 1, 1.5, 2, 2.5 within each row", flags=("--slot-weights", "1,1.5,2,2.5")
+        ),
+        Recipe(
+            "consistency",
+            "plus the clean stream's last hidden state as a target at the masks (weight 1)",
+            flags=("--consistency", "1.0"),
+        ),
+        Recipe("rank-32", "LoRA rank 16 grown to 32 (alpha kept at 2 x rank)", grow_rank=32),
+        Recipe("code-multiturn", "code and multi-turn records drawn 3x as often", mix=True),
+    )
+}
 
 
 def log(msg: str) -> None:
@@ -66,7 +75,7 @@ def log(msg: str) -> None:
 
 
 def run(cmd: list, **kw) -> None:
-    shown = " ".join(str(c) for c in (["mars"] + cmd[len(MARS):] if cmd[: len(MARS)] == MARS else cmd))
+    shown = " ".join(str(c) for c in (["mars"] + cmd[len(MARS) :] if cmd[: len(MARS)] == MARS else cmd))
     log(f"$ {shown}")
     done = subprocess.run([str(c) for c in cmd], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, **kw)
     if done.returncode:
@@ -161,18 +170,63 @@ def train(recipe: Recipe, args, work: Path) -> dict:
             shutil.rmtree(out)  # a run cut off: its training starts again
         model = ["--model", args.model] if args.model else []
         started = time.time()
-        run(MARS + ["finetune", *model, "--data", data, "--output", out, "--init-adapter", init, "--fine-tune-type", "lora",
-                    "--gate", "masks", "--objective", "distill", "--learning-rate", args.learning_rate, "--batch-size",
-                    args.batch_size, "--iters", args.steps, "--warmup", 0.05, "--steps-per-eval", args.steps, "--val-batches", -1,
-                    "--save-every", args.steps, "--max-seq-length", 512, "--on-long", "skip", "--seed", args.seed + recipe.seed,
-                    "--no-draft-corpus", "--default-mode", "lossless", "--default-threshold", 0.95, "--device", "cpu",
-                    *recipe.flags])
+        run(
+            MARS
+            + [
+                "finetune",
+                *model,
+                "--data",
+                data,
+                "--output",
+                out,
+                "--init-adapter",
+                init,
+                "--fine-tune-type",
+                "lora",
+                "--gate",
+                "masks",
+                "--objective",
+                "distill",
+                "--learning-rate",
+                args.learning_rate,
+                "--batch-size",
+                args.batch_size,
+                "--iters",
+                args.steps,
+                "--warmup",
+                0.05,
+                "--steps-per-eval",
+                args.steps,
+                "--val-batches",
+                -1,
+                "--save-every",
+                args.steps,
+                "--max-seq-length",
+                512,
+                "--on-long",
+                "skip",
+                "--seed",
+                args.seed + recipe.seed,
+                "--no-draft-corpus",
+                "--default-mode",
+                "lossless",
+                "--default-threshold",
+                0.95,
+                "--device",
+                "cpu",
+                *recipe.flags,
+            ]
+        )
         (out / "recipe_seconds.txt").write_text(f"{time.time() - started:.1f}\n")
     history = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
     timed = out / "recipe_seconds.txt"
-    return {"steps": history[-1]["step"], "val_noisy": history[-1].get("val_noisy"), "val_clean": history[-1].get("val_clean"),
-            "train_noisy_last": history[-1].get("noisy"),
-            "seconds": float(timed.read_text()) if timed.is_file() else None}  # finetune's whole run: load, steps, validation
+    return {
+        "steps": history[-1]["step"],
+        "val_noisy": history[-1].get("val_noisy"),
+        "val_clean": history[-1].get("val_clean"),
+        "train_noisy_last": history[-1].get("noisy"),
+        "seconds": float(timed.read_text()) if timed.is_file() else None,
+    }  # finetune's whole run: load, steps, validation
 
 
 def measure(name: str, model: Path, args, work: Path) -> dict:
@@ -180,17 +234,52 @@ def measure(name: str, model: Path, args, work: Path) -> dict:
     slots_json, eval_json = work / f"{name}.slots.json", work / f"{name}.eval.json"
     if not slots_json.is_file():
         part = slots_json.with_suffix(".part")
-        run([sys.executable, ROOT / "benchmarks" / "slot_precision.py", "--model", model, "--data", args.valid_data,
-             *(["--limit", args.valid_limit] if args.valid_limit else []), "--json", part], stdout=subprocess.DEVNULL)
+        run(
+            [
+                sys.executable,
+                ROOT / "benchmarks" / "slot_precision.py",
+                "--model",
+                model,
+                "--data",
+                args.valid_data,
+                *(["--limit", args.valid_limit] if args.valid_limit else []),
+                "--json",
+                part,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         part.replace(slots_json)
     if not eval_json.is_file():
         part = eval_json.with_suffix(".part")
-        run(MARS + ["eval", "--model", model, "--prompts", args.prompts, "--limit", args.limit, "--no-nll", "--max-tokens",
-                    args.max_tokens, "--threshold", "1.0,0.95", "--lossless", "--device", "cpu", "--output", part],
-            stdout=subprocess.DEVNULL)
+        run(
+            MARS
+            + [
+                "eval",
+                "--model",
+                model,
+                "--prompts",
+                args.prompts,
+                "--limit",
+                args.limit,
+                "--no-nll",
+                "--max-tokens",
+                args.max_tokens,
+                "--threshold",
+                "1.0,0.95",
+                "--lossless",
+                "--device",
+                "cpu",
+                "--output",
+                part,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
         part.replace(eval_json)
     slots = json.loads(slots_json.read_text())
-    rows = {r["mode"] + str(r["threshold"]): r for r in json.loads(eval_json.read_text())["models"][0]["sweep"]["thresholds"]}
+    rows = {
+        r["mode"] + str(r["threshold"]): r
+        for r in json.loads(eval_json.read_text())["models"][0]["sweep"]["thresholds"]
+    }
     lossless, t95 = rows["losslessNone"], rows["threshold0.95"]
     return {
         "slot_agreement": [round(s["agree_with_ar"], 4) for s in slots["slots"][1:]],
@@ -212,8 +301,11 @@ def shown(path: Path) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| recipe | slot agreement 1-4 (valid, teacher-forced) | lossless tok/fwd (test) | lossless slot acceptance 1-4 | "
-             "threshold 0.95 tok/fwd, replies = AR | valid noisy loss |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | slot agreement 1-4 (valid, teacher-forced) | lossless tok/fwd (test) | lossless slot acceptance 1-4 | "
+        "threshold 0.95 tok/fwd, replies = AR | valid noisy loss |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         m = r["measured"]
         agree = " / ".join(f"{a:.3f}" for a in m["slot_agreement"])
@@ -226,16 +318,26 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--work", type=Path, required=True, help="where every recipe's adapter and figures are kept (rerun to go on)")
+    ap.add_argument(
+        "--work", type=Path, required=True, help="where every recipe's adapter and figures are kept (rerun to go on)"
+    )
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"comma-separated, of: {', '.join(RECIPES)}")
     ap.add_argument("--model", default=None, help="the base model (default: the embedded default)")
-    ap.add_argument("--init-adapter", type=Path, default=ROOT / "weights", help="the gated MARS adapter every recipe continues")
+    ap.add_argument(
+        "--init-adapter", type=Path, default=ROOT / "weights", help="the gated MARS adapter every recipe continues"
+    )
     ap.add_argument("--data", type=Path, default=ROOT / "data" / "distilled", help="train.jsonl (and valid.jsonl)")
-    ap.add_argument("--categories", type=Path, default=ROOT / "data" / "prompts" / "train.jsonl",
-                    help="the prompt file naming each training prompt's category (for the data-mix recipe)")
+    ap.add_argument(
+        "--categories",
+        type=Path,
+        default=ROOT / "data" / "prompts" / "train.jsonl",
+        help="the prompt file naming each training prompt's category (for the data-mix recipe)",
+    )
     ap.add_argument("--mix-factor", type=int, default=3)
     ap.add_argument("--valid-data", type=Path, default=ROOT / "data" / "distilled" / "valid.jsonl")
-    ap.add_argument("--valid-limit", type=int, default=0, help="slot agreement on the first N validation replies (0: all)")
+    ap.add_argument(
+        "--valid-limit", type=int, default=0, help="slot agreement on the first N validation replies (0: all)"
+    )
     ap.add_argument("--prompts", type=Path, default=ROOT / "data" / "prompts" / "test.jsonl")
     ap.add_argument("--limit", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -251,20 +353,44 @@ def main(argv=None) -> int:
         ap.error(f"unknown recipe {unknown[0]!r}; choose from {', '.join(RECIPES)}")
     args.work.mkdir(parents=True, exist_ok=True)
 
-    rows = [{"name": "start", "what": f"the starting weights ({shown(args.init_adapter)}), not trained on",
-             "measured": measure("start", args.init_adapter, args, args.work), "prompts": args.limit}]
+    rows = [
+        {
+            "name": "start",
+            "what": f"the starting weights ({shown(args.init_adapter)}), not trained on",
+            "measured": measure("start", args.init_adapter, args, args.work),
+            "prompts": args.limit,
+        }
+    ]
     for name in names:
         recipe = RECIPES[name]
         started = time.time()
         result = train(recipe, args, args.work)
-        rows.append({"name": name, "what": recipe.what, "flags": list(recipe.flags), "train": result,
-                     "measured": measure(name, args.work / name, args, args.work), "prompts": args.limit,
-                     "wall_seconds": round(time.time() - started, 1)})
+        rows.append(
+            {
+                "name": name,
+                "what": recipe.what,
+                "flags": list(recipe.flags),
+                "train": result,
+                "measured": measure(name, args.work / name, args, args.work),
+                "prompts": args.limit,
+                "wall_seconds": round(time.time() - started, 1),
+            }
+        )
         log(f"{name}: {rows[-1]['measured']}")
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps, "batch_size": args.batch_size,
-              "learning_rate": args.learning_rate, "seed": args.seed, "init_adapter": shown(args.init_adapter),
-              "data": shown(args.data), "prompts": shown(args.prompts), "limit": args.limit, "max_tokens": args.max_tokens,
-              "valid_data": shown(args.valid_data), "recipes": rows}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+        "init_adapter": shown(args.init_adapter),
+        "data": shown(args.data),
+        "prompts": shown(args.prompts),
+        "limit": args.limit,
+        "max_tokens": args.max_tokens,
+        "valid_data": shown(args.valid_data),
+        "recipes": rows,
+    }
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

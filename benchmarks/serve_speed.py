@@ -65,6 +65,7 @@ async def _serve(engine, ids, max_tokens, extra, concurrency):
             if finish not in ("eos", "length"):
                 raise RuntimeError(f"request {i} ended {finish}: {box.error}")
             out[i] = tokens
+
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return out
 
@@ -97,8 +98,11 @@ def main(argv):
         engine.start()
         engines[cache] = engine
     configs = [("AR (generate, window cache)", None, None)]
-    modes = [("lossless", dict(lossless=True)), ("threshold 1.0", dict(threshold=1.0, pinned=True)),
-             (f"threshold {args.threshold:g}", dict(threshold=args.threshold, pinned=True))]
+    modes = [
+        ("lossless", dict(lossless=True)),
+        ("threshold 1.0", dict(threshold=1.0, pinned=True)),
+        (f"threshold {args.threshold:g}", dict(threshold=args.threshold, pinned=True)),
+    ]
     for c in levels:
         for mode, extra in modes:
             for cache in ("window", "block"):
@@ -133,22 +137,48 @@ def main(argv):
     for name, *_ in configs:
         ratios = [a / w for a, w in zip(walls[ar_name], walls[name])]
         same = sum(o == a for o, a in zip(replies[name], ar))
-        prefix = sum(next((k for k, (x, y) in enumerate(zip(o, a)) if x != y), min(len(o), len(a))) for o, a in zip(replies[name], ar))
-        rows.append({"name": name, "wall_s": statistics.median(walls[name]), "walls": walls[name],
-                     "tokens": sum(len(t) for t in replies[name]),
-                     "tokens_per_s": sum(len(t) for t in replies[name]) / statistics.median(walls[name]),
-                     "ratio_to_ar": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "replies_equal_to_ar": same, "ar_prefix_kept": prefix / tokens})
-    report = {"prompts": args.prompts, "limit": args.limit, "max_tokens": args.max_tokens, "repeats": args.repeats,
-              "threads": args.threads, "model": args.model or "default", "torch": torch.__version__,
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
-    out = Path(args.output) if args.output else ROOT / "benchmarks" / "results" / f"serve_speed_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+        prefix = sum(
+            next((k for k, (x, y) in enumerate(zip(o, a)) if x != y), min(len(o), len(a)))
+            for o, a in zip(replies[name], ar)
+        )
+        rows.append(
+            {
+                "name": name,
+                "wall_s": statistics.median(walls[name]),
+                "walls": walls[name],
+                "tokens": sum(len(t) for t in replies[name]),
+                "tokens_per_s": sum(len(t) for t in replies[name]) / statistics.median(walls[name]),
+                "ratio_to_ar": statistics.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "replies_equal_to_ar": same,
+                "ar_prefix_kept": prefix / tokens,
+            }
+        )
+    report = {
+        "prompts": args.prompts,
+        "limit": args.limit,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "threads": args.threads,
+        "model": args.model or "default",
+        "torch": torch.__version__,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "rows": rows,
+    }
+    out = (
+        Path(args.output)
+        if args.output
+        else ROOT / "benchmarks" / "results" / f"serve_speed_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print("| configuration | tokens/s | x AR (min-max) | = AR | AR prefix |\n|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
-              f"| {r['replies_equal_to_ar']}/{len(ids)} | {r['ar_prefix_kept']:.3f} |")
+        print(
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+            f"| {r['replies_equal_to_ar']}/{len(ids)} | {r['ar_prefix_kept']:.3f} |"
+        )
     print(f"JSON: {out}", file=sys.stderr)
 
 

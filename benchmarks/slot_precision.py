@@ -40,13 +40,13 @@ def slot_records(session, examples, batch_size: int = 8, metrics=("probability",
     decoder's own (greedy `slot_predictions`)."""
     import torch
 
-    from mars.backends.torch.forward import additive_mask
     from mars.backends.torch.decode import slot_predictions
+    from mars.backends.torch.forward import additive_mask
     from mars.backends.torch.loss import MarsLoss
     from mars.core.decode.plan import Sampling
-    from mars.core.train.data import batches
     from mars.core.loss import IGNORE
     from mars.core.masks import training_inputs
+    from mars.core.train.data import batches
     from mars.evaluate import response_labels
 
     B, mask_id = session.block_size(), session.mask_id()
@@ -60,8 +60,9 @@ def slot_records(session, examples, batch_size: int = 8, metrics=("probability",
             L = ids.shape[1]
             inp, pos, mask = training_inputs(ids, labels, lengths, B, mask_id)
             hidden = module.hidden(
-                torch.from_numpy(inp).to(dev), torch.from_numpy(pos).to(dev),
-                additive_mask(mask, session.loaded.dtype, dev)
+                torch.from_numpy(inp).to(dev),
+                torch.from_numpy(pos).to(dev),
+                additive_mask(mask, session.loaded.dtype, dev),
             )
             for r in range(ids.shape[0]):
                 starts = [t for t in range(B, L, B) if labels[r, t] != IGNORE]
@@ -70,7 +71,9 @@ def slot_records(session, examples, batch_size: int = 8, metrics=("probability",
                 slot_at, ar_at, valid = [], [], []
                 for t in starts:
                     for s in range(B + 1):
-                        slot_at.append(L + t - 1 if s == 0 else t + s - 1)  # docs/method.md §4: output at i predicts p(i) + 1
+                        slot_at.append(
+                            L + t - 1 if s == 0 else t + s - 1
+                        )  # docs/method.md §4: output at i predicts p(i) + 1
                         j = t + s
                         valid.append(j < L and labels[r, j] != IGNORE)
                         ar_at.append(L + min(j, L - 1) - 1)
@@ -104,8 +107,12 @@ def replay(conf, pred, ref, metric: str, tau: float) -> dict:
         good += going & right[:, s]
         wrong |= going & ~right[:, s]
     extra = tokens.sum() - len(conf)
-    return {"threshold": tau, "tokens_per_step": float(tokens.mean()),
-            "precision": float(good.sum() / extra) if extra else None, "steps_with_error": float(wrong.mean())}
+    return {
+        "threshold": tau,
+        "tokens_per_step": float(tokens.mean()),
+        "precision": float(good.sum() / extra) if extra else None,
+        "steps_with_error": float(wrong.mean()),
+    }
 
 
 def compare_metrics(confs: dict, pred, ref, budgets=ERROR_BUDGETS, grid: int = 200) -> dict:
@@ -120,8 +127,12 @@ def compare_metrics(confs: dict, pred, ref, budgets=ERROR_BUDGETS, grid: int = 2
         for b in budgets:
             fit = [r for r in runs if r["steps_with_error"] <= b]
             top = max(fit, key=lambda r: r["tokens_per_step"], default=None)
-            best.append({"budget": b, **(top or {"threshold": None, "tokens_per_step": 1.0, "precision": None,
-                                                 "steps_with_error": 0.0})})
+            best.append(
+                {
+                    "budget": b,
+                    **(top or {"threshold": None, "tokens_per_step": 1.0, "precision": None, "steps_with_error": 0.0}),
+                }
+            )
         out[m] = best
     return out
 
@@ -133,8 +144,12 @@ def summarise(prob, pred, ref, thresholds=DEFAULT_THRESHOLDS["probability"], met
     slots = []
     for s in range(B + 1):
         v = valid[:, s]
-        row = {"slot": s, "n": int(v.sum()), "agree_with_ar": float(right[v, s].mean()) if v.any() else None,
-               "mean_confidence": float(prob[v, s].mean()) if v.any() else None}
+        row = {
+            "slot": s,
+            "n": int(v.sum()),
+            "agree_with_ar": float(right[v, s].mean()) if v.any() else None,
+            "mean_confidence": float(prob[v, s].mean()) if v.any() else None,
+        }
         if s:
             row["repeats_previous_slot"] = float((pred[v, s] == pred[v, s - 1]).mean()) if v.any() else None
         slots.append(row)
@@ -143,12 +158,18 @@ def summarise(prob, pred, ref, thresholds=DEFAULT_THRESHOLDS["probability"], met
 
 
 def format_report(rep: dict) -> str:
-    lines = [f"{rep['block_starts']} block starts, B = {rep['block_size']}",
-             f"{'slot':>4} {'n':>7} {'agree':>7} {'conf':>7} {'repeats':>8}"]
+    lines = [
+        f"{rep['block_starts']} block starts, B = {rep['block_size']}",
+        f"{'slot':>4} {'n':>7} {'agree':>7} {'conf':>7} {'repeats':>8}",
+    ]
     for s in rep["slots"]:
         rp = s.get("repeats_previous_slot")
-        lines.append(f"{s['slot']:>4} {s['n']:>7} {s['agree_with_ar']:>7.3f} {s['mean_confidence']:>7.3f} {'' if rp is None else f'{rp:.3f}':>8}")
-    lines.append(f"{'tau':>6} {'tok/step':>9} {'precision':>10} {'err steps':>10}   ({rep.get('metric', 'probability')})")
+        lines.append(
+            f"{s['slot']:>4} {s['n']:>7} {s['agree_with_ar']:>7.3f} {s['mean_confidence']:>7.3f} {'' if rp is None else f'{rp:.3f}':>8}"
+        )
+    lines.append(
+        f"{'tau':>6} {'tok/step':>9} {'precision':>10} {'err steps':>10}   ({rep.get('metric', 'probability')})"
+    )
     for t in rep["thresholds"]:
         p = "-" if t["precision"] is None else f"{t['precision']:.4f}"
         lines.append(f"{t['threshold']:>6.2f} {t['tokens_per_step']:>9.3f} {p:>10} {t['steps_with_error']:>10.4f}")
@@ -157,7 +178,10 @@ def format_report(rep: dict) -> str:
         budgets = [b["budget"] for b in next(iter(rep["metrics"].values()))]
         lines.append(f"{'metric':>12} " + " ".join(f"{f'<= {b:g}':>17}" for b in budgets))
         for m, best in rep["metrics"].items():
-            cells = [f"{b['tokens_per_step']:.3f} ({'-' if b['threshold'] is None else format(b['threshold'], '.3g')})" for b in best]
+            cells = [
+                f"{b['tokens_per_step']:.3f} ({'-' if b['threshold'] is None else format(b['threshold'], '.3g')})"
+                for b in best
+            ]
             lines.append(f"{m:>12} " + " ".join(f"{c:>17}" for c in cells))
     return "\n".join(lines)
 
@@ -165,18 +189,23 @@ def format_report(rep: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="a MARS checkpoint (default: the embedded default with its weights)")
-    ap.add_argument("--data", required=True, help="a chat/prompt-completion .jsonl file (e.g. data/distilled/valid.jsonl)")
+    ap.add_argument(
+        "--data", required=True, help="a chat/prompt-completion .jsonl file (e.g. data/distilled/valid.jsonl)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="use the first N records")
     ap.add_argument("--metric", choices=METRICS, default=None, help="confidence metric (default: the checkpoint's)")
     ap.add_argument("--thresholds", default=None, help="comma-separated (default: a spread for the metric)")
-    ap.add_argument("--compare-metrics", action="store_true",
-                    help="also replay every metric on a fine grid: the most tokens/step within each error budget")
+    ap.add_argument(
+        "--compare-metrics",
+        action="store_true",
+        help="also replay every metric on a fine grid: the most tokens/step within each error budget",
+    )
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
 
     from pathlib import Path
 
-    from mars.evaluate import load_model, load_examples
+    from mars.evaluate import load_examples, load_model
 
     session = load_model(args.model, "torch")
     if session.mars is None:

@@ -53,7 +53,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # torch's own Python code: a transfer is located at the first frame outside it.
-TORCH_DIR = str(Path(importlib.util.find_spec("torch").origin).parent) + os.sep if importlib.util.find_spec("torch") else "\0"
+TORCH_DIR = (
+    str(Path(importlib.util.find_spec("torch").origin).parent) + os.sep if importlib.util.find_spec("torch") else "\0"
+)
 # The host part's items, in the order printed.
 HOST_ITEMS = ("step inputs", "cache", "layout", "drafting", "acceptance", "commit", "loop")
 PART_NAMES = ("forward", "reduce + D2H", "host")
@@ -71,10 +73,15 @@ def parse(argv):
     p.add_argument("--device", default="auto", help="torch: cpu, cuda, cuda:1, mps or auto")
     p.add_argument("--dtype", default="auto", help="torch: auto, float32, float16 or bfloat16")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--rounds", type=int, default=1, help="timed rounds, AR and lossless interleaved (every other round reversed)")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="timed rounds, AR and lossless interleaved (every other round reversed)"
+    )
     p.add_argument("--warmup-tokens", type=int, default=8, help="tokens of the untimed warm-up of each mode (0: none)")
-    p.add_argument("--remeasure-cost", action="store_true",
-                   help="measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), e.g. once the machine is quiet")
+    p.add_argument(
+        "--remeasure-cost",
+        action="store_true",
+        help="measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), e.g. once the machine is quiet",
+    )
     p.add_argument("--output", default=None)
     return p.parse_args(argv)
 
@@ -144,9 +151,15 @@ class Transfers:
     def record(self, nbytes: int, depth: int = 2) -> None:
         frame = sys._getframe(depth)
         # The first frame outside this script and torch's own Python code: where the read was asked for.
-        while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH_DIR)):
+        while frame is not None and (
+            frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH_DIR)
+        ):
             frame = frame.f_back
-        where = "?" if frame is None else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        where = (
+            "?"
+            if frame is None
+            else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+        )
         self.count += 1
         self.bytes += int(nbytes)
         site = self.sites[where]
@@ -207,7 +220,8 @@ class Profiler:
     # -- the loop's own functions and classes ------------------------------------------------
 
     def _loop(self) -> None:
-        from mars.core.decode import drafting, loop as decoding, strategies
+        from mars.core.decode import drafting, strategies
+        from mars.core.decode import loop as decoding
 
         c, P = self.clock, self.patches
         transfers, profiler = self.transfers, self
@@ -289,7 +303,11 @@ class Profiler:
 
             def method(self, *args, **kwargs):
                 out = original(self, *args, **kwargs)
-                if t.active and (when is None or when(self, args, kwargs)) and not (skip_marked and id(self) in from_cpu):
+                if (
+                    t.active
+                    and (when is None or when(self, args, kwargs))
+                    and not (skip_marked and id(self) in from_cpu)
+                ):
                     t.record(nbytes(self), depth=2)
                     if mark and isinstance(out, torch.Tensor):
                         from_cpu.add(id(out))
@@ -320,7 +338,8 @@ class Profiler:
         import mlx.core as mx
         import numpy as np
 
-        from mars.backends.mlx import decode as mlx_model, forward as mlx_forward
+        from mars.backends.mlx import decode as mlx_model
+        from mars.backends.mlx import forward as mlx_forward
 
         c, P, t = self.clock, self.patches, self.transfers
         profiler = self
@@ -417,8 +436,8 @@ def mode_plans(session, max_tokens: int):
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
     shipped weights; --lossless where a checkpoint's default is not)."""
     from mars.cli.common import plan_from_options
-    from mars.core.decode.plan import Mode
     from mars.cli.generate import generate_command
+    from mars.core.decode.plan import Mode
 
     names = set(plan_from_options.__code__.co_varnames[1 : plan_from_options.__code__.co_argcount])
     given = generate_command.make_context("generate", ["--prompt", "-"]).params  # every option at its default
@@ -462,7 +481,9 @@ def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward
         "d2h_per_step": transfers.count / max(steps, 1),
         "d2h_bytes_per_step": transfers.bytes / max(steps, 1),
         "d2h_per_step_range": [min(transfers.per_step, default=0), max(transfers.per_step, default=0)],
-        "d2h_sites": {k: {"count": v[0], "bytes": v[1]} for k, v in sorted(transfers.sites.items(), key=lambda kv: -kv[1][0])},
+        "d2h_sites": {
+            k: {"count": v[0], "bytes": v[1]} for k, v in sorted(transfers.sites.items(), key=lambda kv: -kv[1][0])
+        },
         "cuda_syncs_per_step": transfers.syncs / max(steps, 1) if transfers.syncs else None,
         "by_source": t.by_source(),
         "seconds_by_region_inclusive": dict(clock.inclusive),
@@ -472,15 +493,24 @@ def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward
 def machine(args, session) -> dict:
     from mars.backends.torch.decode import cpu_name
 
-    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu": cpu_name(), "cores": os.cpu_count()}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+    }
     if hasattr(os, "getloadavg"):
         info["load_average"] = list(os.getloadavg())
     if session.backend == "torch":
         import torch
 
         tm = session.loaded
-        info.update(device=str(tm.device), dtype=str(tm.dtype).replace("torch.", ""), threads=torch.get_num_threads(),
-                    torch=torch.__version__)
+        info.update(
+            device=str(tm.device),
+            dtype=str(tm.dtype).replace("torch.", ""),
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+        )
         if tm.device.type == "cuda":
             info["gpu"] = torch.cuda.get_device_name(tm.device)
     else:
@@ -492,9 +522,16 @@ def machine(args, session) -> dict:
 
 def commit() -> str | None:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True,
-                               timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return (head + ("+changes" if dirty else "")) or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -502,25 +539,42 @@ def commit() -> str | None:
 
 def table(report: dict) -> str:
     modes = report["modes"]
-    lines = [f"{'mode':<10} {'steps':>5} {'tok/fwd':>7} {'ms/step':>8}  " + "  ".join(f"{p:>16}" for p in PART_NAMES)
-             + f"  {'D2H/step':>8} {'bytes/step':>10}"]
+    lines = [
+        f"{'mode':<10} {'steps':>5} {'tok/fwd':>7} {'ms/step':>8}  "
+        + "  ".join(f"{p:>16}" for p in PART_NAMES)
+        + f"  {'D2H/step':>8} {'bytes/step':>10}"
+    ]
     for name, m in modes.items():
         cells = "  ".join(f"{m['parts_ms_per_step'][p]:7.2f} ({100 * m['parts_share'][p]:5.1f}%)" for p in PART_NAMES)
         lo, hi = m["d2h_per_step_range"]
-        lines.append(f"{name:<10} {m['steps']:>5} {m['tokens_per_forward']:7.2f} {m['ms_per_step']:8.2f}  {cells}  "
-                     f"{m['d2h_per_step']:8.2f} {m['d2h_bytes_per_step']:10.0f}")
+        lines.append(
+            f"{name:<10} {m['steps']:>5} {m['tokens_per_forward']:7.2f} {m['ms_per_step']:8.2f}  {cells}  "
+            f"{m['d2h_per_step']:8.2f} {m['d2h_bytes_per_step']:10.0f}"
+        )
     lines.append("")
     lines.append("host part by item, ms per step (share of the step):")
     for name, m in modes.items():
-        lines.append(f"  {name:<10} " + ", ".join(f"{k} {m['host_ms_per_step'][k]:.2f} ({100 * m['host_share_of_step'][k]:.1f}%)"
-                                                for k in HOST_ITEMS))
+        lines.append(
+            f"  {name:<10} "
+            + ", ".join(
+                f"{k} {m['host_ms_per_step'][k]:.2f} ({100 * m['host_share_of_step'][k]:.1f}%)" for k in HOST_ITEMS
+            )
+        )
     for name, m in modes.items():
         lo, hi = m["d2h_per_step_range"]
-        extra = f"; CUDA synchronising operations {m['cuda_syncs_per_step']:.2f} a step" if m["cuda_syncs_per_step"] else ""
-        graph = f"; the forward's graph building {m['forward_graph_ms_per_step']:.2f} ms a step" if m["forward_graph_ms_per_step"] else ""
+        extra = (
+            f"; CUDA synchronising operations {m['cuda_syncs_per_step']:.2f} a step" if m["cuda_syncs_per_step"] else ""
+        )
+        graph = (
+            f"; the forward's graph building {m['forward_graph_ms_per_step']:.2f} ms a step"
+            if m["forward_graph_ms_per_step"]
+            else ""
+        )
         lines.append(f"{name} D2H reads: {lo}-{hi} a step{extra}{graph}")
         for site, v in m["d2h_sites"].items():
-            lines.append(f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
+            lines.append(
+                f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}"
+            )
     same = report["replies_equal_to_ar"]
     lines.append(f"replies of lossless equal to AR's: {same}/{report['prompts']}")
     return "\n".join(lines)
@@ -543,14 +597,23 @@ def main(argv=None) -> dict:
     def say(m):
         print(m, file=sys.stderr)
 
-    session = Session(args.model, args.adapter_path, backend=args.backend, dtype=args.dtype, device=args.device, announce=say,
-                      remeasure_cost=args.remeasure_cost)
+    session = Session(
+        args.model,
+        args.adapter_path,
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        announce=say,
+        remeasure_cost=args.remeasure_cost,
+    )
     prompts = read_prompts(Path(args.prompts))[: args.limit]
     ids = session.encode(prompts)
     plans = mode_plans(session, args.max_tokens)
     batch = max(1, min(args.batch, len(ids)))
     for s in plans.values():
-        session.prepare_feed(s, batch=batch)  # measured (once per device) before anything is timed, as `mars generate` does
+        session.prepare_feed(
+            s, batch=batch
+        )  # measured (once per device) before anything is timed, as `mars generate` does
     if args.warmup_tokens:
         from dataclasses import replace
 
@@ -585,7 +648,9 @@ def main(argv=None) -> dict:
 
     modes, tokens = {}, {}
     for name, r in results.items():
-        joined = Decoded(tokens=[t for d in r["decoded"] for t in d.tokens], stats=[s for d in r["decoded"] for s in d.stats])
+        joined = Decoded(
+            tokens=[t for d in r["decoded"] for t in d.tokens], stats=[s for d in r["decoded"] for s in d.stats]
+        )
         clock, transfers, graph = clocks[name]
         modes[name] = summarise(clock, transfers, r["seconds"], joined, graph[0])
         modes[name]["plan"] = plans[name].name
@@ -607,13 +672,21 @@ def main(argv=None) -> dict:
         "replies_equal_to_ar": sum(a == b for a, b in zip(tokens["AR"], tokens["lossless"])),
         "tokens": tokens,
     }
-    out = Path(args.output) if args.output else ROOT / "benchmarks" / "results" / (
-        f"step_parts_{session.backend}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
+    out = (
+        Path(args.output)
+        if args.output
+        else ROOT
+        / "benchmarks"
+        / "results"
+        / (f"step_parts_{session.backend}_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json")
+    )
     atomic_write_text(out, json.dumps(report, indent=1) + "\n")
     m = report["machine"]
     how = ", ".join(x for x in (m.get("dtype"), f"{m['threads']} threads" if "threads" in m else None) if x)
-    print(f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, {len(ids)} prompts x {args.max_tokens} "
-          f"tokens, batch {batch}, {args.rounds} round(s); load {' '.join(f'{x:.2f}' for x in load_before or [])}")
+    print(
+        f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, {len(ids)} prompts x {args.max_tokens} "
+        f"tokens, batch {batch}, {args.rounds} round(s); load {' '.join(f'{x:.2f}' for x in load_before or [])}"
+    )
     for name, mm in modes.items():
         print(f"{name}: {mm['plan']}")
     print(table(report))

@@ -39,7 +39,9 @@ def read_prompts(path: Path, limit: int) -> list[list[dict]]:
     for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
-            conversations.append(record["messages"] if "messages" in record else [{"role": "user", "content": record["prompt"]}])
+            conversations.append(
+                record["messages"] if "messages" in record else [{"role": "user", "content": record["prompt"]}]
+            )
     return conversations[:limit]
 
 
@@ -54,8 +56,11 @@ def speculative_config(method: str, export: Path) -> dict | None:
 def counters(llm) -> dict:
     """vLLM's spec-decode counters so far (zeros without speculation)."""
     found = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": []}
-    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted",
+    }
     for metric in llm.get_metrics():
         if metric.name in names:
             found[names[metric.name]] = int(metric.value)
@@ -65,8 +70,10 @@ def counters(llm) -> dict:
 
 
 def delta(after: dict, before: dict) -> dict:
-    per = [a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
-           for i, a in enumerate(after["accepted_per_position"])]
+    per = [
+        a - (before["accepted_per_position"][i] if i < len(before["accepted_per_position"]) else 0)
+        for i, a in enumerate(after["accepted_per_position"])
+    ]
     out = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     out["accepted_per_position"] = per
     out["tokens_per_target_step"] = 1 + out["accepted"] / out["drafts"] if out["drafts"] else 1.0
@@ -79,8 +86,16 @@ def run_method(method: str, export: Path, target: str, prompts: list, batches: l
     from vllm import LLM, SamplingParams
 
     spec = speculative_config(method, export)
-    llm = LLM(model=target, speculative_config=spec, dtype="float32", max_model_len=1024, max_num_seqs=max(batches),
-              seed=0, disable_log_stats=False, enforce_eager=True)
+    llm = LLM(
+        model=target,
+        speculative_config=spec,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=max(batches),
+        seed=0,
+        disable_log_stats=False,
+        enforce_eager=True,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.chat(prompts[:1], params, use_tqdm=False)  # warm-up
     result = {"method": method, "speculative_config": spec, "batches": {}}
@@ -93,21 +108,35 @@ def run_method(method: str, export: Path, target: str, prompts: list, batches: l
                 replies.append(list(out.outputs[0].token_ids))
         seconds = time.perf_counter() - start
         tokens = sum(len(r) for r in replies)
-        result["batches"][str(batch)] = {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_second": round(tokens / seconds, 2),
-                                         "replies": replies, **delta(counters(llm), before)}
+        result["batches"][str(batch)] = {
+            "seconds": round(seconds, 3),
+            "tokens": tokens,
+            "tokens_per_second": round(tokens / seconds, 2),
+            "replies": replies,
+            **delta(counters(llm), before),
+        }
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("export", type=Path, help="the directory `mars convert SRC --to vllm -o DIR` wrote")
-    parser.add_argument("--target", default=None, help="the target model (default: DIR/target, else the drafter's target named in DIR/README.md)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the target model (default: DIR/target, else the drafter's target named in DIR/README.md)",
+    )
     parser.add_argument("--prompts", type=Path, default=ROOT / "data" / "prompts" / "test.jsonl")
     parser.add_argument("--limit", type=int, default=16, help="the first N prompts")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--output", type=Path, default=None, help="the JSON to write (default: benchmarks/results/vllm_<UTC time>.json; '-': stdout only)")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="the JSON to write (default: benchmarks/results/vllm_<UTC time>.json; '-': stdout only)",
+    )
     parser.add_argument("--one", choices=METHODS, help=argparse.SUPPRESS)  # a child process: one method, JSON on stdout
     args = parser.parse_args()
     target = args.target or target_of(args.export)
@@ -118,14 +147,29 @@ def main() -> None:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
     runs = []
     for method in args.methods:
-        child = [sys.executable, __file__, str(args.export), "--target", target, "--prompts", str(args.prompts), "--limit", str(args.limit),
-                 "--max-tokens", str(args.max_tokens), "--batch", *map(str, args.batch), "--one", method]
+        child = [
+            sys.executable,
+            __file__,
+            str(args.export),
+            "--target",
+            target,
+            "--prompts",
+            str(args.prompts),
+            "--limit",
+            str(args.limit),
+            "--max-tokens",
+            str(args.max_tokens),
+            "--batch",
+            *map(str, args.batch),
+            "--one",
+            method,
+        ]
         print(f"{method}: starting vLLM", file=sys.stderr, flush=True)
         done = subprocess.run(child, capture_output=True, text=True, env=env)
         line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             sys.exit(f"{method}: vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-        runs.append(json.loads(line[len("RESULT "):]))
+        runs.append(json.loads(line[len("RESULT ") :]))
     report = summarize(runs, args, target, prompts)
     if str(args.output) != "-":
         out = args.output or ROOT / "benchmarks" / "results" / f"vllm_{datetime.now(timezone.utc):%Y%m%dT%H%M%SZ}.json"
@@ -159,17 +203,28 @@ def summarize(runs: list[dict], args, target: str, prompts: list) -> dict:
                 b["wall_time_vs_no_speculation"] = round(ref["seconds"] / b["seconds"], 3)
     import vllm
 
-    return {"vllm": vllm.__version__, "target": target, "export": str(args.export), "prompts": str(args.prompts),
-            "prompt_count": len(prompts), "max_tokens": args.max_tokens, "runs": runs}
+    return {
+        "vllm": vllm.__version__,
+        "target": target,
+        "export": str(args.export),
+        "prompts": str(args.prompts),
+        "prompt_count": len(prompts),
+        "max_tokens": args.max_tokens,
+        "runs": runs,
+    }
 
 
 def table(report: dict) -> str:
-    lines = [f"{'method':<7} {'batch':>5} {'tok/step':>8} {'tok/s':>8} {'speed':>6} {'=AR':>6}  acceptance per position"]
+    lines = [
+        f"{'method':<7} {'batch':>5} {'tok/step':>8} {'tok/s':>8} {'speed':>6} {'=AR':>6}  acceptance per position"
+    ]
     for run in report["runs"]:
         for batch, b in run["batches"].items():
             same = f"{b.get('replies_equal_to_no_speculation', '-')}/{len(b['replies'])}"
-            lines.append(f"{run['method']:<7} {batch:>5} {b['tokens_per_target_step']:>8.3f} {b['tokens_per_second']:>8.1f} "
-                         f"{b.get('wall_time_vs_no_speculation', 1.0):>5.2f}x {same:>6}  {b['acceptance_per_position']}")
+            lines.append(
+                f"{run['method']:<7} {batch:>5} {b['tokens_per_target_step']:>8.3f} {b['tokens_per_second']:>8.1f} "
+                f"{b.get('wall_time_vs_no_speculation', 1.0):>5.2f}x {same:>6}  {b['acceptance_per_position']}"
+            )
     return "\n".join(lines)
 
 

@@ -28,14 +28,20 @@ import numpy as np
 from tqdm import tqdm
 
 from .backends import base
-from .core.decode.types import masks_share
-from .core.decode.loop import generate
-from .core.decode.plan import DecodeSettings, Sampling
-from .core.decode.plan import FEEDS
-from .core.masks import decode_mask
-from .core.acceptance import ar_threshold, check_threshold
-from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, UntrainedModelError, block_size_for, check_may_decode, metric_for
 from .checkpoint.default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
+from .core.acceptance import ar_threshold, check_threshold
+from .core.decode.loop import generate
+from .core.decode.plan import FEEDS, DecodeSettings, Sampling
+from .core.decode.rules import (
+    DEFAULT_ALTERNATIVES,
+    DEFAULT_NGRAM,
+    UntrainedModelError,
+    block_size_for,
+    check_may_decode,
+    metric_for,
+)
+from .core.decode.types import masks_share
+from .core.masks import decode_mask
 from .session import Session
 
 DEFAULT_PROMPTS = [
@@ -71,7 +77,9 @@ class BenchSettings:
     prompt_lookup: int = 10  # torch: also time transformers prompt lookup with this many tokens (0: skip)
     ngram: int = DEFAULT_NGRAM  # lossless: n-gram drafts of the default (cost-aware) configuration
     alternatives: int = DEFAULT_ALTERNATIVES  # lossless: runner-up groups of the default configuration
-    llama_cpp: bool = True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
+    llama_cpp: bool = (
+        True  # also time llama.cpp on the base GGUF (one prompt at a time), when llama-cpp-python is importable
+    )
     # Threshold mode's feeds to time: "auto" (what `mars generate` runs: the masks per step
     # chosen from the cost curve, mars.core.decode.cost.ThresholdFeed) and/or "fixed" (B every step).
     feeds: tuple[str, ...] = ("auto",)
@@ -126,12 +134,37 @@ def metric_of(loaded, s: BenchSettings) -> str:
     return metric_for(loaded.mars, s.metric)
 
 
-def plan(loaded, threshold: float, cache: str, block_cache: int, s: BenchSettings, lossless: bool = False,
-         hedge: int | None = None, ngram: int = 0, feed: str = "auto", verify: bool = False, alternatives: int = 0) -> DecodeSettings:
+def plan(
+    loaded,
+    threshold: float,
+    cache: str,
+    block_cache: int,
+    s: BenchSettings,
+    lossless: bool = False,
+    hedge: int | None = None,
+    ngram: int = 0,
+    feed: str = "auto",
+    verify: bool = False,
+    alternatives: int = 0,
+) -> DecodeSettings:
     """The plan `mars generate` would make for this model (mars.core.decode.plan.make_plan), greedy."""
-    return base.plan_for_model(loaded, threshold=threshold, lossless=lossless, verify=verify, metric=s.metric, block_size=s.block_size,
-                            force=s.force, max_tokens=s.max_tokens, cache=cache, block_cache=block_cache, sampling=Sampling(), hedge=hedge,
-                            ngram=ngram, feed=feed, alternatives=alternatives)
+    return base.plan_for_model(
+        loaded,
+        threshold=threshold,
+        lossless=lossless,
+        verify=verify,
+        metric=s.metric,
+        block_size=s.block_size,
+        force=s.force,
+        max_tokens=s.max_tokens,
+        cache=cache,
+        block_cache=block_cache,
+        sampling=Sampling(),
+        hedge=hedge,
+        ngram=ngram,
+        feed=feed,
+        alternatives=alternatives,
+    )
 
 
 def _until_eos(tokens, eos: set[int], max_tokens: int) -> list[int]:
@@ -168,8 +201,14 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
             loaded.gate.clear()  # no masks fed: a gated adapter's model is the base
         with disabled():
             out = loaded.model.generate(
-                ids.to(loaded.device), attention_mask=attn.to(loaded.device), max_new_tokens=max_tokens,
-                do_sample=False, num_beams=1, eos_token_id=eos, pad_token_id=pad, **extra,
+                ids.to(loaded.device),
+                attention_mask=attn.to(loaded.device),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                num_beams=1,
+                eos_token_id=eos,
+                pad_token_id=pad,
+                **extra,
             )
         new = out[:, width:].tolist()
         return [_until_eos(row, set(eos), max_tokens) for row in new], None
@@ -231,7 +270,9 @@ def mlx_reference(loaded, max_tokens: int):
 
     def run(prompts):
         if len(prompts) == 1:
-            return [[r.token for r in stream_generate(loaded.model, tokenizer, prompts[0], max_tokens=max_tokens)]], None
+            return [
+                [r.token for r in stream_generate(loaded.model, tokenizer, prompts[0], max_tokens=max_tokens)]
+            ], None
         result = batch_generate(loaded.model, tokenizer, prompts, max_tokens=max_tokens, return_token_ids=True)
         # batch_generate leaves the stop token out; a reply shorter than max_tokens ended on one.
         return [list(t) + ([min(eos)] if len(t) < max_tokens else []) for t in result.token_ids], None
@@ -274,7 +315,9 @@ def build_configs(session: Session, s: BenchSettings, cost=None) -> list[Config]
     if s.llama_cpp and importlib.util.find_spec("llama_cpp") is not None:
         gguf = gguf_for(loaded)
         if gguf is not None:  # one prompt at a time, whatever the batch size
-            name, ref = llama_cpp_reference(gguf, s.max_tokens, set(loaded.eos_ids), _torch_threads() if backend == "torch" else None)
+            name, ref = llama_cpp_reference(
+                gguf, s.max_tokens, set(loaded.eos_ids), _torch_threads() if backend == "torch" else None
+            )
             configs.append(Config(name, "reference", ref))
     # Threshold rows decide on the curves as stored now (a controller keeps them as it found
     # them): the lossless rows refresh `cost` from the forwards they time, and threshold-mode
@@ -300,18 +343,34 @@ def build_configs(session: Session, s: BenchSettings, cost=None) -> list[Config]
         if s.window:
             auto = plan(loaded, 1.0, "window", 16, s, True, ngram=s.ngram, alternatives=s.alternatives)
             configs.append(Config("lossless (default)", "lossless", _Ours(decoder, auto, controller()), None, "window"))
-            if auto.drafts.corpus is not None and s.lossless_variants:  # what the checkpoint's draft corpus adds (mars.core.decode.drafts.corpus)
+            if (
+                auto.drafts.corpus is not None and s.lossless_variants
+            ):  # what the checkpoint's draft corpus adds (mars.core.decode.drafts.corpus)
                 bare = dataclasses.replace(auto, drafts=dataclasses.replace(auto.drafts, corpus=None))
-                configs.append(Config("lossless, no corpus", "lossless", _Ours(decoder, bare, controller()), None, "window"))
+                configs.append(
+                    Config("lossless, no corpus", "lossless", _Ours(decoder, bare, controller()), None, "window")
+                )
             if s.lossless_variants:
                 fixed = plan(loaded, 1.0, "window", 16, s, True, hedge=auto.block_size)
-                configs.append(Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window"))
-                configs.append(Config("lossless hedge 0", "lossless", _Ours(decoder, plan(loaded, 1.0, "window", 16, s, True, hedge=0)), None, "window"))
+                configs.append(
+                    Config(f"lossless hedge {auto.block_size}", "lossless", _Ours(decoder, fixed), None, "window")
+                )
+                configs.append(
+                    Config(
+                        "lossless hedge 0",
+                        "lossless",
+                        _Ours(decoder, plan(loaded, 1.0, "window", 16, s, True, hedge=0)),
+                        None,
+                        "window",
+                    )
+                )
         for bc in s.block_caches:
             block = plan(loaded, 1.0, "block", bc, s, True, ngram=s.ngram, alternatives=s.alternatives)
             # With a cost curve the loop may leave the block cache for the window cache where
             # that is faster (the row's "cache_ran" says which ran).
-            configs.append(Config(f"lossless-block{bc}", "lossless", _Ours(decoder, block, controller()), None, "block", bc))
+            configs.append(
+                Config(f"lossless-block{bc}", "lossless", _Ours(decoder, block, controller()), None, "block", bc)
+            )
     return configs
 
 
@@ -367,7 +426,9 @@ def _no_tick(what: str, tokens: int) -> None:
     pass
 
 
-def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None, tick=_no_tick) -> dict:
+def bench_batch(
+    configs: list[Config], prompts, batch: int, s: BenchSettings, eos: set[int], log=None, tick=_no_tick
+) -> dict:
     """Time every configuration on `prompts` in batches of `batch`, interleaved; medians and ratios to AR.
     `tick(name, tokens)` is called after each pass (warm-up or timed) with the tokens it may
     decode (its prompts x max_tokens), for a progress bar that counts tokens: passes of
@@ -399,30 +460,32 @@ def bench_batch(configs: list[Config], prompts, batch: int, s: BenchSettings, eo
     for c in configs:
         count = sum(len(t) for t in c.tokens)
         wall = statistics.median(c.walls)
-        rows.append({
-            "name": c.name,
-            "kind": c.kind,
-            "mode": getattr(c.run, "mode", None),
-            "batch_size": batch,
-            "threshold": c.threshold,
-            "cache": c.cache,
-            "block_cache": c.block_cache,
-            "tokens": count,
-            "forwards": c.forwards,
-            "tokens_per_forward": round(count / c.row_forwards, 4) if c.row_forwards else None,
-            "wall_s": wall,
-            "wall_s_runs": c.walls,
-            "tokens_per_s": count / wall,
-            "ratio_to_ar": 1.0 if c is ar else statistics.median(c.ratios),
-            "ratio_min": min(c.ratios),
-            "ratio_max": max(c.ratios),
-            "tokens_by_source": c.by_source,
-            "masks_share": _rounded(masks_share(c.by_source)),
-            "masks_fed": c.masks_fed,
-            "cache_ran": c.cache_ran,
-            "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
-            "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
-        })
+        rows.append(
+            {
+                "name": c.name,
+                "kind": c.kind,
+                "mode": getattr(c.run, "mode", None),
+                "batch_size": batch,
+                "threshold": c.threshold,
+                "cache": c.cache,
+                "block_cache": c.block_cache,
+                "tokens": count,
+                "forwards": c.forwards,
+                "tokens_per_forward": round(count / c.row_forwards, 4) if c.row_forwards else None,
+                "wall_s": wall,
+                "wall_s_runs": c.walls,
+                "tokens_per_s": count / wall,
+                "ratio_to_ar": 1.0 if c is ar else statistics.median(c.ratios),
+                "ratio_min": min(c.ratios),
+                "ratio_max": max(c.ratios),
+                "tokens_by_source": c.by_source,
+                "masks_share": _rounded(masks_share(c.by_source)),
+                "masks_fed": c.masks_fed,
+                "cache_ran": c.cache_ran,
+                "ar_prefix_kept": _prefix_kept(_strip_eos(c.tokens, eos), ar_rows),
+                "rows_equal_to_ar": sum(a == b for a, b in zip(_strip_eos(c.tokens, eos), ar_rows)) / len(ar_rows),
+            }
+        )
     mismatched = [i for i, (a, b) in enumerate(zip(ar_rows, _strip_eos(ref.tokens, eos))) if a != b]
     check = {"batch_size": batch, "reference": ref.name, "matches": not mismatched, "mismatched_rows": mismatched}
     return {"runs": rows, "reference_check": check}
@@ -443,7 +506,9 @@ def add_parity(runs: list[dict], configs: list[Config], session: Session, prompt
             run["parity"] = parity(session.decoder, session.loaded, prompts, ar.tokens, c.tokens)
 
 
-def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick, ar_filler: int | None = None) -> list[dict]:
+def forward_cost(
+    decoder, prompts, batch: int, ks, repeats: int, filler: int, tick=_no_tick, ar_filler: int | None = None
+) -> list[dict]:
     """Median time of one cached forward of k new tokens on a prefilled cache of the first
     `batch` prompts (right-aligned, holes in front, as the decoding loop lays them out).
     The new tokens are `filler` (the mask), or `ar_filler` for k = 1: a one-token forward is
@@ -484,8 +549,13 @@ def forward_cost(decoder, prompts, batch: int, ks, repeats: int, filler: int, ti
             tick(f"batch {batch} forward cost k={k}", batch * k)
     base = statistics.median(samples[ks[0]])
     return [
-        {"batch_size": batch, "cache_length": int(width), "k": k, "median_s": statistics.median(samples[k]),
-         "ratio_to_first": statistics.median(samples[k]) / base}
+        {
+            "batch_size": batch,
+            "cache_length": int(width),
+            "k": k,
+            "median_s": statistics.median(samples[k]),
+            "ratio_to_first": statistics.median(samples[k]) / base,
+        }
         for k in ks
     ]
 
@@ -496,8 +566,9 @@ def _torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def run_benchmark(session: Session, prompts: list[list[int]], s: BenchSettings, log=None,
-                  progress: bool = False) -> dict:
+def run_benchmark(
+    session: Session, prompts: list[list[int]], s: BenchSettings, log=None, progress: bool = False
+) -> dict:
     """Every configuration at every batch size, and the forward-cost curve, of a model opened for
     decoding; a JSON-ready dict. `progress` shows a progress bar (stderr) over every pass."""
     loaded, decoder, backend = session.loaded, session.decoder, session.backend
@@ -519,8 +590,11 @@ def run_benchmark(session: Session, prompts: list[list[int]], s: BenchSettings, 
     ks = tuple(s.forward_ks)
     # Progress in tokens (decoded, or fed to a timed forward), so that the estimate of the time
     # left weighs a long decoding pass and a one-token forward for what they are.
-    tokens = sum(len(configs) * (min(batch, len(prompts)) + s.repeats * len(prompts)) * s.max_tokens
-                 + (1 + s.forward_repeats) * batch * sum(ks) for batch in s.batch_sizes)
+    tokens = sum(
+        len(configs) * (min(batch, len(prompts)) + s.repeats * len(prompts)) * s.max_tokens
+        + (1 + s.forward_repeats) * batch * sum(ks)
+        for batch in s.batch_sizes
+    )
     with tqdm(total=tokens, desc="bench", unit="token", disable=not progress, leave=False) as bar:
 
         def tick(what: str, n: int) -> None:
@@ -533,7 +607,16 @@ def run_benchmark(session: Session, prompts: list[list[int]], s: BenchSettings, 
             runs += result["runs"]
             checks.append(result["reference_check"])
         for batch in s.batch_sizes if ks else ():
-            curve += forward_cost(decoder, prompts, batch, ks, s.forward_repeats, base.mask_id_for(loaded), tick, ar_filler=loaded.eos_ids[0])
+            curve += forward_cost(
+                decoder,
+                prompts,
+                batch,
+                ks,
+                s.forward_repeats,
+                base.mask_id_for(loaded),
+                tick,
+                ar_filler=loaded.eos_ids[0],
+            )
     settings = asdict(s)
     settings.update(block_size=block_size, metric=metric)
     return {
@@ -551,9 +634,19 @@ def run_benchmark(session: Session, prompts: list[list[int]], s: BenchSettings, 
     }
 
 
-def benchmark(model=None, *, backend: str = "auto", adapter_path=None, prompts=None, raw: bool = False,
-              settings: BenchSettings | None = None, threads: int | None = None, announce=print, log=None,
-              progress: bool = False) -> dict:
+def benchmark(
+    model=None,
+    *,
+    backend: str = "auto",
+    adapter_path=None,
+    prompts=None,
+    raw: bool = False,
+    settings: BenchSettings | None = None,
+    threads: int | None = None,
+    announce=print,
+    log=None,
+    progress: bool = False,
+) -> dict:
     """Load a model (None: the embedded default), encode the prompts (default: DEFAULT_PROMPTS) and run.
 
     `threads` sets torch's CPU threads: on a shared machine, fewer threads than cores avoids

@@ -22,10 +22,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
 from tqdm import tqdm
 
-from .core.train.data import DataError
 from .core.files import atomic_write_text
+from .core.train.data import DataError
 from .prompts import json_lines, prompt_of, split_files
 
 SPLIT_ORDER = ("valid", "test", "train")  # small splits first: a partial run still has them
@@ -61,14 +62,26 @@ def read_prompt_file(path: Path) -> list[PromptRecord]:
         elif prompt is not None and rec["messages"]:
             messages = list(prompt)
             if not messages or any(not isinstance(m, dict) or not isinstance(m.get("content"), str) for m in messages):
-                raise _fail(where, "'messages' must be objects with string 'role' and 'content'", 'write [{"role": "user", "content": "..."}]')
+                raise _fail(
+                    where,
+                    "'messages' must be objects with string 'role' and 'content'",
+                    'write [{"role": "user", "content": "..."}]',
+                )
             if messages[-1].get("role") != "user":
-                raise _fail(where, f"the last message has role {messages[-1].get('role')!r}", "end the prompt with a user turn")
+                raise _fail(
+                    where, f"the last message has role {messages[-1].get('role')!r}", "end the prompt with a user turn"
+                )
         else:
-            raise _fail(where, "no 'prompt' string or non-empty 'messages' array", 'write {"messages": [...]} or {"prompt": "..."}')
+            raise _fail(
+                where,
+                "no 'prompt' string or non-empty 'messages' array",
+                'write {"messages": [...]} or {"prompt": "..."}',
+            )
         follow = rec.get("follow_ups", [])
         if not isinstance(follow, list) or not all(isinstance(t, str) and t.strip() for t in follow):
-            raise _fail(where, "'follow_ups' must be an array of non-empty strings", "remove it, or list the later user turns")
+            raise _fail(
+                where, "'follow_ups' must be an array of non-empty strings", "remove it, or list the later user turns"
+            )
         records.append(PromptRecord(messages, list(follow)))
     if not records:
         raise DataError(f"{path}: no prompts")
@@ -77,7 +90,9 @@ def read_prompt_file(path: Path) -> list[PromptRecord]:
 
 def prompt_files(prompts) -> list[tuple[str, Path]]:
     """(split, file) pairs: a single .jsonl is the 'train' split; a directory gives its split files."""
-    found = split_files(prompts, SPLIT_ORDER, takes="--prompts takes a .jsonl file or a directory of train/valid/test .jsonl")
+    found = split_files(
+        prompts, SPLIT_ORDER, takes="--prompts takes a .jsonl file or a directory of train/valid/test .jsonl"
+    )
     if not found:
         raise DataError(f"{prompts}: no train.jsonl, valid.jsonl or test.jsonl")
     return [(split or "train", path) for split, path in found]
@@ -155,7 +170,9 @@ def _check_resume(output: Path, run: dict) -> None:
         )
 
 
-def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, model_ref: str = "", progress=True, log=print) -> dict:
+def distill(
+    loaded, decoder, prompts, output, settings: DistillSettings, *, model_ref: str = "", progress=True, log=print
+) -> dict:
     """Distill every split of `prompts` into `output`; resumes from `<split>.jsonl.partial`."""
 
     output = Path(output)
@@ -168,7 +185,12 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
     # Time and tokens add up over the runs that made this output (a resumed run counts its own).
     before = json.loads(meta.read_text()) if meta.exists() else {}
     output.mkdir(parents=True, exist_ok=True)
-    summary = {"run": run, "splits": {}, "seconds": before.get("seconds", 0.0), "generated_tokens": before.get("generated_tokens", 0)}
+    summary = {
+        "run": run,
+        "splits": {},
+        "seconds": before.get("seconds", 0.0),
+        "generated_tokens": before.get("generated_tokens", 0),
+    }
     atomic_write_text(output / "distill.json", json.dumps(summary, indent=2) + "\n")
     d = Distiller(loaded, decoder, settings)
     t0 = time.perf_counter()
@@ -192,11 +214,20 @@ def distill(loaded, decoder, prompts, output, settings: DistillSettings, *, mode
             final.rename(partial)
         done = _done_lines(partial)
         if done > len(records):  # a smaller --limit than the run that wrote it
-            partial.write_text("".join(partial.read_text(encoding="utf-8").splitlines(keepends=True)[: len(records)]), encoding="utf-8")
+            partial.write_text(
+                "".join(partial.read_text(encoding="utf-8").splitlines(keepends=True)[: len(records)]), encoding="utf-8"
+            )
             done = len(records)
         if done:
             log(f"{partial}: resuming after {done} of {len(records)} prompts")
-        bar = tqdm(total=len(records), initial=done, desc=f"distill {split}", unit="prompt", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(records),
+            initial=done,
+            desc=f"distill {split}",
+            unit="prompt",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         start_tokens, start_time = d.generated, time.perf_counter()
         with open(partial, "a", encoding="utf-8") as f:
             for start in range(done, len(records), settings.batch_size):

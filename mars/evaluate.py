@@ -28,11 +28,11 @@ from pathlib import Path
 import numpy as np
 
 from .backends import base
-from .core.train.data import IGNORE, DataError, batches, load_split, read_jsonl
-from .core.decode.types import masks_share, sum_ragged
-from .core.files import atomic_write_text
 from .core.decode.plan import Mode
 from .core.decode.rules import metric_for
+from .core.decode.types import masks_share, sum_ragged
+from .core.files import atomic_write_text
+from .core.train.data import IGNORE, DataError, batches, load_split, read_jsonl
 from .parity import GAP_MEANING, common_prefix, parity, summary
 from .prompts import RawText, prompt_of, split_files
 from .session import Session, decode_batches
@@ -70,8 +70,9 @@ class EvalSettings:
     humaneval_timeout: float = 10.0  # seconds each problem's tests may run
 
 
-def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None,
-               announce=lambda m: None) -> Session:
+def load_model(
+    model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None
+) -> Session:
     """Open `model` (a path, or None for the embedded default) with the resolved backend; its
     `label` (reports name it by) is `label`, else the model as given, else "default"."""
     return Session(model, backend=backend, dtype=dtype, device=device, announce=announce, label=label)
@@ -83,8 +84,11 @@ def load_model(model, backend: str = "auto", *, label: str | None = None, dtype=
 def eval_file(data, split: str | None = None) -> tuple[Path, str]:
     """(file, split name): a single .jsonl file as it is, else DIR/<split>.jsonl; without a split,
     test.jsonl, falling back to valid.jsonl."""
-    found = split_files(data, [split] if split else ["test", "valid"],
-                        takes="--data takes a directory with test.jsonl or valid.jsonl, or one .jsonl file")
+    found = split_files(
+        data,
+        [split] if split else ["test", "valid"],
+        takes="--data takes a directory with test.jsonl or valid.jsonl, or one .jsonl file",
+    )
     if found:
         name, path = found[0]
         return path, name or path.stem
@@ -96,7 +100,9 @@ def eval_file(data, split: str | None = None) -> tuple[Path, str]:
 def load_examples(path: Path, tokenizer, *, block_size: int, max_seq_length: int = 512, on_long: str = "error"):
     """Encoded, block-padded examples of one JSONL file (the training encoding)."""
     # load_split reads DIR/<split>.jsonl or a single file as 'train': give it the file.
-    return load_split(path, "train", tokenizer, block_size=block_size, max_seq_length=max_seq_length, on_long=on_long).examples
+    return load_split(
+        path, "train", tokenizer, block_size=block_size, max_seq_length=max_seq_length, on_long=on_long
+    ).examples
 
 
 def dataset_prompts(path: Path) -> list:
@@ -143,8 +149,13 @@ def nll(session: Session, examples, *, block_size: int | None = None, batch_size
         count += n
     if count == 0:
         raise DataError("no response tokens to evaluate")
-    out = {"tokens": count, "examples": len(examples), "block_size": B, "clean_nll": clean_sum / count,
-           "noisy_nll": noisy_sum / count if session.mars is not None else None}
+    out = {
+        "tokens": count,
+        "examples": len(examples),
+        "block_size": B,
+        "clean_nll": clean_sum / count,
+        "noisy_nll": noisy_sum / count if session.mars is not None else None,
+    }
     out["clean_ppl"] = math.exp(out["clean_nll"])
     if session.mars is None:
         out["note"] = "no mars.json: the noisy stream (mask predictions) was never trained; its NLL is not reported"
@@ -162,8 +173,15 @@ def decode_all(session: Session, prompt_ids: list, settings, batch_size: int = 8
     per_slot = np.asarray(slots, dtype=np.int64)
     totals = [stats.draft_totals() for stats in decoded.stats]  # each batch's draft slots
     drafts = {name: sum_ragged(t[name] for t in totals) for name in (totals[0] if totals else {})}
-    return {"outputs": decoded.tokens, "accepted": total.accepted, "forwards": total.row_forwards, "per_slot": per_slot,
-            "drafts": drafts, "seconds": decoded.seconds, "by_source": total.by_source()}
+    return {
+        "outputs": decoded.tokens,
+        "accepted": total.accepted,
+        "forwards": total.row_forwards,
+        "per_slot": per_slot,
+        "drafts": drafts,
+        "seconds": decoded.seconds,
+        "by_source": total.by_source(),
+    }
 
 
 def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=lambda m: None) -> dict:
@@ -186,20 +204,41 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
     def run(threshold, lossless=False, hedge=None, verify=False):
-        s = base.plan_for_model(session.loaded, threshold=threshold, metric=metric, block_size=B, lossless=lossless,
-                                force=settings.force, max_tokens=settings.max_tokens, cache=settings.cache,
-                                block_cache=settings.block_cache, hedge=hedge, verify=verify,
-                                alternatives=settings.alternatives, ngram=settings.ngram)
+        s = base.plan_for_model(
+            session.loaded,
+            threshold=threshold,
+            metric=metric,
+            block_size=B,
+            lossless=lossless,
+            force=settings.force,
+            max_tokens=settings.max_tokens,
+            cache=settings.cache,
+            block_cache=settings.block_cache,
+            hedge=hedge,
+            verify=verify,
+            alternatives=settings.alternatives,
+            ngram=settings.ngram,
+        )
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
-        lookup, corpus = s.lookup_drafts, s.lookup_drafts > 0 and s.drafts.corpus is not None  # where the plan verifies drafts
+        lookup, corpus = (
+            s.lookup_drafts,
+            s.lookup_drafts > 0 and s.drafts.corpus is not None,
+        )  # where the plan verifies drafts
         if lookup:
             alts += f", n-gram{' and corpus' if corpus else ''} drafts of up to {lookup} tokens"
-        what = (f"lossless ({s.spare_groups} spare groups{alts})" if s.mode is Mode.LOSSLESS
-                else f"{'verified threshold mode ' if s.mode is Mode.VERIFIED else ''}at threshold {threshold}")
+        what = (
+            f"lossless ({s.spare_groups} spare groups{alts})"
+            if s.mode is Mode.LOSSLESS
+            else f"{'verified threshold mode ' if s.mode is Mode.VERIFIED else ''}at threshold {threshold}"
+        )
         announce(f"{session.label}: decoding {len(prompt_ids)} prompts {what}")
         return decode_all(session, prompt_ids, s, settings.batch_size) | {
-            "hedges": s.spare_groups, "alternatives": s.alternative_groups, "ngram": lookup, "corpus": corpus,
-            "name": s.name}
+            "hedges": s.spare_groups,
+            "alternatives": s.alternative_groups,
+            "ngram": lookup,
+            "corpus": corpus,
+            "name": s.name,
+        }
 
     reference = run(ar)
     rows = []
@@ -212,31 +251,47 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
         slots = np.zeros(max(B + 1, d["per_slot"].size))  # n-gram drafts may outnumber the masks
         slots[: d["per_slot"].size] = d["per_slot"] / max(1, d["forwards"])
-        rows.append({
-            "mode": "lossless" if lossless else "verified" if verify else "threshold",
-            "threshold": None if lossless else threshold,
-            "name": d["name"],  # the plan's printable name, as generate, chat, bench and the server print it
-            "tokens": d["accepted"],
-            "forwards": d["forwards"],
-            "tokens_per_forward": d["accepted"] / max(1, d["forwards"]),
-            "slot_acceptance": [float(x) for x in slots],
-            "exact_match": float(np.mean([o == r for o, r in zip(d["outputs"], reference["outputs"])])),
-            "mean_prefix": float(np.mean(prefix)),
-            "mean_prefix_fraction": float(np.mean([p / n for p, n in zip(prefix, longest)])),
-            # The share of the AR output's tokens reproduced before the first divergence.
-            "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
-            "seconds": d["seconds"],
-            **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
-            **({"tokens_by_source": d["by_source"], "masks_share": masks_share(d["by_source"])} if d["by_source"] else {}),
-            **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
-            **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
-            # Lossless rows promise AR's replies, verified rows come close: where, in this format, they did not.
-            **({"parity": parity(session.decoder, session.loaded, prompt_ids, reference["outputs"], d["outputs"])}
-               if lossless or verify else {}),
-            "outputs": d["outputs"],
-        })
-    out = {"metric": metric, "block_size": B, "cache": settings.cache, "max_tokens": settings.max_tokens,
-           "prompts": len(prompt_ids), "reference_threshold": ar, "thresholds": rows}
+        rows.append(
+            {
+                "mode": "lossless" if lossless else "verified" if verify else "threshold",
+                "threshold": None if lossless else threshold,
+                "name": d["name"],  # the plan's printable name, as generate, chat, bench and the server print it
+                "tokens": d["accepted"],
+                "forwards": d["forwards"],
+                "tokens_per_forward": d["accepted"] / max(1, d["forwards"]),
+                "slot_acceptance": [float(x) for x in slots],
+                "exact_match": float(np.mean([o == r for o, r in zip(d["outputs"], reference["outputs"])])),
+                "mean_prefix": float(np.mean(prefix)),
+                "mean_prefix_fraction": float(np.mean([p / n for p, n in zip(prefix, longest)])),
+                # The share of the AR output's tokens reproduced before the first divergence.
+                "prefix_token_share": float(sum(prefix) / max(1, sum(len(r) for r in reference["outputs"]))),
+                "seconds": d["seconds"],
+                **({"drafts": d["drafts"], "hedge": d["hedges"]} if lossless or verify else {}),
+                **(
+                    {"tokens_by_source": d["by_source"], "masks_share": masks_share(d["by_source"])}
+                    if d["by_source"]
+                    else {}
+                ),
+                **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
+                **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
+                # Lossless rows promise AR's replies, verified rows come close: where, in this format, they did not.
+                **(
+                    {"parity": parity(session.decoder, session.loaded, prompt_ids, reference["outputs"], d["outputs"])}
+                    if lossless or verify
+                    else {}
+                ),
+                "outputs": d["outputs"],
+            }
+        )
+    out = {
+        "metric": metric,
+        "block_size": B,
+        "cache": settings.cache,
+        "max_tokens": settings.max_tokens,
+        "prompts": len(prompt_ids),
+        "reference_threshold": ar,
+        "thresholds": rows,
+    }
     if skipped:
         out["skipped_thresholds"] = skipped
         out["note"] = "no mars.json (never MARS-trained): thresholds below AR mode skipped (force=True runs them)"
@@ -246,8 +301,16 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
 # -- the whole evaluation -----------------------------------------------------------------------
 
 
-def evaluate(models: list, *, baseline: Session | None = None, data=None, split: str | None = None,
-             prompts: list | None = None, settings: EvalSettings | None = None, announce=lambda m: None) -> dict:
+def evaluate(
+    models: list,
+    *,
+    baseline: Session | None = None,
+    data=None,
+    split: str | None = None,
+    prompts: list | None = None,
+    settings: EvalSettings | None = None,
+    announce=lambda m: None,
+) -> dict:
     """Evaluate loaded models (mars.session.Session, each named by its `label`) on a dataset
     (`data`: dir or .jsonl) and/or `prompts`.
 
@@ -270,18 +333,32 @@ def evaluate(models: list, *, baseline: Session | None = None, data=None, split:
         prompts = dataset_prompts(path)
     if prompts is not None and s.limit is not None:
         prompts = prompts[: s.limit]
-    report = {"data": str(path) if path else None, "split": split if path else None, "settings": _settings_dict(s), "models": []}
+    report = {
+        "data": str(path) if path else None,
+        "split": split if path else None,
+        "settings": _settings_dict(s),
+        "models": [],
+    }
 
     def quality(session):
-        examples = load_examples(path, session.loaded.tokenizer, block_size=session.block_size(s.block_size),
-                                 max_seq_length=s.max_seq_length, on_long=s.on_long)
+        examples = load_examples(
+            path,
+            session.loaded.tokenizer,
+            block_size=session.block_size(s.block_size),
+            max_seq_length=s.max_seq_length,
+            on_long=s.on_long,
+        )
         announce(f"{session.label}: NLL over {len(examples)} examples")
         return nll(session, examples, block_size=s.block_size, batch_size=s.batch_size)
 
     do_nll = s.nll and path is not None
     if baseline is not None and do_nll:
-        report["baseline"] = {"label": baseline.label, "backend": baseline.backend, "mars": baseline.mars is not None,
-                              "nll": quality(baseline)}
+        report["baseline"] = {
+            "label": baseline.label,
+            "backend": baseline.backend,
+            "mars": baseline.mars is not None,
+            "nll": quality(baseline),
+        }
     for session in models:
         entry = {"label": session.label, "backend": session.backend, "mars": session.mars is not None}
         if do_nll:
@@ -314,8 +391,9 @@ def humaneval_sweep(session: Session, s: EvalSettings, *, announce=lambda m: Non
     from . import humaneval
 
     problems = humaneval.load_problems(s.humaneval)
-    result = sweep(session, [humaneval.messages(p) for p in problems], dataclasses.replace(s, limit=None),
-                   announce=announce)
+    result = sweep(
+        session, [humaneval.messages(p) for p in problems], dataclasses.replace(s, limit=None), announce=announce
+    )
     tok = session.loaded.tokenizer
     for row in result["thresholds"]:
         replies = [tok.decode(o, skip_special_tokens=True) for o in row["outputs"]]
@@ -337,6 +415,7 @@ def _settings_dict(s: EvalSettings) -> dict:
 
 def write_json(report: dict, path, *, outputs: bool = False) -> Path:
     """The report as JSON; decoded token ids are left out unless `outputs`."""
+
     def strip(r):
         if outputs:
             return r
@@ -388,10 +467,14 @@ def format_table(report: dict) -> str:
             sw = m.get(key)
             if not sw:
                 continue
-            lines.append(f"  {title}: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens")
+            lines.append(
+                f"  {title}: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens"
+            )
             w = max([8] + [len(_mode_name(r, ".3g")) for r in sw["thresholds"]])
             p1 = f" {'pass@1':>7}" if key == "humaneval" else ""
-            lines.append(f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}{p1}  slot acceptance 0..B")
+            lines.append(
+                f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}{p1}  slot acceptance 0..B"
+            )
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
                 tau = _mode_name(r, ".3g")
@@ -415,8 +498,11 @@ def format_table(report: dict) -> str:
 
 # What each column of the sweep table means (printed under it, and in the README).
 SWEEP_COLUMNS = (
-    ("tau", "the threshold (vX: verified threshold mode at X; lossless/hN: lossless mode with N spare mask groups; "
-            "/aN: N runner-up groups; /nN: n-gram drafts of up to N tokens, /nNc: and the draft corpus)"),
+    (
+        "tau",
+        "the threshold (vX: verified threshold mode at X; lossless/hN: lossless mode with N spare mask groups; "
+        "/aN: N runner-up groups; /nN: n-gram drafts of up to N tokens, /nNc: and the draft corpus)",
+    ),
     ("tok/fwd", "tokens per forward pass (1.0 is plain AR)"),
     ("exact", "share of replies identical to the threshold-1.0 (AR) reply"),
     ("prefix", "mean tokens before a reply first differs from AR's"),
@@ -452,8 +538,12 @@ def plot(report: dict, path, *, x: str = "exact") -> Path:
             name = _mode_name(r, "g")
             points.setdefault((round(a, 6), round(b, 6)), []).append(name)
         for (a, b), names in points.items():
-            ax.annotate(", ".join(names), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8, color=line.get_color())
-    ax.set_xlabel("exact match with threshold 1.0" if x == "exact" else "mean matching-prefix fraction vs threshold 1.0")
+            ax.annotate(
+                ", ".join(names), (a, b), textcoords="offset points", xytext=(4, 4), fontsize=8, color=line.get_color()
+            )
+    ax.set_xlabel(
+        "exact match with threshold 1.0" if x == "exact" else "mean matching-prefix fraction vs threshold 1.0"
+    )
     ax.set_ylabel("tokens per forward")
     ax.set_xlim(-0.02, 1.05)
     ax.grid(alpha=0.3)

@@ -33,8 +33,13 @@ def load_problems(limit: int | None = None) -> list[dict]:
 
 def messages(problem: dict) -> list[dict]:
     """The chat turn that asks for the function."""
-    return [{"role": "user", "content": "Complete this Python function. Reply with the whole function in one code block.\n\n"
-             f"```python\n{problem['prompt'].rstrip()}\n```"}]
+    return [
+        {
+            "role": "user",
+            "content": "Complete this Python function. Reply with the whole function in one code block.\n\n"
+            f"```python\n{problem['prompt'].rstrip()}\n```",
+        }
+    ]
 
 
 DONE = "mars-humaneval: every check passed"  # printed after the checks: an early exit(0) is no pass
@@ -61,8 +66,9 @@ def passes(problem: dict, reply: str, *, timeout: float = 10.0) -> bool:
         path = Path(d) / "check.py"
         path.write_text(program(problem, reply))
         try:
-            done = subprocess.run([sys.executable, "-I", str(path)], cwd=d, capture_output=True, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                [sys.executable, "-I", str(path)], cwd=d, capture_output=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired:
             return False
     return done.returncode == 0 and DONE in done.stdout.decode(errors="replace").splitlines()[-1:]

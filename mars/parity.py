@@ -36,9 +36,11 @@ import numpy as np
 MANTISSA_BITS = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7}
 
 # What the parity fields mean, for the JSON's readers, the tables' legends and --help.
-GAP_MEANING = ("ar_gap: AR's largest minus second-largest logit at the first divergence, from a plain forward of "
-               "the prompt and AR's reply up to it; below a few ulps of the format (the step between neighbouring "
-               "logits at that magnitude) it is a near-tie that rounding decides, not an error of the method")
+GAP_MEANING = (
+    "ar_gap: AR's largest minus second-largest logit at the first divergence, from a plain forward of "
+    "the prompt and AR's reply up to it; below a few ulps of the format (the step between neighbouring "
+    "logits at that magnitude) it is a near-tie that rounding decides, not an error of the method"
+)
 
 
 def common_prefix(a, b) -> int:
@@ -100,8 +102,13 @@ def ar_logits(decoder, ids) -> np.ndarray:
     """The logits (float64, host) that predict the token after `ids`: one plain forward of
     `ids` through the decoder, batch 1, no cache, plain causal attention."""
     n = len(ids)
-    out = decoder.logits(None, np.asarray([ids], dtype=np.int64), np.arange(n, dtype=np.int64)[None], None,
-                         np.asarray([[n - 1]], dtype=np.int64))
+    out = decoder.logits(
+        None,
+        np.asarray([ids], dtype=np.int64),
+        np.arange(n, dtype=np.int64)[None],
+        None,
+        np.asarray([[n - 1]], dtype=np.int64),
+    )
     return np.asarray(out.tolist(), dtype=np.float64).reshape(-1)
 
 
@@ -117,8 +124,10 @@ def parity(decoder, loaded, prompts, ar_replies, replies) -> dict:
     there (GAP_MEANING). `decoder`: the StepBackend that decoded them (its `logits` runs the
     forwards); `loaded`: the loaded model (its format)."""
     if not (len(prompts) == len(ar_replies) == len(replies)):
-        raise ValueError(f"parity: {len(prompts)} prompts, {len(ar_replies)} AR replies and {len(replies)} replies; "
-                         "pass one reply of each per prompt")
+        raise ValueError(
+            f"parity: {len(prompts)} prompts, {len(ar_replies)} AR replies and {len(replies)} replies; "
+            "pass one reply of each per prompt"
+        )
     fmt, dtype = number_format(loaded)
     divergences = []
     for i, (prompt, ar, other) in enumerate(zip(prompts, ar_replies, replies)):
@@ -129,21 +138,29 @@ def parity(decoder, loaded, prompts, ar_replies, replies) -> dict:
         gap, top = top2_gap(logits)
         token = int(other[at]) if at < len(other) else None
         step = ulp(top, dtype)
-        divergences.append({
-            "prompt": i,
-            "position": at,
-            "ar_token": int(ar[at]) if at < len(ar) else None,  # None: that reply stopped here
-            "token": token,
-            "ar_gap": gap,
-            # AR's largest logit minus its logit for the other token (= ar_gap when that token is AR's runner-up).
-            "token_gap": float(top - logits[token]) if token is not None and token < logits.size else None,
-            "ulp": step,  # the format's step at AR's largest logit
-            "ar_gap_ulps": gap / step if step else None,
-        })
+        divergences.append(
+            {
+                "prompt": i,
+                "position": at,
+                "ar_token": int(ar[at]) if at < len(ar) else None,  # None: that reply stopped here
+                "token": token,
+                "ar_gap": gap,
+                # AR's largest logit minus its logit for the other token (= ar_gap when that token is AR's runner-up).
+                "token_gap": float(top - logits[token]) if token is not None and token < logits.size else None,
+                "ulp": step,  # the format's step at AR's largest logit
+                "ar_gap_ulps": gap / step if step else None,
+            }
+        )
     largest = max(divergences, key=lambda d: d["ar_gap"], default=None)
-    return {"identical": len(replies) - len(divergences), "replies": len(replies), "format": fmt, "logits_dtype": dtype,
-            "max_ar_gap": largest["ar_gap"] if largest else None,
-            "max_ar_gap_ulps": largest["ar_gap_ulps"] if largest else None, "divergences": divergences}
+    return {
+        "identical": len(replies) - len(divergences),
+        "replies": len(replies),
+        "format": fmt,
+        "logits_dtype": dtype,
+        "max_ar_gap": largest["ar_gap"] if largest else None,
+        "max_ar_gap_ulps": largest["ar_gap_ulps"] if largest else None,
+        "divergences": divergences,
+    }
 
 
 def summary(p: dict) -> str:

@@ -49,7 +49,9 @@ def json_lines(path) -> Iterator[tuple[str, object]]:
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON: {e.msg} at column {e.colno} (each line must be one JSON object)") from None
+                raise DataError(
+                    f"{where}: malformed JSON: {e.msg} at column {e.colno} (each line must be one JSON object)"
+                ) from None
 
 
 def read_prompts(path, *, text: bool = False) -> list:
@@ -63,7 +65,11 @@ def read_prompts(path, *, text: bool = False) -> list:
         for where, record in json_lines(path):
             prompt = prompt_of(record, text=text)
             if prompt is None:
-                shapes = '{"prompt": ...}, {"messages": [...]} or {"text": ...}' if text else '{"prompt": ...} or {"messages": [...]}'
+                shapes = (
+                    '{"prompt": ...}, {"messages": [...]} or {"text": ...}'
+                    if text
+                    else '{"prompt": ...} or {"messages": [...]}'
+                )
                 raise DataError(f"{where}: expected {shapes}")
             prompts.append(prompt)
     if not prompts:

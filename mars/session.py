@@ -18,8 +18,8 @@ from .backends import base
 from .core.decode.feed import FeedController
 from .core.decode.loop import generate
 from .core.decode.plan import DecodeSettings
-from .core.decode.types import DecodeStats
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for
+from .core.decode.types import DecodeStats
 from .core.tokens import encode_prompt
 
 
@@ -47,14 +47,26 @@ class Decoded:
                 chosen[c] = chosen.get(c, 0) + n
         # The drafting statistics as they stood after the last batch (a kept policy's grow from call to call).
         last = self.stats[-1] if self.stats else DecodeStats(rows=[])
-        return DecodeStats(rows=[row for s in self.stats for row in s.rows], forwards=sum(s.forwards for s in self.stats),
-                           fed_tokens=sum(s.fed_tokens for s in self.stats), cache=",".join(ran) or None,
-                           masks_fed=dict(sorted(fed.items())), feed_choices=dict(sorted(chosen.items())),
-                           draft_reached=last.draft_reached, draft_kept=last.draft_kept)
+        return DecodeStats(
+            rows=[row for s in self.stats for row in s.rows],
+            forwards=sum(s.forwards for s in self.stats),
+            fed_tokens=sum(s.fed_tokens for s in self.stats),
+            cache=",".join(ran) or None,
+            masks_fed=dict(sorted(fed.items())),
+            feed_choices=dict(sorted(chosen.items())),
+            draft_reached=last.draft_reached,
+            draft_kept=last.draft_kept,
+        )
 
 
-def decode_batches(decoder, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8, *,
-                   controller: FeedController | None = None) -> Decoded:
+def decode_batches(
+    decoder,
+    ids: list[list[int]],
+    settings: DecodeSettings,
+    batch_size: int = 8,
+    *,
+    controller: FeedController | None = None,
+) -> Decoded:
     """Decode every prompt (token ids) in batches of `batch_size`, the feed chosen by `controller`."""
     out = Decoded()
     t0 = time.perf_counter()
@@ -72,21 +84,39 @@ class Session:
     decoding keeps between calls. `label` names it in reports (`mars eval`): the model as
     given, or "default" for the embedded one."""
 
-    def __init__(self, model=None, adapter_path=None, *, backend: str = "auto", dtype=None, device=None, announce=print,
-                 remeasure_cost: bool = False, label: str | None = None):
+    def __init__(
+        self,
+        model=None,
+        adapter_path=None,
+        *,
+        backend: str = "auto",
+        dtype=None,
+        device=None,
+        announce=print,
+        remeasure_cost: bool = False,
+        label: str | None = None,
+    ):
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
-        self._open(loaded, name, None, announce=announce, remeasure_cost=remeasure_cost,
-                   label=label or (str(model) if model is not None else "default"))
+        self._open(
+            loaded,
+            name,
+            None,
+            announce=announce,
+            remeasure_cost=remeasure_cost,
+            label=label or (str(model) if model is not None else "default"),
+        )
 
     @classmethod
-    def from_loaded(cls, loaded, decoder_cls=None, *, announce=print, remeasure_cost: bool = False,
-                    label: str = "default") -> Session:
+    def from_loaded(
+        cls, loaded, decoder_cls=None, *, announce=print, remeasure_cost: bool = False, label: str = "default"
+    ) -> Session:
         """A session over a model already loaded (what a backend's load returned); its decoders
         are `decoder_cls(loaded)`, by default the backend's (mars.backends.base.decoder)."""
         session = cls.__new__(cls)
-        session._open(loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost,
-                      label=label)
+        session._open(
+            loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost, label=label
+        )
         return session
 
     def _open(self, loaded, backend: str, decoder_cls, *, announce, remeasure_cost: bool, label: str) -> None:

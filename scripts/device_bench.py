@@ -81,7 +81,9 @@ def verdict(part: dict) -> dict:
     if lossless:
         out["lossless_x_ar"] = lossless["ratio_to_ar"]
         out["lossless_every_reply_identical"] = lossless["replies_equal_to_ar"] == 1.0
-        out["lossless_target_met"] = lossless["ratio_to_ar"] >= LOSSLESS_TARGET and lossless["replies_equal_to_ar"] == 1.0
+        out["lossless_target_met"] = (
+            lossless["ratio_to_ar"] >= LOSSLESS_TARGET and lossless["replies_equal_to_ar"] == 1.0
+        )
     if ar and ref and ref["tokens_per_s"]:
         out["ar_over_transformers_generate"] = round(ar["tokens_per_s"] / ref["tokens_per_s"], 4)
         out["ar_target_met"] = ar["tokens_per_s"] >= AR_VS_GENERATE * ref["tokens_per_s"]
@@ -94,8 +96,14 @@ def environment(device: str) -> dict:
 
     from mars.backends.torch.decode import cpu_name
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "device": device, "cpu": cpu_name(), "torch_threads": torch.get_num_threads()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "cpu": cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+    }
     if device.startswith("cuda") and torch.cuda.is_available():
         env["device_name"] = torch.cuda.get_device_name(0)
     return env
@@ -104,7 +112,9 @@ def environment(device: str) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="a directory for device_bench.json (created)")
-    parser.add_argument("--model", default=None, help="a MARS checkpoint (default: the embedded default with the shipped weights)")
+    parser.add_argument(
+        "--model", default=None, help="a MARS checkpoint (default: the embedded default with the shipped weights)"
+    )
     parser.add_argument("--device", default=None, help="cuda, mps or cpu (default: cuda when present, else cpu)")
     parser.add_argument("--prompts", type=Path, default=ROOT / "data" / "prompts" / "test.jsonl")
     parser.add_argument("--limit", type=int, default=16, help="the first N prompts")
@@ -113,9 +123,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="float32 and/or bfloat16, in the order they run")
     parser.add_argument("--threshold", type=float, default=0.95, help="verified and plain threshold mode's threshold")
     parser.add_argument("--repeats", type=int, default=2, help="timed rounds per part after a warm-up")
-    parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers prompt lookup's draft tokens (0: skip it)")
-    parser.add_argument("--forward-ks", default="1,2,4,8,16", help="the per-forward cost curve's widths, first part only ('' skips it)")
-    parser.add_argument("--minutes", type=float, default=4.0, help="the call's budget: parts that would not fit are skipped")
+    parser.add_argument(
+        "--prompt-lookup", type=int, default=10, help="transformers prompt lookup's draft tokens (0: skip it)"
+    )
+    parser.add_argument(
+        "--forward-ks", default="1,2,4,8,16", help="the per-forward cost curve's widths, first part only ('' skips it)"
+    )
+    parser.add_argument(
+        "--minutes", type=float, default=4.0, help="the call's budget: parts that would not fit are skipped"
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
@@ -143,11 +159,24 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
     prompts = read_prompts(args.prompts)[: args.limit]
-    report = {"when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "environment": environment(device),
-              "settings": {"model": args.model or "default (shipped weights)", "prompts": str(args.prompts), "limit": len(prompts),
-                           "max_tokens": args.max_tokens, "batches": args.batches, "dtypes": args.dtypes, "threshold": args.threshold,
-                           "repeats": args.repeats, "minutes": args.minutes},
-              "parts": [], "skipped": [], "verdict": None}
+    report = {
+        "when": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "environment": environment(device),
+        "settings": {
+            "model": args.model or "default (shipped weights)",
+            "prompts": str(args.prompts),
+            "limit": len(prompts),
+            "max_tokens": args.max_tokens,
+            "batches": args.batches,
+            "dtypes": args.dtypes,
+            "threshold": args.threshold,
+            "repeats": args.repeats,
+            "minutes": args.minutes,
+        },
+        "parts": [],
+        "skipped": [],
+        "verdict": None,
+    }
 
     def save():
         atomic_write_text(args.out / RESULT, json.dumps(report, indent=1) + "\n")
@@ -170,17 +199,34 @@ def run(args: argparse.Namespace) -> dict:
                 log(f"loading the model in {dtype} on {device}")
                 session = Session(args.model, backend="torch", dtype=dtype, device=device, announce=log)
                 ids = session.encode(prompts)
-            settings = BenchSettings(batch_sizes=(batch,), thresholds=(args.threshold,), block_caches=(), max_tokens=args.max_tokens,
-                                     repeats=args.repeats, forward_ks=ks, forward_repeats=3, lossless=True, verify=True,
-                                     prompt_lookup=args.prompt_lookup, llama_cpp=False, lossless_variants=False)
+            settings = BenchSettings(
+                batch_sizes=(batch,),
+                thresholds=(args.threshold,),
+                block_caches=(),
+                max_tokens=args.max_tokens,
+                repeats=args.repeats,
+                forward_ks=ks,
+                forward_repeats=3,
+                lossless=True,
+                verify=True,
+                prompt_lookup=args.prompt_lookup,
+                llama_cpp=False,
+                lossless_variants=False,
+            )
             log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
             bench = run_benchmark(session, ids, settings)
             ks = ()  # the cost curve once
             rows = [summarize(r) for r in bench["runs"]]
             reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)
-            part = {"dtype": dtype, "batch": batch, "seconds": round(time.monotonic() - t0, 1), "rows": rows,
-                    "reference": reference, "ar_matches_transformers_generate": bench["ar_matches_reference"],
-                    "forward_cost": bench["forward_cost"]}
+            part = {
+                "dtype": dtype,
+                "batch": batch,
+                "seconds": round(time.monotonic() - t0, 1),
+                "rows": rows,
+                "reference": reference,
+                "ar_matches_transformers_generate": bench["ar_matches_reference"],
+                "forward_cost": bench["forward_cost"],
+            }
             took[batch] = time.monotonic() - t0
             report["parts"].append(part)
             if dtype == "float32" and batch == 1:
@@ -193,14 +239,21 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def table(part: dict) -> str:
-    head = (f"{part['dtype']}, batch {part['batch']} ({part['seconds']} s; our AR equals transformers generate: "
-            f"{part['ar_matches_transformers_generate']})")
-    lines = [head, f"  {'configuration':<26} {'tok/fwd':>7} {'tok/s':>8} {'x AR':>6} {'min-max':>11} {'=AR':>5} {'masks':>6}"]
+    head = (
+        f"{part['dtype']}, batch {part['batch']} ({part['seconds']} s; our AR equals transformers generate: "
+        f"{part['ar_matches_transformers_generate']})"
+    )
+    lines = [
+        head,
+        f"  {'configuration':<26} {'tok/fwd':>7} {'tok/s':>8} {'x AR':>6} {'min-max':>11} {'=AR':>5} {'masks':>6}",
+    ]
     for r in part["rows"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] else "-"
         share = f"{r['masks_share']:.0%}" if r["masks_share"] is not None else "-"
-        lines.append(f"  {r['name']:<26} {tpf:>7} {r['tokens_per_s']:>8.1f} {r['ratio_to_ar']:>6.2f} "
-                     f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['replies_equal_to_ar']:>5.2f} {share:>6}")
+        lines.append(
+            f"  {r['name']:<26} {tpf:>7} {r['tokens_per_s']:>8.1f} {r['ratio_to_ar']:>6.2f} "
+            f"{r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['replies_equal_to_ar']:>5.2f} {share:>6}"
+        )
     return "\n".join(lines)
 
 

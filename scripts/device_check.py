@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny import make_model, make_tokenizer  # noqa: E402
 
-from mars.backends.torch.load import TorchModel, ensure_mask_token, load  # noqa: E402
 from mars.backends.torch.decode import TorchDecoder  # noqa: E402
+from mars.backends.torch.load import TorchModel, ensure_mask_token, load  # noqa: E402
 from mars.backends.torch.train import TorchTrainer  # noqa: E402
-from mars.core.train.loop import TrainSettings  # noqa: E402
-from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.decode.plan import make_plan  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
+from mars.core.train.data import Example, encode_record, pad_to_block  # noqa: E402
+from mars.core.train.loop import TrainSettings  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
 
@@ -49,8 +49,10 @@ def decoding_checks(arch, device):
     ok = True
     for p in prompts:
         ids = torch.tensor([p], device=device)
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2)
-        ref = ref[0, len(p):].tolist()
+        ref = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False, eos_token_id=2, pad_token_id=2
+        )
+        ref = ref[0, len(p) :].tolist()
         for cache in ("none", "window", "block"):
             ok &= generate(dec, [p], plan(threshold=1.0, cache=cache, **base)).tokens[0] == ref
     out["threshold_1_equals_generate"] = ok

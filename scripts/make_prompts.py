@@ -110,26 +110,57 @@ CONCEPTS = _w("""supply and demand|opportunity cost|natural selection|gravity|en
 def gen_explain(rng: random.Random) -> str:
     kind = rng.randrange(4)
     if kind == 0:
-        t = rng.choice(["Explain how {x} works{L}.", "How does {x} work?{T}", "Can you explain how {x} works{L}?",
-                        "I have never understood how {x} works. Can you explain it{L}?",
-                        "Give me a simple explanation of how {x} works.", "Explain how {x} works to {a}."])
+        t = rng.choice(
+            [
+                "Explain how {x} works{L}.",
+                "How does {x} work?{T}",
+                "Can you explain how {x} works{L}?",
+                "I have never understood how {x} works. Can you explain it{L}?",
+                "Give me a simple explanation of how {x} works.",
+                "Explain how {x} works to {a}.",
+            ]
+        )
         return fill(rng, t, x=rng.choice(DEVICES), a=rng.choice(AUDIENCES))
     if kind == 1:
-        t = rng.choice(["Explain how {x}{L}.", "Describe how {x}{L}.", "Can you explain how {x}?{T}",
-                        "Walk me through how {x}.{T}", "Explain to {a} how {x}."])
+        t = rng.choice(
+            [
+                "Explain how {x}{L}.",
+                "Describe how {x}{L}.",
+                "Can you explain how {x}?{T}",
+                "Walk me through how {x}.{T}",
+                "Explain to {a} how {x}.",
+            ]
+        )
         return fill(rng, t, x=rng.choice(PROCESSES), a=rng.choice(AUDIENCES))
     if kind == 2:
-        t = rng.choice(["Explain why {x}{L}.", "Why is it that {x}?{T}", "Can you tell me why {x}?{T}",
-                        "What is the reason {x}?{T}", "I've always wondered why {x}. Can you explain{L}?",
-                        "My kid asked me why {x}. How should I explain it?", "Give a simple explanation of why {x}."])
+        t = rng.choice(
+            [
+                "Explain why {x}{L}.",
+                "Why is it that {x}?{T}",
+                "Can you tell me why {x}?{T}",
+                "What is the reason {x}?{T}",
+                "I've always wondered why {x}. Can you explain{L}?",
+                "My kid asked me why {x}. How should I explain it?",
+                "Give a simple explanation of why {x}.",
+            ]
+        )
         return fill(rng, t, x=rng.choice(WHYS))
-    t = rng.choice(["Explain {x}{L}.", "Explain the idea of {x} to {a}.", "What is the basic idea behind {x}?{T}",
-                    "Help me understand {x}{L}.", "Explain {x} using an everyday analogy."])
+    t = rng.choice(
+        [
+            "Explain {x}{L}.",
+            "Explain the idea of {x} to {a}.",
+            "What is the basic idea behind {x}?{T}",
+            "Help me understand {x}{L}.",
+            "Explain {x} using an everyday analogy.",
+        ]
+    )
     return fill(rng, t, x=rng.choice(CONCEPTS), a=rng.choice(AUDIENCES))
 
 
 # ---------------------------------------------------------------- definition
-TERMS = [tuple(p.split(":")) for p in _w("""inflation:economics|algorithm:computer science|metaphor:literature|
+TERMS = [
+    tuple(p.split(":"))
+    for p in _w("""inflation:economics|algorithm:computer science|metaphor:literature|
     latency:networking|mortgage:personal finance|osmosis:biology|API:software development|equity:finance|
     catalyst:chemistry|gross domestic product:economics|firewall:computer security|ecosystem:ecology|
     mitochondria:biology|irony:literature|bandwidth:networking|molecule:chemistry|velocity:physics|momentum:physics|
@@ -142,7 +173,8 @@ TERMS = [tuple(p.split(":")) for p in _w("""inflation:economics|algorithm:comput
     credit score:personal finance|open source:software|cache:computing|pixel:digital images|encryption:security|
     phishing:computer security|metabolism:health|meditation:wellbeing|procrastination:psychology|
     empathy:psychology|deadline:project management|sprint:agile software development|overfitting:machine learning|
-    photosynthesis:biology|gene:biology|erosion:geology|sonnet:poetry|budget:personal finance""")]
+    photosynthesis:biology|gene:biology|erosion:geology|sonnet:poetry|budget:personal finance""")
+]
 VOCAB = _w("""serendipity|nostalgia|ubiquitous|ephemeral|pragmatic|meticulous|resilience|ambiguous|candid|frugal|
     eloquent|mundane|paradox|tenacious|whimsical|benevolent|procrastinate|vivid|obsolete|gregarious|melancholy|
     diligent|skeptical|sustainable|verbose|cynical|inevitable|lucid|nuance|quaint|redundant|scrutinize|trivial|
@@ -156,19 +188,38 @@ def gen_definition(rng: random.Random) -> str:
     kind = rng.randrange(3)
     if kind == 0:
         term, field = rng.choice(TERMS)
-        t = rng.choice(["What does '{t}' mean?{T}", "Define '{t}'{L}.", "What is meant by '{t}' in {f}?{T}",
-                        "Give a short definition of the term '{t}'.", "In {f}, what does the term '{t}' mean?{T}",
-                        "Define '{t}' as it is used in {f}, in one sentence.", "What does '{t}' mean? Give one example.",
-                        "Explain the term '{t}' to {a}."])
+        t = rng.choice(
+            [
+                "What does '{t}' mean?{T}",
+                "Define '{t}'{L}.",
+                "What is meant by '{t}' in {f}?{T}",
+                "Give a short definition of the term '{t}'.",
+                "In {f}, what does the term '{t}' mean?{T}",
+                "Define '{t}' as it is used in {f}, in one sentence.",
+                "What does '{t}' mean? Give one example.",
+                "Explain the term '{t}' to {a}.",
+            ]
+        )
         return fill(rng, t, t=term, f=field, a=rng.choice(AUDIENCES))
     if kind == 1:
-        t = rng.choice(["What does the word '{w}' mean?", "Define '{w}' and use it in a sentence.",
-                        "What is the meaning of '{w}'? Keep it short.", "Explain the word '{w}' in simple terms.",
-                        "Give a one-sentence definition of '{w}' and one example sentence.",
-                        "What does '{w}' mean, and where does the word come from?"])
+        t = rng.choice(
+            [
+                "What does the word '{w}' mean?",
+                "Define '{w}' and use it in a sentence.",
+                "What is the meaning of '{w}'? Keep it short.",
+                "Explain the word '{w}' in simple terms.",
+                "Give a one-sentence definition of '{w}' and one example sentence.",
+                "What does '{w}' mean, and where does the word come from?",
+            ]
+        )
         return fill(rng, t, w=rng.choice(VOCAB))
-    t = rng.choice(["What does {x} stand for?", "What does {x} stand for, and what does it mean?",
-                    "Spell out the acronym {x} and explain it in one sentence."])
+    t = rng.choice(
+        [
+            "What does {x} stand for?",
+            "What does {x} stand for, and what does it mean?",
+            "Spell out the acronym {x} and explain it in one sentence.",
+        ]
+    )
     return fill(rng, t, x=rng.choice(ACRONYMS))
 
 
@@ -196,11 +247,21 @@ LIST_THINGS = _w("""fruits that are high in vitamin C|ways to save water at home
 
 
 def gen_list(rng: random.Random) -> str:
-    t = rng.choice(["List {n} {x}.", "Name {n} {x}.", "Give me {n} {x}, one per line.", "What are {n} {x}?",
-                    "List {n} {x} and add a short reason for each.", "Write a bulleted list of {n} {x}.",
-                    "List {n} {x}. Use no more than five words per item.", "Can you name {n} {x}?",
-                    "Quickly list {n} {x}.", "I need {n} {x}. Just the list, please.",
-                    "List {n} {x}, with one sentence about each."])
+    t = rng.choice(
+        [
+            "List {n} {x}.",
+            "Name {n} {x}.",
+            "Give me {n} {x}, one per line.",
+            "What are {n} {x}?",
+            "List {n} {x} and add a short reason for each.",
+            "Write a bulleted list of {n} {x}.",
+            "List {n} {x}. Use no more than five words per item.",
+            "Can you name {n} {x}?",
+            "Quickly list {n} {x}.",
+            "I need {n} {x}. Just the list, please.",
+            "List {n} {x}, with one sentence about each.",
+        ]
+    )
     return fill(rng, t, n=rng.choice(NUMBERS), x=rng.choice(LIST_THINGS))
 
 
@@ -257,41 +318,88 @@ RIDDLE_OBJECTS = _w("a clock|an umbrella|a shadow|a candle|a key|a mirror|the mo
 def gen_writing(rng: random.Random) -> str:
     kind = rng.randrange(6)
     if kind == 0:
-        t = rng.choice(["Write a haiku about {x}.", "Write a haiku about {x}, then give it a title.",
-                        "Write a short poem about {x}.", "Write a four-line poem about {x}.",
-                        "Write a rhyming couplet about {x}.", "Write a limerick about {x}.",
-                        "Write a free-verse poem of no more than six lines about {x}.",
-                        "Write a cheerful haiku about {x}.", "Write a sad haiku about {x}."])
+        t = rng.choice(
+            [
+                "Write a haiku about {x}.",
+                "Write a haiku about {x}, then give it a title.",
+                "Write a short poem about {x}.",
+                "Write a four-line poem about {x}.",
+                "Write a rhyming couplet about {x}.",
+                "Write a limerick about {x}.",
+                "Write a free-verse poem of no more than six lines about {x}.",
+                "Write a cheerful haiku about {x}.",
+                "Write a sad haiku about {x}.",
+            ]
+        )
         return fill(rng, t, x=rng.choice(POEM_TOPICS))
     if kind == 1:
-        t = rng.choice(["Write a two-sentence story about {c} who {e}.",
-                        "Write a very short story (under 100 words) about {c} who {e}.",
-                        "Tell me a three-sentence story about {c} who {e}.",
-                        "Write a two-sentence spooky story about {c} who {e}.",
-                        "Write the opening line of a story about {c} who {e}.",
-                        "Write a 50-word story about {c} who {e}, with a twist ending."])
+        t = rng.choice(
+            [
+                "Write a two-sentence story about {c} who {e}.",
+                "Write a very short story (under 100 words) about {c} who {e}.",
+                "Tell me a three-sentence story about {c} who {e}.",
+                "Write a two-sentence spooky story about {c} who {e}.",
+                "Write the opening line of a story about {c} who {e}.",
+                "Write a 50-word story about {c} who {e}, with a twist ending.",
+            ]
+        )
         return fill(rng, t, c=rng.choice(CHARACTERS), e=rng.choice(EVENTS))
     if kind == 2:
-        t = rng.choice(["Write a slogan for {b}.", "Come up with a catchy slogan for {b}.",
-                        "Suggest three short slogans for {b}.", "Write a slogan for {b} in under eight words.",
-                        "Write a two-sentence advert for {b}.", "Write a tweet promoting {b}."])
+        t = rng.choice(
+            [
+                "Write a slogan for {b}.",
+                "Come up with a catchy slogan for {b}.",
+                "Suggest three short slogans for {b}.",
+                "Write a slogan for {b} in under eight words.",
+                "Write a two-sentence advert for {b}.",
+                "Write a tweet promoting {b}.",
+            ]
+        )
         return fill(rng, t, b=rng.choice(BUSINESSES))
     if kind == 3:
-        t = rng.choice(["Write a short email {e}.", "Write a polite email {e}.",
-                        "Draft a friendly email {e}. Keep it under 100 words.", "Write a formal email {e}.",
-                        "Write a three-sentence email {e}.", "Help me write an email {e}."])
+        t = rng.choice(
+            [
+                "Write a short email {e}.",
+                "Write a polite email {e}.",
+                "Draft a friendly email {e}. Keep it under 100 words.",
+                "Write a formal email {e}.",
+                "Write a three-sentence email {e}.",
+                "Help me write an email {e}.",
+            ]
+        )
         return fill(rng, t, e=rng.choice(EMAILS))
     if kind == 4:
-        t = rng.choice(["Write a tweet announcing {a}.", "Write a tweet announcing {a}, with two hashtags.",
-                        "Write a tweet about {x} in under 200 characters.", "Write a funny tweet about {x}.",
-                        "Write a short social media post announcing {a}."])
+        t = rng.choice(
+            [
+                "Write a tweet announcing {a}.",
+                "Write a tweet announcing {a}, with two hashtags.",
+                "Write a tweet about {x} in under 200 characters.",
+                "Write a funny tweet about {x}.",
+                "Write a short social media post announcing {a}.",
+            ]
+        )
         return fill(rng, t, a=rng.choice(ANNOUNCEMENTS), x=rng.choice(POEM_TOPICS))
-    t = rng.choice(["Write a birthday message for {r}.", "Write a short thank-you note to {r} for {g}.",
-                    "Write a motivational quote about {m}.", "Write an opening line for a {genre} novel set in {s}.",
-                    "Write a riddle about {o}, and give the answer.", "Write a two-line toast for {r}.",
-                    "Describe {s} in three vivid sentences."])
-    return fill(rng, t, r=rng.choice(RECIPIENTS), g=rng.choice(GIFTS), m=rng.choice(THEMES),
-                genre=rng.choice(GENRES), s=rng.choice(SETTINGS), o=rng.choice(RIDDLE_OBJECTS))
+    t = rng.choice(
+        [
+            "Write a birthday message for {r}.",
+            "Write a short thank-you note to {r} for {g}.",
+            "Write a motivational quote about {m}.",
+            "Write an opening line for a {genre} novel set in {s}.",
+            "Write a riddle about {o}, and give the answer.",
+            "Write a two-line toast for {r}.",
+            "Describe {s} in three vivid sentences.",
+        ]
+    )
+    return fill(
+        rng,
+        t,
+        r=rng.choice(RECIPIENTS),
+        g=rng.choice(GIFTS),
+        m=rng.choice(THEMES),
+        genre=rng.choice(GENRES),
+        s=rng.choice(SETTINGS),
+        o=rng.choice(RIDDLE_OBJECTS),
+    )
 
 
 # ---------------------------------------------------------------- rewrite (sentences the script composes)
@@ -311,15 +419,25 @@ INFORMAL_BODY = _w("""can u send me the file asap|gonna be late, traffic is craz
     the wifi is dead, cant do anything|the new guy is pretty cool actually|ur invoice is late btw|
     i think we should totally change the plan|no way we finish this by friday""")
 ERRORS = [
-    "{Pl} was really excited about the {event}.", "{Sg} don't like {food} at all.",
-    "Me and {friend} goes to the {place} every {day}.", "{Sg} have went to the {place} {time}.",
-    "Their going to the {place} {time}.", "{Sg} should of called before coming.",
-    "Its to late to change the {thing} now.", "{Sg} buyed three {items} {time}.",
-    "Between you and I, the {event} was {adj}.", "The {items} is on the table, next to {friend}'s bag.",
-    "Who's {thing} is this?", "{Sg} dont know where the {place} is.", "There is many reasons to visit the {place}.",
-    "Less people came to the {event} than we expected.", "Your welcome to join us at the {place} {time}.",
-    "I seen {friend} at the {place} {time}.", "The {thing} need to be finished by {due}.",
-    "{Sg} and me was late for the {event}.", "Every one of the {items} were damaged.",
+    "{Pl} was really excited about the {event}.",
+    "{Sg} don't like {food} at all.",
+    "Me and {friend} goes to the {place} every {day}.",
+    "{Sg} have went to the {place} {time}.",
+    "Their going to the {place} {time}.",
+    "{Sg} should of called before coming.",
+    "Its to late to change the {thing} now.",
+    "{Sg} buyed three {items} {time}.",
+    "Between you and I, the {event} was {adj}.",
+    "The {items} is on the table, next to {friend}'s bag.",
+    "Who's {thing} is this?",
+    "{Sg} dont know where the {place} is.",
+    "There is many reasons to visit the {place}.",
+    "Less people came to the {event} than we expected.",
+    "Your welcome to join us at the {place} {time}.",
+    "I seen {friend} at the {place} {time}.",
+    "The {thing} need to be finished by {due}.",
+    "{Sg} and me was late for the {event}.",
+    "Every one of the {items} were damaged.",
 ]
 SLOTS = {
     "Pl": _w("The children|My parents|The players|Our guests|The neighbours"),
@@ -347,44 +465,66 @@ WORDY_SLOTS = {
     "act": _w("finish the project on time|open the store|ship the order|hold the meeting"),
     "need": _w("work together as a team|plan ahead in advance|communicate clearly with each other"),
     "doing": _w("reviewing the applications|writing the final report|moving to a new office|testing the new app"),
-    "claim": _w("the meeting should be shorter|we should hire more staff|the new design looks better|"
-                "the deadline is not realistic"),
+    "claim": _w(
+        "the meeting should be shorter|we should hire more staff|the new design looks better|"
+        "the deadline is not realistic"
+    ),
 }
 TOWNS = _w("Millbrook|Ashford|Riverton|Oakvale|Greenhill|Port Ellis|Stonebridge|Westmere")
 MONTHS = _w("January|February|March|April|May|June|July|August|September|October|November|December")
 WEEKDAYS = _w("Monday|Tuesday|Wednesday|Thursday|Friday|Saturday|Sunday")
 PEOPLE_NAMES = _w("Maya|Leo|Aisha|Tom|Sofia|Ravi|Emma|Kenji|Lucia|Omar|Nina|Jonas|Grace|Mateo|Hana|Ben")
 PARAGRAPHS = [
-    ("The {town} Public Library will close for renovations from {m1} 3 to {m2} 28. During this time, books can be "
-    "returned at the {town2} branch, which will extend its opening hours. Online services, including e-book loans, "
-    "will continue as usual. The library expects to reopen with a larger children's area and a new study room."),
-    ("A small study followed {n} adults for {w} weeks. Half of them walked for 30 minutes each day, while the other "
-    "half kept their usual routine. The walkers reported better sleep and slightly lower stress. The researchers say "
-    "larger studies are needed before drawing firm conclusions."),
-    ("A local company has announced a new electric scooter that will go on sale in {m1}. It is lighter than the old "
-    "model and goes twice as far on a single charge. Early reviewers praised the design but complained about the "
-    "price of {price} dollars. Pre-orders open next week."),
-    ("Heavy rain is expected across {town} on {dayname}, with up to {n} millimetres in some areas. Drivers have been "
-    "advised to avoid unnecessary journeys. Several outdoor events, including the {town} food festival, have been "
-    "postponed. The weather should improve by the weekend."),
-    ("In today's meeting, the team agreed to move the launch date to {m1} {d}. {a} will finish the user testing by "
-    "Friday, and {b} will update the budget. The marketing plan is still not final and will be discussed again next "
-    "week. Everyone was asked to send their feedback by email."),
-    ("The town of {town} voted to turn its old train station into a community centre. The project will cost about "
-    "{w} million and include a cafe, a small theatre and rooms for local clubs. Some residents worry about parking, "
-    "while others say the building has been empty for too long. Work is expected to begin next spring."),
-    ("To make a simple tomato soup, soften an onion and two cloves of garlic in olive oil. Add {w} chopped tomatoes, "
-    "a cup of stock and a pinch of salt, then simmer for {d} minutes. Blend until smooth and season to taste. Serve "
-    "with fresh bread or a spoon of yoghurt."),
-    ("The old stone bridge in {town} was built in {year} to connect the two halves of the town. At the time, it was "
-    "the longest bridge of its kind in the region. It was damaged in a flood in {year2} and rebuilt within two years. "
-    "Today it is one of the most photographed places in the area."),
-    ("I ordered a coffee machine from your website on {m1} {d}, and it arrived {w} days late. When I opened the box, "
-    "the water tank was missing. I called customer service twice, but nobody answered. I would like either the "
-    "missing part or a full refund."),
-    ("{a} started learning the guitar at the age of {n}. At first, {a} practised for ten minutes a day, mostly simple "
-    "chords. After a year, {a} could play a dozen songs and joined a small band with {b}. They now play at a cafe in "
-    "{town} every month."),
+    (
+        "The {town} Public Library will close for renovations from {m1} 3 to {m2} 28. During this time, books can be "
+        "returned at the {town2} branch, which will extend its opening hours. Online services, including e-book loans, "
+        "will continue as usual. The library expects to reopen with a larger children's area and a new study room."
+    ),
+    (
+        "A small study followed {n} adults for {w} weeks. Half of them walked for 30 minutes each day, while the other "
+        "half kept their usual routine. The walkers reported better sleep and slightly lower stress. The researchers say "
+        "larger studies are needed before drawing firm conclusions."
+    ),
+    (
+        "A local company has announced a new electric scooter that will go on sale in {m1}. It is lighter than the old "
+        "model and goes twice as far on a single charge. Early reviewers praised the design but complained about the "
+        "price of {price} dollars. Pre-orders open next week."
+    ),
+    (
+        "Heavy rain is expected across {town} on {dayname}, with up to {n} millimetres in some areas. Drivers have been "
+        "advised to avoid unnecessary journeys. Several outdoor events, including the {town} food festival, have been "
+        "postponed. The weather should improve by the weekend."
+    ),
+    (
+        "In today's meeting, the team agreed to move the launch date to {m1} {d}. {a} will finish the user testing by "
+        "Friday, and {b} will update the budget. The marketing plan is still not final and will be discussed again next "
+        "week. Everyone was asked to send their feedback by email."
+    ),
+    (
+        "The town of {town} voted to turn its old train station into a community centre. The project will cost about "
+        "{w} million and include a cafe, a small theatre and rooms for local clubs. Some residents worry about parking, "
+        "while others say the building has been empty for too long. Work is expected to begin next spring."
+    ),
+    (
+        "To make a simple tomato soup, soften an onion and two cloves of garlic in olive oil. Add {w} chopped tomatoes, "
+        "a cup of stock and a pinch of salt, then simmer for {d} minutes. Blend until smooth and season to taste. Serve "
+        "with fresh bread or a spoon of yoghurt."
+    ),
+    (
+        "The old stone bridge in {town} was built in {year} to connect the two halves of the town. At the time, it was "
+        "the longest bridge of its kind in the region. It was damaged in a flood in {year2} and rebuilt within two years. "
+        "Today it is one of the most photographed places in the area."
+    ),
+    (
+        "I ordered a coffee machine from your website on {m1} {d}, and it arrived {w} days late. When I opened the box, "
+        "the water tank was missing. I called customer service twice, but nobody answered. I would like either the "
+        "missing part or a full refund."
+    ),
+    (
+        "{a} started learning the guitar at the age of {n}. At first, {a} practised for ten minutes a day, mostly simple "
+        "chords. After a year, {a} could play a dozen songs and joined a small band with {b}. They now play at a cafe in "
+        "{town} every month."
+    ),
 ]
 
 
@@ -407,55 +547,123 @@ def _paragraph(rng: random.Random) -> str:
     m1, m2 = rng.sample(MONTHS, 2)
     year = rng.randrange(1820, 1960)
     return rng.choice(PARAGRAPHS).format(
-        town=town, town2=town2, m1=m1, m2=m2, n=rng.randrange(8, 90), w=rng.randrange(3, 13),
-        d=rng.randrange(2, 29), price=rng.choice([399, 450, 499, 549, 649, 799]), dayname=rng.choice(WEEKDAYS),
-        a=a, b=b, year=year, year2=year + rng.randrange(20, 60))
+        town=town,
+        town2=town2,
+        m1=m1,
+        m2=m2,
+        n=rng.randrange(8, 90),
+        w=rng.randrange(3, 13),
+        d=rng.randrange(2, 29),
+        price=rng.choice([399, 450, 499, 549, 649, 799]),
+        dayname=rng.choice(WEEKDAYS),
+        a=a,
+        b=b,
+        year=year,
+        year2=year + rng.randrange(20, 60),
+    )
 
 
 def gen_rewrite(rng: random.Random) -> str:
     kind = rng.randrange(5)
     if kind == 0:
-        t = rng.choice(["Paraphrase this sentence: \"{s}\"", "Rewrite this sentence in the passive voice: \"{s}\"",
-                        "Say this in a different way: \"{s}\"", "Rewrite this sentence to sound more positive: \"{s}\"",
-                        "Turn this sentence into a question: \"{s}\"", "Make this sentence more dramatic: \"{s}\"",
-                        "Rewrite this as a short news headline: \"{s}\"",
-                        "Rewrite this sentence in the future tense: \"{s}\""])
+        t = rng.choice(
+            [
+                'Paraphrase this sentence: "{s}"',
+                'Rewrite this sentence in the passive voice: "{s}"',
+                'Say this in a different way: "{s}"',
+                'Rewrite this sentence to sound more positive: "{s}"',
+                'Turn this sentence into a question: "{s}"',
+                'Make this sentence more dramatic: "{s}"',
+                'Rewrite this as a short news headline: "{s}"',
+                'Rewrite this sentence in the future tense: "{s}"',
+            ]
+        )
         return t.format(s=_sentence(rng))
     if kind == 1:
-        t = rng.choice(["Make this message more formal: \"{s}\"", "Rewrite this in a professional tone: \"{s}\"",
-                        "Turn this text message into one polite sentence for an email: \"{s}\"",
-                        "Rewrite this so I could send it to my manager: \"{s}\"",
-                        "Fix the spelling and make this sound professional: \"{s}\""])
+        t = rng.choice(
+            [
+                'Make this message more formal: "{s}"',
+                'Rewrite this in a professional tone: "{s}"',
+                'Turn this text message into one polite sentence for an email: "{s}"',
+                'Rewrite this so I could send it to my manager: "{s}"',
+                'Fix the spelling and make this sound professional: "{s}"',
+            ]
+        )
         return t.format(s=_informal(rng))
     if kind == 2:
-        t = rng.choice(["Fix the grammar in this sentence: \"{s}\"", "Correct any mistakes in this sentence: \"{s}\"",
-                        "What's wrong with this sentence, and how would you fix it? \"{s}\"", "Proofread this: \"{s}\"",
-                        "Correct the grammar and explain the mistake briefly: \"{s}\""])
+        t = rng.choice(
+            [
+                'Fix the grammar in this sentence: "{s}"',
+                'Correct any mistakes in this sentence: "{s}"',
+                'What\'s wrong with this sentence, and how would you fix it? "{s}"',
+                'Proofread this: "{s}"',
+                'Correct the grammar and explain the mistake briefly: "{s}"',
+            ]
+        )
         return t.format(s=rng.choice(ERRORS).format(**_pick_slots(rng, SLOTS)))
     if kind == 3:
-        t = rng.choice(["Make this sentence more concise: \"{s}\"",
-                        "Shorten this sentence without losing the meaning: \"{s}\"",
-                        "Rewrite this in plain English: \"{s}\""])
+        t = rng.choice(
+            [
+                'Make this sentence more concise: "{s}"',
+                'Shorten this sentence without losing the meaning: "{s}"',
+                'Rewrite this in plain English: "{s}"',
+            ]
+        )
         return t.format(s=rng.choice(WORDY).format(**_pick_slots(rng, WORDY_SLOTS)))
-    t = rng.choice(["Summarise this in one sentence:\n\n{p}", "Give a one-line summary of the following text:\n\n{p}",
-                    "Summarise the following in under 30 words:\n\n{p}", "Write a short headline for this text:\n\n{p}",
-                    "Rewrite this paragraph for a ten-year-old:\n\n{p}", "Turn this paragraph into three bullet points:\n\n{p}",
-                    "Give me a TL;DR of this:\n\n{p}", "Paraphrase this paragraph in a more formal tone:\n\n{p}"])
+    t = rng.choice(
+        [
+            "Summarise this in one sentence:\n\n{p}",
+            "Give a one-line summary of the following text:\n\n{p}",
+            "Summarise the following in under 30 words:\n\n{p}",
+            "Write a short headline for this text:\n\n{p}",
+            "Rewrite this paragraph for a ten-year-old:\n\n{p}",
+            "Turn this paragraph into three bullet points:\n\n{p}",
+            "Give me a TL;DR of this:\n\n{p}",
+            "Paraphrase this paragraph in a more formal tone:\n\n{p}",
+        ]
+    )
     return t.format(p=_paragraph(rng))
 
 
 # ---------------------------------------------------------------- reasoning and arithmetic
-NAMED = [("Maya", "she", "her", "her"), ("Leo", "he", "his", "him"), ("Aisha", "she", "her", "her"),
-         ("Tom", "he", "his", "him"), ("Sofia", "she", "her", "her"), ("Ravi", "he", "his", "him"),
-         ("Emma", "she", "her", "her"), ("Kenji", "he", "his", "him"), ("Lucia", "she", "her", "her"),
-         ("Omar", "he", "his", "him"), ("Nina", "she", "her", "her"), ("Jonas", "he", "his", "him")]
+NAMED = [
+    ("Maya", "she", "her", "her"),
+    ("Leo", "he", "his", "him"),
+    ("Aisha", "she", "her", "her"),
+    ("Tom", "he", "his", "him"),
+    ("Sofia", "she", "her", "her"),
+    ("Ravi", "he", "his", "him"),
+    ("Emma", "she", "her", "her"),
+    ("Kenji", "he", "his", "him"),
+    ("Lucia", "she", "her", "her"),
+    ("Omar", "he", "his", "him"),
+    ("Nina", "she", "her", "her"),
+    ("Jonas", "he", "his", "him"),
+]
 COUNTABLES = _w("apples|stickers|marbles|pencils|cookies|stamps|seashells|trading cards|books|sweets")
 PRICED = _w("notebooks|coffees|bus tickets|sandwiches|pens|cupcakes|postcards")
-UNITS = [("hours", "minutes", 60), ("minutes", "seconds", 60), ("metres", "centimetres", 100),
-         ("kilometres", "metres", 1000), ("kilograms", "grams", 1000), ("litres", "millilitres", 1000),
-         ("feet", "inches", 12), ("weeks", "days", 7), ("days", "hours", 24), ("years", "months", 12)]
-NUMERIC_TAILS = ["", "", "", " Show your work.", " Answer with just the number.", " Explain your reasoning in one sentence.",
-                 " Think step by step.", " Give the answer and a one-line explanation."]
+UNITS = [
+    ("hours", "minutes", 60),
+    ("minutes", "seconds", 60),
+    ("metres", "centimetres", 100),
+    ("kilometres", "metres", 1000),
+    ("kilograms", "grams", 1000),
+    ("litres", "millilitres", 1000),
+    ("feet", "inches", 12),
+    ("weeks", "days", 7),
+    ("days", "hours", 24),
+    ("years", "months", 12),
+]
+NUMERIC_TAILS = [
+    "",
+    "",
+    "",
+    " Show your work.",
+    " Answer with just the number.",
+    " Explain your reasoning in one sentence.",
+    " Think step by step.",
+    " Give the answer and a one-line explanation.",
+]
 OTHER_TAILS = ["", "", " Explain your reasoning in one sentence.", " Think step by step.", " Answer briefly."]
 
 
@@ -469,7 +677,7 @@ def _sequence(rng: random.Random) -> list[int]:
         return [a - d * i for i in range(5)]
     if kind == 2:
         a, r = rng.randrange(1, 6), rng.choice([2, 3])
-        return [a * r ** i for i in range(5)]
+        return [a * r**i for i in range(5)]
     if kind == 3:
         k = rng.randrange(1, 9)
         return [(k + i) ** 2 for i in range(4)]
@@ -485,14 +693,20 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
     (n1, s1, p1, o1), (n2, *_) = rng.sample(NAMED, 2)
     if kind == 0:
         a, b = rng.randrange(10, 999), rng.randrange(10, 999)
-        t = rng.choice(["What is {a} + {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?", "Calculate {a} plus {b}."])
+        t = rng.choice(
+            ["What is {a} + {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?", "Calculate {a} plus {b}."]
+        )
         return t.format(a=a, b=b), True
     if kind == 1:
         a, b = sorted(rng.sample(range(10, 1000), 2), reverse=True)
-        return rng.choice(["What is {a} - {b}?", "Subtract {b} from {a}.", "What is {a} minus {b}?"]).format(a=a, b=b), True
+        return rng.choice(["What is {a} - {b}?", "Subtract {b} from {a}.", "What is {a} minus {b}?"]).format(
+            a=a, b=b
+        ), True
     if kind == 2:
         a, b = rng.randrange(2, 26), rng.randrange(2, 26)
-        return rng.choice(["What is {a} times {b}?", "Multiply {a} by {b}.", "What is {a} * {b}?"]).format(a=a, b=b), True
+        return rng.choice(["What is {a} times {b}?", "Multiply {a} by {b}.", "What is {a} * {b}?"]).format(
+            a=a, b=b
+        ), True
     if kind == 3:
         b, q = rng.randrange(2, 13), rng.randrange(2, 31)
         return rng.choice(["What is {a} divided by {b}?", "What is {a} / {b}?"]).format(a=b * q, b=b), True
@@ -501,17 +715,25 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
         return rng.choice(["What is {p}% of {n}?", "Calculate {p} percent of {n}."]).format(p=p, n=n), True
     if kind == 5:
         n = rng.randrange(2, 200)
-        return rng.choice(["Is {n} a prime number?", "Is {n} prime? Explain how you checked.", "What is {n} squared?"]).format(n=n), False
+        return rng.choice(
+            ["Is {n} a prime number?", "Is {n} prime? Explain how you checked.", "What is {n} squared?"]
+        ).format(n=n), False
     if kind == 6:
         a, b = rng.randrange(12, 60), rng.randrange(2, 12)
-        return f"{n1} has {a} {rng.choice(COUNTABLES)}. {cap(s1)} gives {b} of them to {n2}. How many does {n1} have left?", True
+        return (
+            f"{n1} has {a} {rng.choice(COUNTABLES)}. {cap(s1)} gives {b} of them to {n2}. How many does {n1} have left?",
+            True,
+        )
     if kind == 7:
         q, price, item = rng.randrange(2, 8), rng.randrange(2, 13), rng.choice(PRICED)
         total = q * price
         if rng.random() < 0.5:
             return f"{n1} buys {q} {item} that cost ${price} each. How much does {s1} spend in total?", True
         note = next(x for x in (10, 20, 50, 100) if x > total)
-        return f"{n1} buys {q} {item} at ${price} each and pays with a ${note} note. How much change does {s1} get?", True
+        return (
+            f"{n1} buys {q} {item} at ${price} each and pays with a ${note} note. How much change does {s1} get?",
+            True,
+        )
     if kind == 8:
         s, h = rng.choice([40, 50, 60, 75, 80, 90, 120]), rng.randrange(2, 6)
         if rng.random() < 0.5:
@@ -525,10 +747,16 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
         if rng.random() < 0.5:
             return f"{k} friends share {k * q} cookies equally. How many cookies does each friend get?", True
         r = rng.randrange(1, k)
-        return f"{k} friends share {k * q + r} cookies equally. How many does each get, and how many are left over?", False
+        return (
+            f"{k} friends share {k * q + r} cookies equally. How many does each get, and how many are left over?",
+            False,
+        )
     if kind == 11:
         a, b, c = rng.randrange(5, 40), rng.randrange(2, 10), rng.randrange(2, 15)
-        return f"{n1} is {a} years old. {cap(p1)} brother is {b} years older. How old will the brother be in {c} years?", True
+        return (
+            f"{n1} is {a} years old. {cap(p1)} brother is {b} years older. How old will the brother be in {c} years?",
+            True,
+        )
     if kind == 12:
         a, w = rng.choice([5, 8, 10, 12, 15, 20, 25]), rng.randrange(4, 30)
         return f"{n1} saves ${a} every week. How many weeks will it take {o1} to save ${a * w}?", True
@@ -538,8 +766,14 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
         return f"A rectangle is {w} cm wide and {l} cm long. What is its {what}?", True
     if kind == 14:
         x, y, z = (n[0] for n in rng.sample(NAMED, 3))
-        adj, q = rng.choice([("taller", "Who is the shortest?"), ("older", "Who is the youngest?"),
-                             ("faster", "Who is the slowest?"), ("heavier", "Who is the lightest?")])
+        adj, q = rng.choice(
+            [
+                ("taller", "Who is the shortest?"),
+                ("older", "Who is the youngest?"),
+                ("faster", "Who is the slowest?"),
+                ("heavier", "Who is the lightest?"),
+            ]
+        )
         return f"{x} is {adj} than {y}, and {y} is {adj} than {z}. {q}", False
     day, n = rng.choice(WEEKDAYS), rng.randrange(3, 40)
     return f"If today is {day}, what day of the week will it be in {n} days?", False
@@ -578,8 +812,13 @@ def gen_reasoning(rng: random.Random) -> str:
         numeric = True
     else:
         seq = ", ".join(map(str, _sequence(rng)))
-        text = rng.choice(["What comes next in the sequence: {s}, ...?", "Find the next number: {s}, ?",
-                           "What is the next number in this pattern: {s}? Explain the rule."]).format(s=seq)
+        text = rng.choice(
+            [
+                "What comes next in the sequence: {s}, ...?",
+                "Find the next number: {s}, ?",
+                "What is the next number in this pattern: {s}? Explain the rule.",
+            ]
+        ).format(s=seq)
         numeric = "rule" not in text
     if "Explain" in text:  # already asks for its reasoning
         return text
@@ -605,20 +844,38 @@ FUNC_TASKS = _w("""reverse a string|sum a list of numbers|check whether a number
     format a number with thousands separators|return the file extension of a file name""")
 LANGS = ["Python", "Python", "JavaScript"]
 SQL_TABLES = [
-    ("customers(id, name, city, signup_date)", _w("""list all customers from Lyon|count the customers in each city|
-        find the customers who signed up in 2024|return the ten most recent sign-ups""")),
-    ("orders(id, customer_id, total, created_at)", _w("""find the total sales per customer|list orders over 100 dollars|
-        find the average order value|count the orders placed each month""")),
-    ("employees(id, name, department, salary)", _w("""find the highest-paid employee in each department|
+    (
+        "customers(id, name, city, signup_date)",
+        _w("""list all customers from Lyon|count the customers in each city|
+        find the customers who signed up in 2024|return the ten most recent sign-ups"""),
+    ),
+    (
+        "orders(id, customer_id, total, created_at)",
+        _w("""find the total sales per customer|list orders over 100 dollars|
+        find the average order value|count the orders placed each month"""),
+    ),
+    (
+        "employees(id, name, department, salary)",
+        _w("""find the highest-paid employee in each department|
         compute the average salary per department|list employees earning more than 50000, highest first|
-        count how many employees each department has""")),
-    ("products(id, name, category, price, stock)", _w("""list the products that are out of stock|
+        count how many employees each department has"""),
+    ),
+    (
+        "products(id, name, category, price, stock)",
+        _w("""list the products that are out of stock|
         find the five most expensive products|count the products in each category|
-        raise the price of every product in the 'books' category by 10%""")),
-    ("students(id, name, grade, score)", _w("""find the average score per grade|list the top three students by score|
-        find the students whose score is below the overall average""")),
-    ("books(id, title, author, year)", _w("""list the books published before 1950|
-        count how many books each author has written|find titles that appear more than once""")),
+        raise the price of every product in the 'books' category by 10%"""),
+    ),
+    (
+        "students(id, name, grade, score)",
+        _w("""find the average score per grade|list the top three students by score|
+        find the students whose score is below the overall average"""),
+    ),
+    (
+        "books(id, title, author, year)",
+        _w("""list the books published before 1950|
+        count how many books each author has written|find titles that appear more than once"""),
+    ),
 ]
 BASH_TASKS = _w("""count the lines in a file called data.txt|find all .log files in the current directory and its subfolders|
     rename every .jpeg file in a folder to .jpg|list the ten largest files in a directory|
@@ -661,28 +918,55 @@ BUGGY = [
 def gen_code(rng: random.Random) -> str:
     kind = rng.randrange(6)
     if kind <= 2:
-        t = rng.choice(["Write a {l} function to {t}.", "Write a short {l} function to {t}, with a comment.",
-                        "How do I {t} in {l}?", "Show me how to {t} in {l}. Keep the code short.",
-                        "Write a {l} function to {t} and include one example call.",
-                        "Give me a {l} one-liner to {t}, if possible.",
-                        "Write a {l} function to {t}. Explain it in one sentence.",
-                        "What is the simplest way to {t} in {l}?"])
+        t = rng.choice(
+            [
+                "Write a {l} function to {t}.",
+                "Write a short {l} function to {t}, with a comment.",
+                "How do I {t} in {l}?",
+                "Show me how to {t} in {l}. Keep the code short.",
+                "Write a {l} function to {t} and include one example call.",
+                "Give me a {l} one-liner to {t}, if possible.",
+                "Write a {l} function to {t}. Explain it in one sentence.",
+                "What is the simplest way to {t} in {l}?",
+            ]
+        )
         return t.format(l=rng.choice(LANGS), t=rng.choice(FUNC_TASKS))
     if kind == 3:
         table, tasks = rng.choice(SQL_TABLES)
-        t = rng.choice(["Given a table {tb}, write a SQL query to {q}.", "Write a SQL query to {q}. The table is {tb}.",
-                        "I have a table {tb}. How do I {q} in SQL?"])
+        t = rng.choice(
+            [
+                "Given a table {tb}, write a SQL query to {q}.",
+                "Write a SQL query to {q}. The table is {tb}.",
+                "I have a table {tb}. How do I {q} in SQL?",
+            ]
+        )
         return t.format(tb=table, q=rng.choice(tasks))
     if kind == 4:
-        t = rng.choice(["Write a bash command to {t}.", "How do I {t} from the command line?",
-                        "Give me a bash one-liner to {t}.", "Write a short bash script to {t}."])
+        t = rng.choice(
+            [
+                "Write a bash command to {t}.",
+                "How do I {t} from the command line?",
+                "Give me a bash one-liner to {t}.",
+                "Write a short bash script to {t}.",
+            ]
+        )
         return t.format(t=rng.choice(BASH_TASKS))
     if rng.random() < 0.5:
-        t = rng.choice(["What does this code do?\n\n{c}", "Explain this code line by line:\n\n{c}",
-                        "Explain in one sentence what this code does:\n\n{c}"])
+        t = rng.choice(
+            [
+                "What does this code do?\n\n{c}",
+                "Explain this code line by line:\n\n{c}",
+                "Explain in one sentence what this code does:\n\n{c}",
+            ]
+        )
         return t.format(c=rng.choice(SNIPPETS))
-    t = rng.choice(["Find the bug in this code:\n\n{c}", "This code doesn't work as expected. What is wrong?\n\n{c}",
-                    "Fix this code and explain the fix briefly:\n\n{c}"])
+    t = rng.choice(
+        [
+            "Find the bug in this code:\n\n{c}",
+            "This code doesn't work as expected. What is wrong?\n\n{c}",
+            "Fix this code and explain the fix briefly:\n\n{c}",
+        ]
+    )
     return t.format(c=rng.choice(BUGGY))
 
 
@@ -712,50 +996,85 @@ SITUATIONS = _w("""My coworker keeps interrupting me in meetings|My laptop has b
 
 def gen_advice(rng: random.Random) -> str:
     if rng.random() < 0.7:
-        t = rng.choice(["Give me {n} tips to {g}.", "What are some tips to help me {g}?", "How can I {g}?{T}",
-                        "What's the best way to {g}?{T}", "I want to {g}. Where should I start?",
-                        "What should I avoid if I want to {g}?", "Give me one practical piece of advice to {g}.",
-                        "I've tried and failed to {g}. What could I do differently?",
-                        "Suggest a simple weekly plan to {g}.", "List {n} beginner-friendly ways to {g}."])
+        t = rng.choice(
+            [
+                "Give me {n} tips to {g}.",
+                "What are some tips to help me {g}?",
+                "How can I {g}?{T}",
+                "What's the best way to {g}?{T}",
+                "I want to {g}. Where should I start?",
+                "What should I avoid if I want to {g}?",
+                "Give me one practical piece of advice to {g}.",
+                "I've tried and failed to {g}. What could I do differently?",
+                "Suggest a simple weekly plan to {g}.",
+                "List {n} beginner-friendly ways to {g}.",
+            ]
+        )
         return fill(rng, t, n=rng.choice(NUMBERS + ["a few"]), g=rng.choice(GOALS))
     s = rng.choice(SITUATIONS)
-    t = rng.choice(["{s}. What should I do?", "{s}. Any advice?", "{s}. What are my options?{T}",
-                    "{s}. How should I handle it?{T}", "Quick question: {sl}. What would you do?"])
+    t = rng.choice(
+        [
+            "{s}. What should I do?",
+            "{s}. Any advice?",
+            "{s}. What are my options?{T}",
+            "{s}. How should I handle it?{T}",
+            "Quick question: {sl}. What would you do?",
+        ]
+    )
     return fill(rng, t, s=s, sl=s if s.startswith("I ") else s[0].lower() + s[1:])
 
 
 # ---------------------------------------------------------------- compare
-CHOICES = [tuple(p.split(":")) for p in _w("""tea:coffee|renting a home:buying a home|Python:JavaScript as a first language|
+CHOICES = [
+    tuple(p.split(":"))
+    for p in _w("""tea:coffee|renting a home:buying a home|Python:JavaScript as a first language|
     e-books:printed books|working from home:working in an office|a debit card:a credit card|
     a laptop:a desktop computer|an electric car:a petrol car|solar power:wind power|a hostel:a hotel|
     a backpack:a suitcase|studying alone:studying in a group|a morning workout:an evening workout|
     freelancing:a full-time job|taking the train:flying for a 500 km trip|walking:running for everyday fitness|
     a gas stove:an induction hob|a kayak:a canoe|a cat:a dog as a pet|paper notes:a note-taking app|
     a city break:a beach holiday|public transport:driving to work|a gym membership:working out at home|
-    a tablet:a laptop for a student""")]
-CONTRASTS = [tuple(p.split(":")) for p in _w("""weather:climate|a virus:a bacterium|baking soda:baking powder|stocks:bonds|
+    a tablet:a laptop for a student""")
+]
+CONTRASTS = [
+    tuple(p.split(":"))
+    for p in _w("""weather:climate|a virus:a bacterium|baking soda:baking powder|stocks:bonds|
     HTTP:HTTPS|RAM:storage|an alligator:a crocodile|a simile:a metaphor|"affect":"effect"|a hurricane:a tornado|
     mitosis:meiosis|speed:velocity|a CV:a cover letter|a frog:a toad|a cold:the flu|latitude:longitude|
     a rabbit:a hare|nuclear fission:nuclear fusion|a republic:a monarchy|a sea:an ocean|weight:mass|Git:GitHub|
     a compiler:an interpreter|a list:a tuple in Python|let:const in JavaScript|an app:a website|a butterfly:a moth|
     an epidemic:a pandemic|a hypothesis:a theory|"its":"it's"|a planet:a star|a herb:a spice|stock:broth|
     a lake:a pond|a dialect:a language|a loan:a grant|revenue:profit|a meteor:a meteorite|
-    an allergy:an intolerance|a fruit:a vegetable|an emigrant:an immigrant|a mountain:a hill""")]
+    an allergy:an intolerance|a fruit:a vegetable|an emigrant:an immigrant|a mountain:a hill""")
+]
 
 
 def gen_compare(rng: random.Random) -> str:
     if rng.random() < 0.45:
         a, b = rng.choice(CHOICES)
-        t = rng.choice(["Should I choose {a} or {b}? Give me the key trade-offs.", "{A} vs. {b}: which is better, and when?",
-                        "What are the pros and cons of {a} compared with {b}?{T}", "Compare {a} and {b}{L}.",
-                        "Help me decide between {a} and {b}.", "Make a short table comparing {a} and {b}."])
+        t = rng.choice(
+            [
+                "Should I choose {a} or {b}? Give me the key trade-offs.",
+                "{A} vs. {b}: which is better, and when?",
+                "What are the pros and cons of {a} compared with {b}?{T}",
+                "Compare {a} and {b}{L}.",
+                "Help me decide between {a} and {b}.",
+                "Make a short table comparing {a} and {b}.",
+            ]
+        )
     else:
         a, b = rng.choice(CONTRASTS)
-        t = rng.choice(["What is the difference between {a} and {b}?{T}", "Compare {a} and {b}{L}.",
-                        "How is {a} different from {b}?{T}", "Give one similarity and one difference between {a} and {b}.",
-                        "Explain the difference between {a} and {b} with an example.",
-                        "People often confuse {a} and {b}. How can I tell them apart?{T}",
-                        "{A} vs. {b}: what's the difference?{T}"])
+        t = rng.choice(
+            [
+                "What is the difference between {a} and {b}?{T}",
+                "Compare {a} and {b}{L}.",
+                "How is {a} different from {b}?{T}",
+                "Give one similarity and one difference between {a} and {b}.",
+                "Explain the difference between {a} and {b} with an example.",
+                "People often confuse {a} and {b}. How can I tell them apart?{T}",
+                "{A} vs. {b}: what's the difference?{T}",
+            ]
+        )
     return fill(rng, t, a=a, b=b, A=cap(a))
 
 
@@ -833,20 +1152,44 @@ def gen_facts(rng: random.Random) -> str:
     # about half from the templated subjects (countries, people, animals), half from the fixed questions
     kind = rng.randrange(3) if rng.random() < 0.45 else 3 + rng.randrange(len(FACT_DOMAINS))
     if kind == 0:
-        t = rng.choice(["What is the capital of {c}?", "What is {c} famous for?{T}", "What languages are spoken in {c}?",
-                        "What is the climate like in {c}?{T}", "What is a traditional dish from {c}?",
-                        "Tell me three interesting facts about {c}.", "What should a first-time visitor to {c} know?{T}",
-                        "What currency is used in {c}?", "Describe the geography of {c}{L}."])
+        t = rng.choice(
+            [
+                "What is the capital of {c}?",
+                "What is {c} famous for?{T}",
+                "What languages are spoken in {c}?",
+                "What is the climate like in {c}?{T}",
+                "What is a traditional dish from {c}?",
+                "Tell me three interesting facts about {c}.",
+                "What should a first-time visitor to {c} know?{T}",
+                "What currency is used in {c}?",
+                "Describe the geography of {c}{L}.",
+            ]
+        )
         return fill(rng, t, c=rng.choice(COUNTRIES))
     if kind == 1:
-        t = rng.choice(["Who was {p}?{T}", "What is {p} best known for?{T}", "Tell me about {p}{L}.",
-                        "Give me two interesting facts about {p}.", "Why is {p} important in history?{T}",
-                        "Summarise the life of {p} in three sentences."])
+        t = rng.choice(
+            [
+                "Who was {p}?{T}",
+                "What is {p} best known for?{T}",
+                "Tell me about {p}{L}.",
+                "Give me two interesting facts about {p}.",
+                "Why is {p} important in history?{T}",
+                "Summarise the life of {p} in three sentences.",
+            ]
+        )
         return fill(rng, t, p=rng.choice(FAMOUS))
     if kind == 2:
-        t = rng.choice(["How long do {a} live?", "What do {a} eat?{T}", "Where do {a} live in the wild?",
-                        "How do {a} communicate?{T}", "Tell me a surprising fact about {a}.",
-                        "How do {a} raise their young?{T}", "Are {a} endangered?{T}"])
+        t = rng.choice(
+            [
+                "How long do {a} live?",
+                "What do {a} eat?{T}",
+                "Where do {a} live in the wild?",
+                "How do {a} communicate?{T}",
+                "Tell me a surprising fact about {a}.",
+                "How do {a} raise their young?{T}",
+                "Are {a} endangered?{T}",
+            ]
+        )
         return fill(rng, t, a=rng.choice(ANIMALS))
     return rng.choice(FACT_QUESTIONS[FACT_DOMAINS[kind - 3]]) + tail(rng, 0.5, 0.25)
 
@@ -868,9 +1211,15 @@ WORD_GROUPS = [  # (singular with article, plural, members)
 REVIEW_ITEMS = _w("""the blender|this phone case|the hotel room|the new album|this backpack|the restaurant's pasta|
     the coffee maker|these headphones|the tour guide|this novel""")
 VERDICTS = {
-    "positive": _w("was absolutely wonderful|worked perfectly from day one|exceeded my expectations|is worth every penny|made my week"),
-    "negative": _w("stopped working after two days|was a total waste of money|arrived broken|was much worse than described|was a big disappointment"),
-    "mixed": _w("looks nice but is quite noisy|was cheap, but it did not last long|does the job, nothing special|was fine, I suppose"),
+    "positive": _w(
+        "was absolutely wonderful|worked perfectly from day one|exceeded my expectations|is worth every penny|made my week"
+    ),
+    "negative": _w(
+        "stopped working after two days|was a total waste of money|arrived broken|was much worse than described|was a big disappointment"
+    ),
+    "mixed": _w(
+        "looks nice but is quite noisy|was cheap, but it did not last long|does the job, nothing special|was fine, I suppose"
+    ),
 }
 HEADLINES = {
     "sports": _w("""Local runner breaks the city marathon record|Underdogs win the cup final on penalties|
@@ -893,14 +1242,16 @@ CITIES = _w("Lisbon|Nairobi|Toronto|Osaka|Lima|Krakow|Melbourne|Cairo|Oslo|Hanoi
 
 def _number_sentence(rng: random.Random) -> str:
     r = rng.randrange
-    return rng.choice([
-        f"The shop sold {r(5, 90)} apples, {r(5, 90)} pears and {r(2, 30)} melons on {rng.choice(WEEKDAYS)}.",
-        f"Our flight leaves at {r(6, 12)}:{r(10, 60)} from gate {r(1, 40)}, and the trip takes {r(2, 14)} hours.",
-        f"The recipe needs {r(2, 6)} eggs, {25 * r(4, 16)} grams of sugar and {50 * r(2, 10)} millilitres of milk.",
-        f"In {r(1950, 2024)}, the town had {r(2000, 90000)} residents and {r(2, 30)} schools.",
-        f"{rng.choice(PEOPLE_NAMES)} ran {r(3, 22)} kilometres in {r(20, 140)} minutes and burned about {10 * r(20, 120)} calories.",
-        f"The invoice lists {r(2, 12)} chairs at {r(20, 90)} dollars each and a delivery fee of {r(5, 40)} dollars.",
-    ])
+    return rng.choice(
+        [
+            f"The shop sold {r(5, 90)} apples, {r(5, 90)} pears and {r(2, 30)} melons on {rng.choice(WEEKDAYS)}.",
+            f"Our flight leaves at {r(6, 12)}:{r(10, 60)} from gate {r(1, 40)}, and the trip takes {r(2, 14)} hours.",
+            f"The recipe needs {r(2, 6)} eggs, {25 * r(4, 16)} grams of sugar and {50 * r(2, 10)} millilitres of milk.",
+            f"In {r(1950, 2024)}, the town had {r(2000, 90000)} residents and {r(2, 30)} schools.",
+            f"{rng.choice(PEOPLE_NAMES)} ran {r(3, 22)} kilometres in {r(20, 140)} minutes and burned about {10 * r(20, 120)} calories.",
+            f"The invoice lists {r(2, 12)} chairs at {r(20, 90)} dollars each and a delivery fee of {r(5, 40)} dollars.",
+        ]
+    )
 
 
 def gen_classify(rng: random.Random) -> str:
@@ -910,33 +1261,61 @@ def gen_classify(rng: random.Random) -> str:
         if kind == 0:
             words = [rng.choice(g[2]) for g in groups]
             rng.shuffle(words)
-            t = rng.choice(["Which of these words is {g}: {w}?", "Pick out {g} from this list: {w}.",
-                            "Only one of these is {g}. Which one? {w}"])
+            t = rng.choice(
+                [
+                    "Which of these words is {g}: {w}?",
+                    "Pick out {g} from this list: {w}.",
+                    "Only one of these is {g}. Which one? {w}",
+                ]
+            )
             return t.format(g=groups[0][0], w=", ".join(words))
         if kind == 1:
             words = rng.sample(groups[0][2], 3) + [rng.choice(groups[1][2])]
             rng.shuffle(words)
-            t = rng.choice(["Which word is the odd one out: {w}? Explain why.", "Find the word that doesn't belong: {w}.",
-                            "One of these words doesn't fit with the others: {w}. Which one, and why?"])
+            t = rng.choice(
+                [
+                    "Which word is the odd one out: {w}? Explain why.",
+                    "Find the word that doesn't belong: {w}.",
+                    "One of these words doesn't fit with the others: {w}. Which one, and why?",
+                ]
+            )
             return t.format(w=", ".join(words))
         words = rng.sample(groups[0][2], 3) + rng.sample(groups[1][2], 3)
         rng.shuffle(words)
-        t = rng.choice(["Sort these words into {a} and {b}: {w}.", "Group these words into {a} and {b}: {w}.",
-                        "Group the following words into two categories and name each group: {w}."])
+        t = rng.choice(
+            [
+                "Sort these words into {a} and {b}: {w}.",
+                "Group these words into {a} and {b}: {w}.",
+                "Group the following words into two categories and name each group: {w}.",
+            ]
+        )
         return t.format(a=groups[0][1], b=groups[1][1], w=", ".join(words))
     if kind == 3:
-        t = rng.choice(["Extract the numbers from: \"{s}\"", "List every number in this sentence: \"{s}\"",
-                        "Pull out all the numbers from this text and tell me which one is largest: \"{s}\""])
+        t = rng.choice(
+            [
+                'Extract the numbers from: "{s}"',
+                'List every number in this sentence: "{s}"',
+                'Pull out all the numbers from this text and tell me which one is largest: "{s}"',
+            ]
+        )
         return t.format(s=_number_sentence(rng))
     if kind == 4:
         a, b = rng.sample(PEOPLE_NAMES, 2)
         c1, c2 = rng.sample(CITIES, 2)
-        s = rng.choice([f"{a} met {b} in {c1} on {rng.choice(WEEKDAYS)} to plan their trip to {c2}.",
-                        f"After living in {c1} for years, {a} moved to {c2}, where {b} runs a small bakery.",
-                        f"{a} emailed {b} from {c1} to say the conference in {c2} had been moved to {rng.choice(MONTHS)}."])
-        t = rng.choice(["Extract the people and places mentioned in this sentence: \"{s}\"",
-                        "Which cities are mentioned in this text? \"{s}\"",
-                        "Return the names of the people in this text as a JSON list: \"{s}\""])
+        s = rng.choice(
+            [
+                f"{a} met {b} in {c1} on {rng.choice(WEEKDAYS)} to plan their trip to {c2}.",
+                f"After living in {c1} for years, {a} moved to {c2}, where {b} runs a small bakery.",
+                f"{a} emailed {b} from {c1} to say the conference in {c2} had been moved to {rng.choice(MONTHS)}.",
+            ]
+        )
+        t = rng.choice(
+            [
+                'Extract the people and places mentioned in this sentence: "{s}"',
+                'Which cities are mentioned in this text? "{s}"',
+                'Return the names of the people in this text as a JSON list: "{s}"',
+            ]
+        )
         return t.format(s=s)
     if kind == 5:
         m1, m2 = rng.sample(MONTHS, 2)
@@ -944,29 +1323,52 @@ def gen_classify(rng: random.Random) -> str:
         a, b = rng.sample(PEOPLE_NAMES, 2)
         if rng.random() < 0.4:
             s = f"The contract starts on {m1} {d1}, {y} and ends on {m2} {d2}, {y + 1}."
-            t = rng.choice(["Extract all dates from this text: \"{s}\"",
-                            "Rewrite the dates in this sentence in YYYY-MM-DD format: \"{s}\""])
+            t = rng.choice(
+                [
+                    'Extract all dates from this text: "{s}"',
+                    'Rewrite the dates in this sentence in YYYY-MM-DD format: "{s}"',
+                ]
+            )
             return t.format(s=s)
-        s = rng.choice([f"Contact {a} at {a.lower()}@example.com or {b} at {b.lower()}.office@example.org before {m1} {d1}.",
-                        f"The workshop on {m1} {d1} is full, so {a} booked the one on {m2} {d2}."])
-        t = rng.choice(["Extract all dates from this text: \"{s}\"", "Extract any dates, names and email addresses from: \"{s}\"",
-                        "Return the names and dates in this text as JSON: \"{s}\""])
+        s = rng.choice(
+            [
+                f"Contact {a} at {a.lower()}@example.com or {b} at {b.lower()}.office@example.org before {m1} {d1}.",
+                f"The workshop on {m1} {d1} is full, so {a} booked the one on {m2} {d2}.",
+            ]
+        )
+        t = rng.choice(
+            [
+                'Extract all dates from this text: "{s}"',
+                'Extract any dates, names and email addresses from: "{s}"',
+                'Return the names and dates in this text as JSON: "{s}"',
+            ]
+        )
         return t.format(s=s)
     if kind == 6:
         mood = rng.choice(list(VERDICTS))
         review = f"{cap(rng.choice(REVIEW_ITEMS))} {rng.choice(VERDICTS[mood])}."
-        t = rng.choice(["Is this review positive, negative or neutral? \"{r}\"", "Classify the sentiment of this review: \"{r}\"",
-                        "What is the sentiment of the following review? Answer with one word. \"{r}\""])
+        t = rng.choice(
+            [
+                'Is this review positive, negative or neutral? "{r}"',
+                'Classify the sentiment of this review: "{r}"',
+                'What is the sentiment of the following review? Answer with one word. "{r}"',
+            ]
+        )
         return t.format(r=review)
     if kind == 7:
         topics = list(HEADLINES)
         h = rng.choice(HEADLINES[rng.choice(topics)])
         rng.shuffle(topics)
-        return rng.choice(["Classify this headline as {o}: \"{h}\"", "Which topic fits this headline best ({o})? \"{h}\""]).format(
-            o=", ".join(topics[:-1]) + " or " + topics[-1], h=h)
+        return rng.choice(
+            ['Classify this headline as {o}: "{h}"', 'Which topic fits this headline best ({o})? "{h}"']
+        ).format(o=", ".join(topics[:-1]) + " or " + topics[-1], h=h)
     s = rng.choice(SENTENCE_TYPES)
-    return rng.choice(["Is this sentence a question, a command or a statement? \"{s}\"",
-                       "Classify this sentence as a question, command or statement: \"{s}\""]).format(s=s)
+    return rng.choice(
+        [
+            'Is this sentence a question, a command or a statement? "{s}"',
+            'Classify this sentence as a question, command or statement: "{s}"',
+        ]
+    ).format(s=s)
 
 
 # ---------------------------------------------------------------- language (no translation)
@@ -980,63 +1382,123 @@ PLURALS = _w("""mouse|child|cactus|goose|person|tooth|knife|sheep|analysis|crite
     octopus|appendix|volcano|species""")
 IRREGULAR_VERBS = _w("""go|swim|bring|catch|teach|think|fly|run|write|begin|choose|freeze|lead|seek|shake|sing|sink|
     steal|wake|weave|dig|bite|hide|ride|lend""")
-MISSPELT = [("definitely", "definately"), ("separate", "seperate"), ("necessary", "neccessary"), ("receive", "recieve"),
-            ("occasion", "occassion"), ("accommodate", "accomodate"), ("embarrass", "embarass"), ("calendar", "calender"),
-            ("tomorrow", "tommorow"), ("beginning", "begining"), ("rhythm", "rythm"), ("weird", "wierd"),
-            ("government", "goverment"), ("restaurant", "restaraunt")]
-POS = [("run", "I go for a run every morning."), ("run", "They run every morning."), ("light", "Turn on the light."),
-       ("light", "The bag is light."), ("fast", "She runs fast."), ("fast", "They fast during the day."),
-       ("book", "Please book a table for two."), ("book", "I finished the book."), ("well", "She sings well."),
-       ("well", "The well was deep."), ("back", "Come back soon."), ("back", "My back hurts."),
-       ("present", "She will present the results."), ("present", "I bought a present for him.")]
-FORMS = [("adjective form", "noun", _w("beauty|danger|nature|fame|success|care|hope|friend|music|courage")),
-         ("adverb form", "adjective", _w("quick|happy|careful|gentle|easy|quiet|angry|honest|true|simple")),
-         ("noun form", "verb", _w("decide|explain|arrive|grow|refuse|succeed|describe|choose|fail|deliver"))]
+MISSPELT = [
+    ("definitely", "definately"),
+    ("separate", "seperate"),
+    ("necessary", "neccessary"),
+    ("receive", "recieve"),
+    ("occasion", "occassion"),
+    ("accommodate", "accomodate"),
+    ("embarrass", "embarass"),
+    ("calendar", "calender"),
+    ("tomorrow", "tommorow"),
+    ("beginning", "begining"),
+    ("rhythm", "rythm"),
+    ("weird", "wierd"),
+    ("government", "goverment"),
+    ("restaurant", "restaraunt"),
+]
+POS = [
+    ("run", "I go for a run every morning."),
+    ("run", "They run every morning."),
+    ("light", "Turn on the light."),
+    ("light", "The bag is light."),
+    ("fast", "She runs fast."),
+    ("fast", "They fast during the day."),
+    ("book", "Please book a table for two."),
+    ("book", "I finished the book."),
+    ("well", "She sings well."),
+    ("well", "The well was deep."),
+    ("back", "Come back soon."),
+    ("back", "My back hurts."),
+    ("present", "She will present the results."),
+    ("present", "I bought a present for him."),
+]
+FORMS = [
+    ("adjective form", "noun", _w("beauty|danger|nature|fame|success|care|hope|friend|music|courage")),
+    ("adverb form", "adjective", _w("quick|happy|careful|gentle|easy|quiet|angry|honest|true|simple")),
+    ("noun form", "verb", _w("decide|explain|arrive|grow|refuse|succeed|describe|choose|fail|deliver")),
+]
 
 
 def gen_language(rng: random.Random) -> str:
     kind = rng.randrange(10)
     n = rng.choice(NUMBERS)
     if kind == 0:
-        t = rng.choice(["Give me {n} synonyms for '{w}'.", "What is another word for '{w}'?",
-                        "List {n} synonyms for '{w}', from most to least formal.",
-                        "Suggest a more vivid word than '{w}' for a story."])
+        t = rng.choice(
+            [
+                "Give me {n} synonyms for '{w}'.",
+                "What is another word for '{w}'?",
+                "List {n} synonyms for '{w}', from most to least formal.",
+                "Suggest a more vivid word than '{w}' for a story.",
+            ]
+        )
         return t.format(n=n, w=rng.choice(SYNONYM_WORDS))
     if kind == 1:
-        t = rng.choice(["What is the opposite of '{w}'?", "Give an antonym for '{w}'.",
-                        "Write a sentence that uses '{w}' and its opposite.", "List {n} antonyms of '{w}'."])
+        t = rng.choice(
+            [
+                "What is the opposite of '{w}'?",
+                "Give an antonym for '{w}'.",
+                "Write a sentence that uses '{w}' and its opposite.",
+                "List {n} antonyms of '{w}'.",
+            ]
+        )
         return t.format(n=n, w=rng.choice(ANTONYM_WORDS))
     if kind == 2:
-        t = rng.choice(["List {n} words that rhyme with '{w}'.", "What words rhyme with '{w}'?",
-                        "Write a short couplet that ends with a word rhyming with '{w}'."])
+        t = rng.choice(
+            [
+                "List {n} words that rhyme with '{w}'.",
+                "What words rhyme with '{w}'?",
+                "Write a short couplet that ends with a word rhyming with '{w}'.",
+            ]
+        )
         return t.format(n=n, w=rng.choice(RHYME_WORDS))
     if kind == 3:
         if rng.random() < 0.5:
-            t = rng.choice(["What is the plural of '{w}'?", "Is the plural of '{w}' regular or irregular? Give the plural."])
+            t = rng.choice(
+                ["What is the plural of '{w}'?", "Is the plural of '{w}' regular or irregular? Give the plural."]
+            )
             return t.format(w=rng.choice(PLURALS))
         return "Write the plural forms of these nouns: {}.".format(", ".join(rng.sample(PLURALS, rng.randrange(3, 6))))
     if kind == 4:
-        t = rng.choice(["What is the past tense of '{v}'?", "Give the past tense and past participle of '{v}'.",
-                        "Use the past tense of '{v}' in a sentence."])
+        t = rng.choice(
+            [
+                "What is the past tense of '{v}'?",
+                "Give the past tense and past participle of '{v}'.",
+                "Use the past tense of '{v}' in a sentence.",
+            ]
+        )
         return t.format(v=rng.choice(IRREGULAR_VERBS))
     if kind == 5:
         words = [rng.choice(g[2]) for g in rng.sample(WORD_GROUPS, rng.randrange(5, 8))]
-        return rng.choice(["Put these words in alphabetical order: {w}.", "Sort these words alphabetically: {w}."]).format(
-            w=", ".join(words))
+        return rng.choice(
+            ["Put these words in alphabetical order: {w}.", "Sort these words alphabetically: {w}."]
+        ).format(w=", ".join(words))
     if kind == 6:
         a, b = rng.sample(VOCAB, 2)
-        return rng.choice([f"Use the word '{a}' in a sentence.", f"Write one sentence that uses both '{a}' and '{b}'.",
-                           f"How many syllables are in the word '{a}'?"])
+        return rng.choice(
+            [
+                f"Use the word '{a}' in a sentence.",
+                f"Write one sentence that uses both '{a}' and '{b}'.",
+                f"How many syllables are in the word '{a}'?",
+            ]
+        )
     if kind == 7:
         w, s = rng.choice(POS)
-        return rng.choice([f"What part of speech is '{w}' in this sentence: \"{s}\"?",
-                           f"In \"{s}\", is '{w}' a noun, a verb, an adjective or an adverb?"])
+        return rng.choice(
+            [
+                f"What part of speech is '{w}' in this sentence: \"{s}\"?",
+                f"In \"{s}\", is '{w}' a noun, a verb, an adjective or an adverb?",
+            ]
+        )
     if kind == 8:
         what, of, words = rng.choice(FORMS)
         return f"What is the {what} of the {of} '{rng.choice(words)}'?"
     good, bad = rng.choice(MISSPELT)
     pair = [good, bad] if rng.random() < 0.5 else [bad, good]
-    return rng.choice(["Which is spelled correctly: '{}' or '{}'?", "Which spelling is right, '{}' or '{}'?"]).format(*pair)
+    return rng.choice(["Which is spelled correctly: '{}' or '{}'?", "Which spelling is right, '{}' or '{}'?"]).format(
+        *pair
+    )
 
 
 # ---------------------------------------------------------------- multi-turn follow-ups
@@ -1069,9 +1531,18 @@ GENERIC_FOLLOW_UPS = _w("""Thanks! Can you make it shorter?|Can you say that mor
 
 
 GENERATORS = {
-    "explain": gen_explain, "definition": gen_definition, "list": gen_list, "writing": gen_writing,
-    "rewrite": gen_rewrite, "reasoning": gen_reasoning, "code": gen_code, "advice": gen_advice,
-    "compare": gen_compare, "facts": gen_facts, "classify": gen_classify, "language": gen_language,
+    "explain": gen_explain,
+    "definition": gen_definition,
+    "list": gen_list,
+    "writing": gen_writing,
+    "rewrite": gen_rewrite,
+    "reasoning": gen_reasoning,
+    "code": gen_code,
+    "advice": gen_advice,
+    "compare": gen_compare,
+    "facts": gen_facts,
+    "classify": gen_classify,
+    "language": gen_language,
 }
 CATEGORIES = list(GENERATORS) + ["multi_turn"]
 PER_CATEGORY = 250  # unique prompts per single-turn category
@@ -1114,10 +1585,12 @@ def build(seed: int = 0, test: int = 150, valid: int = 150) -> dict[str, list[di
             records.append(rec)
             made += 1
     if len(records) <= test + valid:
-        raise ValueError(f"only {len(records)} unique prompts: cannot form test={test} and valid={valid} "
-                         f"and still leave a train split")
+        raise ValueError(
+            f"only {len(records)} unique prompts: cannot form test={test} and valid={valid} "
+            f"and still leave a train split"
+        )
     _stream(seed, "split").shuffle(records)
-    return {"train": records[test + valid:], "valid": records[test:test + valid], "test": records[:test]}
+    return {"train": records[test + valid :], "valid": records[test : test + valid], "test": records[:test]}
 
 
 def write(out_dir, splits: dict[str, list[dict]]) -> None:
@@ -1136,10 +1609,13 @@ def count_table(splits: dict[str, list[dict]]) -> dict[str, dict[str, int]]:
 
 def write_readme(out_dir, splits: dict[str, list[dict]], seed: int) -> None:
     """<out_dir>/README.md: what the set is, how it was made, and its counts."""
-    rows = [f"| {c} | " + " | ".join(str(row[s]) for s in SPLITS) + f" | {sum(row.values())} |"
-            for c, row in count_table(splits).items()]
-    rows.append("| **total** | " + " | ".join(str(len(splits[s])) for s in SPLITS)
-                + f" | {sum(map(len, splits.values()))} |")
+    rows = [
+        f"| {c} | " + " | ".join(str(row[s]) for s in SPLITS) + f" | {sum(row.values())} |"
+        for c, row in count_table(splits).items()
+    ]
+    rows.append(
+        "| **total** | " + " | ".join(str(len(splits[s])) for s in SPLITS) + f" | {sum(map(len, splits.values()))} |"
+    )
     args = f"--seed {seed} --test {len(splits['test'])} --valid {len(splits['valid'])}"
     text = f"""# Instruction prompts
 

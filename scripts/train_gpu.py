@@ -57,8 +57,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 PART_BYTES = 15 * 2**20  # what one returned file may hold, with room to spare
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "mask_embedding.safetensors", "mars.json",
-                 "training_log.jsonl")
+ADAPTER_FILES = (
+    "adapter_config.json",
+    "adapter_model.safetensors",
+    "mask_embedding.safetensors",
+    "mars.json",
+    "training_log.jsonl",
+)
 HELD_OUT = ("test.jsonl", "valid.jsonl")
 STORE = "distilled.npz"  # the base's replies as token ids: what every run distilled, kept across runs
 DEFAULT_STORE = ROOT / "data" / "distilled" / "gpu_replies.npz"  # the repository's copy, which the next run starts from
@@ -110,15 +115,18 @@ def user_prefix(tokenizer) -> list[int] | None:
     marker = "\u2063MARKER\u2063"
     if not getattr(tokenizer, "chat_template", None):
         return None
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
     if marker not in text:
         return None
     return list(tokenizer(text[: text.index(marker)], add_special_tokens=False)["input_ids"])
 
 
 # -- generation ---------------------------------------------------------------------------------
-def generate_rows(model, tokenizer, prompts_ids: list[list[int]], *, max_new: int, eos: tuple[int, ...], sample: bool,
-                  seed: int = 0) -> list[tuple[list[int], bool]]:
+def generate_rows(
+    model, tokenizer, prompts_ids: list[list[int]], *, max_new: int, eos: tuple[int, ...], sample: bool, seed: int = 0
+) -> list[tuple[list[int], bool]]:
     """(new tokens before EOS, ended with EOS) for each left-padded prompt, in one generate call."""
     import torch
 
@@ -127,15 +135,21 @@ def generate_rows(model, tokenizer, prompts_ids: list[list[int]], *, max_new: in
     ids = torch.full((len(prompts_ids), width), pad, dtype=torch.long)
     attn = torch.zeros((len(prompts_ids), width), dtype=torch.long)
     for i, p in enumerate(prompts_ids):
-        ids[i, width - len(p):] = torch.tensor(p)
-        attn[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attn[i, width - len(p) :] = 1
     device = next(model.parameters()).device
     kw = dict(do_sample=True, temperature=1.0, top_p=0.95, top_k=0) if sample else dict(do_sample=False)
     if sample:
         torch.manual_seed(seed)
     with torch.no_grad():
-        out = model.generate(input_ids=ids.to(device), attention_mask=attn.to(device), max_new_tokens=max_new,
-                             pad_token_id=pad, eos_token_id=list(eos), **kw)
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=max_new,
+            pad_token_id=pad,
+            eos_token_id=list(eos),
+            **kw,
+        )
     rows = []
     for new in out[:, width:].tolist():
         cut = next((j for j, t in enumerate(new) if t in eos), None)
@@ -143,7 +157,9 @@ def generate_rows(model, tokenizer, prompts_ids: list[list[int]], *, max_new: in
     return rows
 
 
-def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[str], deadline: float, seed: int) -> list[str]:
+def sampled_prompts(
+    model, tokenizer, n: int, *, batch: int, eos, held_out: set[str], deadline: float, seed: int
+) -> list[str]:
     """User turns the base writes itself when its chat template opens one: rounds of `batch`
     samples until `deadline`, but always one."""
     import make_prompts
@@ -154,7 +170,9 @@ def sampled_prompts(model, tokenizer, n: int, *, batch: int, eos, held_out: set[
     found: dict[str, str] = {}
     rounds = 0
     while len(found) < n and (rounds == 0 or now() < deadline) and rounds < 4 * math.ceil(n / batch) + 4:
-        for body, ended in generate_rows(model, tokenizer, [prefix] * batch, max_new=64, eos=eos, sample=True, seed=seed + rounds):
+        for body, ended in generate_rows(
+            model, tokenizer, [prefix] * batch, max_new=64, eos=eos, sample=True, seed=seed + rounds
+        ):
             text = tokenizer.decode(body, skip_special_tokens=True).strip()
             key = make_prompts.normalise(text)
             if ended and 12 <= len(text) <= 400 and key not in held_out:
@@ -169,12 +187,15 @@ def record(tokenizer, prompt: str, body: list[int], ended: bool) -> dict | None:
     text = tokenizer.decode(body, skip_special_tokens=True)
     if not text.strip():
         return None
-    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
-            "finish": "eos" if ended else "length"}
+    return {
+        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": text}],
+        "finish": "eos" if ended else "length",
+    }
 
 
-def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float,
-           rows: list | None = None) -> list[dict]:
+def distil(
+    model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eos, deadline: float, rows: list | None = None
+) -> list[dict]:
     """The base's greedy reply to each prompt (chat shape, with "finish"), batched by prompt
     length, until `deadline`; the prompts not reached are left out. A deadline already past
     still gets one batch, and more while none has given a reply: the clock alone never
@@ -190,7 +211,9 @@ def distil(model, tokenizer, prompts: list[str], *, batch: int, max_new: int, eo
         if now() >= deadline and records:
             log(f"distil: time's up after {k} of {len(chunks)} batches")
             break
-        for (ids, prompt), (body, ended) in zip(chunk, generate_rows(model, tokenizer, [c[0] for c in chunk], max_new=max_new, eos=eos, sample=False)):
+        for (ids, prompt), (body, ended) in zip(
+            chunk, generate_rows(model, tokenizer, [c[0] for c in chunk], max_new=max_new, eos=eos, sample=False)
+        ):
             if rows is not None:
                 rows.append((prompt, body, ended))
             made = record(tokenizer, prompt, body, ended)
@@ -228,10 +251,14 @@ def store_bytes(key: dict, rows: list[tuple[str, list[int], bool]]) -> bytes:
     end (uint32) with their offsets, and whether each ended with EOS."""
     buf = io.BytesIO()
     ids = np.concatenate([np.asarray(r[1], dtype=np.uint32) for r in rows]) if rows else np.zeros(0, np.uint32)
-    np.savez_compressed(buf, meta=np.frombuffer(json.dumps(key).encode(), np.uint8),
-                        prompts=np.frombuffer(json.dumps([r[0] for r in rows], ensure_ascii=False).encode(), np.uint8),
-                        ids=ids, offsets=np.cumsum([0] + [len(r[1]) for r in rows]).astype(np.int64),
-                        ended=np.array([r[2] for r in rows], dtype=bool))
+    np.savez_compressed(
+        buf,
+        meta=np.frombuffer(json.dumps(key).encode(), np.uint8),
+        prompts=np.frombuffer(json.dumps([r[0] for r in rows], ensure_ascii=False).encode(), np.uint8),
+        ids=ids,
+        offsets=np.cumsum([0] + [len(r[1]) for r in rows]).astype(np.int64),
+        ended=np.array([r[2] for r in rows], dtype=bool),
+    )
     return buf.getvalue()
 
 
@@ -277,7 +304,11 @@ def unpack(out: Path, dest: Path, store: Path | None = None) -> Path:
     repository keeps it at data/distilled/gpu_replies.npz, where the next run starts from)."""
     summary = json.loads((out / "summary.json").read_text())
     data = joined(out, summary["adapter"], "adapter")
-    kept = joined(out, summary["store"], "store of distilled replies") if store is not None and "store" in summary else None
+    kept = (
+        joined(out, summary["store"], "store of distilled replies")
+        if store is not None and "store" in summary
+        else None
+    )
     dest.mkdir(parents=True, exist_ok=False)
     with tarfile.open(fileobj=io.BytesIO(data)) as tar:
         tar.extractall(dest, filter="data")
@@ -336,10 +367,10 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
     import torch
 
     from mars.backends import base
+    from mars.checkpoint.default_model import model_ref
     from mars.checkpoint.paths import load_tokenizer
     from mars.core.train.data import DataError, batches, load_split
     from mars.core.train.loop import TRAINING_LOG, TrainSettings, write_history
-    from mars.checkpoint.default_model import model_ref
     from mars.finetune import read_init_adapter
 
     tokenizer = load_tokenizer(base_path)
@@ -347,33 +378,62 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
 
     def split(name: str):
         try:
-            return load_split(data_dir, name, tokenizer=tokenizer, block_size=block_size,
-                              max_seq_length=args.max_seq_length, on_long="skip").examples
+            return load_split(
+                data_dir,
+                name,
+                tokenizer=tokenizer,
+                block_size=block_size,
+                max_seq_length=args.max_seq_length,
+                on_long="skip",
+            ).examples
         except DataError:  # the split is not empty (main checked), so every example was too long
-            fail(f"no distilled {name} example fits in --max-seq-length {args.max_seq_length} tokens "
-                 f"({data_dir / name}.jsonl); pass a larger --max-seq-length")
+            fail(
+                f"no distilled {name} example fits in --max-seq-length {args.max_seq_length} tokens "
+                f"({data_dir / name}.jsonl); pass a larger --max-seq-length"
+            )
 
     train_examples, valid_examples = split("train"), split("valid")
     min_steps = args.min_steps  # at least 1 (main refuses less)
     loaded = base.load("torch", base_path, dtype="float32", device=args.device, announce=log)
     mars = base.ensure_mask_token(loaded, init, block_size=block_size, announce=log)
     settings = TrainSettings(
-        fine_tune_type="lora", block_size=block_size, batch_size=args.batch_size, learning_rate=args.learning_rate,
-        lora_rank=rank, lora_alpha=alpha, seed=args.seed, init_adapter=str(args.init_adapter), gate=init.gate,
-        objective="distill", steps_per_save=10**9, slot_weights=args.slot_weights, consistency=args.consistency,
+        fine_tune_type="lora",
+        block_size=block_size,
+        batch_size=args.batch_size,
+        learning_rate=args.learning_rate,
+        lora_rank=rank,
+        lora_alpha=alpha,
+        seed=args.seed,
+        init_adapter=str(args.init_adapter),
+        gate=init.gate,
+        objective="distill",
+        steps_per_save=10**9,
+        slot_weights=args.slot_weights,
+        consistency=args.consistency,
     )
     adapter_dir = args.work / "adapter"
     trainer = base.trainer("torch")(loaded, mars, settings, adapter_dir)
     trainer.loss.to(trainer.device)  # the mask row read from the adapter starts on the host
     trainer.loss_module = trainer.loss
     trainer.pad_id = tokenizer.eos_token_id
-    log(f"training {trainer.trainable:,} parameters on {len(train_examples)} examples, batch {args.batch_size}, "
+    log(
+        f"training {trainer.trainable:,} parameters on {len(train_examples)} examples, batch {args.batch_size}, "
         f"autocast {trainer.autocast}, until {time.strftime('%H:%M:%S', time.localtime(deadline))} "
-        f"and for at least {min_steps} steps")
-    summary["train"] = {"examples": len(train_examples), "valid_examples": len(valid_examples), "batch_size": args.batch_size,
-                        "learning_rate": args.learning_rate, "block_size": block_size, "lora_rank": rank,
-                        "slot_weights": list(args.slot_weights), "consistency": args.consistency,
-                        "autocast": str(trainer.autocast), "split_forward": trainer.loss.split, "steps": 0}
+        f"and for at least {min_steps} steps"
+    )
+    summary["train"] = {
+        "examples": len(train_examples),
+        "valid_examples": len(valid_examples),
+        "batch_size": args.batch_size,
+        "learning_rate": args.learning_rate,
+        "block_size": block_size,
+        "lora_rank": rank,
+        "slot_weights": list(args.slot_weights),
+        "consistency": args.consistency,
+        "autocast": str(trainer.autocast),
+        "split_forward": trainer.loss.split,
+        "steps": 0,
+    }
     summary["train"]["valid_before"] = trainer.evaluate(valid_examples)
     log(f"validation before: {summary['train']['valid_before']}")
 
@@ -404,13 +464,21 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
     tokens = 0
     with open(step_log, "a", encoding="utf-8") as f:
         while more():
-            for ids, labels, lengths in batches(train_examples, args.batch_size, pad_id=trainer.pad_id, seed=args.seed + trainer.epoch):
+            for ids, labels, lengths in batches(
+                train_examples, args.batch_size, pad_id=trainer.pad_id, seed=args.seed + trainer.epoch
+            ):
                 noisy, clean = accumulate(trainer, (ids, labels, lengths), summary["train"])
                 lr = trainer.apply_update()
                 trainer.step += 1
                 tokens += int(lengths.sum())
-                rec = {"step": trainer.step, "noisy": round(noisy, 5), "clean": round(clean, 5), "lr": lr,
-                       "tok_s": round(tokens / max(1e-9, now() - start)), "t": round(now() - start, 1)}
+                rec = {
+                    "step": trainer.step,
+                    "noisy": round(noisy, 5),
+                    "clean": round(clean, 5),
+                    "lr": lr,
+                    "tok_s": round(tokens / max(1e-9, now() - start)),
+                    "t": round(now() - start, 1),
+                }
                 trainer.history.append(rec)
                 f.write(json.dumps(rec) + "\n")
                 if trainer.step % 50 == 0 or trainer.step == 1:
@@ -434,21 +502,39 @@ def train(args, base_path: Path, data_dir: Path, out: Path, summary: dict, deadl
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="where snapshots, logs and the summary go (e.g. $OUT)")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/mars-train-gpu"),
-                    help="scratch space for the data and the adapter (kept out of --out, which holds only what returns)")
-    ap.add_argument("--unpack", nargs=2, type=Path, metavar=("OUT", "DEST"), help="rebuild the adapter of a finished run")
-    ap.add_argument("--store", type=Path, default=DEFAULT_STORE,
-                    help="the base's replies earlier runs distilled (token ids): reused, and only new prompts are distilled; "
-                         "OUT gets the store grown by this run's replies (with --unpack: where to rebuild it)")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/mars-train-gpu"),
+        help="scratch space for the data and the adapter (kept out of --out, which holds only what returns)",
+    )
+    ap.add_argument(
+        "--unpack", nargs=2, type=Path, metavar=("OUT", "DEST"), help="rebuild the adapter of a finished run"
+    )
+    ap.add_argument(
+        "--store",
+        type=Path,
+        default=DEFAULT_STORE,
+        help="the base's replies earlier runs distilled (token ids): reused, and only new prompts are distilled; "
+        "OUT gets the store grown by this run's replies (with --unpack: where to rebuild it)",
+    )
     ap.add_argument("--model", default="default", help="the base model directory, or 'default' (the embedded default)")
     ap.add_argument("--init-adapter", type=Path, default=ROOT / "weights", help="the gated MARS adapter to continue")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--minutes", type=float, default=7.5, help="the whole run's wall time, every phase included")
-    ap.add_argument("--distil-share", type=float, default=None,
-                    help="share of the time left after the prompts for distillation (default: 0.3, or 0.1 once the store "
-                         "holds --enough-replies, when sampling prompts also gets 3%% of the time instead of 8%%)")
-    ap.add_argument("--enough-replies", type=int, default=10000,
-                    help="stored replies from which a run spends less time on new prompts and replies")
+    ap.add_argument(
+        "--distil-share",
+        type=float,
+        default=None,
+        help="share of the time left after the prompts for distillation (default: 0.3, or 0.1 once the store "
+        "holds --enough-replies, when sampling prompts also gets 3%% of the time instead of 8%%)",
+    )
+    ap.add_argument(
+        "--enough-replies",
+        type=int,
+        default=10000,
+        help="stored replies from which a run spends less time on new prompts and replies",
+    )
     ap.add_argument("--template-prompts", type=int, default=40000)
     ap.add_argument("--sampled-prompts", type=int, default=20000)
     ap.add_argument("--valid", type=int, default=128, help="held-out valid prompts distilled for validation")
@@ -459,13 +545,27 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=0.03, help="share of the training time")
     ap.add_argument("--max-seq-length", type=int, default=512)
     ap.add_argument("--save-seconds", type=float, default=60.0)
-    ap.add_argument("--reserve-seconds", type=float, default=25.0, help="kept at the end for the last validation and snapshot")
-    ap.add_argument("--min-steps", type=int, default=1,
-                    help="training steps run however late training starts (past --minutes if need be)")
-    ap.add_argument("--slot-weights", default="", help="the noisy loss's weight per mask slot 1..B, comma-separated "
-                    "(mars finetune --slot-weights); default: every slot alike")
-    ap.add_argument("--consistency", type=float, default=0.0, help="weight of the hidden-state consistency term at the masks "
-                    "(mars finetune --consistency)")
+    ap.add_argument(
+        "--reserve-seconds", type=float, default=25.0, help="kept at the end for the last validation and snapshot"
+    )
+    ap.add_argument(
+        "--min-steps",
+        type=int,
+        default=1,
+        help="training steps run however late training starts (past --minutes if need be)",
+    )
+    ap.add_argument(
+        "--slot-weights",
+        default="",
+        help="the noisy loss's weight per mask slot 1..B, comma-separated "
+        "(mars finetune --slot-weights); default: every slot alike",
+    )
+    ap.add_argument(
+        "--consistency",
+        type=float,
+        default=0.0,
+        help="weight of the hidden-state consistency term at the masks (mars finetune --consistency)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
@@ -496,22 +596,29 @@ def main(argv=None) -> int:
     end = t0 + 60 * args.minutes
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    import make_prompts
     import torch
     from transformers import AutoModelForCausalLM
 
+    from mars.checkpoint.default_model import default_model_dir
     from mars.checkpoint.paths import load_tokenizer
     from mars.core.tokens import eos_ids
-    from mars.checkpoint.default_model import default_model_dir
-
-    import make_prompts
 
     base_path = default_model_dir(announce=log) if args.model == "default" else Path(args.model)
     tokenizer = load_tokenizer(base_path)
-    model = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32, attn_implementation="sdpa").to(args.device).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(str(base_path), dtype=torch.float32, attn_implementation="sdpa")
+        .to(args.device)
+        .eval()
+    )
     eos = eos_ids(tokenizer, model.generation_config.eos_token_id)
-    summary = {"started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)), "device": args.device,
-               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-               "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}}
+    summary = {
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t0)),
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     log(f"base {base_path} on {args.device} ({summary['gpu']}), eos {eos}, {now() - t0:.0f}s in")
 
     prompts_dir = ROOT / "data" / "prompts"
@@ -528,38 +635,82 @@ def main(argv=None) -> int:
     # new prompts and replies then only add to what is there.
     enough = len(stored) >= args.enough_replies
     distil_share = args.distil_share if args.distil_share is not None else (0.1 if enough else 0.3)
-    sampled = sampled_prompts(model, tokenizer, args.sampled_prompts, batch=args.gen_batch, eos=eos, held_out=held | known | {
-        make_prompts.normalise(p) for p in templates}, deadline=now() + (0.03 if enough else 0.08) * (end - now()), seed=args.seed)
+    sampled = sampled_prompts(
+        model,
+        tokenizer,
+        args.sampled_prompts,
+        batch=args.gen_batch,
+        eos=eos,
+        held_out=held | known | {make_prompts.normalise(p) for p in templates},
+        deadline=now() + (0.03 if enough else 0.08) * (end - now()),
+        seed=args.seed,
+    )
     prompts = templates + sampled
     random.Random(args.seed).shuffle(prompts)
-    log(f"prompts: {len(stored)} with replies in {args.store}, new: {len(templates)} template, {len(sampled)} sampled "
-        f"from the base, {now() - t0:.0f}s in")
+    log(
+        f"prompts: {len(stored)} with replies in {args.store}, new: {len(templates)} template, {len(sampled)} sampled "
+        f"from the base, {now() - t0:.0f}s in"
+    )
     if not prompts and not stored:
         fail("no training prompts to distil; pass --template-prompts or --sampled-prompts above 0")
 
     distil_end = now() + distil_share * (end - now())
-    valid = distil(model, tokenizer, valid_prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=end)
+    valid = distil(
+        model, tokenizer, valid_prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=end
+    )
     new_rows: list = []
-    fresh = distil(model, tokenizer, prompts, batch=args.gen_batch, max_new=args.max_tokens, eos=eos, deadline=distil_end,
-                   rows=new_rows) if prompts else []
+    fresh = (
+        distil(
+            model,
+            tokenizer,
+            prompts,
+            batch=args.gen_batch,
+            max_new=args.max_tokens,
+            eos=eos,
+            deadline=distil_end,
+            rows=new_rows,
+        )
+        if prompts
+        else []
+    )
     reused = [made for made in (record(tokenizer, *r) for r in stored) if made is not None]
     records = reused + fresh
     random.Random(args.seed).shuffle(records)
-    for name, rows, asked in (("training", records, prompts + [r[0] for r in stored]), ("validation", valid, valid_prompts)):
+    for name, rows, asked in (
+        ("training", records, prompts + [r[0] for r in stored]),
+        ("validation", valid, valid_prompts),
+    ):
         if not rows:
-            fail(f"distillation gave no {name} replies: the base's reply to each of its {len(asked)} prompts was empty "
-                 f"(check --model)")
+            fail(
+                f"distillation gave no {name} replies: the base's reply to each of its {len(asked)} prompts was empty "
+                f"(check --model)"
+            )
     data_dir = args.work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     for name, rows in (("train", records), ("valid", valid)):
-        (data_dir / f"{name}.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
-    summary["store"] = write_parts(out, STORE, store_bytes(key, stored + new_rows)) | {"replies": len(stored) + len(new_rows)}
-    summary["distil"] = {"prompts_template": len(templates), "prompts_sampled": len(sampled), "replies": len(records),
-                         "reused": len(reused), "distilled": len(fresh), "stored_before": len(stored),
-                         "cut_by_max_tokens": sum(r["finish"] == "length" for r in records), "valid": len(valid),
-                         "seconds": round(now() - t0, 1), "max_tokens": args.max_tokens, "share": distil_share}
-    log(f"{len(records)} replies ({len(reused)} reused, {len(fresh)} distilled now; {summary['distil']['cut_by_max_tokens']} cut), "
-        f"the store now {summary['store']['replies']}, {now() - t0:.0f}s in")
+        (data_dir / f"{name}.jsonl").write_text(
+            "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8"
+        )
+    summary["store"] = write_parts(out, STORE, store_bytes(key, stored + new_rows)) | {
+        "replies": len(stored) + len(new_rows)
+    }
+    summary["distil"] = {
+        "prompts_template": len(templates),
+        "prompts_sampled": len(sampled),
+        "replies": len(records),
+        "reused": len(reused),
+        "distilled": len(fresh),
+        "stored_before": len(stored),
+        "cut_by_max_tokens": sum(r["finish"] == "length" for r in records),
+        "valid": len(valid),
+        "seconds": round(now() - t0, 1),
+        "max_tokens": args.max_tokens,
+        "share": distil_share,
+    }
+    log(
+        f"{len(records)} replies ({len(reused)} reused, {len(fresh)} distilled now; {summary['distil']['cut_by_max_tokens']} cut), "
+        f"the store now {summary['store']['replies']}, {now() - t0:.0f}s in"
+    )
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

@@ -48,4 +48,3 @@ def spell_records(n=20):
         {"prompt": f"Spell from {LETTERS[i % 14]}", "completion": " ".join(LETTERS[i % 14 : i % 14 + 12])}
         for i in range(n)
     ]
-

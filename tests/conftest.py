@@ -14,7 +14,6 @@ except ImportError:
 
 # Module fixtures shared by the CLI tests (a module may define its own of the same name).
 import pytest  # noqa: E402
-
 from clitools import spell_records, write_jsonl  # noqa: E402
 from tiny import save_model  # noqa: E402
 

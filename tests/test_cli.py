@@ -16,9 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from clitools import LETTERS, invoke, ok, one_line_error, spell_records, write_jsonl
-
 
 # --- helpers -------------------------------------------------------------------------
 
@@ -34,8 +32,24 @@ def mars_exe() -> str:
 
 def finetune_args(model, data, out, *extra, iters=20, kind="lora"):
     return (
-        "finetune", "--model", model, "--data", data, "--output", out, "--fine-tune-type", kind,
-        "--iters", iters, "--batch-size", 4, "--learning-rate", 1e-3, "--device", "cpu", *extra,
+        "finetune",
+        "--model",
+        model,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--fine-tune-type",
+        kind,
+        "--iters",
+        iters,
+        "--batch-size",
+        4,
+        "--learning-rate",
+        1e-3,
+        "--device",
+        "cpu",
+        *extra,
     )
 
 
@@ -115,7 +129,9 @@ def test_too_long_is_an_error_by_default(tiny, data, tmp_path):
     out = tmp_path / "out"
     last = one_line_error(
         invoke(*finetune_args(tiny, data, out, "--max-seq-length", 32, iters=2)),
-        "train.jsonl:1", "--max-seq-length 32", "neither truncated nor skipped",
+        "train.jsonl:1",
+        "--max-seq-length 32",
+        "neither truncated nor skipped",
     )
     assert "--on-long" in last
     assert not out.exists()
@@ -137,7 +153,8 @@ def test_generate_refuses_block_size_zero(tiny, tmp_path):
     (bad / "mars.json").write_text(json.dumps({"block_size": 0, "mask_token": "<unused0>", "mask_token_id": 3}))
     one_line_error(
         invoke("generate", "--model", bad, "--prompt", "hi", "--max-tokens", 3, "--device", "cpu"),
-        "mars.json", "block_size",
+        "mars.json",
+        "block_size",
     )
 
 
@@ -210,10 +227,14 @@ def mixed_lengths(tmp_path):
     return write_jsonl(tmp_path / "mixed" / "train.jsonl", spell_records(4) + [long, long])
 
 
-@pytest.mark.parametrize("mode,kept,report", [("truncate", 6, "2 truncated, 0 skipped"), ("skip", 4, "0 truncated, 2 skipped")])
+@pytest.mark.parametrize(
+    "mode,kept,report", [("truncate", 6, "2 truncated, 0 skipped"), ("skip", 4, "0 truncated, 2 skipped")]
+)
 def test_on_long(tiny, mixed_lengths, tmp_path, mode, kept, report):
     out = tmp_path / "out"
-    result = ok(invoke(*finetune_args(tiny, mixed_lengths.parent, out, "--max-seq-length", 64, "--on-long", mode, iters=2)))
+    result = ok(
+        invoke(*finetune_args(tiny, mixed_lengths.parent, out, "--max-seq-length", 64, "--on-long", mode, iters=2))
+    )
     assert f"{report} over --max-seq-length 64" in result.output
     assert f"data: {kept} train examples" in result.output
     assert "after 2 steps" in result.output
@@ -251,7 +272,14 @@ def test_full_finetune_writes_a_plain_hf_model(full, tiny):
 
     out, result = full
     assert "after 20 steps" in result.output
-    for name in ("config.json", "model.safetensors", "mars.json", "tokenizer.json", "tokenizer_config.json", "training_log.jsonl"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "mars.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "training_log.jsonl",
+    ):
         assert (out / name).is_file(), name
     assert not (out / "checkpoint").exists()
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp dirs left
@@ -294,7 +322,13 @@ def test_lora_writes_a_peft_adapter(lora, tiny):
 
     out, result = lora
     assert "after 20 steps" in result.output
-    for name in ("adapter_model.safetensors", "adapter_config.json", "mask_embedding.safetensors", "mars.json", "training_log.jsonl"):
+    for name in (
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        "mask_embedding.safetensors",
+        "mars.json",
+        "training_log.jsonl",
+    ):
         assert (out / name).is_file(), name
     assert not (out / "config.json").exists()  # an adapter, not a model
     assert not (out / "checkpoint").exists()
@@ -323,8 +357,14 @@ def test_init_adapter_continues_a_lora_run(lora, tiny, data, tmp_path):
     for name in ("adapter_model.safetensors", "mask_embedding.safetensors"):
         a, b = load_file(str(src / name)), load_file(str(same / name))
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a), name
-    assert json.loads((same / "adapter_config.json").read_text())["r"] == json.loads((src / "adapter_config.json").read_text())["r"]
-    assert json.loads((same / "mars.json").read_text())["block_size"] == json.loads((src / "mars.json").read_text())["block_size"]
+    assert (
+        json.loads((same / "adapter_config.json").read_text())["r"]
+        == json.loads((src / "adapter_config.json").read_text())["r"]
+    )
+    assert (
+        json.loads((same / "mars.json").read_text())["block_size"]
+        == json.loads((src / "mars.json").read_text())["block_size"]
+    )
     # Training goes on from there: the first loss is the trained adapter's, well below a fresh start's.
     cont, fresh = tmp_path / "cont", tmp_path / "fresh"
     ok(invoke(*finetune_args(tiny, data, cont, "--init-adapter", src, iters=2)))
@@ -343,7 +383,11 @@ def test_init_adapter_changes_the_block_size(lora, tiny, data, tmp_path):
     src, _ = lora
     assert json.loads((src / "mars.json").read_text())["block_size"] == 4
     same = tmp_path / "same"
-    res = ok(invoke(*finetune_args(tiny, data, same, "--init-adapter", src, "--block-size", 2, "--learning-rate", 0, iters=1)))
+    res = ok(
+        invoke(
+            *finetune_args(tiny, data, same, "--init-adapter", src, "--block-size", 2, "--learning-rate", 0, iters=1)
+        )
+    )
     assert "block size 4 becomes 2" in res.output
     assert json.loads((same / "mars.json").read_text())["block_size"] == 2
     for name in ("adapter_model.safetensors", "mask_embedding.safetensors"):
@@ -357,8 +401,12 @@ def test_init_adapter_changes_the_block_size(lora, tiny, data, tmp_path):
 
 def test_init_adapter_bad_input(lora, tiny, data, tmp_path):
     src, _ = lora
-    one_line_error(invoke(*finetune_args(tiny, data, tmp_path / "a", "--init-adapter", src, kind="full")), "--init-adapter", "lora")
-    one_line_error(invoke(*finetune_args(tiny, data, tmp_path / "b", "--init-adapter", tiny)), str(tiny), "not an adapter")
+    one_line_error(
+        invoke(*finetune_args(tiny, data, tmp_path / "a", "--init-adapter", src, kind="full")), "--init-adapter", "lora"
+    )
+    one_line_error(
+        invoke(*finetune_args(tiny, data, tmp_path / "b", "--init-adapter", tiny)), str(tiny), "not an adapter"
+    )
     for out in ("a", "b"):
         assert not (tmp_path / out).exists()
 
@@ -366,7 +414,22 @@ def test_init_adapter_bad_input(lora, tiny, data, tmp_path):
 def test_generate_from_adapter_dir_and_adapter_path(lora, tiny):
     out, _ = lora
     a = ok(invoke("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--json"))
-    b = ok(invoke("generate", "--model", tiny, "--adapter-path", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--json"))
+    b = ok(
+        invoke(
+            "generate",
+            "--model",
+            tiny,
+            "--adapter-path",
+            out,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            5,
+            "--device",
+            "cpu",
+            "--json",
+        )
+    )
     ra, rb = json.loads(a.stdout.strip()), json.loads(b.stdout.strip())
     assert ra["tokens"] >= 1 and ra == rb  # the adapter dir resolves its base from mars.json: same model
     c = ok(invoke("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu"))
@@ -375,7 +438,9 @@ def test_generate_from_adapter_dir_and_adapter_path(lora, tiny):
 
 def test_generate_adapter_dir_real_process(lora):
     out, _ = lora
-    proc = run_mars("generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--threshold", 0.5)
+    proc = run_mars(
+        "generate", "--model", out, "--prompt", "hi", "--max-tokens", 5, "--device", "cpu", "--threshold", 0.5
+    )
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     lines = proc.stdout.splitlines()
@@ -447,7 +512,21 @@ def test_resume_matches_an_uninterrupted_run(tiny, data, tmp_path, monkeypatch):
 
 def test_generate_prints_tokens_per_forward(full):
     out, _ = full
-    result = ok(invoke("generate", "--model", out, "--prompt", "Spell from c", "--max-tokens", 8, "--threshold", 0.5, "--device", "cpu"))
+    result = ok(
+        invoke(
+            "generate",
+            "--model",
+            out,
+            "--prompt",
+            "Spell from c",
+            "--max-tokens",
+            8,
+            "--threshold",
+            0.5,
+            "--device",
+            "cpu",
+        )
+    )
     assert "--- [0] Spell from c" in result.stdout
     last = [line for line in result.output.splitlines() if line.strip()][-1]
     assert "threshold 0.5" in last and "tokens/forward" in last
@@ -455,10 +534,12 @@ def test_generate_prints_tokens_per_forward(full):
 
 MODE_LINE = re.compile(
     r"^(?P<mode>[^,]+), B=\d+, cache=[^:]+: (?P<tokens>\d+) tokens, (?P<forwards>\d+) forwards, [\d.]+ tokens/forward, "
-    r"(?P<seconds>[\d.]+)s \((?P<speed>[\d.]+) tok/s; median of (?P<rounds>\d+) rounds, range (?P<low>[\d.]+)-(?P<high>[\d.]+) tok/s\)")
+    r"(?P<seconds>[\d.]+)s \((?P<speed>[\d.]+) tok/s; median of (?P<rounds>\d+) rounds, range (?P<low>[\d.]+)-(?P<high>[\d.]+) tok/s\)"
+)
 RATIO_LINE = re.compile(
     r"^(?P<same>\d+)/(?P<prompts>\d+) replies identical to AR; (?P<mode>[^:]+): (?P<ratio>[\d.]+)x AR's tokens/s "
-    r"\((?P<speed>[\d.]+) / (?P<ar>[\d.]+) tok/s, the medians above; round by round (?P<low>[\d.]+)-(?P<high>[\d.]+)x\)$")
+    r"\((?P<speed>[\d.]+) / (?P<ar>[\d.]+) tok/s, the medians above; round by round (?P<low>[\d.]+)-(?P<high>[\d.]+)x\)$"
+)
 
 
 def compare_figures(output: str) -> tuple[list[dict], dict]:
@@ -480,9 +561,15 @@ def check_compare_figures(modes: list[dict], ratio: dict, rounds: int) -> None:
     for m in modes:
         assert m["rounds"] == rounds and m["low"] <= m["speed"] <= m["high"]
         # seconds are printed to 0.01 s, tokens/s to 0.1: the same figure within that rounding
-        assert m["tokens"] / (m["seconds"] + 0.005) - 0.05 <= m["speed"] <= m["tokens"] / max(m["seconds"] - 0.005, 1e-9) + 0.05
+        assert (
+            m["tokens"] / (m["seconds"] + 0.005) - 0.05
+            <= m["speed"]
+            <= m["tokens"] / max(m["seconds"] - 0.005, 1e-9) + 0.05
+        )
     assert (ratio["speed"], ratio["ar"]) == (mode["speed"], ar["speed"])
-    assert ratio["ratio"] == pytest.approx(mode["speed"] / ar["speed"], abs=0.005 + 0.05 * (1 / ar["speed"] + mode["speed"] / ar["speed"] ** 2))
+    assert ratio["ratio"] == pytest.approx(
+        mode["speed"] / ar["speed"], abs=0.005 + 0.05 * (1 / ar["speed"] + mode["speed"] / ar["speed"] ** 2)
+    )
     assert ratio["low"] <= ratio["ratio"] <= ratio["high"]
 
 
@@ -495,8 +582,21 @@ def test_compare_prints_one_set_of_figures(full, monkeypatch):
     import mars.session
 
     out, _ = full
-    args = ("generate", "--model", out, "--prompt", "Spell from c", "--prompt", "hi", "--max-tokens", 8, "--device", "cpu",
-            "--lossless", "--compare")
+    args = (
+        "generate",
+        "--model",
+        out,
+        "--prompt",
+        "Spell from c",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        8,
+        "--device",
+        "cpu",
+        "--lossless",
+        "--compare",
+    )
     # Wall times per round, AR then lossless (AR then lossless within each round): the first
     # round has lossless slowest, the median rounds have it faster.
     script = iter([1.0, 4.0, 4.0, 1.0, 2.0, 1.5])
@@ -538,13 +638,18 @@ def test_compare_prints_one_set_of_figures(full, monkeypatch):
         sources = r["tokens_by_source"]
         assert sum(sources.values()) == r["tokens"]
         extra = r["tokens"] - sources.get("ar", 0)
-        assert r["masks_share"] == (None if extra == 0 else round((sources.get("masks", 0) + sources.get("spare", 0)) / extra, 4))
+        assert r["masks_share"] == (
+            None if extra == 0 else round((sources.get("masks", 0) + sources.get("spare", 0)) / extra, 4)
+        )
         for k, v in sources.items():
             totals[k] = totals.get(k, 0) + v
     line = next(line for line in result.stderr.splitlines() if line.startswith(modes[1]["mode"] + ","))
     extra = sum(totals.values()) - totals.get("ar", 0)
     if extra:
-        assert f"the masks' share of the extra tokens {(totals.get('masks', 0) + totals.get('spare', 0)) / extra:.0%}" in line
+        assert (
+            f"the masks' share of the extra tokens {(totals.get('masks', 0) + totals.get('spare', 0)) / extra:.0%}"
+            in line
+        )
     else:
         assert "masks' share" not in line
     assert all("tokens_by_source" not in r for r in rows if r["mode"] == modes[0]["mode"])  # AR takes no drafts
@@ -559,9 +664,22 @@ def test_generate_json_and_prompts_file(full, tmp_path):
         tmp_path / "prompts.jsonl",
         [{"prompt": "Spell from a"}, {"messages": [{"role": "user", "content": "Spell from b"}]}],
     )
-    result = ok(invoke(
-        "generate", "--model", out, "--prompts", prompts, "--prompt", "hi", "--json", "--max-tokens", 6, "--device", "cpu",
-    ))
+    result = ok(
+        invoke(
+            "generate",
+            "--model",
+            out,
+            "--prompts",
+            prompts,
+            "--prompt",
+            "hi",
+            "--json",
+            "--max-tokens",
+            6,
+            "--device",
+            "cpu",
+        )
+    )
     rows = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     assert len(rows) == 3  # one JSON object per prompt, nothing else on stdout
     assert rows[0]["prompt"] == "hi" and rows[1]["prompt"] == "Spell from a"
@@ -580,28 +698,62 @@ def test_threshold_below_one_needs_mars_json_or_force(tiny):
 
 
 def test_verify_runs_verified_threshold_mode(tiny):
-    common = ("generate", "--model", tiny, "--prompt", "hi", "--prompt", "Spell from c", "--max-tokens", 10, "--json", "--device", "cpu")
+    common = (
+        "generate",
+        "--model",
+        tiny,
+        "--prompt",
+        "hi",
+        "--prompt",
+        "Spell from c",
+        "--max-tokens",
+        10,
+        "--json",
+        "--device",
+        "cpu",
+    )
     ar = [json.loads(line) for line in ok(invoke(*common)).stdout.splitlines()]
     at_one = ok(invoke(*common, "--threshold", 1.0, "--verify"))
     assert "--verify is ignored here: AR mode" in at_one.stderr
     assert [json.loads(line)["text"] for line in at_one.stdout.splitlines()] == [r["text"] for r in ar]
-    verified = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--verify", "--force")).stdout.splitlines()]
+    verified = [
+        json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--verify", "--force")).stdout.splitlines()
+    ]
     assert [r["mode"] for r in verified] == ["verified threshold 0.5 (probability)"] * 2
-    summary = ok(invoke(*common[:-3], "--device", "cpu", "--threshold", 0.0, "--verify", "--force", "--feed", "fixed")).output
+    summary = ok(
+        invoke(*common[:-3], "--device", "cpu", "--threshold", 0.0, "--verify", "--force", "--feed", "fixed")
+    ).output
     assert "unverified (threshold)" in summary and "AR" in summary
-    result = ok(invoke("chat", "--model", tiny, "--max-tokens", 6, "--device", "cpu", "--force",
-                       input="/verify\n/threshold 0.5\nhi\n/verify\n/quit\n"))
+    result = ok(
+        invoke(
+            "chat",
+            "--model",
+            tiny,
+            "--max-tokens",
+            6,
+            "--device",
+            "cpu",
+            "--force",
+            input="/verify\n/threshold 0.5\nhi\n/verify\n/quit\n",
+        )
+    )
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
     said = [line for line in said if line.startswith(("AR", "lossless", "threshold", "verified"))]
     assert said[0].startswith("AR greedy, B=4")  # the banner
     assert said[1:] == ["AR greedy", "threshold 0.5 (probability)", "verified threshold 0.5 (probability)"]
     # Verified threshold mode is the default of threshold mode; --no-verify is plain threshold mode.
-    plain = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--no-verify", "--force")).stdout.splitlines()]
+    plain = [
+        json.loads(line)
+        for line in ok(invoke(*common, "--threshold", 0.5, "--no-verify", "--force")).stdout.splitlines()
+    ]
     default = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--force")).stdout.splitlines()]
     assert [r["mode"] for r in plain] == ["threshold 0.5 (probability)"] * 2
     assert [r["mode"] for r in default] == ["verified threshold 0.5 (probability)"] * 2
     sampled = invoke(*common, "--threshold", 0.5, "--force", "--temp", 0.7)
-    assert "ignored" not in sampled.stderr and json.loads(sampled.stdout.splitlines()[0])["mode"] == "threshold 0.5 (probability)"
+    assert (
+        "ignored" not in sampled.stderr
+        and json.loads(sampled.stdout.splitlines()[0])["mode"] == "threshold 0.5 (probability)"
+    )
     assert "lossless mode verifies every draft already" in invoke(*common, "--lossless", "--verify").stderr
     assert "is ignored" not in invoke(*common, "--threshold", 0.5, "--verify", "--force", "--hedge", 1).stderr
 
@@ -612,7 +764,20 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     out = tmp_path / "out"
     ok(invoke(*finetune_args(tiny, data, out, "--default-mode", "lossless", "--default-threshold", 0.5, kind="full")))
     assert json.loads((out / "mars.json").read_text())["default_mode"] == "lossless"
-    common = ("generate", "--model", out, "--prompt", "Spell from c", "--prompt", "hi", "--max-tokens", 12, "--json", "--device", "cpu")
+    common = (
+        "generate",
+        "--model",
+        out,
+        "--prompt",
+        "Spell from c",
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        12,
+        "--json",
+        "--device",
+        "cpu",
+    )
     default = [json.loads(line) for line in ok(invoke(*common)).stdout.splitlines()]
     ar = [json.loads(line) for line in ok(invoke(*common, "--threshold", 1.0)).stdout.splitlines()]
     loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5)).stdout.splitlines()]
@@ -624,11 +789,23 @@ def test_default_mode_lossless(tiny, data, tmp_path):
     assert [r["text"] for r in plain] == [r["text"] for r in ar] and plain[0]["mode"] == "lossless greedy"
     fixed = [json.loads(line) for line in ok(invoke(*common, "--feed", "fixed")).stdout.splitlines()]
     assert [r["text"] for r in fixed] == [r["text"] for r in ar]
-    fixed_loose = [json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--feed", "fixed")).stdout.splitlines()]
+    fixed_loose = [
+        json.loads(line) for line in ok(invoke(*common, "--threshold", 0.5, "--feed", "fixed")).stdout.splitlines()
+    ]
     assert [r["mode"] for r in fixed_loose] == ["verified threshold 0.5 (probability)"] * 2
     assert invoke(*common, "--feed", "wide").exit_code == 2
-    result = ok(invoke("chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
-                       input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n"))
+    result = ok(
+        invoke(
+            "chat",
+            "--model",
+            out,
+            "--max-tokens",
+            8,
+            "--device",
+            "cpu",
+            input="hello\n/threshold 0.5\nhi\n/lossless\nhey\n/quit\n",
+        )
+    )
     said = [line.removeprefix(">> ").strip() for line in result.output.splitlines()]
     said = [line for line in said if line.startswith(("AR", "lossless", "threshold", "verified"))]
     assert said[0].startswith("lossless greedy, B=4")
@@ -644,10 +821,18 @@ def test_default_mode_lossless(tiny, data, tmp_path):
 
 def test_chat(full):
     out, _ = full
-    result = ok(invoke(
-        "chat", "--model", out, "--max-tokens", 8, "--device", "cpu",
-        input="hello\n/threshold 0.5\nhi\n/quit\n",
-    ))
+    result = ok(
+        invoke(
+            "chat",
+            "--model",
+            out,
+            "--max-tokens",
+            8,
+            "--device",
+            "cpu",
+            input="hello\n/threshold 0.5\nhi\n/quit\n",
+        )
+    )
     assert "threshold 0.5 (probability)" in result.output
     replies = [line for line in result.output.splitlines() if "tokens/forward" in line]
     assert len(replies) == 2, result.output

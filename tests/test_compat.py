@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from tiny import make_tokenizer, make_plan
+from tiny import make_plan, make_tokenizer
 
-from mars.backends.torch.load import TorchModel, ensure_mask_token, load
 from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import TorchModel, ensure_mask_token, load
 from mars.backends.torch.train import TorchTrainer
-from mars.core.train.data import Example, encode_record, pad_to_block
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
+from mars.core.train.data import Example, encode_record, pad_to_block
 from mars.core.train.loop import TrainSettings
 
 QUIET = {"announce": lambda m: None}
@@ -24,8 +24,12 @@ IDS = [1, 30, 12, 7, 44, 9, 60, 5, 18, 71, 26, 33, 40, 13, 55, 21]
 ROPES = {
     "default": {"rope_type": "default", "rope_theta": 500000.0},
     "llama3": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
     },
 }
 RECORDS = [{"prompt": "Say a", "completion": "aaaa aaaa"}, {"prompt": "Hi", "completion": "Hello there."}]
@@ -37,9 +41,19 @@ def save_rope_model(path: Path, rope: str = "default") -> Path:
 
     tok = make_tokenizer()
     config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
-        pad_token_id=2, tie_word_embeddings=True, rope_parameters=dict(ROPES[rope]),
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        tie_word_embeddings=True,
+        rope_parameters=dict(ROPES[rope]),
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -134,8 +148,8 @@ def test_cached_default_model_from_an_older_version_is_repaired(tmp_path, monkey
 @pytest.mark.slow
 def test_default_model_and_gguf_import_load_alike_in_mlx_lm_and_transformers(tmp_path, monkeypatch):
     """The real default (SmolLM2, RoPE theta 100000): both ways mars dequantizes a GGUF."""
-    from mars.convert.models import import_gguf
     from mars.checkpoint.default_model import default_gguf, default_model_dir
+    from mars.convert.models import import_gguf
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
     for path in (default_model_dir(**QUIET), import_gguf(default_gguf(), tmp_path / "imported", **QUIET)):
@@ -171,17 +185,25 @@ def test_torch_lora_output_names_no_local_base_path(tmp_path):
     assert card.data.base_model is None and not [t for t in card.data.tags or () if t.startswith("base_model:")]
     again = load(out, **QUIET)
     assert Path(again.path) == out and again.mars.base_model == str(base.resolve())
-    keep = [i for i in range(len(tm.tokenizer)) if i != trainer.mars.mask_token_id]  # tied: the trained mask row moves its logit
+    keep = [
+        i for i in range(len(tm.tokenizer)) if i != trainer.mars.mask_token_id
+    ]  # tied: the trained mask row moves its logit
     with torch.no_grad():
-        torch.testing.assert_close(again.model(torch.tensor([IDS])).logits[..., keep], trainer.model(torch.tensor([IDS])).logits[..., keep],
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            again.model(torch.tensor([IDS])).logits[..., keep],
+            trainer.model(torch.tensor([IDS])).logits[..., keep],
+            atol=1e-4,
+            rtol=1e-4,
+        )
 
     # a portable reference is recorded as given
     trainer.output = tmp_path / "named"
     trainer.save(tm.tokenizer, DEFAULT_REF)
     card = ModelCard.load(tmp_path / "named" / "README.md")
     assert card.data.base_model == DEFAULT_REF and f"base_model:adapter:{DEFAULT_REF}" in card.data.tags
-    assert json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == DEFAULT_REF
+    assert (
+        json.loads((tmp_path / "named" / "adapter_config.json").read_text())["base_model_name_or_path"] == DEFAULT_REF
+    )
 
 
 def mlx_trainer(base: Path, out: Path, kind: str = "lora", announce=None):
@@ -223,9 +245,17 @@ def test_unseeded_sampling_leaves_the_global_torch_rng_alone(lossless):
 
     tok = make_tokenizer()
     tm = TorchModel(make_model("llama", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
-    prompt = [tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)["input_ids"]]
-    settings = make_plan(mask_id=3, eos_ids=(2,), max_tokens=8, threshold=0.5, lossless=lossless,
-                              sampling=Sampling(temperature=1.0, seed=None))
+    prompt = [
+        tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)["input_ids"]
+    ]
+    settings = make_plan(
+        mask_id=3,
+        eos_ids=(2,),
+        max_tokens=8,
+        threshold=0.5,
+        lossless=lossless,
+        sampling=Sampling(temperature=1.0, seed=None),
+    )
     torch.manual_seed(123)
     state = torch.get_rng_state()
     generate(TorchDecoder(tm), prompt, settings)
@@ -260,4 +290,8 @@ def test_mlx_training_on_the_cpu_says_it_is_slow(tmp_path, capsys):
     mlx_trainer(base, tmp_path / "out2", announce=lines.append)
     assert len(lines) == on_cpu
     if on_cpu:
-        assert lines[0].startswith("warning: MLX is running on the CPU") and "--backend torch" in lines[0] and "\n" not in lines[0]
+        assert (
+            lines[0].startswith("warning: MLX is running on the CPU")
+            and "--backend torch" in lines[0]
+            and "\n" not in lines[0]
+        )

@@ -9,12 +9,12 @@ import shutil
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import make_model, make_tokenizer
 
 from mars.checkpoint.hf_config import rope_overrides
+from mars.checkpoint.tensors import Tensor, from_float32, to_float32, write_safetensors
 from mars.cli.main import cli
 from mars.convert import ConvertError, convert_adapter, convert_model, read_safetensors
-from mars.checkpoint.tensors import Tensor, from_float32, to_float32, write_safetensors
-from tiny import make_model, make_tokenizer
 
 mx = pytest.importorskip("mlx.core")
 torch = pytest.importorskip("torch")
@@ -95,7 +95,9 @@ def test_hf_mlx_hf_bit_exact_and_loadable(tmp_path, arch, dtype):
     # that MLX model like the source, and both agree across frameworks (in float32 arithmetic)
     np.testing.assert_array_equal(mlx_logits(tmp_path / "mlx"), mlx_logits(src))
     np.testing.assert_array_equal(hf_logits(tmp_path / "back"), hf_logits(src))
-    np.testing.assert_allclose(hf_logits(tmp_path / "back"), mlx_logits(tmp_path / "mlx", float32=True), atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        hf_logits(tmp_path / "back"), mlx_logits(tmp_path / "mlx", float32=True), atol=1e-4, rtol=0
+    )
 
 
 def test_dtype_cast_matches_torch(tmp_path):
@@ -134,7 +136,13 @@ def test_dequantize_matches_mlx_quantized_forward(tmp_path, arch, bits, group):
     # each dequantized tensor equals mx.dequantize of the packed one, bit for bit
     q = tensors_of(tmp_path / "q")
     w = "model.layers.0.mlp.down_proj"
-    ref = mx.dequantize(mx.array(q[w + ".weight"].array), mx.array(q[w + ".scales"].array), mx.array(q[w + ".biases"].array), group_size=group, bits=bits)
+    ref = mx.dequantize(
+        mx.array(q[w + ".weight"].array),
+        mx.array(q[w + ".scales"].array),
+        mx.array(q[w + ".biases"].array),
+        group_size=group,
+        bits=bits,
+    )
     assert (np.array(ref) == deq[w + ".weight"].array).all()
     np.testing.assert_allclose(hf_logits(tmp_path / "deq"), mlx_logits(tmp_path / "q"), atol=1e-4, rtol=0)
 
@@ -158,7 +166,10 @@ def peft_adapter(base, out, *, rank=4, alpha=8):
 
     from mars.core.config import MarsConfig, write_config
 
-    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"))
+    model = get_peft_model(
+        base,
+        LoraConfig(r=rank, lora_alpha=alpha, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM"),
+    )
     torch.manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -179,15 +190,25 @@ def test_peft_mlx_peft_round_trip_and_logits(tmp_path):
     cfg = json.loads((tmp_path / "mlxa/adapter_config.json").read_text())
     assert cfg["num_layers"] == 2 and cfg["lora_parameters"]["scale"] == 2.0
     assert cfg["lora_parameters"]["keys"] == ["mlp.down_proj", "self_attn.q_proj", "self_attn.v_proj"]
-    assert (tmp_path / "mlxa/mask_embedding.safetensors").read_bytes() == (tmp_path / "peft/mask_embedding.safetensors").read_bytes()
+    assert (tmp_path / "mlxa/mask_embedding.safetensors").read_bytes() == (
+        tmp_path / "peft/mask_embedding.safetensors"
+    ).read_bytes()
     assert (tmp_path / "mlxa/mars.json").is_file()
     with torch.no_grad():
         ref = peft_model(torch.tensor([IDS])).logits[0].numpy()
     np.testing.assert_allclose(mlx_logits(tmp_path / "hf", tmp_path / "mlxa"), ref, atol=1e-4, rtol=0)
     assert invoke(tmp_path / "mlxa", "--to", "hf", "--output", tmp_path / "back").exit_code == 0
-    assert read_safetensors(tmp_path / "peft/adapter_model.safetensors")[0].keys() == read_safetensors(tmp_path / "back/adapter_model.safetensors")[0].keys()
-    same_tensors(read_safetensors(tmp_path / "peft/adapter_model.safetensors")[0], read_safetensors(tmp_path / "back/adapter_model.safetensors")[0])
-    assert json.loads((tmp_path / "peft/adapter_config.json").read_text()) == json.loads((tmp_path / "back/adapter_config.json").read_text())
+    assert (
+        read_safetensors(tmp_path / "peft/adapter_model.safetensors")[0].keys()
+        == read_safetensors(tmp_path / "back/adapter_model.safetensors")[0].keys()
+    )
+    same_tensors(
+        read_safetensors(tmp_path / "peft/adapter_model.safetensors")[0],
+        read_safetensors(tmp_path / "back/adapter_model.safetensors")[0],
+    )
+    assert json.loads((tmp_path / "peft/adapter_config.json").read_text()) == json.loads(
+        (tmp_path / "back/adapter_config.json").read_text()
+    )
 
 
 def test_mlx_adapter_to_peft_logits(tmp_path):
@@ -206,7 +227,9 @@ def test_mlx_adapter_to_peft_logits(tmp_path):
     adapted = {k: mx.random.normal(v.shape) * 0.2 for k, v in adapted.items()}
     (tmp_path / "mlxa").mkdir()
     mx.save_safetensors(str(tmp_path / "mlxa/adapters.safetensors"), adapted)
-    (tmp_path / "mlxa/adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": params}))
+    (tmp_path / "mlxa/adapter_config.json").write_text(
+        json.dumps({"fine_tune_type": "lora", "num_layers": 1, "lora_parameters": params})
+    )
     ref = mlx_logits(tmp_path / "hf", tmp_path / "mlxa")
     convert_adapter(tmp_path / "mlxa", tmp_path / "peft", "hf")
     from transformers import AutoModelForCausalLM
@@ -218,7 +241,10 @@ def test_mlx_adapter_to_peft_logits(tmp_path):
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     # and back to mlx-lm: the same tensors and layer placement (the base gives the layer count)
     convert_adapter(tmp_path / "peft", tmp_path / "again", "mlx", base=tmp_path / "hf")
-    same_tensors(read_safetensors(tmp_path / "mlxa/adapters.safetensors")[0], read_safetensors(tmp_path / "again/adapters.safetensors")[0])
+    same_tensors(
+        read_safetensors(tmp_path / "mlxa/adapters.safetensors")[0],
+        read_safetensors(tmp_path / "again/adapters.safetensors")[0],
+    )
     assert json.loads((tmp_path / "again/adapter_config.json").read_text())["num_layers"] == 1
 
 
@@ -230,7 +256,9 @@ def test_fuse(tmp_path, to):
     (tmp_path / "hf" / "README.md").write_text("the base model's own card")
     peft_model, row = peft_adapter(base, tmp_path / "peft")
     corpus.DraftCorpus([[5, 6, 7, 8, 9]]).save(tmp_path / "peft" / corpus.FILE)
-    (tmp_path / "peft" / "training_log.jsonl").write_text(json.dumps({"step": 7, "noisy": 2.5, "clean": 1.25, "val_noisy": 3.5}) + "\n")
+    (tmp_path / "peft" / "training_log.jsonl").write_text(
+        json.dumps({"step": 7, "noisy": 2.5, "clean": 1.25, "val_noisy": 3.5}) + "\n"
+    )
     r = invoke(tmp_path / "hf", "--to", to, "--output", tmp_path / "fused", "--adapter", tmp_path / "peft", "--fuse")
     assert r.exit_code == 0, r.output
     with torch.no_grad():
@@ -245,8 +273,19 @@ def test_fuse(tmp_path, to):
     assert (tmp_path / "fused" / corpus.FILE).read_bytes() == (tmp_path / "peft" / corpus.FILE).read_bytes()
     card = (tmp_path / "fused/README.md").read_text()
     assert "base model's own card" not in card
-    for needle in ("MARS objective", "| `block_size` | `4` |", "| `mask_token_id` | `3` |", "step 7", "noisy 2.5000", "val_noisy 3.5000",
-                   "AutoModelForCausalLM.from_pretrained", "mlx_lm generate --model", "python -m vllm.entrypoints.openai.api_server --model", "--dtype float32", "--to vllm"):
+    for needle in (
+        "MARS objective",
+        "| `block_size` | `4` |",
+        "| `mask_token_id` | `3` |",
+        "step 7",
+        "noisy 2.5000",
+        "val_noisy 3.5000",
+        "AutoModelForCausalLM.from_pretrained",
+        "mlx_lm generate --model",
+        "python -m vllm.entrypoints.openai.api_server --model",
+        "--dtype float32",
+        "--to vllm",
+    ):
         assert needle in card, needle
 
 
@@ -282,7 +321,9 @@ def test_bad_inputs(tmp_path):
     bad = tmp_path / "shape"
     shutil.copytree(src, bad)
     edit_config(bad, intermediate_size=96)
-    one_line_failure(invoke(bad, "--to", "mlx", "--output", out), out, "shape mismatch", "model.layers.0.mlp.down_proj.weight")
+    one_line_failure(
+        invoke(bad, "--to", "mlx", "--output", out), out, "shape mismatch", "model.layers.0.mlp.down_proj.weight"
+    )
 
     bad = tmp_path / "notok"
     shutil.copytree(src, bad)
@@ -318,7 +359,12 @@ def test_bad_adapter(tmp_path):
     t[key] = Tensor("F32", np.zeros((3, 64), np.float32))
     write_safetensors(f, t)
     out = tmp_path / "o"
-    one_line_failure(invoke(tmp_path / "peft", "--to", "mlx", "--output", out), out, "shape mismatch", "model.layers.1.self_attn.q_proj")
+    one_line_failure(
+        invoke(tmp_path / "peft", "--to", "mlx", "--output", out),
+        out,
+        "shape mismatch",
+        "model.layers.1.self_attn.q_proj",
+    )
     one_line_failure(invoke(tmp_path / "peft", "--to", "hf", "--output", out), out, "already a PEFT adapter")
 
 

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import make_tokenizer
 
 from mars.core.acceptance import accept_counts, confidence_from_logits, is_ar_mode, loosen
 from mars.core.config import ConfigError, MarsConfig, read_config, write_config
 from mars.core.loss import IGNORE, align, slots
 from mars.core.masks import decode_mask, noisy_start, training_inputs, training_mask
 from mars.core.tokens import NEW_MASK_TOKEN, choose_mask_token
-from tiny import make_tokenizer
 
 
 def brute_force_mask(lengths, L, B):
@@ -162,7 +162,11 @@ def test_slot_weights_trade_weight_between_slots_within_each_row():
         assert al.noisy_weights[at].sum() == pytest.approx(plain.weights[at].sum(), rel=1e-6)
         # and inside the row, targets weigh as their slot's weight (slot 0, a real query: 1)
         scale = np.array([1.0, *w])[al.slots[at]]
-        np.testing.assert_allclose(al.noisy_weights[at] / plain.weights[at], scale / scale[0] * (al.noisy_weights[at][0] / plain.weights[at][0]), rtol=1e-6)
+        np.testing.assert_allclose(
+            al.noisy_weights[at] / plain.weights[at],
+            scale / scale[0] * (al.noisy_weights[at][0] / plain.weights[at][0]),
+            rtol=1e-6,
+        )
     # the slots of a query after a real token (slot 0) exist: row 1's first target follows the prompt
     assert 0 in al.slots.tolist()
     np.testing.assert_allclose(same.noisy_weights, plain.weights, rtol=1e-6)  # weights of 1 change nothing

@@ -11,27 +11,29 @@ import shutil
 import numpy as np
 import pytest
 import torch
-
 from clitools import invoke, ok, one_line_error
-from mars.backends import base
-from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
-from mars.core.decode.drafts import corpus as corpus_drafts
-from mars.core.decode.drafts.corpus import CorpusError, DraftCorpus
-from mars.core.decode.cost import CostCurve
-from mars.core.decode.loop import generate
 from test_cost import EOS, OracleBackend, oracle, settings
 from tiny import PROMPTS, feed_of, make_model, make_tokenizer
+
+from mars.backends import base
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import TorchModel
+from mars.core.decode.cost import CostCurve
+from mars.core.decode.drafts import corpus as corpus_drafts
+from mars.core.decode.drafts.corpus import CorpusError, DraftCorpus
+from mars.core.decode.loop import generate
 
 
 def reference(sequences, seq, max_drafts):
     """`DraftCorpus.match` by brute force: every window of every sequence, no hashing."""
     for n in range(min(corpus_drafts.MAX_NGRAM, len(seq)), corpus_drafts.MIN_NGRAM - 1, -1):
-        tail = list(seq[len(seq) - n:])
-        places = [(s, i + n) for s, sq in enumerate(sequences) for i in range(len(sq) - n + 1) if list(sq[i:i + n]) == tail]
+        tail = list(seq[len(seq) - n :])
+        places = [
+            (s, i + n) for s, sq in enumerate(sequences) for i in range(len(sq) - n + 1) if list(sq[i : i + n]) == tail
+        ]
         if not places:
             continue
-        places = places[-corpus_drafts.MAX_PLACES:]
+        places = places[-corpus_drafts.MAX_PLACES :]
         drafts = []
         for j in range(max_drafts):
             nxt = [sequences[s][e] if e < len(sequences[s]) else -1 for s, e in places]
@@ -71,7 +73,14 @@ def test_lookup_equals_a_brute_force_search():
 
 
 def test_sources_by_match_length():
-    assert [corpus_drafts.source(n) for n in (2, 3, 4, 5, 6, 8)] == ["corpus2", "corpus3", "corpus4", "corpus4", "corpus6", "corpus6"]
+    assert [corpus_drafts.source(n) for n in (2, 3, 4, 5, 6, 8)] == [
+        "corpus2",
+        "corpus3",
+        "corpus4",
+        "corpus4",
+        "corpus6",
+        "corpus6",
+    ]
 
 
 def test_a_corpus_file_round_trips_and_bad_files_name_themselves(tmp_path):
@@ -110,7 +119,9 @@ def test_corpus_drafts_keep_the_output_and_report_their_source(cost):
     assert sum(drafted.stats.draft_kept.get("corpus6", [0])) > len(reply) // 2
     # A corpus of other text drafts nothing that is kept, and changes nothing.
     other = DraftCorpus([[EOS + 1 + (p % 3) for p in range(50)]])
-    assert generate(OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), controller=feed_of(cost)).tokens == [reply]
+    assert generate(
+        OracleBackend(0), [prompt], settings(hedge=0, ngram=6, corpus=other), controller=feed_of(cost)
+    ).tokens == [reply]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -119,18 +130,30 @@ def test_lossless_with_corpus_drafts_equals_ar_on_a_real_model(arch, curve):
     tok = make_tokenizer()
     tm = TorchModel(make_model(arch, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
     dec = TorchDecoder(tm)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS
+    ]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens
     # The model's own replies to the other prompts, and to a shifted copy of each prompt, as the corpus:
     # what it says after a few tokens it has said before.
     shifted = [p[1:] for p in prompts]
-    book = DraftCorpus([p + r for p, r in zip(shifted, generate(dec, shifted, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens)])
+    book = DraftCorpus(
+        [
+            p + r
+            for p, r in zip(
+                shifted, generate(dec, shifted, settings(threshold=1.0, lossless=False, max_tokens=24)).tokens
+            )
+        ]
+    )
     feed = feed_of(CostCurve(dict(curve), refresh=0.0), explore=3)
     kept = 0
     for batch in (1, 3):
         out = []
         for start in range(0, len(prompts), batch):
-            result = generate(dec, prompts[start:start + batch], settings(max_tokens=24, ngram=5, corpus=book), controller=feed)
+            result = generate(
+                dec, prompts[start : start + batch], settings(max_tokens=24, ngram=5, corpus=book), controller=feed
+            )
             out += result.tokens
             kept += result.stats.by_source().get("corpus", 0)
         assert out == ar, (arch, batch)
@@ -153,14 +176,22 @@ def test_a_checkpoint_with_a_corpus_drafts_from_it(tmp_path, tiny, data):
     assert s.drafts.corpus is not None and s.drafts.corpus.tokens.tolist() == book.tokens.tolist()
     assert base.plan_for_model(loaded, lossless=True).drafts.corpus is s.drafts.corpus  # read once per loaded model
     assert base.plan_for_model(loaded, lossless=True, corpus=None).drafts.corpus is None
-    assert base.plan_for_model(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).drafts.corpus is None
+    assert (
+        base.plan_for_model(load(str(tiny), device="cpu", announce=lambda m: None), lossless=True).drafts.corpus is None
+    )
 
 
 def test_mars_corpus_rejects_bad_input(tmp_path, tiny):
-    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "no train.jsonl")
+    one_line_error(
+        invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "no train.jsonl"
+    )
     (tmp_path / "train.jsonl").write_text('{"messages": 3}\n')
-    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "train.jsonl:1")
-    one_line_error(invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "nowhere"), "not a directory")
+    one_line_error(
+        invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "c.npz"), "train.jsonl:1"
+    )
+    one_line_error(
+        invoke("corpus", "--data", tmp_path, "--model", tiny, "--output", tmp_path / "nowhere"), "not a directory"
+    )
     assert not (tmp_path / "c.npz").exists()
 
 

@@ -14,18 +14,17 @@ import random
 import numpy as np
 import pytest
 import torch
-
-from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
 from hypothesis import given
 from hypothesis import settings as settings_hypothesis
 from hypothesis import strategies as st
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
-from mars.core.decode.drafts import ngram
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import TorchModel
 from mars.core.decode.cost import BatchCosts, CostCurve
+from mars.core.decode.drafts import ngram
 from mars.core.decode.feed import DraftStats, LosslessFeed, ThresholdFeed, block_cache_pays, steady_state
 from mars.core.decode.loop import generate
-from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
 
@@ -58,7 +57,9 @@ class OracleBackend:
         if cache is not None:
             cache["width"] += input_ids.shape[1]
         b, q = input_ids.shape
-        assert read.min() >= 0 and read.max() < q, f"read {read.tolist()} outside the {q} fed columns"  # as a real gather
+        assert read.min() >= 0 and read.max() < q, (
+            f"read {read.tolist()} outside the {q} fed columns"
+        )  # as a real gather
         out = np.zeros((b, q), dtype=np.int64)
         for r in range(b):
             run = 0
@@ -132,7 +133,6 @@ def test_steady_state_by_hand():
     assert steady_state([0.9] * 4, [0.9] * 4, masks=0, groups=0) == (1.0, 1.0, 0.0)
 
 
-
 def test_steady_state_matches_the_chain_run_to_convergence():
     # The closed form against the (M, S, N) chain iterated from M until it settles.
     rng = np.random.default_rng(7)
@@ -159,6 +159,7 @@ def test_steady_state_matches_the_chain_run_to_convergence():
         assert drafting == pytest.approx(pi[0] + pi[1], rel=1e-6)
         narrow, wide = 1 + masks, 1 + 2 * masks + groups * masks
         assert width == pytest.approx(narrow + (wide - narrow) * (1 - (1 - pi[0] - pi[1]) ** batch), rel=1e-6)
+
 
 def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
     stats = DraftStats(slots=4)
@@ -350,7 +351,12 @@ def test_lookup_takes_the_longest_latest_match():
 
 
 @settings_hypothesis(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 5), max_size=40), st.lists(st.integers(0, 7), max_size=10), st.integers(0, 8), st.integers(0, 10**6))
+@given(
+    st.lists(st.integers(0, 5), max_size=40),
+    st.lists(st.integers(0, 7), max_size=10),
+    st.integers(0, 8),
+    st.integers(0, 10**6),
+)
 def test_the_lookup_source_keeps_an_index_that_answers_as_a_whole_scan(start, growth, drafts, seed):
     """NgramLookup indexes each row's sequence as it grows (a step's lookup does not rescan the
     prompt and reply): at every length its answer is `match`'s over the whole sequence; a
@@ -381,7 +387,15 @@ def test_lookup_equals_a_search_over_every_window():
 
 
 def test_ngram_sources_by_match_length():
-    assert [ngram.source(n) for n in (1, 2, 3, 4, 5, 6, 10)] == ["ngram1", "ngram2", "ngram3", "ngram3", "ngram3", "ngram6", "ngram6"]
+    assert [ngram.source(n) for n in (1, 2, 3, 4, 5, 6, 10)] == [
+        "ngram1",
+        "ngram2",
+        "ngram3",
+        "ngram3",
+        "ngram3",
+        "ngram6",
+        "ngram6",
+    ]
 
 
 @pytest.mark.parametrize("cost", [None, fixed({1: 1.0, 64: 4.0})])
@@ -458,7 +472,10 @@ def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, c
     tok = make_tokenizer()
     tm = TorchModel(make_model(arch, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
     dec = TorchDecoder(tm)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS
+    ]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, cache=cache, max_tokens=24)).tokens
     feed = feed_of(fixed(curve), explore=3)  # one policy across calls, probing often
     for batch in (1, 3, 8):
@@ -491,9 +508,14 @@ def test_lossless_block_cache_with_a_cost_curve_equals_ar_on_a_real_model(curve)
     tok = make_tokenizer()
     tm = TorchModel(make_model("qwen2", len(tok), seed=2), tok, None, "", torch.device("cpu"), torch.float32)
     dec = TorchDecoder(tm)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:4]]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS[:4]
+    ]
     ar = generate(dec, prompts, settings(threshold=1.0, lossless=False, max_tokens=20)).tokens
-    result = generate(dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), controller=feed_of(fixed(curve)))
+    result = generate(
+        dec, prompts, settings(cache="block", block_cache=8, max_tokens=20, ngram=5), controller=feed_of(fixed(curve))
+    )
     assert result.tokens == ar
     assert result.stats.cache == ("block" if curve is FLAT else "window")
 
@@ -532,12 +554,21 @@ def test_draft_totals_sum_rows_whose_slot_lists_differ_in_length():
     than the others; the totals pad the shorter lists instead of failing."""
     from mars.core.decode.types import DecodeStats, RowStats, sum_ragged
 
-    long = RowStats(accepted_per_slot=[5, 3, 2, 1, 1, 1, 1], drafted_per_slot=[4, 4, 4, 4, 2, 2], verified_per_slot=[4, 4, 3, 3, 2, 2],
-                    kept_per_slot=[3, 2, 1, 1, 1, 1])
-    short = RowStats(accepted_per_slot=[6, 2], drafted_per_slot=[5, 5, 5], verified_per_slot=[5, 4, 1], kept_per_slot=[2, 1, 0])
+    long = RowStats(
+        accepted_per_slot=[5, 3, 2, 1, 1, 1, 1],
+        drafted_per_slot=[4, 4, 4, 4, 2, 2],
+        verified_per_slot=[4, 4, 3, 3, 2, 2],
+        kept_per_slot=[3, 2, 1, 1, 1, 1],
+    )
+    short = RowStats(
+        accepted_per_slot=[6, 2], drafted_per_slot=[5, 5, 5], verified_per_slot=[5, 4, 1], kept_per_slot=[2, 1, 0]
+    )
     stats = DecodeStats(rows=[short, long, RowStats()])
-    assert stats.draft_totals() == {"drafted_per_slot": [9, 9, 9, 4, 2, 2], "verified_per_slot": [9, 8, 4, 3, 2, 2],
-                                    "kept_per_slot": [5, 3, 1, 1, 1, 1]}
+    assert stats.draft_totals() == {
+        "drafted_per_slot": [9, 9, 9, 4, 2, 2],
+        "verified_per_slot": [9, 8, 4, 3, 2, 2],
+        "kept_per_slot": [5, 3, 1, 1, 1, 1],
+    }
     assert sum_ragged([short.accepted_per_slot, long.accepted_per_slot]) == [11, 5, 2, 1, 1, 1, 1]
     assert sum_ragged([]) == []
 
@@ -608,7 +639,12 @@ def test_threshold_mode_feeds_masks_on_a_flat_curve_and_like_ar_on_a_steep_one(g
     assert flat.stats.masks_fed == {m: n for (m, _), n in flat_choices.items()}
     assert sum(steep.stats.masks_fed.values()) == steep.stats.forwards
     assert flat.stats.tokens_per_forward > 1 + 0.5 * good
-    assert generate(ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), controller=feed_of(fixed(FLAT))).stats.feed_choices == {}
+    assert (
+        generate(
+            ConfidentOracle(good), [PROMPT], threshold(feed="fixed"), controller=feed_of(fixed(FLAT))
+        ).stats.feed_choices
+        == {}
+    )
 
 
 def test_threshold_mode_without_a_curve_or_in_ar_mode_feeds_as_asked():
@@ -622,7 +658,9 @@ def test_threshold_mode_without_a_curve_or_in_ar_mode_feeds_as_asked():
 @pytest.mark.parametrize("curve,ran", [(FLAT, "block"), (STEEP, "window")])
 def test_threshold_mode_leaves_the_block_cache_where_it_does_not_pay(curve, ran):
     prompts = [[oracle(p) for p in range(n)] for n in (6, 9, 4)]
-    result = generate(ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), controller=feed_of(fixed(curve)))
+    result = generate(
+        ConfidentOracle(2), prompts, threshold(cache="block", block_cache=8), controller=feed_of(fixed(curve))
+    )
     assert result.stats.cache == ran
     assert result.tokens == [[oracle(p) for p in range(n, n + 40)] for n in (6, 9, 4)]
 
@@ -633,10 +671,18 @@ def test_cost_aware_threshold_mode_on_a_steep_curve_equals_ar_on_a_real_model():
     tok = make_tokenizer()
     tm = TorchModel(make_model("qwen2", len(tok), seed=2), tok, None, "", torch.device("cpu"), torch.float32)
     dec = TorchDecoder(tm)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in PROMPTS[:3]]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS[:3]
+    ]
     ar = generate(dec, prompts, threshold(threshold=1.0, max_tokens=20)).tokens
     for cache in ("window", "block"):
-        result = generate(dec, prompts, threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8), controller=feed_of(fixed(STEEP)))
+        result = generate(
+            dec,
+            prompts,
+            threshold(threshold=0.5, max_tokens=20, cache=cache, block_cache=8),
+            controller=feed_of(fixed(STEEP)),
+        )
         assert result.tokens == ar
         assert set(result.stats.feed_choices) == {(0, 0)}
 
@@ -659,7 +705,9 @@ def test_a_batch_decides_its_drafts_together():
     # Without a cost curve every row feeds its option expected to keep the most.
     plain = Drafting(s, None)
     assert plain._pick_all([[("masks", "masks", [5]), ("ngram", "ngram", [7, 8, 9])], []], 1, 0, 2) == [
-        ("ngram", "ngram", [7, 8, 9]), ("masks", "masks", [])]
+        ("ngram", "ngram", [7, 8, 9]),
+        ("masks", "masks", []),
+    ]
 
 
 # -- the kept cost curve ------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 
 import numpy as np
 import pytest
+from tiny import make_tokenizer
 
 from mars.core.train.data import (
     IGNORE,
@@ -18,7 +19,6 @@ from mars.core.train.data import (
     pad_to_block,
     read_jsonl,
 )
-from tiny import make_tokenizer
 
 B = 4
 
@@ -76,13 +76,15 @@ def test_prompt_completion(tok, tmp_path):
 
 
 def test_messages_multi_turn_labels_only_last_assistant(tok, tmp_path):
-    rec = {"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "a"},
-        {"role": "assistant", "content": "first answer"},
-        {"role": "user", "content": "b"},
-        {"role": "assistant", "content": "second"},
-    ]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "b"},
+            {"role": "assistant", "content": "second"},
+        ]
+    }
     (ex,) = load(tok, write(tmp_path / "train.jsonl", rec)).examples
     check_chat_example(tok, ex, "second")
     labelled_text = text_of(tok, ex.ids[ex.labels != IGNORE])
@@ -142,7 +144,10 @@ BAD = [
     ({"prompt": "q", "completion": "x", "extra": 1}, "unknown field 'extra'"),
     ({"prompt": "q", "completion": "   "}, "empty 'completion'"),
     ({"text": ""}, "empty 'text'"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " \n"}]}, "empty final assistant"),
+    (
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " \n"}]},
+        "empty final assistant",
+    ),
     ({"prompt": "q", "completion": 3}, "must be a string, got number"),
     ({"text": ["a"]}, "must be a string, got array"),
     ({"messages": "hi"}, "must be a non-empty array"),

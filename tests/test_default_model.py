@@ -9,13 +9,13 @@ import sys
 
 import pytest
 import torch
-
-from mars.backends.torch.load import load
-from mars.backends.torch.decode import TorchDecoder
 from tiny import make_plan
+
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import load
+from mars.checkpoint.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from mars.checkpoint.default_model import DEFAULT_NAME, DEFAULT_REF, default_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +51,42 @@ def test_threshold_one_equals_transformers_generate(default):
 def test_cli_generate_runs_on_the_default():
     env = dict(os.environ, OMP_NUM_THREADS="2")
     run = subprocess.run(
-        [sys.executable, "-m", "mars.cli.main", "generate", "--prompt", PROMPTS[0], "--max-tokens", "16", "--threshold", "1.0"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mars.cli.main",
+            "generate",
+            "--prompt",
+            PROMPTS[0],
+            "--max-tokens",
+            "16",
+            "--threshold",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "tokens/forward" in run.stdout
     refused = subprocess.run(
-        [sys.executable, "-m", "mars.cli.main", "generate", "--model", DEFAULT_REF, "--prompt", "hi", "--threshold", "0.8"],
-        capture_output=True, text=True, env=env, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "mars.cli.main",
+            "generate",
+            "--model",
+            DEFAULT_REF,
+            "--prompt",
+            "hi",
+            "--threshold",
+            "0.8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert refused.returncode != 0 and "mars.json" in refused.stderr
 

@@ -9,19 +9,45 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from clitools import invoke, ok
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "device_bench.py"
-CONFIGS = {"ar-kv-cache", "transformers.generate", "transformers lookup 3", "lossless (default)", "verified t=0.5", "mars-window t=0.5"}
+CONFIGS = {
+    "ar-kv-cache",
+    "transformers.generate",
+    "transformers lookup 3",
+    "lossless (default)",
+    "verified t=0.5",
+    "mars-window t=0.5",
+}
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "adapter"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--iters", 3, "--batch-size", 4,
-              "--learning-rate", 1e-2, "--device", "cpu", "--backend", "torch", "--no-draft-corpus"))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            3,
+            "--batch-size",
+            4,
+            "--learning-rate",
+            1e-2,
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--no-draft-corpus",
+        )
+    )
     prompts = out.parent / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Spell from c", "Spell from f", "hello")))
     return out, prompts
@@ -29,9 +55,31 @@ def checkpoint(tiny, data, tmp_path_factory):
 
 def dry_run(checkpoint, out, *extra):
     adapter, prompts = checkpoint
-    cmd = [sys.executable, str(SCRIPT), "--out", str(out), "--model", str(adapter), "--device", "cpu", "--prompts", str(prompts),
-           "--limit", "3", "--max-tokens", "6", "--threshold", "0.5", "--prompt-lookup", "3", "--forward-ks", "1,2", "--repeats", "1",
-           *extra]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--out",
+        str(out),
+        "--model",
+        str(adapter),
+        "--device",
+        "cpu",
+        "--prompts",
+        str(prompts),
+        "--limit",
+        "3",
+        "--max-tokens",
+        "6",
+        "--threshold",
+        "0.5",
+        "--prompt-lookup",
+        "3",
+        "--forward-ks",
+        "1,2",
+        "--repeats",
+        "1",
+        *extra,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads((out / "device_bench.json").read_text()), done
@@ -39,7 +87,12 @@ def dry_run(checkpoint, out, *extra):
 
 def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
     report, done = dry_run(checkpoint, tmp_path / "out", "--batches", "1,2", "--minutes", "600")
-    assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [("float32", 1), ("float32", 2), ("bfloat16", 1), ("bfloat16", 2)]
+    assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [
+        ("float32", 1),
+        ("float32", 2),
+        ("bfloat16", 1),
+        ("bfloat16", 2),
+    ]
     assert report["skipped"] == []
     for part in report["parts"]:
         rows = {r["name"]: r for r in part["rows"]}
@@ -53,7 +106,11 @@ def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
         sources = rows["lossless (default)"]["tokens_by_source"]
         extra = sum(n for k, n in sources.items() if k != "ar")
         share = rows["lossless (default)"]["masks_share"]
-        assert share is None if extra == 0 else share == round(sum(sources.get(k, 0) for k in ("masks", "spare")) / extra, 4)
+        assert (
+            share is None
+            if extra == 0
+            else share == round(sum(sources.get(k, 0) for k in ("masks", "spare")) / extra, 4)
+        )
         if part["dtype"] == "float32":  # lossless is exact in float32, and our AR is transformers' greedy
             assert rows["lossless (default)"]["replies_equal_to_ar"] == 1.0
             assert part["ar_matches_transformers_generate"] is True
@@ -66,14 +123,20 @@ def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
 
 
 def test_a_spent_budget_runs_the_first_part_and_says_what_it_skipped(checkpoint, tmp_path):
-    report, _ = dry_run(checkpoint, tmp_path / "out", "--batches", "1,8", "--dtypes", "float32,bfloat16", "--minutes", "0")
+    report, _ = dry_run(
+        checkpoint, tmp_path / "out", "--batches", "1,8", "--dtypes", "float32,bfloat16", "--minutes", "0"
+    )
     assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [("float32", 1)]
     assert [(s["dtype"], s["batch"]) for s in report["skipped"]] == [("float32", 8), ("bfloat16", 1), ("bfloat16", 8)]
     assert all("left of --minutes 0" in s["why"] for s in report["skipped"])
 
 
 def test_bad_options_stop_before_any_work(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "o"), "--dtypes", "float64"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "o"), "--dtypes", "float64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "--dtypes takes float32 and/or bfloat16" in done.stderr
     assert not (tmp_path / "o").exists()

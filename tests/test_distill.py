@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from tiny import make_plan, make_tokenizer, save_model
 
 from mars.cli.main import cli
 from mars.core.train.data import IGNORE, DataError, load_split
-from tiny import make_tokenizer, save_model, make_plan
 
 PROMPTS = [
     {"messages": [{"role": "user", "content": "abc"}]},
@@ -44,8 +44,9 @@ def greedy(model_dir, conversation, max_tokens):
     from mars.evaluate import load_model
 
     session = load_model(model_dir, "torch")
-    s = make_plan(mask_id=session.mask_id(), eos_ids=session.loaded.eos_ids, threshold=1.0, max_tokens=max_tokens,
-                  cache="none")
+    s = make_plan(
+        mask_id=session.mask_id(), eos_ids=session.loaded.eos_ids, threshold=1.0, max_tokens=max_tokens, cache="none"
+    )
     r = generate(session.decoder, [encode_prompt(session.loaded.tokenizer, conversation)], s)
     body = [t for t in r.tokens[0] if t not in session.loaded.eos_ids]
     return session.loaded.tokenizer.decode(body, skip_special_tokens=True), r.finish[0]
@@ -55,7 +56,20 @@ def test_distill_writes_the_models_own_replies_and_resumes(model, tmp_path):
     prompts = write(tmp_path / "p" / "train.jsonl", PROMPTS)
     write(tmp_path / "p" / "valid.jsonl", PROMPTS[:2])
     out = tmp_path / "data"
-    r = run("--model", model, "--prompts", prompts.parent, "--output", out, "--max-tokens", 12, "--batch-size", 2, "--backend", "torch")
+    r = run(
+        "--model",
+        model,
+        "--prompts",
+        prompts.parent,
+        "--output",
+        out,
+        "--max-tokens",
+        12,
+        "--batch-size",
+        2,
+        "--backend",
+        "torch",
+    )
     assert r.exit_code == 0, r.output
     train = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert len(train) == len(PROMPTS) and not list(out.glob("*.partial"))
@@ -78,7 +92,20 @@ def test_distill_writes_the_models_own_replies_and_resumes(model, tmp_path):
     lines = expected.splitlines(keepends=True)
     (out / "train.jsonl").unlink()
     (out / "train.jsonl.partial").write_text("".join(lines[:2]) + lines[2][:7])
-    r = run("--model", model, "--prompts", prompts.parent, "--output", out, "--max-tokens", 12, "--batch-size", 2, "--backend", "torch")
+    r = run(
+        "--model",
+        model,
+        "--prompts",
+        prompts.parent,
+        "--output",
+        out,
+        "--max-tokens",
+        12,
+        "--batch-size",
+        2,
+        "--backend",
+        "torch",
+    )
     assert r.exit_code == 0, r.output
     assert "resuming after 2 of 5" in r.output
     assert (out / "train.jsonl").read_text() == expected
@@ -104,7 +131,10 @@ def test_distill_writes_the_models_own_replies_and_resumes(model, tmp_path):
 def test_resume_with_other_settings_is_refused(model, tmp_path):
     prompts = write(tmp_path / "train.jsonl", PROMPTS[:2])
     out = tmp_path / "data"
-    assert run("--model", model, "--prompts", prompts, "--output", out, "--max-tokens", 4, "--backend", "torch").exit_code == 0
+    assert (
+        run("--model", model, "--prompts", prompts, "--output", out, "--max-tokens", 4, "--backend", "torch").exit_code
+        == 0
+    )
     r = run("--model", model, "--prompts", prompts, "--output", out, "--max-tokens", 8, "--backend", "torch")
     assert r.exit_code == 1 and "max_tokens = 4" in r.output and "--output" in r.output
 

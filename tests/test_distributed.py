@@ -25,9 +25,28 @@ TOLERANCE = 1e-6
 
 
 def args(tiny, data, out, backend, *extra):
-    return ["finetune", "--model", str(tiny), "--data", str(data), "--output", str(out), "--iters", str(ITERS),
-            "--batch-size", "2", "--learning-rate", "1e-3", "--save-every", "3", "--val-batches", "2",
-            "--backend", backend, *extra]
+    return [
+        "finetune",
+        "--model",
+        str(tiny),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--iters",
+        str(ITERS),
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--save-every",
+        "3",
+        "--val-batches",
+        "2",
+        "--backend",
+        backend,
+        *extra,
+    ]
 
 
 def env():
@@ -37,8 +56,19 @@ def env():
 def launcher(backend: str, port: int) -> list[str]:
     if backend == "torch":
         return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(port), str(BIN / "mars")]
-    return [str(BIN / "mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(port),
-            "--python", sys.executable, "--", str(BIN / "mars")]
+    return [
+        str(BIN / "mlx.launch"),
+        "-n",
+        "2",
+        "--backend",
+        "ring",
+        "--starting-port",
+        str(port),
+        "--python",
+        sys.executable,
+        "--",
+        str(BIN / "mars"),
+    ]
 
 
 def run(command):
@@ -69,7 +99,10 @@ def weights(out: Path) -> dict:
 
 
 def losses(out: Path) -> list:
-    return [(r["step"], r["noisy"], r["clean"], r["lr"]) for r in map(json.loads, (out / "training_log.jsonl").read_text().splitlines())]
+    return [
+        (r["step"], r["noisy"], r["clean"], r["lr"])
+        for r in map(json.loads, (out / "training_log.jsonl").read_text().splitlines())
+    ]
 
 
 @pytest.mark.parametrize("backend,port", [("torch", 29511), ("mlx", 32511)])

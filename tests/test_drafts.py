@@ -4,11 +4,11 @@ unchanged, and its tokens are counted under its name."""
 
 from __future__ import annotations
 
+import numpy as np
+from test_cost import MASK, ORACLE_REPLY, PROMPT, OracleBackend, oracle, settings
+
 from mars.core.decode import drafts
 from mars.core.decode.loop import generate
-import numpy as np
-
-from test_cost import MASK, ORACLE_REPLY, PROMPT, OracleBackend, oracle, settings
 
 
 class Future:
@@ -57,8 +57,10 @@ class Twin:
         return plan.block_size
 
     def groups(self, rows, n_drafts, count, masks, mask_id):
-        return [g.__class__(self.name, g.anchor, g.prefix, g.live, g.masks)
-                for g in drafts.GROUP_SOURCES["spare"].groups(rows, n_drafts, count, masks, mask_id)]
+        return [
+            g.__class__(self.name, g.anchor, g.prefix, g.live, g.masks)
+            for g in drafts.GROUP_SOURCES["spare"].groups(rows, n_drafts, count, masks, mask_id)
+        ]
 
 
 class PositionOracle(OracleBackend):

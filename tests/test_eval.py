@@ -16,8 +16,13 @@ from mars.core.train.data import IGNORE, DataError
 RECORDS = [
     {"messages": [{"role": "user", "content": "Hello there"}, {"role": "assistant", "content": "Hi! How are you?"}]},
     {"prompt": "What is 2+2?", "completion": "It is 4."},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour"},
-                  {"role": "assistant", "content": "Blue, like the sea."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Name a colour"},
+            {"role": "assistant", "content": "Blue, like the sea."},
+        ]
+    },
     {"text": "Plain text has no prompt to decode."},
     {"prompt": "Write a short poem", "completion": "Waves roll in; waves roll out."},
 ]
@@ -166,9 +171,29 @@ def invoke(*args):
 def test_cli_writes_json_table_and_plot(paths, tmp_path):
     pytest.importorskip("matplotlib")
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--model", paths["base"], "--baseline", paths["base"],
-               "--data", paths["data"], "--threshold", "1.0,0.9", "--threshold", "0.5", "--max-tokens", 8,
-               "--output", out, "--plot", png, "--force")
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        paths["mars"],
+        "--model",
+        paths["base"],
+        "--baseline",
+        paths["base"],
+        "--data",
+        paths["data"],
+        "--threshold",
+        "1.0,0.9",
+        "--threshold",
+        "0.5",
+        "--max-tokens",
+        8,
+        "--output",
+        out,
+        "--plot",
+        png,
+        "--force",
+    )
     assert r.exit_code == 0, r.output
     assert "tok/fwd" in r.output and "clean NLL" in r.output and "vs baseline" in r.output
     report = json.loads(out.read_text())
@@ -182,7 +207,9 @@ def test_cli_writes_json_table_and_plot(paths, tmp_path):
 
 def test_cli_text_only_data_gives_nll_without_decoding(paths, tmp_path):
     data = write_jsonl(tmp_path / "text.jsonl", [RECORDS[3]])
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", data, "--no-decode", "--output", tmp_path / "t.json")
+    r = invoke(
+        "--backend", "torch", "--model", paths["mars"], "--data", data, "--no-decode", "--output", tmp_path / "t.json"
+    )
     assert r.exit_code == 0, r.output
     m = json.loads((tmp_path / "t.json").read_text())["models"][0]
     assert "sweep" not in m and m["nll"]["tokens"] > 0
@@ -192,8 +219,23 @@ def test_cli_prompt_file(paths, tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Hello\nWhat is 2+2?\nA third one\n")
     out = tmp_path / "p.json"
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--prompts", prompts, "--limit", 2, "--max-tokens", 6,
-               "--threshold", "0.8", "--output", out, "--outputs")
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        paths["mars"],
+        "--prompts",
+        prompts,
+        "--limit",
+        2,
+        "--max-tokens",
+        6,
+        "--threshold",
+        "0.8",
+        "--output",
+        out,
+        "--outputs",
+    )
     assert r.exit_code == 0, r.output
     report = json.loads(out.read_text())
     sweep = report["models"][0]["sweep"]
@@ -223,58 +265,113 @@ def test_cli_one_line_errors(paths, args, needle):
     r = invoke("--backend", "torch", "--model", paths["mars"], *args)
     assert r.exit_code != 0
     assert needle in r.output
-    assert "Traceback" not in r.output and len([line for line in r.output.splitlines() if line.startswith("Error")]) == 1
+    assert (
+        "Traceback" not in r.output and len([line for line in r.output.splitlines() if line.startswith("Error")]) == 1
+    )
 
 
 def test_verified_rows_follow_their_thresholds(paths, tmp_path):
     session = ev.load_model(paths["mars"], "torch", **QUIET)
     settings = ev.EvalSettings(**dict(FAST, thresholds=(1.0, 0.5, 0.0), verify=True), nll=False)
     rows = ev.evaluate([session], data=paths["data"], settings=settings)["models"][0]["sweep"]["thresholds"]
-    assert [(r["mode"], r["threshold"]) for r in rows] == [("threshold", 1.0), ("threshold", 0.5), ("threshold", 0.0),
-                                                            ("verified", 0.5), ("verified", 0.0)]
+    assert [(r["mode"], r["threshold"]) for r in rows] == [
+        ("threshold", 1.0),
+        ("threshold", 0.5),
+        ("threshold", 0.0),
+        ("verified", 0.5),
+        ("verified", 0.0),
+    ]
     # Each verified row is what generate gives in verified threshold mode at its threshold (fixed feed, masks only).
     from mars.backends import base
     from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
 
-    prompts = [encode_prompt(session.loaded.tokenizer, p)
-               for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    prompts = [
+        encode_prompt(session.loaded.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])
+    ]
     for row in rows[3:]:
         s = base.plan_for_model(session.loaded, threshold=row["threshold"], max_tokens=FAST["max_tokens"], verify=True)
         assert row["outputs"] == [generate(session.decoder, [p], s).tokens[0] for p in prompts]
         assert sum(row["drafts"]["kept_per_slot"]) <= sum(row["drafts"]["verified_per_slot"])
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "0.5",
-               "--max-tokens", 8, "--no-nll", "--verify")
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        paths["mars"],
+        "--data",
+        paths["data"],
+        "--threshold",
+        "0.5",
+        "--max-tokens",
+        8,
+        "--no-nll",
+        "--verify",
+    )
     assert r.exit_code == 0, r.output
     assert "v0.5" in r.output
 
 
 def test_lossless_row_equals_ar_and_counts_drafts(paths, tmp_path):
     session = ev.load_model(paths["mars"], "torch", **QUIET)
-    report = ev.evaluate([session], data=paths["data"],
-                         settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False))
+    report = ev.evaluate(
+        [session], data=paths["data"], settings=ev.EvalSettings(**dict(FAST, lossless=True), nll=False)
+    )
     rows = report["models"][0]["sweep"]["thresholds"]
     lossless = rows[-1]
     assert lossless["mode"] == "lossless" and lossless["threshold"] is None
     assert lossless["outputs"] == rows[0]["outputs"] and lossless["exact_match"] == 1.0
     assert lossless["prefix_token_share"] == 1.0
     drafts = lossless["drafts"]
-    assert all(d >= v >= k for d, v, k in zip(drafts["drafted_per_slot"], drafts["verified_per_slot"], drafts["kept_per_slot"]))
+    assert all(
+        d >= v >= k for d, v, k in zip(drafts["drafted_per_slot"], drafts["verified_per_slot"], drafts["kept_per_slot"])
+    )
     table = ev.format_table(report)
     assert "lossless" in table
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "1.0",
-               "--max-tokens", 8, "--no-nll", "--lossless", "--plot", tmp_path / "p.png")
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        paths["mars"],
+        "--data",
+        paths["data"],
+        "--threshold",
+        "1.0",
+        "--max-tokens",
+        8,
+        "--no-nll",
+        "--lossless",
+        "--plot",
+        tmp_path / "p.png",
+    )
     assert r.exit_code == 0, r.output
     assert "lossless" in r.output
     # one lossless row per --hedge value, each exact
-    r = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--threshold", "1.0",
-               "--max-tokens", 8, "--no-nll", "--lossless", "--hedge", "0,2", "--output", tmp_path / "h.json")
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        paths["mars"],
+        "--data",
+        paths["data"],
+        "--threshold",
+        "1.0",
+        "--max-tokens",
+        8,
+        "--no-nll",
+        "--lossless",
+        "--hedge",
+        "0,2",
+        "--output",
+        tmp_path / "h.json",
+    )
     assert r.exit_code == 0, r.output
     assert "lossless/h0" in r.output and "lossless/h2" in r.output
     rows = json.loads((tmp_path / "h.json").read_text())["models"][0]["sweep"]["thresholds"]
     assert [(x["mode"], x.get("hedge")) for x in rows] == [("threshold", None), ("lossless", 0), ("lossless", 2)]
     assert all(x["exact_match"] == 1.0 for x in rows)
-    bad = invoke("--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--lossless", "--hedge", "two")
+    bad = invoke(
+        "--backend", "torch", "--model", paths["mars"], "--data", paths["data"], "--lossless", "--hedge", "two"
+    )
     assert bad.exit_code != 0 and "'two' is not a whole number" in bad.output
 
 
@@ -292,8 +389,9 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     model = tmp_path / "mars"
     shutil.copytree(paths["mars"], model)
     session = ev.load_model(model, "torch", **QUIET)
-    prompts = [encode_prompt(session.loaded.tokenizer, p)
-               for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])]
+    prompts = [
+        encode_prompt(session.loaded.tokenizer, p) for p in ev.dataset_prompts(ev.eval_file(paths["data"], None)[0])
+    ]
     ar = base.plan_for_model(session.loaded, threshold=1.0, max_tokens=FAST["max_tokens"])
     replies = [generate(session.decoder, [p], ar).tokens[0] for p in prompts]
     corpus.DraftCorpus([p + r for p, r in zip(prompts, replies)]).save(model / corpus.FILE)
@@ -303,11 +401,18 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     report = ev.evaluate([session], data=paths["data"], settings=settings)
     rows = report["models"][0]["sweep"]["thresholds"]
     assert [(r["mode"], r.get("ngram"), r.get("corpus")) for r in rows] == [
-        ("threshold", None, None), ("threshold", None, None), ("verified", 8, True), ("lossless", 8, True)]
+        ("threshold", None, None),
+        ("threshold", None, None),
+        ("verified", 8, True),
+        ("lossless", 8, True),
+    ]
     lossless = rows[-1]
     assert lossless["outputs"] == rows[0]["outputs"] == replies and lossless["exact_match"] == 1.0
-    masks_only = ev.evaluate([session], data=paths["data"],
-                             settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False))
+    masks_only = ev.evaluate(
+        [session],
+        data=paths["data"],
+        settings=ev.EvalSettings(**dict(FAST, thresholds=(1.0,), lossless=True), nll=False),
+    )
     assert lossless["forwards"] < 0.6 * masks_only["models"][0]["sweep"]["thresholds"][-1]["forwards"]
     # The verified row is generate's verified threshold mode with the same drafts (fixed feed).
     s = base.plan_for_model(session.loaded, threshold=0.5, max_tokens=FAST["max_tokens"], verify=True, ngram=8)
@@ -315,7 +420,21 @@ def test_ngram_rows_draft_from_lookup_and_the_checkpoints_corpus(paths, tmp_path
     assert rows[2]["outputs"] == [generate(session.decoder, [p], s).tokens[0] for p in prompts]
     table = ev.format_table(report)
     assert "lossless/h4/n8c" in table and "v0.5/n8c" in table
-    r = invoke("--backend", "torch", "--model", model, "--data", paths["data"], "--threshold", "1.0",
-               "--max-tokens", 8, "--no-nll", "--lossless", "--ngram", 4)
+    r = invoke(
+        "--backend",
+        "torch",
+        "--model",
+        model,
+        "--data",
+        paths["data"],
+        "--threshold",
+        "1.0",
+        "--max-tokens",
+        8,
+        "--no-nll",
+        "--lossless",
+        "--ngram",
+        4,
+    )
     assert r.exit_code == 0, r.output
     assert "lossless/h4/n4c" in r.output

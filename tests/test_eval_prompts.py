@@ -5,8 +5,8 @@ import copy
 import json
 
 import pytest
-
 from clitools import invoke, ok, write_jsonl
+
 from mars import evaluate
 from mars.core.train.data import DataError
 from mars.prompts import RawText, read_prompts
@@ -43,8 +43,22 @@ def encoded(monkeypatch):
 
 
 def eval_args(tiny, *extra):
-    return ("eval", "--model", tiny, "--no-nll", "--force", "--threshold", "1.0,0.5", "--max-tokens", 4,
-            "--device", "cpu", "--backend", "torch", *extra)
+    return (
+        "eval",
+        "--model",
+        tiny,
+        "--no-nll",
+        "--force",
+        "--threshold",
+        "1.0,0.5",
+        "--max-tokens",
+        4,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+        *extra,
+    )
 
 
 def test_eval_prompts_decodes_text_records_raw(tiny, tmp_path, encoded):
@@ -56,7 +70,9 @@ def test_eval_prompts_decodes_text_records_raw(tiny, tmp_path, encoded):
 
 
 def test_eval_data_says_which_records_it_does_not_decode(tiny, tmp_path, encoded):
-    data = write_jsonl(tmp_path / "data" / "test.jsonl", RECORDS[:1] + [{"prompt": "Spell from b", "completion": "b c d"}])
+    data = write_jsonl(
+        tmp_path / "data" / "test.jsonl", RECORDS[:1] + [{"prompt": "Spell from b", "completion": "b c d"}]
+    )
     report = tmp_path / "r.json"
     result = ok(invoke(*eval_args(tiny, "--data", data.parent, "--output", report)))
     assert f'note: {data}: 1 {{"text"}} record without a prompt' in result.output

@@ -8,16 +8,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import make_model, make_plan, make_tokenizer
 
 from mars.backends.torch import packed
 from mars.backends.torch.attention import NAME, use_grouped_sdpa
+from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.forward import additive_mask
 from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
 from mars.core.masks import decode_mask
-from tiny import make_model, make_tokenizer, make_plan
 
-pytestmark = pytest.mark.skipif(not packed.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch build")
+pytestmark = pytest.mark.skipif(
+    not packed.can_pack(torch.device("cpu"), torch.float32), reason="no oneDNN in this torch build"
+)
 
 
 def test_packed_linear_matches_f_linear_and_falls_back_when_the_weight_changes():
@@ -93,7 +95,9 @@ def test_the_decoder_turns_both_on_for_the_cpu():
     dec = TorchDecoder(tm)
     assert dec.packed > 0 and dec.grouped
     assert dec.cost_key()["packed"] is True
-    plain = TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32), pack=False)
+    plain = TorchDecoder(
+        TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32), pack=False
+    )
     assert plain.packed == 0
 
 
@@ -166,9 +170,12 @@ def test_a_step_with_holes_reads_what_the_full_step_reads():
         cache = dec.new_cache(b)
         prompt = rng.integers(5, vocab, (b, n)) if not out else out["prompt"]
         out["prompt"] = prompt
-        dec.step(cache, prompt, np.tile(np.arange(n), (b, 1)), None, np.full((b, 1), n - 1), metric=None, sampling=greedy)
-        out[use_valid] = dec.step(cache, ids, positions, mask, read, metric="probability", sampling=greedy,
-                                  valid=valid if use_valid else None)
+        dec.step(
+            cache, prompt, np.tile(np.arange(n), (b, 1)), None, np.full((b, 1), n - 1), metric=None, sampling=greedy
+        )
+        out[use_valid] = dec.step(
+            cache, ids, positions, mask, read, metric="probability", sampling=greedy, valid=valid if use_valid else None
+        )
     (ids_full, conf_full), (ids_real, conf_real) = out[False], out[True]
     used = np.take_along_axis(valid, read, axis=1)  # a read at a hole is never used
     assert np.array_equal(ids_real[used], ids_full[used])
@@ -183,13 +190,22 @@ def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
     prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]  # different lengths: left padding, holes
     entered = []
     real_rows = packed.real_rows
-    monkeypatch.setattr(packed, "real_rows", lambda index, total: entered.append(len(index) / total) or real_rows(index, total))
+    monkeypatch.setattr(
+        packed, "real_rows", lambda index, total: entered.append(len(index) / total) or real_rows(index, total)
+    )
     out = {}
     for skip in (True, False):
         dec.skips_holes = skip
         for mode in ("ar", "lossless", "threshold"):
-            s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, cache="window",
-                               threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
+            s = make_plan(
+                mask_id=3,
+                eos_ids=(2,),
+                block_size=4,
+                max_tokens=20,
+                cache="window",
+                threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode],
+                lossless=mode == "lossless",
+            )
             out[skip, mode] = generate(dec, prompts, s).tokens
     for mode in ("ar", "lossless", "threshold"):
         assert out[True, mode] == out[False, mode], mode
@@ -233,12 +249,16 @@ def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, 
     tok = make_tokenizer()
 
     def new():
-        return TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32))
+        return TorchDecoder(
+            TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+        )
 
     assert new().linear_rows == []  # a tiny model: not measured, every product of 2 rows or more packed
     monkeypatch.setattr(torch_model, "ROW_PATHS_MIN_BYTES", 0)
     calls = []
-    monkeypatch.setattr(packed, "time_row_paths", lambda module: calls.append(1) or {2: (1.0, 2.0), 3: (2.0, 1.0), 4: (3.0, 3.0)})
+    monkeypatch.setattr(
+        packed, "time_row_paths", lambda module: calls.append(1) or {2: (1.0, 2.0), 3: (2.0, 1.0), 4: (3.0, 3.0)}
+    )
     dec = new()
     assert dec.linear_rows == [2] and dec.cost_key()["linear_rows"] == [2]
     layers = packed.packed_layers(dec.tm.model)
@@ -275,7 +295,9 @@ def test_a_read_only_cache_does_not_stop_the_decoder(monkeypatch, tmp_path):
     monkeypatch.setattr(packed, "time_row_paths", lambda module: {2: (1.0, 2.0), 3: (2.0, 1.0)})
     monkeypatch.setattr(files, "atomic_write_text", refuse)
     tok = make_tokenizer()
-    dec = TorchDecoder(TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32))
+    dec = TorchDecoder(
+        TorchModel(make_model("qwen2", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+    )
     assert dec.linear_rows == [2] and not (tmp_path / "paths").exists()
 
 
@@ -347,8 +369,16 @@ def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(mon
             monkeypatch.setattr(dec, "new_cache", lambda batch: DynamicCache(config=dec.tm.model.config))
         for cache in ("window", "block"):
             for mode in ("ar", "lossless", "threshold"):
-                s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=24, cache=cache, block_cache=8,
-                                   threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode], lossless=mode == "lossless")
+                s = make_plan(
+                    mask_id=3,
+                    eos_ids=(2,),
+                    block_size=4,
+                    max_tokens=24,
+                    cache=cache,
+                    block_cache=8,
+                    threshold={"ar": 1.0, "lossless": 1.0, "threshold": 0.6}[mode],
+                    lossless=mode == "lossless",
+                )
                 for batch in (prompts, prompts[:1]):
                     out[kind, cache, mode, len(batch)] = generate(dec, batch, s).tokens
     for key in [k for k in out if k[0] == "growing"]:

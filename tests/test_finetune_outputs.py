@@ -6,13 +6,18 @@ import os
 import stat
 
 import pytest
-
 from clitools import invoke, ok, spell_records, write_jsonl
+
 from mars.core.train import loop as training
 from mars.core.train.loop import TrainSettings, validation_losses
 
-BACKENDS = ["torch", pytest.param("mlx", marks=pytest.mark.skipif(
-    __import__("importlib").util.find_spec("mlx") is None, reason="mlx is not installed"))]
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "mlx",
+        marks=pytest.mark.skipif(__import__("importlib").util.find_spec("mlx") is None, reason="mlx is not installed"),
+    ),
+]
 
 
 @pytest.fixture
@@ -25,8 +30,25 @@ def umask_022():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_outputs_are_world_readable(tiny, data, tmp_path, backend, umask_022):
     out = tmp_path / "out"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--iters", 2, "--batch-size", 4,
-              "--device", "cpu", "--backend", backend))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            2,
+            "--batch-size",
+            4,
+            "--device",
+            "cpu",
+            "--backend",
+            backend,
+        )
+    )
     weights = "adapter_model.safetensors" if backend == "torch" else "adapters.safetensors"
     assert (out / weights).is_file() and (out / "mask_embedding.safetensors").is_file()
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
@@ -70,17 +92,59 @@ def test_val_batches_caps_each_validation_pass_with_a_progress_bar(tiny, tmp_pat
 
     module = "mars.backends.torch.train" if backend == "torch" else "mars.backends.mlx.train"
     monkeypatch.setattr(f"{module}.validation_losses", counted)
-    result = ok(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "out", "--iters", 2,
-                       "--batch-size", 4, "--steps-per-eval", 1, "--val-batches", 3, "--device", "cpu", "--backend", backend))
+    result = ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            tmp_path / "out",
+            "--iters",
+            2,
+            "--batch-size",
+            4,
+            "--steps-per-eval",
+            1,
+            "--val-batches",
+            3,
+            "--device",
+            "cpu",
+            "--backend",
+            backend,
+        )
+    )
     assert passes == [(3, True), (3, True)]
     assert "validation:" in result.output and "/3 [" in result.output  # the bar, drawn over 3 batches
     passes.clear()
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "all", "--iters", 1,
-              "--batch-size", 4, "--val-batches", -1, "--device", "cpu", "--backend", backend))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            tmp_path / "all",
+            "--iters",
+            1,
+            "--batch-size",
+            4,
+            "--val-batches",
+            -1,
+            "--device",
+            "cpu",
+            "--backend",
+            backend,
+        )
+    )
     assert passes == [(10, True)]
 
 
 def test_val_batches_zero_is_refused(tiny, data, tmp_path):
-    result = invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "out", "--iters", 1, "--val-batches", 0)
+    result = invoke(
+        "finetune", "--model", tiny, "--data", data, "--output", tmp_path / "out", "--iters", 1, "--val-batches", 0
+    )
     assert result.exit_code == 2 and "--val-batches" in result.output and "-1" in result.output
     assert not (tmp_path / "out").exists()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tiny import PROMPTS, load_script
 
 FORMATS = ("torch:float32", "torch:bfloat16", "mlx:float32", "mlx:4")
@@ -21,8 +20,26 @@ def report(tiny, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
     out = tmp / "formats.json"
     script = load_script("benchmarks/formats.py")
-    returned = script.main(["--model", str(tiny), "--prompts", str(prompts), "--limit", "3", "--max-tokens", "8",
-                            "--repeats", "2", "--feed", "fixed", "--formats", ",".join(FORMATS), "--json", str(out)])
+    returned = script.main(
+        [
+            "--model",
+            str(tiny),
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "3",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "2",
+            "--feed",
+            "fixed",
+            "--formats",
+            ",".join(FORMATS),
+            "--json",
+            str(out),
+        ]
+    )
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(returned))  # the JSON is the report the script returned
     return written
@@ -31,15 +48,24 @@ def report(tiny, tmp_path_factory):
 def test_every_format_reports_both_modes_over_every_round(report):
     assert list(report["formats"]) == list(FORMATS)
     assert report["limit"] == 3 and report["repeats"] == 2 and report["feed"] == "fixed"
-    expected_format = {"torch:float32": "torch float32", "torch:bfloat16": "torch bfloat16",
-                       "mlx:float32": "mlx float32", "mlx:4": "mlx 4-bit (float32)"}
+    expected_format = {
+        "torch:float32": "torch float32",
+        "torch:bfloat16": "torch bfloat16",
+        "mlx:float32": "mlx float32",
+        "mlx:4": "mlx 4-bit (float32)",
+    }
     for spec, r in report["formats"].items():
         assert r["computes_in"] == expected_format[spec]
         # A narrow format's lossless mode may name itself "AR's up to near-ties".
         assert r["ar"]["plan"] == "AR greedy" and r["default"]["plan"].startswith("lossless greedy")
         # The draft sources `mars generate` feeds by default (the tiny model has no draft corpus).
-        assert r["default"]["drafts"] == {"ngram": 16, "corpus": False, "alternatives": 2, "spare_groups_cap": None,
-                                          "feed": "fixed"}
+        assert r["default"]["drafts"] == {
+            "ngram": 16,
+            "corpus": False,
+            "alternatives": 2,
+            "spare_groups_cap": None,
+            "feed": "fixed",
+        }
         for mode in ("ar", "default"):
             m = r[mode]
             assert len(m["seconds"]) == 2 and len(m["tokens_per_s"]["rounds"]) == 2

@@ -8,10 +8,10 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from clitools import invoke, ok, one_line_error
-from mars.backends.torch.decode import TorchDecoder
 from tiny import make_plan
+
+from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.load import load as torch_load
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
@@ -24,8 +24,29 @@ QUIET = dict(announce=lambda m: None)
 def gated(tiny, data, tmp_path_factory):
     """A gated LoRA adapter trained by `mars finetune` (torch) on the tiny base."""
     out = tmp_path_factory.mktemp("gated") / "adapter"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 80,
-              "--learning-rate", 1e-2, "--lora-rank", 8, "--backend", "torch", "--default-mode", "lossless"))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--gate",
+            "masks",
+            "--iters",
+            80,
+            "--learning-rate",
+            1e-2,
+            "--lora-rank",
+            8,
+            "--backend",
+            "torch",
+            "--default-mode",
+            "lossless",
+        )
+    )
     return out
 
 
@@ -50,12 +71,14 @@ def test_gated_training_leaves_every_real_token_output_equal_to_the_base(tiny, g
     for p in PROMPTS:
         ids = encode_prompt(tm.tokenizer, p)
         tm.gate.set(torch.tensor([ids]))
-        torch.testing.assert_close(real_token_logits(tm, ids, mask), real_token_logits(base, ids, mask), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            real_token_logits(tm, ids, mask), real_token_logits(base, ids, mask), atol=1e-5, rtol=0
+        )
         # ... while at mask positions the adapter acts: the masks' outputs moved.
         with_masks = ids + [mask] * 4
         tm.gate.set(torch.tensor([with_masks]))
         diff = (real_token_logits(tm, with_masks, mask) - real_token_logits(base, with_masks, mask))[0].abs()
-        assert diff[: len(ids)].max() <= 1e-5 and diff[len(ids):].max() > 1e-3
+        assert diff[: len(ids)].max() <= 1e-5 and diff[len(ids) :].max() > 1e-3
 
 
 def test_the_decoding_form_of_a_gated_adapter_equals_its_peft_form(tiny, gated):
@@ -99,11 +122,49 @@ def test_a_gated_adapter_decodes_as_the_base_at_threshold_1_and_losslessly(tiny,
 
 
 def test_a_gated_adapter_cannot_be_fused(tiny, data, gated, tmp_path):
-    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "f", "--gate", "masks", "--fuse",
-                          "--iters", 1, "--backend", "torch"), "gated adapter")
-    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", tmp_path / "g", "--gate", "masks",
-                          "--fine-tune-type", "full", "--iters", 1, "--backend", "torch"), "--gate")
-    one_line_error(invoke("convert", tiny, "--adapter", gated, "--fuse", "--to", "hf", "--output", tmp_path / "fused"), "gated adapter")
+    one_line_error(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            tmp_path / "f",
+            "--gate",
+            "masks",
+            "--fuse",
+            "--iters",
+            1,
+            "--backend",
+            "torch",
+        ),
+        "gated adapter",
+    )
+    one_line_error(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            tmp_path / "g",
+            "--gate",
+            "masks",
+            "--fine-tune-type",
+            "full",
+            "--iters",
+            1,
+            "--backend",
+            "torch",
+        ),
+        "--gate",
+    )
+    one_line_error(
+        invoke("convert", tiny, "--adapter", gated, "--fuse", "--to", "hf", "--output", tmp_path / "fused"),
+        "gated adapter",
+    )
     assert not (tmp_path / "f").exists() and not (tmp_path / "fused").exists()
 
 
@@ -111,8 +172,8 @@ def test_a_gated_adapter_loads_and_decodes_alike_on_mlx(tiny, gated, tmp_path):
     pytest.importorskip("mlx_lm")
     import mlx.core as mx
 
-    from mars.backends.mlx.forward import head, hidden_states
     from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.forward import head, hidden_states
     from mars.backends.mlx.load import load as mlx_load
 
     ok(invoke("convert", gated, "--to", "mlx", "--output", tmp_path / "mlx-adapter", "--model", tiny))
@@ -142,8 +203,27 @@ def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path)
     from mars.backends.mlx.load import load as mlx_load
 
     out = tmp_path / "mlx-gated"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 20,
-              "--learning-rate", 5e-3, "--lora-rank", 4, "--backend", "mlx"))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--gate",
+            "masks",
+            "--iters",
+            20,
+            "--learning-rate",
+            5e-3,
+            "--lora-rank",
+            4,
+            "--backend",
+            "mlx",
+        )
+    )
     m = mlx_load(out, **QUIET)
     base = mlx_load(tiny, **QUIET)
     mask = m.mars.mask_token_id
@@ -153,13 +233,15 @@ def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path)
             x = mx.array([fed])
             m.gate.set(x)
             ours = np.array(head(m.model, hidden_states(m.model, x, [(len(fed), 0)], "causal")).astype(mx.float32))
-            plain = np.array(head(base.model, hidden_states(base.model, x, [(len(fed), 0)], "causal")).astype(mx.float32))
+            plain = np.array(
+                head(base.model, hidden_states(base.model, x, [(len(fed), 0)], "causal")).astype(mx.float32)
+            )
             ours, plain = without(ours, mask), without(plain, mask)
             if real:
                 np.testing.assert_allclose(ours, plain, atol=1e-5, rtol=0)
             else:
                 np.testing.assert_allclose(ours[0, : len(ids)], plain[0, : len(ids)], atol=1e-5, rtol=0)
-                assert np.abs(ours[0, len(ids):] - plain[0, len(ids):]).max() > 1e-3
+                assert np.abs(ours[0, len(ids) :] - plain[0, len(ids) :]).max() > 1e-3
 
 
 # -- the distillation objective -------------------------------------------------------------------
@@ -168,8 +250,10 @@ def test_gated_mlx_training_leaves_real_tokens_to_the_base(tiny, data, tmp_path)
 def _batch(tok):
     from mars.core.train.data import encode_record, pad_to_block
 
-    rows = [encode_record({"prompt": "Spell from c", "completion": "c d e f g"}, tok, eos_id=tok.eos_token_id),
-            encode_record({"prompt": "hi", "completion": "hello there, friend"}, tok, eos_id=tok.eos_token_id)]
+    rows = [
+        encode_record({"prompt": "Spell from c", "completion": "c d e f g"}, tok, eos_id=tok.eos_token_id),
+        encode_record({"prompt": "hi", "completion": "hello there, friend"}, tok, eos_id=tok.eos_token_id),
+    ]
     rows = [pad_to_block(i, lab, 4, tok.eos_token_id, ended=True) for i, lab in rows]
     width = max(len(i) for i, _ in rows)
     ids = np.full((2, width), tok.eos_token_id)
@@ -181,8 +265,9 @@ def _batch(tok):
 
 @pytest.mark.parametrize("temperature,mix", [(1.0, 1.0), (2.0, 1.0), (0.5, 0.3)])
 def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
-    from mars.backends.torch.loss import MarsLoss, loss_inputs
     from tiny import make_model, make_tokenizer
+
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
 
     tok = make_tokenizer()
     model = make_model("llama", len(tok), seed=2).eval()
@@ -195,7 +280,9 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
         from mars.backends.torch.forward import body_and_head
 
         body, head = body_and_head(model)
-        h = body(input_ids=inputs["input_ids"], position_ids=inputs["positions"], attention_mask=inputs["attn"]).last_hidden_state
+        h = body(
+            input_ids=inputs["input_ids"], position_ids=inputs["positions"], attention_mask=inputs["attn"]
+        ).last_hidden_state
         student = head(h[inputs["rows"], inputs["noisy_index"]]).double()
         teacher = head(h[inputs["rows"], inputs["clean_index"]]).double()
         p = torch.softmax(teacher / temperature, -1)
@@ -207,17 +294,21 @@ def test_distill_loss_equals_a_hand_computed_kl(temperature, mix):
     assert float(noisy) != pytest.approx(float(ce_noisy), rel=1e-3)
 
 
-@pytest.mark.parametrize("distill,slot_weights,consistency", [((1.5, 0.6), (), 0.0), ((1.0, 1.0), (1.0, 2.0, 3.0, 0.5), 0.3)])
+@pytest.mark.parametrize(
+    "distill,slot_weights,consistency", [((1.5, 0.6), (), 0.0), ((1.0, 1.0), (1.0, 2.0, 3.0, 0.5), 0.3)]
+)
 def test_the_training_losses_agree_across_backends(distill, slot_weights, consistency):
     """Distillation (and with it, slot weights and the consistency term): torch = MLX."""
     pytest.importorskip("mlx_lm")
-    from mars.backends.mlx.load import load as mlx_load
-    from mars.backends.mlx.loss import mars_losses, loss_inputs as mlx_loss_inputs
-    from mars.backends.torch.loss import MarsLoss, loss_inputs
-    from tiny import make_tokenizer, save_model
-
     import tempfile
     from pathlib import Path
+
+    from tiny import make_tokenizer, save_model
+
+    from mars.backends.mlx.load import load as mlx_load
+    from mars.backends.mlx.loss import loss_inputs as mlx_loss_inputs
+    from mars.backends.mlx.loss import mars_losses
+    from mars.backends.torch.loss import MarsLoss, loss_inputs
 
     tok = make_tokenizer()
     ids, labels, lengths = _batch(tok)
@@ -226,17 +317,25 @@ def test_the_training_losses_agree_across_backends(distill, slot_weights, consis
         m, t = mlx_load(path, **QUIET), torch_load(path, **QUIET)
         with torch.no_grad():
             ours = MarsLoss(t.model, mask_id=3, distill=distill)(
-                **loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=slot_weights), consistency=consistency)
-        theirs = mars_losses(m.model, mlx_loss_inputs(ids, labels, lengths, 4, 3, slot_weights=slot_weights), mask_id=3,
-                             distill=distill, consistency=consistency)
+                **loss_inputs(ids, labels, lengths, 4, 3, torch.float32, "cpu", slot_weights=slot_weights),
+                consistency=consistency,
+            )
+        theirs = mars_losses(
+            m.model,
+            mlx_loss_inputs(ids, labels, lengths, 4, 3, slot_weights=slot_weights),
+            mask_id=3,
+            distill=distill,
+            consistency=consistency,
+        )
     for a, b in zip(ours, theirs):
         assert float(a) == pytest.approx(float(b), rel=1e-4)
 
 
 def test_slot_weights_and_the_consistency_term_equal_a_hand_computation():
+    from tiny import make_model, make_tokenizer
+
     from mars.backends.torch.forward import body_and_head
     from mars.backends.torch.loss import MarsLoss, loss_inputs
-    from tiny import make_model, make_tokenizer
 
     tok = make_tokenizer()
     model = make_model("llama", len(tok), seed=2).eval()
@@ -250,7 +349,9 @@ def test_slot_weights_and_the_consistency_term_equal_a_hand_computation():
         base_noisy, base_clean = loss(**plain)
         noisy, clean = loss(**inputs, consistency=0.7)
         body, head = body_and_head(model)
-        h = body(input_ids=plain["input_ids"], position_ids=plain["positions"], attention_mask=plain["attn"]).last_hidden_state
+        h = body(
+            input_ids=plain["input_ids"], position_ids=plain["positions"], attention_mask=plain["attn"]
+        ).last_hidden_state
         hs, ht = h[plain["rows"], plain["noisy_index"]].double(), h[plain["rows"], plain["clean_index"]].double()
         student, teacher = head(hs.float()).double(), head(ht.float()).double()
         p = torch.softmax(teacher, -1)
@@ -277,8 +378,30 @@ def test_finetune_slot_weights_and_consistency_train_but_validate_on_the_plain_o
         logs = {}
         for name, extra in (("plain", ()), ("weighted", ("--slot-weights", "0.5,1,2,4", "--consistency", 0.5))):
             out = tmp_path / f"{backend}-{name}"
-            ok(invoke("finetune", "--model", tiny, "--data", both, "--output", out, "--gate", "masks", "--objective", "distill",
-                      "--iters", 2, "--steps-per-eval", 2, "--learning-rate", 0, "--backend", backend, *extra))
+            ok(
+                invoke(
+                    "finetune",
+                    "--model",
+                    tiny,
+                    "--data",
+                    both,
+                    "--output",
+                    out,
+                    "--gate",
+                    "masks",
+                    "--objective",
+                    "distill",
+                    "--iters",
+                    2,
+                    "--steps-per-eval",
+                    2,
+                    "--learning-rate",
+                    0,
+                    "--backend",
+                    backend,
+                    *extra,
+                )
+            )
             logs[name] = [json.loads(line) for line in (out / "training_log.jsonl").read_text().splitlines()]
         plain, weighted = logs["plain"][-1], logs["weighted"][-1]
         assert weighted["val_noisy"] == pytest.approx(plain["val_noisy"], rel=1e-5), backend
@@ -291,7 +414,9 @@ def test_finetune_refuses_slot_weights_that_do_not_fit_the_block(tiny, data, tmp
     out = tmp_path / "o"
     result = invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--slot-weights", "1,2", "--iters", 1)
     assert result.exit_code != 0 and "--slot-weights" in result.output and "4 (the block size)" in result.output
-    result = invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--slot-weights", "1,a,2,2", "--iters", 1)
+    result = invoke(
+        "finetune", "--model", tiny, "--data", data, "--output", out, "--slot-weights", "1,a,2,2", "--iters", 1
+    )
     assert result.exit_code != 0 and "comma-separated" in result.output
     assert not out.exists()
 
@@ -301,8 +426,27 @@ def test_finetune_with_distill_and_gate_runs_on_both_backends(tiny, data, tmp_pa
         if backend == "mlx":
             pytest.importorskip("mlx_lm")
         out = tmp_path / backend
-        ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--objective", "distill",
-                  "--distill-temperature", 2, "--iters", 3, "--backend", backend))
+        ok(
+            invoke(
+                "finetune",
+                "--model",
+                tiny,
+                "--data",
+                data,
+                "--output",
+                out,
+                "--gate",
+                "masks",
+                "--objective",
+                "distill",
+                "--distill-temperature",
+                2,
+                "--iters",
+                3,
+                "--backend",
+                backend,
+            )
+        )
         assert json.loads((out / "mars.json").read_text())["gate"] == "masks"
 
 
@@ -310,10 +454,10 @@ def test_the_gated_split_forward_gives_the_joint_forwards_losses_and_gradients(t
     """Gated training runs the clean stream without gradients in a pass of its own: the
     losses and the LoRA and mask-row gradients equal one joint forward's."""
     from peft import LoraConfig, get_peft_model
+    from tiny import make_tokenizer
 
     from mars.backends.torch.gate import MaskGate
     from mars.backends.torch.loss import MarsLoss, loss_inputs
-    from tiny import make_tokenizer
 
     tok = make_tokenizer()
     base = torch_load(tiny, **QUIET)
@@ -384,10 +528,18 @@ def test_mars_serve_decodes_a_gated_adapter_as_the_base(tiny, gated):
     with live(tm, name="gated") as server:
         client = server.client()
         for text in PROMPTS:
-            want = generate(TorchDecoder(base), [encode_prompt(base.tokenizer, text)],
-                            make_plan(mask_id=tm.mars.mask_token_id, eos_ids=base.eos_ids, max_tokens=12, threshold=1.0))
+            want = generate(
+                TorchDecoder(base),
+                [encode_prompt(base.tokenizer, text)],
+                make_plan(mask_id=tm.mars.mask_token_id, eos_ids=base.eos_ids, max_tokens=12, threshold=1.0),
+            )
             reply = base.tokenizer.decode(want.tokens[0], skip_special_tokens=True)
             for extra in ({"threshold": 1.0}, {"lossless": True}, {}):  # {}: the checkpoint's default mode, lossless
-                r = client.chat.completions.create(model="gated", messages=[{"role": "user", "content": text}], max_tokens=12,
-                                                   temperature=0, extra_body=extra)
+                r = client.chat.completions.create(
+                    model="gated",
+                    messages=[{"role": "user", "content": text}],
+                    max_tokens=12,
+                    temperature=0,
+                    extra_body=extra,
+                )
                 assert r.choices[0].message.content == reply, (text, extra)

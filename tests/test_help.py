@@ -4,8 +4,8 @@ import inspect
 import re
 
 import pytest
-
 from clitools import invoke, ok
+
 from mars.cli import generate
 from mars.cli.main import cli
 

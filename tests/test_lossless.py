@@ -14,16 +14,16 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
-from mars.backends.torch.load import TorchModel
 from mars.backends.torch.decode import TorchDecoder, sampling_probs
+from mars.backends.torch.load import TorchModel
 from mars.core.decode.drafts import ALT, SPARE
 from mars.core.decode.layout import layout_mask
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
 from mars.core.decode.strategies import WindowStrategy
 from mars.core.decode.types import Row
-from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
 
@@ -39,7 +39,10 @@ def tm(request, tok):
 
 
 def prompts_of(tok, texts):
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in texts]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
 
 
 def settings(**kw):
@@ -97,13 +100,28 @@ def check_spare_groups(dec, prompts, cached: bool) -> None:
     if cached:  # commit all but each prompt's last token first, as the loop would have
         head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
         feed = strategy.lay_out(head)  # no drafts yet: the heads and B masks, which the commit crops
-        dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        dec.step(
+            cache,
+            feed.ids,
+            feed.positions,
+            layout_mask(strategy.keys(feed), feed),
+            feed.read,
+            metric=None,
+            sampling=Sampling(),
+        )
         # The rows start with the heads: committing records on them what the cache now holds.
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
     feed = strategy.lay_out(rows)
     assert feed.columns.count(SPARE) == B
-    ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
-                         metric="probability", sampling=Sampling())
+    ids, conf = dec.step(
+        cache,
+        feed.ids,
+        feed.positions,
+        layout_mask(strategy.keys(feed), feed),
+        feed.read,
+        metric="probability",
+        sampling=Sampling(),
+    )
     spare_ids = ids[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
     spare_conf = conf[:, 1 + feed.drafts.shape[1] + B :].reshape(len(rows), B, B)
     cases = [(i, g, p + d[:g] + [MASK] * B, B) for i, (p, d) in enumerate(zip(prompts, drafts)) for g in range(len(d))]
@@ -116,8 +134,15 @@ def check_windows(dec, ids, conf, cases) -> int:
     `reads` columns (ids exactly, probabilities to 1e-5). Returns how many were checked."""
     for i, g, window, reads in cases:
         n = len(window)
-        ref_ids, ref_conf = dec.step(None, np.asarray([window]), np.arange(n)[None], None, np.arange(n - reads, n)[None],
-                                     metric="probability", sampling=Sampling())
+        ref_ids, ref_conf = dec.step(
+            None,
+            np.asarray([window]),
+            np.arange(n)[None],
+            None,
+            np.arange(n - reads, n)[None],
+            metric="probability",
+            sampling=Sampling(),
+        )
         assert ids[i, g].tolist() == ref_ids[0].tolist(), (i, g)
         np.testing.assert_allclose(conf[i, g], ref_conf[0], atol=1e-5)
     return len(cases)
@@ -163,15 +188,34 @@ def check_alternative_groups(dec, prompts, cached: bool) -> None:
     if cached:
         head = [Row(p[:-1], B + 1, threshold=1.0, max_tokens=24) for p in prompts]
         feed = strategy.lay_out(head)
-        dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read, metric=None, sampling=Sampling())
+        dec.step(
+            cache,
+            feed.ids,
+            feed.positions,
+            layout_mask(strategy.keys(feed), feed),
+            feed.read,
+            metric=None,
+            sampling=Sampling(),
+        )
         strategy.commit(dec, cache, rows, feed, [len(h.seq) for h in head])
     feed = strategy.lay_out(rows)
     assert feed.columns.count(ALT) == 2 and feed.live_groups(ALT).tolist() == [2, 1, 0]
-    ids, conf = dec.step(cache, feed.ids, feed.positions, layout_mask(strategy.keys(feed), feed), feed.read,
-                         metric="probability", sampling=Sampling())
+    ids, conf = dec.step(
+        cache,
+        feed.ids,
+        feed.positions,
+        layout_mask(strategy.keys(feed), feed),
+        feed.read,
+        metric="probability",
+        sampling=Sampling(),
+    )
     group_ids = ids[:, feed.columns.reads(ALT)].reshape(len(rows), 2, B + 1)
     group_conf = conf[:, feed.columns.reads(ALT)].reshape(len(rows), 2, B + 1)
-    cases = [(i, k, p + [alts[i][k]] + [MASK] * B, B + 1) for i, p in enumerate(prompts) for k in range(feed.live_groups(ALT)[i])]
+    cases = [
+        (i, k, p + [alts[i][k]] + [MASK] * B, B + 1)
+        for i, p in enumerate(prompts)
+        for k in range(feed.live_groups(ALT)[i])
+    ]
     assert check_windows(dec, group_ids, group_conf, cases) == 3
 
 
@@ -187,7 +231,9 @@ def test_runners_up_are_the_next_most_likely_ids(tm, tok):
     p = prompts_of(tok, PROMPTS[:1])[0]
     n = len(p)
     read = np.arange(n - 3, n)[None]
-    ids, _, second = dec.step(None, np.asarray([p]), np.arange(n)[None], None, read, metric=None, sampling=Sampling(), runners_up=3)
+    ids, _, second = dec.step(
+        None, np.asarray([p]), np.arange(n)[None], None, read, metric=None, sampling=Sampling(), runners_up=3
+    )
     logits = dec.logits(None, np.asarray([p]), np.arange(n)[None], None, read)[0]
     order = torch.argsort(logits, dim=-1, descending=True).numpy()
     assert ids[0].tolist() == order[:, 0].tolist()
@@ -206,7 +252,9 @@ def test_lossless_ignores_the_threshold_and_reports_drafts(tm, tok):
     totals = a.stats.draft_totals()
     assert len(totals["verified_per_slot"]) == 4
     # Every verified draft was proposed first, every kept one verified; per slot, fewer further out.
-    for drafted, verified, kept in zip(totals["drafted_per_slot"], totals["verified_per_slot"], totals["kept_per_slot"]):
+    for drafted, verified, kept in zip(
+        totals["drafted_per_slot"], totals["verified_per_slot"], totals["kept_per_slot"]
+    ):
         assert drafted >= verified >= kept
     assert totals["verified_per_slot"][0] > 0
     row = a.stats.to_dict()["rows"][0]
@@ -283,7 +331,9 @@ class AcceptEveryDraft(TorchDecoder):
     """A broken verifier: keeps every draft whatever p says."""
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        _, token, proposals = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
+        _, token, proposals = super().speculate(
+            cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling
+        )
         return np.asarray(n_drafts), token, proposals
 
 
@@ -295,7 +345,9 @@ class ResampleFromP(TorchDecoder):
         return self.last
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        kept, token, proposals = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
+        kept, token, proposals = super().speculate(
+            cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling
+        )
         p = sampling_probs(self.last[:, : drafts.shape[1] + 1], sampling)
         at = p[torch.arange(p.shape[0]), torch.from_numpy(np.asarray(kept))]
         redrawn = torch.multinomial(at, 1, generator=self.rng(sampling))[:, 0].numpy()
@@ -336,7 +388,10 @@ def test_lossless_sampling_with_the_cost_aware_feed_matches_ar_sampling(sampler,
     (policy,) = feed.policies.values()
     fed_none = policy.choices.get((0, 0), 0) / sum(policy.choices.values())
     if curve == "flat":
-        assert fed_none < 0.2 and 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], (policy.choices, totals)
+        assert fed_none < 0.2 and 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], (
+            policy.choices,
+            totals,
+        )
     else:
         assert fed_none > 0.5, policy.choices
     assert chi_square_p(counts, expected, n) > 1e-3

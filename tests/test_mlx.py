@@ -10,19 +10,21 @@ import torch
 
 mx = pytest.importorskip("mlx.core")
 
-from mars.backends.mlx.forward import head, hidden_states  # noqa: E402
+from tiny import feed_of, make_plan, save_model  # noqa: E402
+
 from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
-from mars.backends.mlx.loss import mars_losses, loss_inputs as mlx_loss_inputs  # noqa: E402
-from mars.backends.mlx.load import load as mlx_load  # noqa: E402
 from mars.backends.mlx.decode import slot_predictions as mlx_slots  # noqa: E402
+from mars.backends.mlx.forward import head, hidden_states  # noqa: E402
+from mars.backends.mlx.load import load as mlx_load  # noqa: E402
+from mars.backends.mlx.loss import loss_inputs as mlx_loss_inputs
+from mars.backends.mlx.loss import mars_losses  # noqa: E402
 from mars.backends.torch.decode import TorchDecoder  # noqa: E402
-from mars.backends.torch.loss import MarsLoss, loss_inputs  # noqa: E402
 from mars.backends.torch.load import load as torch_load  # noqa: E402
+from mars.backends.torch.loss import MarsLoss, loss_inputs  # noqa: E402
 from mars.core.acceptance import confidence_from_logits  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.decode.plan import Sampling  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
-from tiny import feed_of, make_plan, save_model  # noqa: E402
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
 ATOL = 1e-4
@@ -122,7 +124,9 @@ def test_mlx_cached_equals_uncached_and_batch_equals_single(pair, threshold):
         singles = [generate(dec, [p], s).tokens[0] for p in prompts]
         assert batch == singles
         if cache == "window":
-            assert singles == [generate(dec, [p], settings(threshold=threshold, cache="none")).tokens[0] for p in prompts]
+            assert singles == [
+                generate(dec, [p], settings(threshold=threshold, cache="none")).tokens[0] for p in prompts
+            ]
 
 
 def test_mlx_confidences_match_the_reference():
@@ -138,11 +142,16 @@ def test_mlx_sampling_is_seeded_and_top_k_one_is_greedy(pair):
     m, _ = pair
     prompt = [encode_prompt(m.tokenizer, "Hello there")]
     greedy = generate(MlxDecoder(m), prompt, settings(threshold=1.0)).tokens
-    top1 = generate(MlxDecoder(m), prompt, settings(threshold=1.0, sampling=Sampling(temperature=1.0, top_k=1, seed=0))).tokens
+    top1 = generate(
+        MlxDecoder(m), prompt, settings(threshold=1.0, sampling=Sampling(temperature=1.0, top_k=1, seed=0))
+    ).tokens
     assert top1 == greedy
     for lossless in (False, True):  # a vanishing temperature is greedy, not a NaN distribution
         tiny = Sampling(temperature=1e-69, seed=0)
-        assert generate(MlxDecoder(m), prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens == generate(MlxDecoder(m), prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
+        assert (
+            generate(MlxDecoder(m), prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens
+            == generate(MlxDecoder(m), prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
+        )
     s = settings(threshold=0.5, sampling=Sampling(temperature=1.5, top_p=0.9, seed=7))
     assert generate(MlxDecoder(m), prompt, s).tokens == generate(MlxDecoder(m), prompt, s).tokens
 
@@ -237,11 +246,10 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
     where the backend draws no proposals), a few probe with masks."""
     from collections import Counter
 
-    from mars.core.decode.cost import CostCurve
-
+    import test_lossless
     from test_lossless import N_TOKENS, chi_square_p, exact_distribution
 
-    import test_lossless
+    from mars.core.decode.cost import CostCurve
 
     path = save_model(tmp_path / "model", "llama", seed=3, scale=0.15)
     m, t = mlx_load(path, announce=lambda m: None), torch_load(path, announce=lambda m: None)
@@ -276,19 +284,23 @@ def test_cost_aware_lossless_with_ngram_drafts_is_ar_on_both_backends(pair, curv
         for batch in (1, 3):
             out = []
             for start in range(0, len(prompts), batch):
-                out += generate(dec, prompts[start : start + batch], s, controller=feed_of(CostCurve(dict(curve), refresh=0.0))).tokens
+                out += generate(
+                    dec, prompts[start : start + batch], s, controller=feed_of(CostCurve(dict(curve), refresh=0.0))
+                ).tokens
             assert out == ar, (type(dec).__name__, batch)
 
 
 def test_lossless_with_corpus_drafts_is_ar_on_both_backends(pair):
-    from mars.core.decode.drafts.corpus import DraftCorpus
     from mars.core.decode.cost import CostCurve
+    from mars.core.decode.drafts.corpus import DraftCorpus
 
     m, t = pair
     prompts = [encode_prompt(m.tokenizer, p) for p in PROMPTS]
     ar = generate(MlxDecoder(m), prompts, settings(threshold=1.0)).tokens
     shifted = [p[1:] for p in prompts]  # what the model says after a few tokens it has said before
-    book = DraftCorpus([p + r for p, r in zip(shifted, generate(MlxDecoder(m), shifted, settings(threshold=1.0)).tokens)])
+    book = DraftCorpus(
+        [p + r for p, r in zip(shifted, generate(MlxDecoder(m), shifted, settings(threshold=1.0)).tokens)]
+    )
     s = settings(lossless=True, ngram=6, corpus=book)
     sources = []
     for dec in (MlxDecoder(m), TorchDecoder(t)):

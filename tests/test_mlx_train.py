@@ -12,22 +12,24 @@ import pytest
 
 mx = pytest.importorskip("mlx.core")
 
-from tiny import save_model, make_plan
+from tiny import make_plan, save_model
 
 from mars.backends.mlx.decode import MlxDecoder
 from mars.backends.mlx.load import ensure_mask_token, load
-from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY
 from mars.backends.mlx.train import MlxTrainer
-from mars.core.train.data import Example, encode_record, pad_to_block
+from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
+from mars.core.train.data import Example, encode_record, pad_to_block
 from mars.core.train.loop import CHECKPOINT, TrainSettings
 
 QUIET = {"announce": lambda m: None}
 
 
 def spell_records():
-    return [{"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]]
+    return [
+        {"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]
+    ]
 
 
 def examples_of(records, tokenizer, block_size=4):
@@ -48,7 +50,11 @@ def trainer_for(base, out, **kw):
 
 def decode(loaded, mars, prompts, threshold, max_tokens=24):
     settings = make_plan(
-        mask_id=mars.mask_token_id, eos_ids=loaded.eos_ids, block_size=mars.block_size, max_tokens=max_tokens, threshold=threshold
+        mask_id=mars.mask_token_id,
+        eos_ids=loaded.eos_ids,
+        block_size=mars.block_size,
+        max_tokens=max_tokens,
+        threshold=threshold,
     )
     return generate(MlxDecoder(loaded), prompts, settings)
 
@@ -74,7 +80,9 @@ def mlx_lm_greedy(model, prompt, eos_ids, max_tokens=24):
 
 def test_learns_several_tokens_per_forward_at_the_same_output(tmp_path):
     base = save_model(tmp_path / "base", "llama", seed=0, scale=0.1)
-    trainer, loaded, mars = trainer_for(base, tmp_path / "out", fine_tune_type="full", iters=80, batch_size=8, learning_rate=5e-3)
+    trainer, loaded, mars = trainer_for(
+        base, tmp_path / "out", fine_tune_type="full", iters=80, batch_size=8, learning_rate=5e-3
+    )
     examples = examples_of(spell_records(), loaded.tokenizer)
     result = trainer.train(examples, progress=False)
     first, last = result["history"][0], result["history"][-1]
@@ -100,7 +108,14 @@ def lora(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
     base = save_model(root / "base", "llama", seed=1, hidden=32)
     trainer, loaded, _ = trainer_for(
-        base, root / "adapter", fine_tune_type="lora", iters=12, batch_size=8, learning_rate=2e-2, lora_rank=4, lora_alpha=8.0
+        base,
+        root / "adapter",
+        fine_tune_type="lora",
+        iters=12,
+        batch_size=8,
+        learning_rate=2e-2,
+        lora_rank=4,
+        lora_alpha=8.0,
     )
     records = spell_records()[:16]
     trainer.train(examples_of(records, loaded.tokenizer), examples_of(records[:4], loaded.tokenizer), progress=False)
@@ -115,14 +130,23 @@ def test_lora_output_is_an_mlx_lm_adapter(lora):
 
     base, adapter, _, trainer = lora
     names = sorted(p.name for p in adapter.iterdir())
-    assert {"adapters.safetensors", "adapter_config.json", MASK_EMBEDDING_FILE, "mars.json", "training_log.jsonl", "tokenizer.json"} <= set(names)
+    assert {
+        "adapters.safetensors",
+        "adapter_config.json",
+        MASK_EMBEDDING_FILE,
+        "mars.json",
+        "training_log.jsonl",
+        "tokenizer.json",
+    } <= set(names)
     assert not [n for n in names if n.startswith(".") or n == CHECKPOINT]
     weights = mx.load(str(adapter / "adapters.safetensors"))
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["fine_tune_type"] == "lora" and config["num_layers"] == 2
     lp = config["lora_parameters"]
     assert (lp["rank"], lp["scale"], lp["dropout"]) == (4, 2.0, 0.0)
-    assert set(lp["keys"]) == {f"self_attn.{p}_proj" for p in "qkvo"} | {f"mlp.{p}_proj" for p in ("gate", "up", "down")}
+    assert set(lp["keys"]) == {f"self_attn.{p}_proj" for p in "qkvo"} | {
+        f"mlp.{p}_proj" for p in ("gate", "up", "down")
+    }
     # Exactly the LoRA matrices, under mlx-lm's names.
     assert len(weights) == 2 * 7 * 2 and all(k.rsplit(".", 1)[-1] in ("lora_a", "lora_b") for k in weights)
     row = mx.load(str(adapter / MASK_EMBEDDING_FILE))[MASK_EMBEDDING_KEY]
@@ -176,8 +200,15 @@ def test_resumed_run_ends_with_the_uninterrupted_weights(tmp_path, kind):
 
     base = save_model(tmp_path / "base", "llama", seed=2, hidden=32)
     kw = {
-        "fine_tune_type": kind, "iters": 5, "batch_size": 4, "grad_accumulation": 2, "learning_rate": 1e-2,
-        "steps_per_save": 2, "steps_per_eval": 2, "lora_dropout": 0.1 if kind == "lora" else 0.0, "warmup": 0.2,
+        "fine_tune_type": kind,
+        "iters": 5,
+        "batch_size": 4,
+        "grad_accumulation": 2,
+        "learning_rate": 1e-2,
+        "steps_per_save": 2,
+        "steps_per_eval": 2,
+        "lora_dropout": 0.1 if kind == "lora" else 0.0,
+        "warmup": 0.2,
     }
     records = spell_records()[::2][:8] + spell_records()[1::2][:8]  # 16 records: 2 steps per epoch
 
@@ -242,8 +273,14 @@ def test_same_history_as_the_torch_trainer(tmp_path):
 
     base = save_model(tmp_path / "base", "llama", seed=3, hidden=32)
     kw = {
-        "fine_tune_type": "full", "iters": 6, "batch_size": 4, "grad_accumulation": 2, "learning_rate": 1e-2,
-        "warmup": 0.3, "max_grad_norm": 0.5, "steps_per_eval": 3,
+        "fine_tune_type": "full",
+        "iters": 6,
+        "batch_size": 4,
+        "grad_accumulation": 2,
+        "learning_rate": 1e-2,
+        "warmup": 0.3,
+        "max_grad_norm": 0.5,
+        "steps_per_eval": 3,
     }
     ours, loaded, _ = trainer_for(base, tmp_path / "mlx", **kw)
     # Long prompts: every batch leaves out noisy blocks no loss reads (masks.noisy_start).
@@ -279,12 +316,29 @@ def test_cli_finetune_and_generate_with_the_mlx_backend(tmp_path):
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in spell_records()[:8]))
     out = tmp_path / "out"
     run = CliRunner().invoke(
-        cli, ["finetune", "--backend", "mlx", "--model", str(base), "--data", str(data), "--output", str(out), "--iters", "3", "--batch-size", "4"]
+        cli,
+        [
+            "finetune",
+            "--backend",
+            "mlx",
+            "--model",
+            str(base),
+            "--data",
+            str(data),
+            "--output",
+            str(out),
+            "--iters",
+            "3",
+            "--batch-size",
+            "4",
+        ],
     )
     assert run.exit_code == 0, run.output
     assert (out / "adapters.safetensors").is_file() and (out / "mask_embedding.safetensors").is_file()
     assert json.loads((out / "mars.json").read_text())["base_model"] == str(base.resolve())
-    gen = CliRunner().invoke(cli, ["generate", "--backend", "mlx", "--model", str(out), "--prompt", "Say c", "--max-tokens", "6"])
+    gen = CliRunner().invoke(
+        cli, ["generate", "--backend", "mlx", "--model", str(out), "--prompt", "Say c", "--max-tokens", "6"]
+    )
     assert gen.exit_code == 0, gen.output
     assert "tokens/forward" in gen.output
 
@@ -294,8 +348,8 @@ def test_init_adapter_from_an_mlx_adapter_on_both_backends(lora, tmp_path):
     save it unchanged (the torch run as PEFT, which converts back bit for bit)."""
     from click.testing import CliRunner
 
-    from mars.cli.main import cli
     from mars.checkpoint.adapters import convert_adapter
+    from mars.cli.main import cli
 
     base, adapter, _, _ = lora
     data = tmp_path / "data"
@@ -304,10 +358,28 @@ def test_init_adapter_from_an_mlx_adapter_on_both_backends(lora, tmp_path):
     outs = {}
     for backend in ("mlx", "torch"):
         outs[backend] = tmp_path / backend
-        run = CliRunner().invoke(cli, [
-            "finetune", "--backend", backend, "--model", str(base), "--data", str(data), "--output", str(outs[backend]),
-            "--init-adapter", str(adapter), "--iters", "1", "--batch-size", "4", "--learning-rate", "0",
-        ])
+        run = CliRunner().invoke(
+            cli,
+            [
+                "finetune",
+                "--backend",
+                backend,
+                "--model",
+                str(base),
+                "--data",
+                str(data),
+                "--output",
+                str(outs[backend]),
+                "--init-adapter",
+                str(adapter),
+                "--iters",
+                "1",
+                "--batch-size",
+                "4",
+                "--learning-rate",
+                "0",
+            ],
+        )
         assert run.exit_code == 0, run.output
     back = convert_adapter(outs["torch"], tmp_path / "back", "mlx", base=base)
     source = mx.load(str(adapter / "adapters.safetensors"))

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 from tiny import save_model
 
 from mars import evaluate as ev
-from mars.backends import base
 from mars import parity as pa
+from mars.backends import base
 from mars.cli.evaluate import evaluate_command
 from mars.core.config import MarsConfig, write_config
 from mars.core.tokens import encode_prompt
@@ -27,22 +27,27 @@ def model(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("ar, other, expected", [
-    ([5, 6, 7], [5, 6, 7], None),  # equal
-    ([], [], None),
-    ([5, 6, 7, 2], [5, 6, 7], 3),  # the other stopped earlier: the shorter length
-    ([5, 6], [5, 6, 9, 2], 2),  # AR stopped earlier
-    ([5, 6, 7, 8], [5, 1, 7, 8], 1),  # differing in the middle
-    ([5, 6, 7], [4, 6, 7], 0),
-    ([], [3], 0),
-])
+@pytest.mark.parametrize(
+    "ar, other, expected",
+    [
+        ([5, 6, 7], [5, 6, 7], None),  # equal
+        ([], [], None),
+        ([5, 6, 7, 2], [5, 6, 7], 3),  # the other stopped earlier: the shorter length
+        ([5, 6], [5, 6, 9, 2], 2),  # AR stopped earlier
+        ([5, 6, 7, 8], [5, 1, 7, 8], 1),  # differing in the middle
+        ([5, 6, 7], [4, 6, 7], 0),
+        ([], [3], 0),
+    ],
+)
 def test_first_divergence(ar, other, expected):
     assert pa.first_divergence(ar, other) == expected
     assert pa.common_prefix(ar, other) == (len(ar) if expected is None else expected)
 
 
 def test_ulp_is_the_formats_step_at_the_logit():
-    assert pa.ulp(10.0, "bfloat16") == 0.0625 and pa.ulp(-16.0, "bfloat16") == 0.125 and pa.ulp(15.9, "bfloat16") == 0.0625
+    assert (
+        pa.ulp(10.0, "bfloat16") == 0.0625 and pa.ulp(-16.0, "bfloat16") == 0.125 and pa.ulp(15.9, "bfloat16") == 0.0625
+    )
     assert pa.ulp(1.0, "float32") == 2.0**-23 and pa.ulp(3.0, "float16") == 2.0**-9
     assert pa.ulp(1.0, None) is None and pa.ulp(1.0, "int8") is None
 
@@ -62,8 +67,16 @@ def check_gaps(report, prompts, ar, other, plain_logits):
     assert report["identical"] == 1 and report["replies"] == 3
     divergences = {d["prompt"]: d for d in report["divergences"]}
     assert sorted(divergences) == [1, 2]
-    assert {k: divergences[1][k] for k in ("position", "ar_token", "token")} == {"position": 2, "ar_token": 22, "token": 40}
-    assert {k: divergences[2][k] for k in ("position", "ar_token", "token")} == {"position": 2, "ar_token": None, "token": 32}
+    assert {k: divergences[1][k] for k in ("position", "ar_token", "token")} == {
+        "position": 2,
+        "ar_token": 22,
+        "token": 40,
+    }
+    assert {k: divergences[2][k] for k in ("position", "ar_token", "token")} == {
+        "position": 2,
+        "ar_token": None,
+        "token": 32,
+    }
     for i, d in divergences.items():
         logits = plain_logits(prompts[i] + ar[i][: d["position"]])
         top2 = np.sort(logits)[-2:]
@@ -128,16 +141,45 @@ def test_a_torch_model_names_the_dtype_it_loaded_in(model):
 
 def test_eval_lossless_reports_parity_with_no_divergence_in_float32(model, tmp_path):
     out = tmp_path / "eval.json"
-    r = CliRunner().invoke(evaluate_command, [str(a) for a in (
-        "--backend", "torch", "--model", model, "--prompts", _prompt_file(tmp_path), "--threshold", "1.0,0.3", "--force",
-        "--max-tokens", 10, "--no-nll", "--lossless", "--verify", "--output", out, "--outputs")])
+    r = CliRunner().invoke(
+        evaluate_command,
+        [
+            str(a)
+            for a in (
+                "--backend",
+                "torch",
+                "--model",
+                model,
+                "--prompts",
+                _prompt_file(tmp_path),
+                "--threshold",
+                "1.0,0.3",
+                "--force",
+                "--max-tokens",
+                10,
+                "--no-nll",
+                "--lossless",
+                "--verify",
+                "--output",
+                out,
+                "--outputs",
+            )
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "parity lossless/h4: 3/3 identical to AR (torch float32)" in r.output and "ar_gap: AR's largest" in r.output
     rows = {row["name"]: row for row in json.loads(out.read_text())["models"][0]["sweep"]["thresholds"]}
     assert "parity" not in rows["AR greedy"] and "parity" not in rows["threshold 0.3 (probability)"]
     lossless = rows["lossless greedy"]["parity"]
-    assert lossless == {"identical": 3, "replies": 3, "format": "torch float32", "logits_dtype": "float32",
-                        "max_ar_gap": None, "max_ar_gap_ulps": None, "divergences": []}
+    assert lossless == {
+        "identical": 3,
+        "replies": 3,
+        "format": "torch float32",
+        "logits_dtype": "float32",
+        "max_ar_gap": None,
+        "max_ar_gap_ulps": None,
+        "divergences": [],
+    }
     # The verified row at 0.3 takes unverified mask guesses: where it left AR, the divergence
     # is where the outputs first differ, and AR's own token there is the plain forward's argmax.
     verified, ar = rows["verified threshold 0.3 (probability)"], rows["AR greedy"]["outputs"]

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from clitools import invoke, ok
+from tiny import make_tokenizer, save_model
+
 from mars.core.config import MarsConfig, write_config
 from mars.core.decode.plan import DecodeSettings, Mode, Sampling, make_plan, why_not_verified
-from tiny import make_tokenizer, save_model
 
 pytest.importorskip("starlette")
 pytest.importorskip("openai")
@@ -23,7 +23,9 @@ THRESHOLD = 0.3  # the threshold-default checkpoint's default_threshold
 
 def mask_config(**fields) -> MarsConfig:
     mask = "<unused0>"
-    return MarsConfig(block_size=4, mask_token=mask, mask_token_id=make_tokenizer().convert_tokens_to_ids(mask), **fields)
+    return MarsConfig(
+        block_size=4, mask_token=mask, mask_token_id=make_tokenizer().convert_tokens_to_ids(mask), **fields
+    )
 
 
 # -- the plan itself -------------------------------------------------------------------------------
@@ -37,8 +39,12 @@ def mask_config(**fields) -> MarsConfig:
         (mask_config(default_threshold=0.8), {"verify": False}, Mode.THRESHOLD, "threshold 0.8 (probability)"),
         (mask_config(default_threshold=0.8), {"threshold": 1.0}, Mode.AR, "AR greedy"),
         (mask_config(default_threshold=0.8, default_mode="lossless"), {}, Mode.LOSSLESS, "lossless greedy"),
-        (mask_config(default_threshold=0.8, default_mode="lossless"), {"threshold": 0.5}, Mode.VERIFIED,
-         "verified threshold 0.5 (probability)"),
+        (
+            mask_config(default_threshold=0.8, default_mode="lossless"),
+            {"threshold": 0.5},
+            Mode.VERIFIED,
+            "verified threshold 0.5 (probability)",
+        ),
         (None, {"lossless": True}, Mode.LOSSLESS, "lossless greedy"),
     ],
 )
@@ -49,7 +55,9 @@ def test_one_function_resolves_the_mode_and_names_it(mars, asked, mode, name):
 
 def test_sampling_and_verify_where_it_cannot_apply():
     sampled = make_plan(mask_config(default_threshold=0.8), mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
-    assert sampled.mode is Mode.THRESHOLD and "greedy" in why_not_verified(sampled)  # a sampled draft's check needs its distribution
+    assert sampled.mode is Mode.THRESHOLD and "greedy" in why_not_verified(
+        sampled
+    )  # a sampled draft's check needs its distribution
     lossless = make_plan(None, mask_id=3, eos_ids=(2,), lossless=True, sampling=Sampling(temperature=0.7))
     assert lossless.name == "lossless sampling (temp 0.7)"
     ar = make_plan(None, mask_id=3, eos_ids=(2,), sampling=Sampling(temperature=0.7))
@@ -100,7 +108,9 @@ def test_a_servers_default_mode_is_decided_by_the_plan_function():
     at = make_plan(None, default_mode=Mode.THRESHOLD, default_threshold=0.6, **ask)
     assert at.mode is Mode.VERIFIED and at.threshold == 0.6
     assert make_plan(None, default_mode=Mode.THRESHOLD, default_threshold=1.0, **ask).mode is Mode.AR
-    assert make_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, lossless=False, **ask).mode is Mode.VERIFIED
+    assert (
+        make_plan(None, default_mode=Mode.LOSSLESS, default_threshold=0.6, lossless=False, **ask).mode is Mode.VERIFIED
+    )
     assert make_plan(None, threshold=0.7, default_mode=Mode.LOSSLESS, **ask).threshold == 0.7
     # Verified threshold mode runs on the window cache where the block cache was asked for.
     assert make_plan(None, threshold=0.7, cache="block", **ask).cache == "window"
@@ -129,7 +139,9 @@ def generated(path) -> list[dict]:
 
 def chatted(path, prompt: str) -> tuple[str, str]:
     """One turn of `mars chat`: (the reply as streamed, the mode its per-reply line names)."""
-    result = ok(invoke("chat", "--model", path, "--max-tokens", MAX_TOKENS, "--device", "cpu", input=f"{prompt}\n/quit\n"))
+    result = ok(
+        invoke("chat", "--model", path, "--max-tokens", MAX_TOKENS, "--device", "cpu", input=f"{prompt}\n/quit\n")
+    )
     reply = result.stdout.split(">> ")[1].removesuffix("\n")
     line = next(x for x in result.stderr.splitlines() if x.startswith("[") and "tokens/forward" in x)
     return reply, line[1:].split(": ")[0]
@@ -137,18 +149,24 @@ def chatted(path, prompt: str) -> tuple[str, str]:
 
 def served(path, **fields) -> list[tuple[str, str]]:
     """`mars serve` with no mode fields in the request but `fields` (temperature 0): (text, usage.mode)."""
+    from test_serve import live
+
     from mars.backends import base
     from mars.backends.torch.decode import TorchDecoder
     from mars.serve import EngineLimits
-    from test_serve import live
 
     loaded = base.load("torch", str(path), device="cpu", announce=lambda m: None)
     out = []
     with live(loaded, TorchDecoder, engine_limits=EngineLimits(max_batch=1)) as srv:
         client = srv.client()
         for p in PROMPTS:
-            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}], max_tokens=MAX_TOKENS, temperature=0,
-                                               extra_body=fields)
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": p}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body=fields,
+            )
             out.append((r.choices[0].message.content, r.usage.model_extra["mode"]))
     return out
 
@@ -160,12 +178,21 @@ def benched(path, mode: str) -> list[str]:
     from mars.session import Session
 
     session = Session(str(path), backend="torch", device="cpu", announce=lambda m: None)
-    settings = bench.BenchSettings(thresholds=(THRESHOLD,), block_caches=(), max_tokens=MAX_TOKENS, verify=True, lossless=True,
-                                   prompt_lookup=0, llama_cpp=False)
+    settings = bench.BenchSettings(
+        thresholds=(THRESHOLD,),
+        block_caches=(),
+        max_tokens=MAX_TOKENS,
+        verify=True,
+        lossless=True,
+        prompt_lookup=0,
+        llama_cpp=False,
+    )
     cost = base.costs(session.loaded, session.decoder)
     configs = bench.build_configs(session, settings, cost)
     config = next(c for c in configs if c.kind != "reference" and c.run.mode == mode)
-    return [session.tokenizer.decode(config.run([ids])[0][0], skip_special_tokens=True) for ids in session.encode(PROMPTS)]
+    return [
+        session.tokenizer.decode(config.run([ids])[0][0], skip_special_tokens=True) for ids in session.encode(PROMPTS)
+    ]
 
 
 @pytest.fixture
@@ -176,8 +203,13 @@ def flat_costs(monkeypatch, tmp_path):
     from mars.core.decode import cost
 
     monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(cost, "calibrate", lambda backend, prompt, *, widths=cost.CALIBRATION_WIDTHS, batch=1, **kw:
-                        cost.CostCurve({batch * k: 0.01 for k in widths}))
+    monkeypatch.setattr(
+        cost,
+        "calibrate",
+        lambda backend, prompt, *, widths=cost.CALIBRATION_WIDTHS, batch=1, **kw: cost.CostCurve(
+            {batch * k: 0.01 for k in widths}
+        ),
+    )
 
 
 def test_every_entry_point_decodes_the_default_mode_alike(checkpoint, flat_costs):
@@ -187,16 +219,39 @@ def test_every_entry_point_decodes_the_default_mode_alike(checkpoint, flat_costs
     of that mode say the same."""
     default_mode = json.loads((checkpoint / "mars.json").read_text())["default_mode"]
     rows = generated(checkpoint)
-    want_mode = {"threshold": f"verified threshold {THRESHOLD:g} (probability)", "lossless": "lossless greedy"}[default_mode]
+    want_mode = {"threshold": f"verified threshold {THRESHOLD:g} (probability)", "lossless": "lossless greedy"}[
+        default_mode
+    ]
     assert [r["mode"] for r in rows] == [want_mode] * len(PROMPTS)
     texts = [r["text"] for r in rows]
     assert all(texts)
     assert served(checkpoint) == [(t, want_mode) for t in texts]
     assert [chatted(checkpoint, p) for p in PROMPTS] == [(t, want_mode) for t in texts]
     assert benched(checkpoint, want_mode) == texts
-    ar = [r["text"] for r in json.loads("[" + ",".join(ok(invoke(
-        "generate", "--model", checkpoint, "--max-tokens", MAX_TOKENS, "--json", "--device", "cpu", "--threshold", 1.0,
-        *[a for p in PROMPTS for a in ("--prompt", p)])).stdout.splitlines()) + "]")]
+    ar = [
+        r["text"]
+        for r in json.loads(
+            "["
+            + ",".join(
+                ok(
+                    invoke(
+                        "generate",
+                        "--model",
+                        checkpoint,
+                        "--max-tokens",
+                        MAX_TOKENS,
+                        "--json",
+                        "--device",
+                        "cpu",
+                        "--threshold",
+                        1.0,
+                        *[a for p in PROMPTS for a in ("--prompt", p)],
+                    )
+                ).stdout.splitlines()
+            )
+            + "]"
+        )
+    ]
     if default_mode == "lossless":
         assert texts == ar  # lossless: AR's text
     else:
@@ -208,8 +263,23 @@ def test_a_request_asks_for_plain_threshold_mode_as_the_cli_does(tmp_path):
     name, with the text of its fixed feed (B masks a step; a served batch feeds no fewer)."""
     path = save_model(tmp_path / "model", "llama", seed=0)
     write_config(mask_config(default_threshold=THRESHOLD, default_mode="threshold"), path)
-    args = ["generate", "--model", path, "--max-tokens", MAX_TOKENS, "--json", "--device", "cpu", "--no-verify", "--feed", "fixed"]
-    rows = [json.loads(line) for line in ok(invoke(*args, *[a for p in PROMPTS for a in ("--prompt", p)])).stdout.splitlines()]
+    args = [
+        "generate",
+        "--model",
+        path,
+        "--max-tokens",
+        MAX_TOKENS,
+        "--json",
+        "--device",
+        "cpu",
+        "--no-verify",
+        "--feed",
+        "fixed",
+    ]
+    rows = [
+        json.loads(line)
+        for line in ok(invoke(*args, *[a for p in PROMPTS for a in ("--prompt", p)])).stdout.splitlines()
+    ]
     want = [(r["text"], r["mode"]) for r in rows]
     assert {m for _, m in want} == {f"threshold {THRESHOLD:g} (probability)"}
     assert served(path, verify=False) == want

@@ -6,17 +6,28 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from mars.core.config import MarsConfig
-from mars.core.train.data import DataError
-from mars.core.acceptance import ar_threshold, looser, strict_and_loose
-from mars.core.decode.rules import DEFAULT_BLOCK_SIZE, DEFAULT_METRIC, UntrainedModelError, block_size_for, check_may_decode, checkpoint_mode, may_decode, metric_for
-from mars.core.decode.plan import Mode, make_plan
-from mars.prompts import prompt_of, read_prompts, split_files
 from tiny import save_model
 
+from mars.core.acceptance import ar_threshold, looser, strict_and_loose
+from mars.core.config import MarsConfig
+from mars.core.decode.plan import Mode, make_plan
+from mars.core.decode.rules import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_METRIC,
+    UntrainedModelError,
+    block_size_for,
+    check_may_decode,
+    checkpoint_mode,
+    may_decode,
+    metric_for,
+)
+from mars.core.train.data import DataError
+from mars.prompts import prompt_of, read_prompts, split_files
+
 CKPT = MarsConfig(block_size=3, mask_token="<unused0>", mask_token_id=3, metric="margin", default_threshold=0.8)
-LOSSLESS = MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless")
+LOSSLESS = MarsConfig(
+    block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless"
+)
 
 
 def settings(mars, **asked):
@@ -29,7 +40,9 @@ def settings(mars, **asked):
 def test_checkpoint_defaults():
     assert (DEFAULT_BLOCK_SIZE, DEFAULT_METRIC) == (MarsConfig().block_size, MarsConfig().metric) == (4, "probability")
     assert block_size_for(None) == 4 and block_size_for(CKPT) == 3 and block_size_for(CKPT, 7) == 7
-    assert metric_for(None) == "probability" and metric_for(CKPT) == "margin" and metric_for(CKPT, "entropy") == "entropy"
+    assert (
+        metric_for(None) == "probability" and metric_for(CKPT) == "margin" and metric_for(CKPT, "entropy") == "entropy"
+    )
 
 
 def test_the_checkpoints_default_mode_applies_only_without_a_threshold():
@@ -49,7 +62,11 @@ def test_the_checkpoints_default_mode_applies_only_without_a_threshold():
 def test_a_model_without_mars_json_decodes_only_as_ar_or_losslessly():
     for metric in ("probability", "margin", "entropy"):
         ar = ar_threshold(metric)
-        assert may_decode(False, metric, ar) and may_decode(False, metric, 0.5, lossless=True) and may_decode(True, metric, 0.5)
+        assert (
+            may_decode(False, metric, ar)
+            and may_decode(False, metric, 0.5, lossless=True)
+            and may_decode(True, metric, 0.5)
+        )
         assert not may_decode(False, metric, 0.5 if metric != "entropy" else 1.5)
     with pytest.raises(UntrainedModelError) as e:
         settings(None, threshold=0.5)
@@ -81,7 +98,9 @@ def test_one_prompt_reader(tmp_path):
     assert read_prompts(text) == ["hello", "world"]
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in ({"prompt": "a"}, {"messages": chat}, {"messages": chat[:1]})) + "\n")
+    jsonl.write_text(
+        "\n".join(json.dumps(r) for r in ({"prompt": "a"}, {"messages": chat}, {"messages": chat[:1]})) + "\n"
+    )
     assert read_prompts(jsonl) == ["a", chat[:1], chat[:1]]
     assert prompt_of({"text": "x"}) is None and prompt_of(["x"]) is None
     bad = tmp_path / "bad.jsonl"
@@ -100,7 +119,10 @@ def test_one_prompt_reader(tmp_path):
 def test_split_files(tmp_path):
     for name in ("train", "test"):
         (tmp_path / f"{name}.jsonl").write_text("{}\n")
-    assert split_files(tmp_path, ("valid", "test", "train"), takes="x") == [("test", tmp_path / "test.jsonl"), ("train", tmp_path / "train.jsonl")]
+    assert split_files(tmp_path, ("valid", "test", "train"), takes="x") == [
+        ("test", tmp_path / "test.jsonl"),
+        ("train", tmp_path / "train.jsonl"),
+    ]
     assert split_files(tmp_path / "test.jsonl", ("train",), takes="x") == [(None, tmp_path / "test.jsonl")]
     with pytest.raises(DataError, match="no such file or directory"):
         split_files(tmp_path / "nowhere", ("train",), takes="x")
@@ -135,9 +157,11 @@ def test_the_backend_contract(plain, name):
     assert base.trainer(name).__name__ == {"torch": "TorchTrainer", "mlx": "MlxTrainer"}[name]
     mars = base.ensure_mask_token(loaded, None, block_size=2, announce=quiet)
     assert mars.mask_token_id == 3 and mars.block_size == 2 and not mars.mask_token_added
-    ids, labels = encode_record({"prompt": "ab", "completion": "cd"}, loaded.tokenizer, eos_id=loaded.tokenizer.eos_token_id)
+    ids, labels = encode_record(
+        {"prompt": "ab", "completion": "cd"}, loaded.tokenizer, eos_id=loaded.tokenizer.eos_token_id
+    )
     ids, labels = pad_to_block(ids, labels, 2, loaded.tokenizer.eos_token_id, ended=True)
-    (batch_ids, batch_labels, lengths), = batches([Example(ids, labels, "x", False)], 1, pad_id=2, shuffle=False)
+    ((batch_ids, batch_labels, lengths),) = batches([Example(ids, labels, "x", False)], 1, pad_id=2, shuffle=False)
     noisy, clean = base.losses(loaded)(batch_ids, batch_labels, lengths, 2, mars.mask_token_id)
     assert np.isfinite(noisy) and np.isfinite(clean)
     s = base.plan_for_model(loaded, max_tokens=3)
@@ -154,15 +178,31 @@ def test_the_backend_contract(plain, name):
     whole, conf = decoder.step(None, prompt, positions, None, positions, metric="probability", sampling=greedy)
     assert whole.shape == conf.shape == (1, n) and ((conf > 0) & (conf <= 1)).all()
     cache = decoder.new_cache(1)
-    first = decoder.step(cache, prompt[:, :-1], positions[:, :-1], None, np.array([[n - 2]]), metric=None, sampling=greedy)[0]
-    last = decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0]
+    first = decoder.step(
+        cache, prompt[:, :-1], positions[:, :-1], None, np.array([[n - 2]]), metric=None, sampling=greedy
+    )[0]
+    last = decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[
+        0
+    ]
     assert first[0, 0] == whole[0, n - 2] and last[0, 0] == whole[0, n - 1]
     decoder.crop(cache, n - 1)
-    assert decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0][0, 0] == whole[0, n - 1]
+    assert (
+        decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0][
+            0, 0
+        ]
+        == whole[0, n - 1]
+    )
     other = np.roll(prompt, 3, axis=1)  # another row beside it
     both = decoder.new_cache(2)
-    decoder.step(both, np.concatenate([other, prompt])[:, :-1], np.tile(positions[:, :-1], (2, 1)), None, np.full((2, 1), n - 2),
-                 metric=None, sampling=greedy)
+    decoder.step(
+        both,
+        np.concatenate([other, prompt])[:, :-1],
+        np.tile(positions[:, :-1], (2, 1)),
+        None,
+        np.full((2, 1), n - 2),
+        metric=None,
+        sampling=greedy,
+    )
     decoder.keep_rows(both, [1])  # the second row alone, as if decoded alone
     kept = decoder.step(both, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0]
     assert kept[0, 0] == whole[0, n - 1]
@@ -218,7 +258,9 @@ def test_finetune_library_entry_point(plain, data, tmp_path):
     with pytest.raises(FinetuneError) as e:
         finetune(data, tmp_path / "x", model=plain, fuse=True, fine_tune_type="full", announce=quiet)
     assert e.value.setting == "fuse"
-    result = finetune(data, tmp_path / "out", model=plain, backend="torch", device="cpu", iters=2, batch_size=4, announce=quiet)
+    result = finetune(
+        data, tmp_path / "out", model=plain, backend="torch", device="cpu", iters=2, batch_size=4, announce=quiet
+    )
     assert result["steps"] == 2 and (tmp_path / "out" / "mars.json").is_file()
     assert json.loads((tmp_path / "out" / "mars.json").read_text())["default_threshold"] == 0.9
 
@@ -238,7 +280,9 @@ def test_an_added_mask_token_starts_alike_in_both_backends(tmp_path):
     for name in ("torch", "mlx"):
         loaded = base.load(name, path, device="cpu", announce=lambda m: None)
         vocab = len(loaded.tokenizer)
-        added = MarsConfig(block_size=2, mask_token=NEW_MASK_TOKEN, mask_token_id=vocab, mask_token_added=True)  # as a checkpoint records it
+        added = MarsConfig(
+            block_size=2, mask_token=NEW_MASK_TOKEN, mask_token_id=vocab, mask_token_added=True
+        )  # as a checkpoint records it
         assert base.ensure_mask_token(loaded, added, announce=lambda m: None) is added
         assert loaded.tokenizer.convert_tokens_to_ids(NEW_MASK_TOKEN) == vocab
         if name == "torch":

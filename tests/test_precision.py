@@ -15,14 +15,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny import PROMPTS, make_model, make_plan, make_tokenizer
 
 from mars.backends.torch import attention
+from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.forward import additive_mask
 from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
 from mars.core.decode.loop import generate
 from mars.core.masks import decode_mask
-from tiny import PROMPTS, make_model, make_plan, make_tokenizer
 
 MASK, EOS = 3, 2
 REDUCED = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
@@ -74,8 +74,10 @@ def test_greedy_lossless_equals_ar_in_reduced_precision(tok, arch, dtype):
     # AR one prompt at a time; AR in one batch (left padding); lossless alone and in batches,
     # whose rows keep different numbers of tokens a step (holes in the cache).
     dec = decoder(tok, arch, dtype)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
-               for t in PROMPTS]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in PROMPTS
+    ]
     common = dict(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=40, cache="window")
     ar = [generate(dec, [p], make_plan(threshold=1.0, **common)).tokens[0] for p in prompts]
     assert generate(dec, prompts, make_plan(threshold=1.0, **common)).tokens == ar

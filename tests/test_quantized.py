@@ -21,10 +21,10 @@ from clitools import invoke, ok, one_line_error, spell_records, write_jsonl  # n
 from test_mlx_train import examples_of, mlx_lm_greedy  # noqa: E402
 from tiny import PROMPTS, make_plan, save_model  # noqa: E402
 
-from mars.backends.mlx.load import MaskRowEmbedding, ensure_mask_token, load  # noqa: E402
 from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
-from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY  # noqa: E402
+from mars.backends.mlx.load import MaskRowEmbedding, ensure_mask_token, load  # noqa: E402
 from mars.backends.mlx.train import MlxTrainer  # noqa: E402
+from mars.checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY  # noqa: E402
 from mars.convert import convert_model  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
@@ -47,7 +47,9 @@ def models(tmp_path_factory):
     for gate in ("none", "masks"):
         loaded = load(base, **QUIET)
         mars = ensure_mask_token(loaded.model, loaded.tokenizer, None, block_size=4, **QUIET)
-        settings = TrainSettings(block_size=4, steps_per_save=10**9, iters=30, batch_size=8, learning_rate=3e-3, gate=gate)
+        settings = TrainSettings(
+            block_size=4, steps_per_save=10**9, iters=30, batch_size=8, learning_rate=3e-3, gate=gate
+        )
         trainer = MlxTrainer(loaded, mars, settings, root / f"adapter-{gate}", **QUIET)
         trainer.train(examples_of(spell_records(), loaded.tokenizer), progress=False)
         out[gate] = trainer.save(loaded.tokenizer, str(base))
@@ -59,7 +61,9 @@ def json_line(output: str) -> dict:
 
 
 def plan_for(m, **asked):
-    return make_plan(**{"mask_id": m.mars.mask_token_id, "eos_ids": m.eos_ids, "block_size": 4, "max_tokens": 24, **asked})
+    return make_plan(
+        **{"mask_id": m.mars.mask_token_id, "eos_ids": m.eos_ids, "block_size": 4, "max_tokens": 24, **asked}
+    )
 
 
 @pytest.mark.parametrize("bits", sorted(FORMATS))
@@ -100,7 +104,9 @@ def test_every_mode_decodes_on_a_quantized_base(models, bits, gate):
         lossless = generate(MlxDecoder(m), prompts, plan_for(m, lossless=True, cache=cache))
         assert lossless.tokens == ar
         fast = generate(MlxDecoder(m), prompts, plan_for(m, threshold=0.8, cache=cache))
-        assert fast.tokens == [generate(MlxDecoder(m), [p], plan_for(m, threshold=0.8, cache=cache)).tokens[0] for p in prompts]
+        assert fast.tokens == [
+            generate(MlxDecoder(m), [p], plan_for(m, threshold=0.8, cache=cache)).tokens[0] for p in prompts
+        ]
     loose = generate(MlxDecoder(m), prompts, plan_for(m, threshold=0.3))
     assert loose.stats.tokens_per_forward > 1.2  # the masks' guesses are taken on the quantized base
 
@@ -129,13 +135,53 @@ def test_the_entry_points_decode_a_quantized_base_with_an_adapter(models, tmp_pa
     (moved / "mars.json").write_text(json.dumps({**mars, "base_model": str(q4)}))
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": p} for p in TEXTS[:4]])
     report = tmp_path / "eval.json"
-    ok(invoke("eval", "--backend", "mlx", "--model", moved, "--prompts", prompts, "--no-nll", "--max-tokens", 12,
-              "--threshold", "1.0,0.8", "--lossless", "--output", report))
+    ok(
+        invoke(
+            "eval",
+            "--backend",
+            "mlx",
+            "--model",
+            moved,
+            "--prompts",
+            prompts,
+            "--no-nll",
+            "--max-tokens",
+            12,
+            "--threshold",
+            "1.0,0.8",
+            "--lossless",
+            "--output",
+            report,
+        )
+    )
     rows = json.loads(report.read_text())["models"][0]["sweep"]["thresholds"]
     lossless = [r for r in rows if r["mode"] == "lossless"]
     assert lossless and lossless[0]["exact_match"] == 1.0
-    bench = ok(invoke("bench", "--backend", "mlx", "--model", moved, "--prompts", prompts, "--batch-sizes", 1, "--repeats", 1,
-                      "--max-tokens", 8, "--threshold", "0.8", "--block-cache", 0, "--prompt-lookup", 0, "--forward-k", 1))
+    bench = ok(
+        invoke(
+            "bench",
+            "--backend",
+            "mlx",
+            "--model",
+            moved,
+            "--prompts",
+            prompts,
+            "--batch-sizes",
+            1,
+            "--repeats",
+            1,
+            "--max-tokens",
+            8,
+            "--threshold",
+            "0.8",
+            "--block-cache",
+            0,
+            "--prompt-lookup",
+            0,
+            "--forward-k",
+            1,
+        )
+    )
     assert "mlx_lm" in bench.output
 
 
@@ -147,12 +193,46 @@ def test_qlora_end_to_end(models, tmp_path):
     data = tmp_path / "data"
     write_jsonl(data / "train.jsonl", spell_records())
     out = tmp_path / "qlora"
-    ok(invoke("finetune", "--backend", "mlx", "--model", q4, "--data", data, "--output", out, "--iters", 4, "--batch-size", 2))
+    ok(
+        invoke(
+            "finetune",
+            "--backend",
+            "mlx",
+            "--model",
+            q4,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            4,
+            "--batch-size",
+            2,
+        )
+    )
     assert (out / "adapters.safetensors").is_file() and (out / MASK_EMBEDDING_FILE).is_file()
-    gen = ok(invoke("generate", "--backend", "mlx", "--model", out, "--threshold", "0.8", "--prompt", "Say c", "--max-tokens", 8,
-                    "--json"))
+    gen = ok(
+        invoke(
+            "generate",
+            "--backend",
+            "mlx",
+            "--model",
+            out,
+            "--threshold",
+            "0.8",
+            "--prompt",
+            "Say c",
+            "--max-tokens",
+            8,
+            "--json",
+        )
+    )
     assert json_line(gen.output)["mode"].startswith("verified threshold 0.8")
-    chat = ok(invoke("chat", "--backend", "mlx", "--model", out, "--threshold", "0.8", "--max-tokens", 8, input="Say c\n/quit\n"))
+    chat = ok(
+        invoke(
+            "chat", "--backend", "mlx", "--model", out, "--threshold", "0.8", "--max-tokens", 8, input="Say c\n/quit\n"
+        )
+    )
     assert "verified threshold 0.8" in chat.output
     m = load(out, **QUIET)
     ar = generate(MlxDecoder(m), [encode_prompt(m.tokenizer, t) for t in TEXTS[:4]], plan_for(m, threshold=1.0)).tokens
@@ -162,17 +242,39 @@ def test_qlora_end_to_end(models, tmp_path):
     card = (peft / "README.md").read_text()
     assert str(q4) in card and "4-bit" in card and f"mars convert {q4} --to hf" in card
     # torch reads the PEFT adapter on the dequantized weights, and decodes as MLX did on the 4-bit model.
-    one_line_error(invoke("generate", "--backend", "torch", "--model", peft, "--prompt", "x"), "4-bit", "mars convert", "--to hf")
+    one_line_error(
+        invoke("generate", "--backend", "torch", "--model", peft, "--prompt", "x"), "4-bit", "mars convert", "--to hf"
+    )
     dequantized = tmp_path / "q4-hf"
     ok(invoke("convert", q4, "--to", "hf", "--output", dequantized))
     from mars.backends.torch.decode import TorchDecoder
     from mars.backends.torch.load import load as torch_load
 
     t = torch_load(dequantized, adapter_path=peft, **QUIET)
-    assert generate(TorchDecoder(t), [encode_prompt(t.tokenizer, x) for x in TEXTS[:4]], plan_for(t, threshold=1.0)).tokens == ar
+    assert (
+        generate(TorchDecoder(t), [encode_prompt(t.tokenizer, x) for x in TEXTS[:4]], plan_for(t, threshold=1.0)).tokens
+        == ar
+    )
 
     fused = tmp_path / "fused"
-    ok(invoke("convert", q4, "--adapter", out, "--fuse", "--to", "mlx", "-q", "--q-bits", 4, "--q-group-size", 32, "--output", fused))
+    ok(
+        invoke(
+            "convert",
+            q4,
+            "--adapter",
+            out,
+            "--fuse",
+            "--to",
+            "mlx",
+            "-q",
+            "--q-bits",
+            4,
+            "--q-group-size",
+            32,
+            "--output",
+            fused,
+        )
+    )
     from mlx_lm import load as mlx_lm_load
 
     plain, _ = mlx_lm_load(str(fused))  # mlx-lm reads it as it is, the mask row inside its quantized table
@@ -183,17 +285,62 @@ def test_qlora_end_to_end(models, tmp_path):
     step = np.abs(row).max() / 7  # a 4-bit group's step is at most its range / 15
     assert np.abs(got - row).max() <= step
     prompts = [encode_prompt(f.tokenizer, x) for x in TEXTS[:4]]
-    assert generate(MlxDecoder(f), prompts, plan_for(f, threshold=1.0)).tokens == [mlx_lm_greedy(plain, p, f.eos_ids) for p in prompts]
-    ok(invoke("generate", "--backend", "mlx", "--model", fused, "--threshold", "0.8", "--prompt", "Say c", "--max-tokens", 8))
+    assert generate(MlxDecoder(f), prompts, plan_for(f, threshold=1.0)).tokens == [
+        mlx_lm_greedy(plain, p, f.eos_ids) for p in prompts
+    ]
+    ok(
+        invoke(
+            "generate",
+            "--backend",
+            "mlx",
+            "--model",
+            fused,
+            "--threshold",
+            "0.8",
+            "--prompt",
+            "Say c",
+            "--max-tokens",
+            8,
+        )
+    )
 
     fused_by_training = tmp_path / "qlora-fused"
-    ok(invoke("finetune", "--backend", "mlx", "--model", q4, "--data", data, "--output", fused_by_training, "--iters", 2,
-              "--batch-size", 2, "--fuse"))
+    ok(
+        invoke(
+            "finetune",
+            "--backend",
+            "mlx",
+            "--model",
+            q4,
+            "--data",
+            data,
+            "--output",
+            fused_by_training,
+            "--iters",
+            2,
+            "--batch-size",
+            2,
+            "--fuse",
+        )
+    )
     g = load(fused_by_training, **QUIET)
     assert type(g.model.model.embed_tokens).__name__ == "QuantizedEmbedding"
     assert json.loads((fused_by_training / "config.json").read_text())["quantization"]["bits"] == 4
-    ok(invoke("generate", "--backend", "mlx", "--model", fused_by_training, "--threshold", "0.8", "--prompt", "Say c",
-              "--max-tokens", 8))
+    ok(
+        invoke(
+            "generate",
+            "--backend",
+            "mlx",
+            "--model",
+            fused_by_training,
+            "--threshold",
+            "0.8",
+            "--prompt",
+            "Say c",
+            "--max-tokens",
+            8,
+        )
+    )
     assert hf.is_dir()
 
 
@@ -222,21 +369,74 @@ def test_the_default_model_at_4_bit_end_to_end(tmp_path):
     model, _ = mlx_lm_load(str(q4))
     assert ours == mlx_lm_greedy(model, prompt, m.eos_ids, max_tokens=16)
     assert m.tokenizer.decode(ours, skip_special_tokens=True) == replies[("--threshold", "1.0")]["text"]
-    assert "verified threshold 0.8" in ok(invoke("chat", *common, "--threshold", "0.8", input=question + "\n/quit\n")).output
+    assert (
+        "verified threshold 0.8"
+        in ok(invoke("chat", *common, "--threshold", "0.8", input=question + "\n/quit\n")).output
+    )
 
     data = tmp_path / "data"
-    write_jsonl(data / "train.jsonl", [{"prompt": f"Spell {w}.", "completion": " ".join(w)} for w in ("cat", "house", "river")])
+    write_jsonl(
+        data / "train.jsonl", [{"prompt": f"Spell {w}.", "completion": " ".join(w)} for w in ("cat", "house", "river")]
+    )
     out = tmp_path / "qlora"
-    ok(invoke("finetune", "--backend", "mlx", "--model", q4, "--data", data, "--output", out, "--iters", 1, "--batch-size", 1))
-    chat = ok(invoke("chat", "--backend", "mlx", "--model", out, "--threshold", "0.8", "--max-tokens", 8, "--feed", "fixed",
-                     input="Spell dog.\n/quit\n"))
+    ok(
+        invoke(
+            "finetune",
+            "--backend",
+            "mlx",
+            "--model",
+            q4,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            1,
+            "--batch-size",
+            1,
+        )
+    )
+    chat = ok(
+        invoke(
+            "chat",
+            "--backend",
+            "mlx",
+            "--model",
+            out,
+            "--threshold",
+            "0.8",
+            "--max-tokens",
+            8,
+            "--feed",
+            "fixed",
+            input="Spell dog.\n/quit\n",
+        )
+    )
     assert "verified threshold 0.8" in chat.output
     ok(invoke("convert", out, "--to", "hf", "--output", tmp_path / "peft"))
     assert f"mars convert {q4} --to hf" in (tmp_path / "peft" / "README.md").read_text()
     fused = tmp_path / "fused"
     ok(invoke("convert", q4, "--adapter", out, "--fuse", "--to", "mlx", "-q", "--q-bits", 4, "--output", fused))
-    reply = json_line(ok(invoke("generate", "--backend", "mlx", "--model", fused, "--threshold", "0.8", "--prompt", "Spell dog.",
-                                "--max-tokens", 8, "--feed", "fixed", "--json")).output)
+    reply = json_line(
+        ok(
+            invoke(
+                "generate",
+                "--backend",
+                "mlx",
+                "--model",
+                fused,
+                "--threshold",
+                "0.8",
+                "--prompt",
+                "Spell dog.",
+                "--max-tokens",
+                8,
+                "--feed",
+                "fixed",
+                "--json",
+            )
+        ).output
+    )
     assert reply["mode"].startswith("verified threshold 0.8") and reply["tokens"] > 0
 
 

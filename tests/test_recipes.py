@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.numpy import load_file
-
 from clitools import invoke, ok
-from mars.backends.torch.load import load as torch_load
+from safetensors.numpy import load_file
 from tiny import load_script, spell_records
+
+from mars.backends.torch.load import load as torch_load
 
 QUIET = dict(announce=lambda m: None)
 
@@ -21,8 +21,31 @@ QUIET = dict(announce=lambda m: None)
 @pytest.fixture(scope="module")
 def gated(tiny, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("recipes-init") / "adapter"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 5,
-              "--lora-rank", 4, "--lora-alpha", 8, "--backend", "torch", "--default-mode", "lossless", "--learning-rate", 1e-2))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--gate",
+            "masks",
+            "--iters",
+            5,
+            "--lora-rank",
+            4,
+            "--lora-alpha",
+            8,
+            "--backend",
+            "torch",
+            "--default-mode",
+            "lossless",
+            "--learning-rate",
+            1e-2,
+        )
+    )
     return out
 
 
@@ -58,12 +81,19 @@ def test_a_grown_adapter_computes_what_it_grew_from(gated, script, tmp_path):
 def test_the_data_mix_draws_the_named_kinds_more_often(script, tmp_path):
     data, categories = tmp_path / "data", tmp_path / "prompts.jsonl"
     data.mkdir()
-    records = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(6)]
+    records = [
+        {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+        for i in range(6)
+    ]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (data / "valid.jsonl").write_text(json.dumps(records[0]) + "\n")
     kinds = ["code", "facts", "multi_turn", "facts", "list", "code"]
-    categories.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"}], "category": k}) + "\n"
-                                  for i, k in enumerate(kinds)))
+    categories.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"q{i}"}], "category": k}) + "\n"
+            for i, k in enumerate(kinds)
+        )
+    )
     counts = script.mixed_data(data, categories, tmp_path / "mix", 3)
     assert counts == {"records": 6, "drawn_more": 3}
     lines = [json.loads(line) for line in (tmp_path / "mix" / "train.jsonl").read_text().splitlines()]
@@ -79,13 +109,44 @@ def test_the_comparison_dry_runs_and_goes_on_where_it_stopped(tiny, gated, scrip
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (data / "valid.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:4]))
     prompts, categories = tmp_path / "test.jsonl", tmp_path / "categories.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r["prompt"]}]}) + "\n" for r in records[:3]))
-    categories.write_text("".join(json.dumps({"prompt": r["prompt"], "category": "code" if i % 2 else "facts"}) + "\n"
-                                  for i, r in enumerate(records)))
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": r["prompt"]}]}) + "\n" for r in records[:3])
+    )
+    categories.write_text(
+        "".join(
+            json.dumps({"prompt": r["prompt"], "category": "code" if i % 2 else "facts"}) + "\n"
+            for i, r in enumerate(records)
+        )
+    )
     work, report = tmp_path / "work", tmp_path / "report.json"
-    argv = ["--work", str(work), "--recipes", "rank-32,code-multiturn", "--model", str(tiny), "--init-adapter", str(gated),
-            "--data", str(data), "--categories", str(categories), "--valid-data", str(data / "valid.jsonl"), "--prompts",
-            str(prompts), "--limit", "3", "--max-tokens", "6", "--steps", "2", "--batch-size", "2", "--json", str(report)]
+    argv = [
+        "--work",
+        str(work),
+        "--recipes",
+        "rank-32,code-multiturn",
+        "--model",
+        str(tiny),
+        "--init-adapter",
+        str(gated),
+        "--data",
+        str(data),
+        "--categories",
+        str(categories),
+        "--valid-data",
+        str(data / "valid.jsonl"),
+        "--prompts",
+        str(prompts),
+        "--limit",
+        "3",
+        "--max-tokens",
+        "6",
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--json",
+        str(report),
+    ]
     assert script.main(argv) == 0
     printed = capsys.readouterr().out
     rows = json.loads(report.read_text())["recipes"]

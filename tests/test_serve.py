@@ -24,10 +24,13 @@ uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer, spell_records, train_spelling  # noqa: E402
 
-from mars.backends.torch.load import TorchModel  # noqa: E402
 from mars.backends.torch.decode import TorchDecoder  # noqa: E402
+from mars.backends.torch.load import TorchModel  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
 from mars.core.decode.loop import ContinuousBatch, generate  # noqa: E402
@@ -36,7 +39,6 @@ from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
 from mars.serve.api import TextStream  # noqa: E402
 from mars.serve.policy import PolicyError, PolicySettings, ThresholdPolicy  # noqa: E402
 from mars.session import Session  # noqa: E402
-from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer, spell_records, train_spelling  # noqa: E402
 
 MASK, EOS = 3, 2
 
@@ -77,18 +79,30 @@ def decode_settings(tm, **kw):
 
 def reference(tm, prompt_ids, max_tokens):
     """`mars generate --threshold 1.0` for one prompt: tokens, text, finish."""
-    result = generate(TorchDecoder(tm), [prompt_ids], decode_settings(tm, threshold=1.0, max_tokens=max_tokens, cache="window"))
+    result = generate(
+        TorchDecoder(tm), [prompt_ids], decode_settings(tm, threshold=1.0, max_tokens=max_tokens, cache="window")
+    )
     tokens = result.tokens[0]
-    return tokens, tm.tokenizer.decode(tokens, skip_special_tokens=True), {"eos": "stop", "length": "length"}[result.finish[0]]
+    return (
+        tokens,
+        tm.tokenizer.decode(tokens, skip_special_tokens=True),
+        {"eos": "stop", "length": "length"}[result.finish[0]],
+    )
 
 
 class Live:
     """A server on a free loopback port, in a background thread."""
 
-    def __init__(self, tm, decoder_cls=TorchDecoder, *, policy=None, engine_limits=None, serve_limits=None, name="tiny"):
-        self.app, self.engine = build(Session.from_loaded(tm, decoder_cls), name=name, policy=policy,
-                                      engine_limits=engine_limits or EngineLimits(max_batch=8, block_cache=8),
-                                      serve_limits=serve_limits)
+    def __init__(
+        self, tm, decoder_cls=TorchDecoder, *, policy=None, engine_limits=None, serve_limits=None, name="tiny"
+    ):
+        self.app, self.engine = build(
+            Session.from_loaded(tm, decoder_cls),
+            name=name,
+            policy=policy,
+            engine_limits=engine_limits or EngineLimits(max_batch=8, block_cache=8),
+            serve_limits=serve_limits,
+        )
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
@@ -151,7 +165,9 @@ def test_per_row_thresholds_equal_one_threshold_per_row():
     for metric in ("probability", "margin", "entropy"):
         thresholds = np.array([1.0, 0.5, 0.2, 0.7, 0.0, 0.3])
         per_row = accept_counts(conf, metric, thresholds, limits)
-        one_by_one = [accept_counts(conf[i : i + 1], metric, float(t), limits[i : i + 1])[0] for i, t in enumerate(thresholds)]
+        one_by_one = [
+            accept_counts(conf[i : i + 1], metric, float(t), limits[i : i + 1])[0] for i, t in enumerate(thresholds)
+        ]
         assert per_row.tolist() == one_by_one, metric
 
 
@@ -181,7 +197,16 @@ def decoded_alone(decoder, prompt, s, i, threshold=1.0, **changes):
     settings otherwise (the block cache, its max_tokens) but `changes`: the DecodeResult."""
     from mars.core.decode.plan import replan
 
-    plan = replan(s, None, threshold=threshold, lossless=False, verify=False, force=True, max_tokens=s.max_tokens - 4 * (i % 3), **changes)
+    plan = replan(
+        s,
+        None,
+        threshold=threshold,
+        lossless=False,
+        verify=False,
+        force=True,
+        max_tokens=s.max_tokens - 4 * (i % 3),
+        **changes,
+    )
     return generate(decoder, [prompt], plan)
 
 
@@ -321,14 +346,23 @@ def test_a_served_batch_needs_a_cache(tm):
 @pytest.mark.parametrize("cache,lossless", [("block", False), ("window", False), ("window", True)])
 def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
     pytest.importorskip("mlx.core")
+    from tiny import save_model
+
     from mars.backends.mlx.decode import MlxDecoder
     from mars.backends.mlx.load import load as mlx_load
-    from tiny import save_model
 
     loaded = mlx_load(save_model(tmp_path / "model", "llama", seed=1), announce=lambda m: None)
     prompts = [encode_prompt(loaded.tokenizer, p) for p in PROMPTS]
-    s = make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=16, block_cache=8, cache=cache,
-                       lossless=lossless, ngram=8 if lossless else 0)
+    s = make_plan(
+        mask_id=MASK,
+        eos_ids=(EOS,),
+        block_size=4,
+        max_tokens=16,
+        block_cache=8,
+        cache=cache,
+        lossless=lossless,
+        ngram=8 if lossless else 0,
+    )
     dec = MlxDecoder(loaded)
     thresholds = [1.0, 0.5]
     out, _ = staggered(dec, prompts, s, thresholds=thresholds, keep_keys=dec.keep_keys, every=2, cancel=(2, 4))
@@ -343,7 +377,9 @@ def test_continuous_batch_on_mlx(tmp_path, cache, lossless):
 
 
 def test_adaptive_policy_loosens_at_once_and_tightens_after_the_hold():
-    p = ThresholdPolicy("probability", PolicySettings(policy="adaptive", min_threshold=0.6, max_threshold=1.0, full_load=9, hold=1.0))
+    p = ThresholdPolicy(
+        "probability", PolicySettings(policy="adaptive", min_threshold=0.6, max_threshold=1.0, full_load=9, hold=1.0)
+    )
     assert p.update(1, 0.0) == 1.0
     assert p.update(9, 0.1) == pytest.approx(0.6)  # full load: the loose end at once
     assert p.update(5, 0.2) == pytest.approx(0.6)  # lower load: held...
@@ -403,19 +439,35 @@ def test_chat_equals_generate_at_threshold_one(server, tm, tok):
     client = server.client()
     for text in PROMPTS[:4]:
         tokens, ref, finish = reference(tm, encode_prompt(tok, text), 20)
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20,
-                                           temperature=0, extra_body={"threshold": 1.0})
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=20,
+            temperature=0,
+            extra_body={"threshold": 1.0},
+        )
         assert r.choices[0].message.content == ref and r.choices[0].finish_reason == finish
         u = r.usage
-        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (len(encode_prompt(tok, text)), len(tokens), len(encode_prompt(tok, text)) + len(tokens))
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (
+            len(encode_prompt(tok, text)),
+            len(tokens),
+            len(encode_prompt(tok, text)) + len(tokens),
+        )
         assert u.model_extra["tokens_per_forward"] == 1.0 and u.model_extra["threshold"] == 1.0
 
 
 def test_streaming_chat_with_usage(server, tm, tok):
     text = PROMPTS[1]
     tokens, ref, finish = reference(tm, encode_prompt(tok, text), 20)
-    chunks = list(server.client().chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        server.client().chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": text}],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [finish]
@@ -442,7 +494,9 @@ def test_per_request_threshold_and_lossless(server, tm, tok):
     assert fast.usage.model_extra["threshold"] == 0.2
     assert fast.usage.completion_tokens >= 1 and fast.usage.model_extra["tokens_per_forward"] >= 1.0
     _, ref, _ = reference(tm, encode_prompt(tok, PROMPTS[3]), 20)
-    lossless = client.chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True, "threshold": 0.2})
+    lossless = client.chat.completions.create(
+        model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True, "threshold": 0.2}
+    )
     assert lossless.choices[0].message.content == ref and lossless.usage.model_extra["threshold"] is None
 
 
@@ -456,6 +510,7 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
         msg = [{"role": "user", "content": PROMPTS[2]}]
         job_kinds = []
         make = srv.engine._plan
+
         def planned(job, *at):  # a job's plan when admitted (`at`: its name at another threshold)
             plan = make(job, *at)
             if not at:
@@ -463,8 +518,12 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
             return plan
 
         srv.engine._plan = planned
-        r = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True})
-        t = srv.client().chat.completions.create(model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5})
+        r = srv.client().chat.completions.create(
+            model="tiny", messages=msg, max_tokens=20, extra_body={"lossless": True}
+        )
+        t = srv.client().chat.completions.create(
+            model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5}
+        )
         policies = list(srv.engine.session.controller.policies.values())
     assert r.choices[0].message.content == ref
     assert t.usage.model_extra["threshold"] == 0.5
@@ -479,7 +538,9 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
 
 def test_sampling_requests_are_seeded_and_batched_apart(server):
     client = server.client()
-    kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=12, temperature=0.9, top_p=0.95)
+    kw = dict(
+        model="tiny", messages=[{"role": "user", "content": PROMPTS[4]}], max_tokens=12, temperature=0.9, top_p=0.95
+    )
     a = client.chat.completions.create(seed=7, **kw)
     b = client.chat.completions.create(seed=7, **kw)
     assert a.choices[0].message.content == b.choices[0].message.content
@@ -489,16 +550,19 @@ def test_sampling_requests_are_seeded_and_batched_apart(server):
 
 def test_serves_on_mlx(tmp_path, tok):
     pytest.importorskip("mlx.core")
+    from tiny import save_model
+
     from mars.backends.mlx.decode import MlxDecoder
     from mars.backends.mlx.load import load as mlx_load
     from mars.backends.torch.load import load as torch_load
-    from tiny import save_model
 
     path = save_model(tmp_path / "model", "llama", seed=1)
     loaded = mlx_load(path, announce=lambda m: None)
     _, ref, finish = reference(torch_load(path, announce=lambda m: None), encode_prompt(tok, PROMPTS[1]), 16)
     with live(loaded, MlxDecoder) as srv:
-        r = srv.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16)
+        r = srv.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16
+        )
     assert r.choices[0].message.content == ref and r.choices[0].finish_reason == finish
 
 
@@ -523,8 +587,10 @@ def test_many_requests_in_flight_equal_generate(server, tm, tok, cache):
     uses, B masks a step."""
     refs = {t: reference(tm, encode_prompt(tok, t), 18)[1] for t in PROMPTS}
     fast = decode_settings(tm, threshold=0.3, max_tokens=18, cache=cache, block_cache=8)
-    fast_refs = {t: tok.decode(generate(TorchDecoder(tm), [encode_prompt(tok, t)], fast).tokens[0], skip_special_tokens=True)
-                 for t in PROMPTS}
+    fast_refs = {
+        t: tok.decode(generate(TorchDecoder(tm), [encode_prompt(tok, t)], fast).tokens[0], skip_special_tokens=True)
+        for t in PROMPTS
+    }
 
     async def one(client, i):
         text = PROMPTS[i % len(PROMPTS)]
@@ -562,8 +628,13 @@ def test_load_no_lost_or_truncated_responses(tm, tok):
         for k in range(per_client):
             text = PROMPTS[(c + k) % len(PROMPTS)]
             stream = await client.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": text}], max_tokens=12, stream=True,
-                stream_options={"include_usage": True}, extra_body={"threshold": 1.0})
+                model="tiny",
+                messages=[{"role": "user", "content": text}],
+                max_tokens=12,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"threshold": 1.0},
+            )
             chunks = [ch async for ch in stream]
             content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
             finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
@@ -572,7 +643,9 @@ def test_load_no_lost_or_truncated_responses(tm, tok):
 
     async def main():
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients)) as http:
-            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120, http_client=http)
+            client = openai.AsyncOpenAI(
+                base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120, http_client=http
+            )
             return await asyncio.gather(*(worker(client, c) for c in range(clients)))
 
     with live(tm, engine_limits=EngineLimits(max_batch=16, max_queue=64, block_cache=8)) as srv:
@@ -610,7 +683,10 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
             usages = []
             for k in range(each):
                 r = await client.chat.completions.create(
-                    model="tiny", messages=[{"role": "user", "content": prompts[(c * each + k) % len(prompts)]}], max_tokens=24)
+                    model="tiny",
+                    messages=[{"role": "user", "content": prompts[(c * each + k) % len(prompts)]}],
+                    max_tokens=24,
+                )
                 usages.append(r.usage)
             return usages
 
@@ -632,7 +708,9 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
             time.sleep(0.02)
 
     with live(trained, gated(delay=0.02), policy=policy, engine_limits=limits) as srv:
-        alone = srv.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=24)
+        alone = srv.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": prompts[0]}], max_tokens=24
+        )
         assert alone.usage.model_extra["threshold"] == 1.0  # one request: no load, the strict end
 
         admin(srv, policy="fixed", default_threshold=1.0)
@@ -657,9 +735,15 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
     fixed_tpf = np.mean([u.model_extra["tokens_per_forward"] for u in fixed_usages])
     adaptive_tpf = np.mean([u.model_extra["tokens_per_forward"] for u in adaptive_usages])
     during = [t for when, t in trajectory if when <= burst_end]
-    changes = [(round(when - trajectory[0][0], 2), t) for k, (when, t) in enumerate(trajectory) if k == 0 or t != trajectory[k - 1][1]]
-    print(f"\nfixed 1.0: {fixed_tps:.0f} tok/s, {fixed_tpf:.2f} tok/fwd; adaptive: {adaptive_tps:.0f} tok/s, "
-          f"{adaptive_tpf:.2f} tok/fwd; threshold (s, tau): {changes}; burst ended at {burst_end - trajectory[0][0]:.2f}s")
+    changes = [
+        (round(when - trajectory[0][0], 2), t)
+        for k, (when, t) in enumerate(trajectory)
+        if k == 0 or t != trajectory[k - 1][1]
+    ]
+    print(
+        f"\nfixed 1.0: {fixed_tps:.0f} tok/s, {fixed_tpf:.2f} tok/fwd; adaptive: {adaptive_tps:.0f} tok/s, "
+        f"{adaptive_tpf:.2f} tok/fwd; threshold (s, tau): {changes}; burst ended at {burst_end - trajectory[0][0]:.2f}s"
+    )
     assert all(u.model_extra["threshold"] == 1.0 for u in fixed_usages) and fixed_tpf == 1.0
     assert min(during) == pytest.approx(0.6)  # full load reached the loose end
     assert min(u.model_extra["threshold"] for u in adaptive_usages) < 1.0
@@ -667,7 +751,10 @@ def test_adaptive_threshold_follows_load_and_beats_fixed(trained):
     # The engine's own counts: every token of each burst, and fewer batch forwards for them.
     assert fixed_engine[0] == sum(u.completion_tokens for u in fixed_usages)
     assert adaptive_engine[0] == sum(u.completion_tokens for u in adaptive_usages)
-    assert adaptive_engine[0] / adaptive_engine[1] > 1.2 * fixed_engine[0] / fixed_engine[1], (adaptive_engine, fixed_engine)
+    assert adaptive_engine[0] / adaptive_engine[1] > 1.2 * fixed_engine[0] / fixed_engine[1], (
+        adaptive_engine,
+        fixed_engine,
+    )
 
 
 # -- protection ----------------------------------------------------------------------------------------
@@ -691,8 +778,10 @@ def test_queue_bound_answers_429_with_retry_after(tm):
     with live(tm, gated(gate), engine_limits=EngineLimits(max_batch=1, max_queue=1, block_cache=8)) as srv:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         results = []
-        senders = [threading.Thread(target=lambda: results.append(http_post(srv.url + "/v1/chat/completions", json=body)))
-                   for _ in range(2)]
+        senders = [
+            threading.Thread(target=lambda: results.append(http_post(srv.url + "/v1/chat/completions", json=body)))
+            for _ in range(2)
+        ]
         senders[0].start()
         wait_for(lambda: srv.engine.in_flight == 1, what="the first request in flight")
         senders[1].start()
@@ -715,21 +804,24 @@ def limited_server(tm):
         yield srv
 
 
-@pytest.mark.parametrize("case", [
-    ({"max_tokens": 100}, "max_tokens", "max_tokens_limit"),
-    ({"max_completion_tokens": 0}, "max_completion_tokens", "max_tokens_limit"),
-    ({"messages": [{"role": "user", "content": "a" * 200}]}, "messages", "context_length_exceeded"),
-    ({"n": 2}, "n", None),
-    ({"model": "gpt-4"}, "model", "model_not_found"),
-    ({"temperature": "hot"}, "temperature", None),
-    ({"temperature": 5}, "temperature", None),
-    ({"stop": [1, 2]}, "stop", None),
-    ({"stream": "yes"}, "stream", None),
-    ({"threshold": "fast"}, "threshold", None),
-    ({"messages": []}, "messages", None),
-    ({"messages": [{"content": "no role"}]}, "messages[0]", None),
-    ({"logprobs": True}, "logprobs", None),
-])
+@pytest.mark.parametrize(
+    "case",
+    [
+        ({"max_tokens": 100}, "max_tokens", "max_tokens_limit"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens", "max_tokens_limit"),
+        ({"messages": [{"role": "user", "content": "a" * 200}]}, "messages", "context_length_exceeded"),
+        ({"n": 2}, "n", None),
+        ({"model": "gpt-4"}, "model", "model_not_found"),
+        ({"temperature": "hot"}, "temperature", None),
+        ({"temperature": 5}, "temperature", None),
+        ({"stop": [1, 2]}, "stop", None),
+        ({"stream": "yes"}, "stream", None),
+        ({"threshold": "fast"}, "threshold", None),
+        ({"messages": []}, "messages", None),
+        ({"messages": [{"content": "no role"}]}, "messages[0]", None),
+        ({"logprobs": True}, "logprobs", None),
+    ],
+)
 def test_limits_and_bad_fields_answer_400(limited_server, case):
     fields, param, code = case
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
@@ -739,7 +831,9 @@ def test_limits_and_bad_fields_answer_400(limited_server, case):
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and error["code"] == code and error["message"]
-    bad_json = http_post(srv.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    bad_json = http_post(
+        srv.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
     assert http_post(srv.url + "/v1/completions", json=[1, 2]).status_code == 400
     assert http_get(srv.url + "/v1/nothing").status_code == 404
@@ -753,14 +847,18 @@ def test_a_model_without_mars_json_decodes_only_as_ar(plain_tm, tok):
         client = srv.client()
         ar = client.chat.completions.create(model="tiny", messages=msg, max_tokens=8)
         assert ar.usage.model_extra["threshold"] == 1.0
-        lossless = client.chat.completions.create(model="tiny", messages=msg, max_tokens=8, extra_body={"lossless": True})
+        lossless = client.chat.completions.create(
+            model="tiny", messages=msg, max_tokens=8, extra_body={"lossless": True}
+        )
         assert lossless.choices[0].message.content == ar.choices[0].message.content
         r = http_post(srv.url + "/admin/policy", json={"policy": "adaptive"})
         assert r.status_code == 400 and "mars.json" in r.json()["error"]["message"]
 
 
 def test_admin_policy_is_live_and_loopback_only(server):
-    r = http_post(server.url + "/admin/policy", json={"policy": "adaptive", "min_threshold": 0.5, "max_threshold": 0.95})
+    r = http_post(
+        server.url + "/admin/policy", json={"policy": "adaptive", "min_threshold": 0.5, "max_threshold": 0.95}
+    )
     try:
         assert r.status_code == 200 and r.json()["policy"] == "adaptive"
         assert 'mars_policy_info{policy="adaptive"' in http_get(server.url + "/metrics").text
@@ -790,7 +888,9 @@ def test_disconnect_frees_the_row_at_once(tm):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": steps}
     with live(tm, gated(delay=0.01), engine_limits=EngineLimits(max_batch=1, block_cache=8)) as srv:
         engine = srv.engine
-        with httpx.stream("POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=HTTP_TIMEOUT) as r:
+        with httpx.stream(
+            "POST", srv.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=HTTP_TIMEOUT
+        ) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             wait_for(lambda: engine.in_flight == 1 and engine.forwards_total >= 5, what="the stream 5 steps in")
@@ -801,15 +901,22 @@ def test_disconnect_frees_the_row_at_once(tm):
         start = engine.forwards_total
         raw = socket.create_connection(("127.0.0.1", srv.port))
         payload = json.dumps(body).encode()
-        raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                    + f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
-        wait_for(lambda: engine.in_flight == 1 and engine.forwards_total >= start + 5, what="the plain request 5 steps in")
+        raw.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        wait_for(
+            lambda: engine.in_flight == 1 and engine.forwards_total >= start + 5, what="the plain request 5 steps in"
+        )
         left_at = engine.forwards_total
         raw.close()
         wait_for(lambda: engine.in_flight == 0, what="the plain request's row to be freed")
         plain = (engine.forwards_total - left_at, engine.forwards_total - start)
         # The place is free: a new request is served at once.
-        r = srv.client().chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3)
+        r = srv.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=3
+        )
         assert r.usage.completion_tokens == 3
     print(f"\nsteps after the disconnect, and in all: streamed {streamed}, plain {plain}")
     # Cut short (fewer than its 300 steps), a few steps after the client left.
@@ -819,9 +926,9 @@ def test_disconnect_frees_the_row_at_once(tm):
 
 def test_cli_registers_serve_and_refuses_adaptive_without_mars_json(tmp_path):
     from click.testing import CliRunner
+    from tiny import save_model
 
     from mars.cli import cli
-    from tiny import save_model
 
     runner = CliRunner()
     help_text = runner.invoke(cli, ["serve", "--help"]).output
@@ -834,17 +941,45 @@ def test_cli_registers_serve_and_refuses_adaptive_without_mars_json(tmp_path):
 # -- fuzz ---------------------------------------------------------------------------------------------
 
 
-FIELDS = ["model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stop",
-          "seed", "stream", "stream_options", "threshold", "lossless", "adaptive", "logprobs", "presence_penalty", "response_format"]
+FIELDS = [
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "threshold",
+    "lossless",
+    "adaptive",
+    "logprobs",
+    "presence_penalty",
+    "response_format",
+]
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-3, 70) | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-3, 70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=6,
 )
 plausible = {  # values a client would send, so validation passes and requests decode
     "model": st.sampled_from(["tiny", "tiny", "other"]),
-    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
-                                                "content": st.text(max_size=12)}), min_size=1, max_size=3),
+    "messages": st.lists(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=12)}
+        ),
+        min_size=1,
+        max_size=3,
+    ),
     "prompt": st.text(min_size=1, max_size=12) | st.lists(st.integers(0, 84), min_size=1, max_size=4),
     "max_tokens": st.integers(1, 6),
     "temperature": st.floats(0, 2),
@@ -857,12 +992,18 @@ plausible = {  # values a client would send, so validation passes and requests d
 }
 # Plausible fields with a little noise on top (any JSON value in any known field); now and
 # then not a JSON object at all, or not JSON.
-bodies = st.builds(lambda good, noise: {**good, **noise},
-                   st.fixed_dictionaries({k: plausible[k] for k in ("messages", "prompt")},
-                                         optional={k: v for k, v in plausible.items() if k not in ("messages", "prompt")}),
-                   st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=2))
+bodies = st.builds(
+    lambda good, noise: {**good, **noise},
+    st.fixed_dictionaries(
+        {k: plausible[k] for k in ("messages", "prompt")},
+        optional={k: v for k, v in plausible.items() if k not in ("messages", "prompt")},
+    ),
+    st.dictionaries(st.sampled_from(FIELDS), json_values, max_size=2),
+)
 as_bytes = bodies.map(lambda b: json.dumps(b).encode())
-payloads = st.one_of(as_bytes, as_bytes, as_bytes, as_bytes, json_values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=16))
+payloads = st.one_of(
+    as_bytes, as_bytes, as_bytes, as_bytes, json_values.map(lambda v: json.dumps(v).encode()), st.binary(max_size=16)
+)
 
 
 @pytest.fixture(scope="module")
@@ -871,7 +1012,9 @@ def fuzz_server(tm):
         yield srv
 
 
-@hsettings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@hsettings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(payload=payloads, chat=st.booleans())
 def test_fuzzed_requests_never_answer_5xx(fuzz_server, payload, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"

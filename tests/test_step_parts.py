@@ -7,7 +7,6 @@ import json
 import math
 
 import pytest
-
 from clitools import write_jsonl
 from tiny import load_script, save_model
 
@@ -19,7 +18,12 @@ def checkpoint(tmp_path_factory):
     from mars.core.config import MarsConfig, write_config
 
     path = save_model(tmp_path_factory.mktemp("step_parts") / "model", "llama", seed=1)
-    write_config(MarsConfig(block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless"), path)
+    write_config(
+        MarsConfig(
+            block_size=4, mask_token="<unused0>", mask_token_id=3, default_threshold=0.9, default_mode="lossless"
+        ),
+        path,
+    )
     return path
 
 
@@ -36,9 +40,27 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         pytest.importorskip("mlx_lm")
     script = load_script("benchmarks/step_parts.py")
     out = tmp_path / "parts.json"
-    report = script.main(["--model", str(checkpoint), "--backend", backend, "--prompts", str(prompts), "--limit", "3",
-                          "--max-tokens", "10", "--batch", str(batch), "--warmup-tokens", "3", "--output", str(out)]
-                         + (["--device", "cpu", "--dtype", "float32"] if backend == "torch" else []))
+    report = script.main(
+        [
+            "--model",
+            str(checkpoint),
+            "--backend",
+            backend,
+            "--prompts",
+            str(prompts),
+            "--limit",
+            "3",
+            "--max-tokens",
+            "10",
+            "--batch",
+            str(batch),
+            "--warmup-tokens",
+            "3",
+            "--output",
+            str(out),
+        ]
+        + (["--device", "cpu", "--dtype", "float32"] if backend == "torch" else [])
+    )
     assert json.loads(out.read_text())["modes"].keys() == {"AR", "lossless"}
     assert report["modes"]["lossless"]["plan"].startswith("lossless")
     for name, m in report["modes"].items():
@@ -62,7 +84,8 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
     plain = plain_replies(checkpoint, prompts, backend, batch)
     assert report["tokens"]["AR"] == plain
     # Everything the script patched is back as it was.
-    from mars.core.decode import loop as decoding, strategies
+    from mars.core.decode import loop as decoding
+    from mars.core.decode import strategies
 
     assert decoding._advance.__module__ == "mars.core.decode.loop"
     assert strategies.WindowStrategy.lay_out.__module__ == "mars.core.decode.strategies"

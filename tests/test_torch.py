@@ -8,16 +8,16 @@ forward that produced it, and exact token equality is a fair test.
 import numpy as np
 import pytest
 import torch
+from tiny import make_model, make_plan, make_tokenizer
 
-from mars.backends.torch.load import TorchModel
 from mars.backends.torch.decode import TorchDecoder, slot_predictions
+from mars.backends.torch.load import TorchModel
 from mars.backends.torch.loss import MarsLoss, loss_inputs
 from mars.core.acceptance import confidence_from_logits
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
 from mars.core.loss import IGNORE
 from mars.core.masks import training_inputs
-from tiny import make_model, make_tokenizer, make_plan
 
 ARCHS = ["llama", "qwen2"]
 MASK = 3
@@ -36,7 +36,10 @@ def tm(request, tok):
 
 
 def prompts_of(tok, texts):
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"] for t in texts]
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
 
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
@@ -51,7 +54,12 @@ def settings(**kw):
 def hf_greedy(model, prompt, max_new):
     ids = torch.tensor([prompt])
     out = model.generate(
-        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False, eos_token_id=EOS, pad_token_id=EOS
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
     )
     return out[0, len(prompt) :].tolist()
 
@@ -117,7 +125,9 @@ def test_mars_loss_matches_a_direct_computation(tm, tok):
         per_row_clean.append(np.mean([-float(logits[r, L + i - 1, labels[r, i]]) for i in t]))
     assert float(noisy) == pytest.approx(np.mean(per_row_noisy), rel=1e-5)
     assert float(clean) == pytest.approx(np.mean(per_row_clean), rel=1e-5)
-    assert float(noisy + alpha * clean) == pytest.approx(np.mean(per_row_noisy) + alpha * np.mean(per_row_clean), rel=1e-5)
+    assert float(noisy + alpha * clean) == pytest.approx(
+        np.mean(per_row_noisy) + alpha * np.mean(per_row_clean), rel=1e-5
+    )
 
 
 def long_prompt_batch(B=4):
@@ -232,6 +242,7 @@ def test_block_cache_counts_waiting_apart(tm, tok):
 def test_eos_stops_and_drops_what_follows(tok):
     model = make_model("llama", len(tok), seed=3)
     dec = TorchDecoder(TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32))
+
     # Every slot after the first predicts EOS, confidently; slot 0 predicts its usual token.
     def favour_eos(module, args, out):
         out = out.clone()
@@ -265,7 +276,10 @@ def test_sampling_is_seeded_and_top_k_one_is_greedy(tm, tok):
     # A vanishing temperature is greedy too, not a NaN distribution (1e-69 once overflowed to inf).
     for lossless in (False, True):
         tiny = Sampling(temperature=1e-69, seed=0)
-        assert generate(dec, prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens == generate(dec, prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
+        assert (
+            generate(dec, prompt, settings(threshold=0.5, lossless=lossless, sampling=tiny)).tokens
+            == generate(dec, prompt, settings(threshold=1.0 if lossless else 0.5)).tokens
+        )
     a = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
     b = generate(TorchDecoder(tm), prompt, settings(threshold=0.5, sampling=Sampling(temperature=1.5, seed=7))).tokens
     assert a == b
@@ -310,8 +324,12 @@ def test_the_cache_goes_under_the_keyword_the_models_forward_takes(tm):
     with pytest.raises(TypeError, match="neither"):
         cache_argument(Neither(), marker)
     body, _ = body_and_head(tm.model)  # the installed transformers' own model takes it by that name
-    assert list(cache_argument(body, marker)) == [name for name in ("cache", "past_key_values")
-                                                  if name in inspect.signature(type(body).forward).parameters][:1]
+    assert (
+        list(cache_argument(body, marker))
+        == [name for name in ("cache", "past_key_values") if name in inspect.signature(type(body).forward).parameters][
+            :1
+        ]
+    )
 
 
 def test_a_steps_results_cross_to_the_host_in_one_copy_bit_for_bit():
@@ -354,8 +372,12 @@ def test_decoding_is_the_same_when_every_step_packs_its_results(tm, tok, monkeyp
     from mars.core.decode.plan import Sampling
 
     prompts = prompts_of(tok, PROMPTS)
-    plans = [settings(threshold=1.0), settings(threshold=0.3), settings(lossless=True, alternatives=2, ngram=4),
-             settings(lossless=True, sampling=Sampling(temperature=0.8, seed=3))]
+    plans = [
+        settings(threshold=1.0),
+        settings(threshold=0.3),
+        settings(lossless=True, alternatives=2, ngram=4),
+        settings(lossless=True, sampling=Sampling(temperature=0.8, seed=3)),
+    ]
     plain = [generate(TorchDecoder(tm), prompts, s).tokens for s in plans]
     real = torch_model.to_host
     calls = []

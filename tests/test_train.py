@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from tiny import make_model, make_plan, make_tokenizer
 
 from mars.backends.torch.load import TorchModel, ensure_mask_token
 from mars.backends.torch.train import TorchTrainer
-from mars.core.train.loop import TrainSettings, lr_lambda
 from mars.core.train.data import Example, encode_record, pad_to_block
-from tiny import make_model, make_tokenizer, make_plan
+from mars.core.train.loop import TrainSettings, lr_lambda
 
 RECORDS = [
     {"prompt": "Say a", "completion": "aaaa aaaa"},
@@ -55,11 +55,12 @@ def test_warmup_then_cosine():
 
 
 def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
-    from mars.backends.torch.load import load
+    from tiny import save_model
+
     from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import load
     from mars.core.decode.loop import generate
     from mars.core.tokens import encode_prompt
-    from tiny import save_model
 
     base = save_model(tmp_path / "base", "llama", seed=0, scale=0.1)
     tm = load(base, announce=lambda m: None)
@@ -68,7 +69,9 @@ def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
     for rec in RECORDS:
         ids, labels = encode_record(rec, tm.tokenizer, eos_id=tm.tokenizer.eos_token_id)
         examples.append(Example(*pad_to_block(ids, labels, 4, tm.tokenizer.eos_token_id, ended=True), "x", False))
-    s = TrainSettings(fine_tune_type="lora", iters=8, batch_size=4, learning_rate=1e-2, warmup=0.0, steps_per_save=10**9)
+    s = TrainSettings(
+        fine_tune_type="lora", iters=8, batch_size=4, learning_rate=1e-2, warmup=0.0, steps_per_save=10**9
+    )
     trainer = TorchTrainer(tm, mars, s, tmp_path / "adapter")
     trainer.train(examples, progress=False)
     trainer.save(tm.tokenizer, str(base))
@@ -87,4 +90,7 @@ def test_fused_lora_equals_adapter_plus_mask_row(tmp_path):
     prompts = [encode_prompt(fused.tokenizer, r["prompt"]) for r in RECORDS]
     for tau in (1.0, 0.5):
         settings = make_plan(mask_id=mask_id, eos_ids=(2,), threshold=tau, max_tokens=16)
-        assert generate(TorchDecoder(adapter), prompts, settings).tokens == generate(TorchDecoder(fused), prompts, settings).tokens
+        assert (
+            generate(TorchDecoder(adapter), prompts, settings).tokens
+            == generate(TorchDecoder(fused), prompts, settings).tokens
+        )

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from clitools import invoke, ok
+from safetensors.torch import load_file
+from tiny import load_script, spell_records, train_spelling
+
 from mars.backends.torch.load import load as torch_load
 from mars.backends.torch.train import TorchTrainer
 from mars.core.train.data import Example, batches, encode_record, pad_to_block
 from mars.core.train.loop import TrainSettings
-from tiny import load_script, spell_records, train_spelling
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = dict(announce=lambda m: None)
@@ -29,8 +29,29 @@ QUIET = dict(announce=lambda m: None)
 @pytest.fixture(scope="module")
 def gated(tiny, data, tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-init") / "adapter"
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--gate", "masks", "--iters", 5,
-              "--lora-rank", 4, "--backend", "torch", "--default-mode", "lossless", "--default-threshold", 0.8))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--gate",
+            "masks",
+            "--iters",
+            5,
+            "--lora-rank",
+            4,
+            "--backend",
+            "torch",
+            "--default-mode",
+            "lossless",
+            "--default-threshold",
+            0.8,
+        )
+    )
     return out
 
 
@@ -38,10 +59,40 @@ def test_the_gpu_script_dry_runs_on_the_cpu_and_returns_a_usable_adapter(tiny, g
     # A budget of 0 minutes: every phase does its minimum (one distillation batch, --min-steps
     # steps, a snapshot after each), so the run is the same on a fast machine and a busy one.
     out, work = tmp_path / "out", tmp_path / "work"
-    cmd = [sys.executable, str(ROOT / "scripts" / "train_gpu.py"), "--out", str(out), "--work", str(work), "--model", str(tiny),
-           "--init-adapter", str(gated), "--device", "cpu", "--minutes", "0", "--min-steps", "10", "--template-prompts", "24",
-           "--sampled-prompts", "8", "--valid", "4", "--gen-batch", "8", "--max-tokens", "8", "--batch-size", "4",
-           "--save-seconds", "0", "--reserve-seconds", "0"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "train_gpu.py"),
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+        "--model",
+        str(tiny),
+        "--init-adapter",
+        str(gated),
+        "--device",
+        "cpu",
+        "--minutes",
+        "0",
+        "--min-steps",
+        "10",
+        "--template-prompts",
+        "24",
+        "--sampled-prompts",
+        "8",
+        "--valid",
+        "4",
+        "--gen-batch",
+        "8",
+        "--max-tokens",
+        "8",
+        "--batch-size",
+        "4",
+        "--save-seconds",
+        "0",
+        "--reserve-seconds",
+        "0",
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert run.stdout.count("snapshot at step") == 11  # one after each step, then the final one
@@ -71,8 +122,9 @@ def test_the_gpu_script_dry_runs_on_the_cpu_and_returns_a_usable_adapter(tiny, g
 
     # It continues the init adapter: same checkpoint settings, trained LoRA weights.
     new, init = json.loads((adapter / "mars.json").read_text()), json.loads((gated / "mars.json").read_text())
-    assert {k: new[k] for k in ("gate", "default_mode", "default_threshold", "block_size", "mask_token_id")} == \
-           {k: init[k] for k in ("gate", "default_mode", "default_threshold", "block_size", "mask_token_id")}
+    assert {k: new[k] for k in ("gate", "default_mode", "default_threshold", "block_size", "mask_token_id")} == {
+        k: init[k] for k in ("gate", "default_mode", "default_threshold", "block_size", "mask_token_id")
+    }
     a, b = load_file(str(adapter / "adapter_model.safetensors")), load_file(str(gated / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and any(not torch.equal(a[k], b[k]) for k in a)
     assert len((adapter / "training_log.jsonl").read_text().splitlines()) == steps
@@ -100,9 +152,31 @@ class SlowClock:
 
 
 def dry_run_args(tiny, gated, tmp_path, *extra) -> list[str]:
-    return ["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--model", str(tiny), "--init-adapter", str(gated),
-            "--device", "cpu", "--template-prompts", "24", "--sampled-prompts", "8", "--valid", "4", "--gen-batch", "8",
-            "--max-tokens", "8", "--batch-size", "4", *map(str, extra)]
+    return [
+        "--out",
+        str(tmp_path / "out"),
+        "--work",
+        str(tmp_path / "work"),
+        "--model",
+        str(tiny),
+        "--init-adapter",
+        str(gated),
+        "--device",
+        "cpu",
+        "--template-prompts",
+        "24",
+        "--sampled-prompts",
+        "8",
+        "--valid",
+        "4",
+        "--gen-batch",
+        "8",
+        "--max-tokens",
+        "8",
+        "--batch-size",
+        "4",
+        *map(str, extra),
+    ]
 
 
 def test_every_phase_runs_one_batch_however_late_it_starts(tiny, gated, tmp_path, monkeypatch, capsys):
@@ -115,7 +189,12 @@ def test_every_phase_runs_one_batch_however_late_it_starts(tiny, gated, tmp_path
     generate = script.generate_rows
     monkeypatch.setattr(script, "generate_rows", lambda *a, **kw: calls.append(kw["sample"]) or generate(*a, **kw))
 
-    assert script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 10, "--slot-weights", "1,2,2,3", "--consistency", 0.5)) == 0
+    assert (
+        script.main(
+            dry_run_args(tiny, gated, tmp_path, "--minutes", 10, "--slot-weights", "1,2,2,3", "--consistency", 0.5)
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "distil: time's up after 1 of 3 batches" in printed
     assert calls.count(True) == 1  # sampling user turns: one round
@@ -159,7 +238,9 @@ def test_sampling_prompts_runs_one_round_however_late_it_starts(monkeypatch):
 def test_a_run_left_with_nothing_to_train_on_stops_with_one_line_naming_the_option(tiny, gated, tmp_path):
     script = load_script("scripts/train_gpu.py")
     with pytest.raises(SystemExit) as stop:
-        script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 0, "--template-prompts", 0, "--sampled-prompts", 0))
+        script.main(
+            dry_run_args(tiny, gated, tmp_path, "--minutes", 0, "--template-prompts", 0, "--sampled-prompts", 0)
+        )
     message = str(stop.value.code)
     assert "\n" not in message and message.startswith("train_gpu.py: no training prompts")
     assert "--template-prompts" in message and "--sampled-prompts" in message
@@ -169,7 +250,9 @@ def test_a_run_left_with_nothing_to_train_on_stops_with_one_line_naming_the_opti
     with pytest.raises(SystemExit) as stop:
         script.main(dry_run_args(tiny, gated, tmp_path, "--minutes", 0, "--max-seq-length", 8))
     message = str(stop.value.code)
-    assert "\n" not in message and message.startswith("train_gpu.py: no distilled train example fits in --max-seq-length 8")
+    assert "\n" not in message and message.startswith(
+        "train_gpu.py: no distilled train example fits in --max-seq-length 8"
+    )
     assert message.endswith("pass a larger --max-seq-length")
     assert not (tmp_path / "out" / "summary.json").exists()
 
@@ -214,7 +297,12 @@ def test_a_batch_split_in_chunks_gives_the_whole_batchs_losses_and_gradient(tmp_
     batch = next(batches(examples, 8, pad_id=tm.tokenizer.eos_token_id, shuffle=False))
     results = []
     for parts in (1, 2):
-        trainer = TorchTrainer(tm, tm.mars, TrainSettings(fine_tune_type="full", block_size=4, grad_accumulation=parts), tmp_path / str(parts))
+        trainer = TorchTrainer(
+            tm,
+            tm.mars,
+            TrainSettings(fine_tune_type="full", block_size=4, grad_accumulation=parts),
+            tmp_path / str(parts),
+        )
         trainer.loss_module = trainer.loss
         losses = script.accumulate(trainer, batch, {})
         grads = [p.grad.clone() for p in trainer.loss.parameters() if p.grad is not None]
@@ -237,7 +325,9 @@ def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_promp
     summary = json.loads((first / "out" / "summary.json").read_text())
     assert summary["distil"]["reused"] == 0 and summary["distil"]["stored_before"] == 0
     assert summary["distil"]["share"] == 0.3  # an empty store: the default share of the time for distillation
-    assert summary["store"]["replies"] == 8 and summary["store"]["parts"] == ["distilled.npz.00"]  # one batch of --gen-batch 8
+    assert summary["store"]["replies"] == 8 and summary["store"]["parts"] == [
+        "distilled.npz.00"
+    ]  # one batch of --gen-batch 8
     script.unpack(first / "out", tmp_path / "adapter1", store=store)
     from mars.checkpoint.paths import load_tokenizer
 
@@ -250,7 +340,9 @@ def test_a_second_run_reuses_the_replies_of_the_first_and_distils_only_new_promp
     assert summary["distil"]["share"] == 0.1  # the store holds enough: more of the call for the optimizer
     usable = sum(script.record(load_tokenizer(tiny), *r) is not None for r in kept)
     assert summary["distil"]["stored_before"] == 8 and summary["distil"]["reused"] == usable
-    assert summary["distil"]["distilled"] > 0 and summary["distil"]["replies"] == usable + summary["distil"]["distilled"]
+    assert (
+        summary["distil"]["distilled"] > 0 and summary["distil"]["replies"] == usable + summary["distil"]["distilled"]
+    )
     grown = tmp_path / "grown.npz"
     script.unpack(second / "out", tmp_path / "adapter2", store=grown)
     union = script.read_store(grown, key)

@@ -13,15 +13,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
-from mars.backends.torch.load import TorchModel
-from mars.backends.torch.decode import TorchDecoder
-from mars.core.decode.cost import BatchCosts, CostCurve
-from mars.core.decode.loop import generate
-from mars.core.decode.plan import Sampling
 from test_cost import PROMPT, ConfidentOracle, OracleBackend, RunnerUpBackend, fixed, oracle
 from test_lossless import EOS, MASK, prompts_of
 from tiny import PROMPTS, feed_of, make_model, make_plan, make_tokenizer
+
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import TorchModel
+from mars.core.decode.cost import BatchCosts, CostCurve
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def tok():
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def dec(request, tok):
-    return TorchDecoder(TorchModel(make_model(request.param, len(tok), seed=3), tok, None, "", torch.device("cpu"), torch.float32))
+    return TorchDecoder(
+        TorchModel(make_model(request.param, len(tok), seed=3), tok, None, "", torch.device("cpu"), torch.float32)
+    )
 
 
 def settings(**kw):
@@ -50,7 +52,15 @@ def reference(dec, prompt, B: int, tau: float, max_tokens: int, metric: str = "p
         fed = seq + d + [MASK] * B
         last = len(seq) - 1
         read = [last + j for j in range(len(d) + 1)] + [last + len(d) + 1 + j for j in range(B)]
-        ids, conf = dec.step(None, np.asarray([fed]), np.arange(len(fed))[None], None, np.asarray([read]), metric=metric, sampling=Sampling())
+        ids, conf = dec.step(
+            None,
+            np.asarray([fed]),
+            np.arange(len(fed))[None],
+            None,
+            np.asarray([read]),
+            metric=metric,
+            sampling=Sampling(),
+        )
         ids, conf = ids[0].tolist(), conf[0]
         forwards += 1
         kept = 0
@@ -102,7 +112,15 @@ def test_the_reference_takes_unverified_tokens_somewhere(dec, tok):
 def test_at_threshold_one_it_is_greedy_ar(dec, tok, cache):
     prompts = prompts_of(tok, PROMPTS[:4])
     ar = generate(dec, prompts, make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24)).tokens
-    assert generate(dec, prompts, settings(threshold=1.0, cache=cache, feed="auto", hedge=None), controller=feed_of(fixed({1: 1.0, 64: 1.0}))).tokens == ar
+    assert (
+        generate(
+            dec,
+            prompts,
+            settings(threshold=1.0, cache=cache, feed="auto", hedge=None),
+            controller=feed_of(fixed({1: 1.0, 64: 1.0})),
+        ).tokens
+        == ar
+    )
 
 
 def test_never_past_max_tokens(dec, tok):
@@ -157,7 +175,17 @@ class HonestRunnerUp(RunnerUpBackend):
     """RunnerUpBackend (wrong masks rank the right token second) with honest confidences."""
 
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0):
-        out = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling, valid=valid, runners_up=runners_up)
+        out = super().step(
+            cache,
+            input_ids,
+            positions,
+            mask,
+            read,
+            metric=metric,
+            sampling=sampling,
+            valid=valid,
+            runners_up=runners_up,
+        )
         truth = np.vectorize(lambda p: oracle(int(p) + 1))(np.take_along_axis(positions, read, axis=1))
         return (out[0], np.where(out[0] == truth, 1.0, 0.1)) + tuple(out[2:])
 
@@ -191,7 +219,12 @@ def test_the_feed_policy_decides_on_a_frozen_copy_of_the_curves():
     curve = CostCurve({1: 1.0, 64: 1.0}, refresh=0.5)
     costs = BatchCosts(curve)
     before = dict(curve.points)
-    result = generate(ConfidentOracle(2), [PROMPT], settings(threshold=0.9, max_tokens=40, feed="auto", hedge=None), controller=feed_of(costs))
+    result = generate(
+        ConfidentOracle(2),
+        [PROMPT],
+        settings(threshold=0.9, max_tokens=40, feed="auto", hedge=None),
+        controller=feed_of(costs),
+    )
     assert curve.points == before
     assert result.stats.feed_choices  # the cost-aware feed chose every step, on its own copy
     assert result.tokens == [[oracle(p) for p in range(len(PROMPT), len(PROMPT) + 40)]]

@@ -17,7 +17,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from clitools import invoke, ok
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,8 +25,10 @@ BIN = Path(sys.executable).parent
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed beside mars (scripts/setup.sh --dev --vllm installs it)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed beside mars (scripts/setup.sh --dev --vllm installs it)",
+    ),
 ]
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors."]
@@ -65,8 +66,14 @@ def test_the_readme_serve_command_answers_with_the_targets_greedy_replies(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    server = subprocess.Popen(["bash", "-c", f"{serve} --port {port}"], cwd=tmp_path, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    server = subprocess.Popen(
+        ["bash", "-c", f"{serve} --port {port}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 1200  # vLLM's CPU start-up on a busy 2-core machine takes minutes
@@ -79,9 +86,18 @@ def test_the_readme_serve_command_answers_with_the_targets_greedy_replies(tmp_pa
             except OSError:
                 assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()[-4000:]
                 time.sleep(2)
-        replies = [post(f"{base}/v1/chat/completions",
-                        {"model": served, "messages": [{"role": "user", "content": p}], "max_tokens": MAX_TOKENS,
-                         "temperature": 0})["choices"][0]["message"]["content"] for p in PROMPTS]
+        replies = [
+            post(
+                f"{base}/v1/chat/completions",
+                {
+                    "model": served,
+                    "messages": [{"role": "user", "content": p}],
+                    "max_tokens": MAX_TOKENS,
+                    "temperature": 0,
+                },
+            )["choices"][0]["message"]["content"]
+            for p in PROMPTS
+        ]
         metrics = urllib.request.urlopen(f"{base}/metrics", timeout=60).read().decode()
     finally:
         os.killpg(server.pid, signal.SIGINT)
@@ -105,9 +121,25 @@ def test_shipped_weights_draft_for_vllm_with_the_targets_greedy_replies(tmp_path
     export = tmp_path / "vllm"
     ok(invoke("convert", shipped_weights(), "--to", "vllm", "-o", export))
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "vllm_drafter.py"), str(export), "--methods", "none", "mars",
-         "--limit", "6", "--max-tokens", "48", "--batch", "1", "--output", "-"],
-        capture_output=True, text=True, timeout=1800,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "vllm_drafter.py"),
+            str(export),
+            "--methods",
+            "none",
+            "mars",
+            "--limit",
+            "6",
+            "--max-tokens",
+            "48",
+            "--batch",
+            "1",
+            "--output",
+            "-",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     runs = {r["method"]: r["batches"]["1"] for r in json.loads(done.stdout.strip().splitlines()[-1])["runs"]}

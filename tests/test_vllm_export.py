@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from clitools import invoke, ok, one_line_error
 from tiny import save_model
 
@@ -18,7 +17,11 @@ IDS = [1, 10, 20, 3, 3, 3, 30, 40, 11, 3, 12]  # mask tokens (id 3) among real o
 
 def serve_line(readme: str) -> list[str]:
     """The words of the README's serve command (the environment assignment first)."""
-    line = next(line for line in readme.splitlines() if "vllm.entrypoints.openai.api_server" in line and not line.startswith(("#", "`")))
+    line = next(
+        line
+        for line in readme.splitlines()
+        if "vllm.entrypoints.openai.api_server" in line and not line.startswith(("#", "`"))
+    )
     return shlex.split(line)
 
 
@@ -48,8 +51,29 @@ def check_cards(out):
 
 
 def finetune(tiny, data, out, *extra):
-    ok(invoke("finetune", "--model", tiny, "--data", data, "--output", out, "--iters", 3, "--batch-size", 4,
-              "--learning-rate", 1e-2, "--device", "cpu", "--backend", "torch", "--no-draft-corpus", *extra))
+    ok(
+        invoke(
+            "finetune",
+            "--model",
+            tiny,
+            "--data",
+            data,
+            "--output",
+            out,
+            "--iters",
+            3,
+            "--batch-size",
+            4,
+            "--learning-rate",
+            1e-2,
+            "--device",
+            "cpu",
+            "--backend",
+            "torch",
+            "--no-draft-corpus",
+            *extra,
+        )
+    )
     return out
 
 
@@ -72,7 +96,9 @@ def fused_everywhere(base, adapter):
 
     model = PeftModel.from_pretrained(plain(base), str(adapter)).merge_and_unload()
     with torch.no_grad():
-        model.get_input_embeddings().weight[3] = load_file(str(adapter / "mask_embedding.safetensors"))["mask_embedding"]
+        model.get_input_embeddings().weight[3] = load_file(str(adapter / "mask_embedding.safetensors"))[
+            "mask_embedding"
+        ]
     return model.eval()
 
 
@@ -91,13 +117,18 @@ def test_adapter_exports_as_a_drafter_with_its_target(tiny, data, tmp_path, gate
     target = tiny.resolve() if gate == "masks" else drafter
     assert not (out / "target").exists()
     spec = json.loads((out / "speculative_config.json").read_text())
-    assert spec == {"method": "draft_model", "model": str(drafter), "num_speculative_tokens": 4, "parallel_drafting": True}
+    assert spec == {
+        "method": "draft_model",
+        "model": str(drafter),
+        "num_speculative_tokens": 4,
+        "parallel_drafting": True,
+    }
     readme = (out / "README.md").read_text()
     words = serve_line(readme)
     assert words[:4] == ["VLLM_CPU_KVCACHE_SPACE=2", "python", "-m", "vllm.entrypoints.openai.api_server"]
     assert option(words, "--model") == str(target) and option(words, "--dtype") == "float32"
     assert json.loads(option(words, "--speculative-config")) == spec
-    assert f"LLM(model={str(target)!r}, dtype=\"float32\", speculative_config={spec!r})" in readme
+    assert f'LLM(model={str(target)!r}, dtype="float32", speculative_config={spec!r})' in readme
     assert "wrote" in result.output
     card = check_cards(out)
     assert "step 3" in card  # the adapter's last training step

@@ -40,12 +40,32 @@ def make_tokenizer(with_unused: bool = True):
 
 
 # The architectures make_model builds (transformers model_type names).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "ministral", "gemma3_text", "phi3", "olmo2", "granite", "smollm3", "qwen3_moe",
-                 "mixtral")
+ARCHITECTURES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "ministral",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "smollm3",
+    "qwen3_moe",
+    "mixtral",
+)
 
 
-def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidden: int = 64, layers: int = 2, scale: float = 0.3,
-               window: int | None = None):
+def make_model(
+    arch: str = "llama",
+    vocab_size: int = 85,
+    *,
+    seed: int = 0,
+    hidden: int = 64,
+    layers: int = 2,
+    scale: float = 0.3,
+    window: int | None = None,
+):
     """A tiny random causal LM (float32). A large init scale makes logits peaked, so
     greedy argmax is stable across forwards of different shapes (no near-ties).
     `window`: the sliding window of the architectures that have one (mistral: every layer;
@@ -79,13 +99,18 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
         config = transformers.MistralConfig(**common, **head_dim, sliding_window=window or 4096)
     elif arch == "ministral":
         config = transformers.MinistralConfig(
-            **common, **head_dim, sliding_window=window or 4096,
+            **common,
+            **head_dim,
+            sliding_window=window or 4096,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         )
     elif arch == "gemma3_text":
         # Gemma's embeddings are scaled by sqrt(hidden): 8 here, exact in every float format.
         config = transformers.Gemma3TextConfig(
-            **common, **head_dim, query_pre_attn_scalar=hidden // 4, sliding_window=window or 512,
+            **common,
+            **head_dim,
+            query_pre_attn_scalar=hidden // 4,
+            sliding_window=window or 512,
             layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
         )
     elif arch == "phi3":
@@ -100,8 +125,16 @@ def make_model(arch: str = "llama", vocab_size: int = 85, *, seed: int = 0, hidd
         # Every second layer without RoPE (SmolLM3's NoPE layers).
         config = transformers.SmolLM3Config(**common, no_rope_layer_interval=2, use_sliding_window=False)
     elif arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**common, **head_dim, **experts, num_experts=4, moe_intermediate_size=hidden,
-                                             decoder_sparse_step=1, norm_topk_prob=True, use_sliding_window=False)
+        config = transformers.Qwen3MoeConfig(
+            **common,
+            **head_dim,
+            **experts,
+            num_experts=4,
+            moe_intermediate_size=hidden,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            use_sliding_window=False,
+        )
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**common, **experts, num_local_experts=4)
     else:
@@ -136,7 +169,9 @@ PROMPTS = [
 def spell_records():
     """Each reply repeats a letter the prompt names: every mask's target is fixed by the
     prompt, whatever offset a decoding window starts at."""
-    return [{"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]]
+    return [
+        {"prompt": f"Say {c}" + "!" * k, "completion": c * 12} for k in range(2) for c in string.ascii_lowercase[:20]
+    ]
 
 
 def train_spelling(out_dir, *, steps: int = 150):
@@ -158,7 +193,9 @@ def train_spelling(out_dir, *, steps: int = 150):
         ids, labels = encode_record(rec, tok, eos_id=tok.eos_token_id)
         ids, labels = pad_to_block(ids, labels, 4, tok.eos_token_id, ended=True)
         examples.append(Example(ids, labels, "spell", False))
-    s = TrainSettings(fine_tune_type="full", block_size=4, iters=steps, batch_size=8, learning_rate=3e-3, steps_per_save=10**9)
+    s = TrainSettings(
+        fine_tune_type="full", block_size=4, iters=steps, batch_size=8, learning_rate=3e-3, steps_per_save=10**9
+    )
     result = TorchTrainer(tm, mars, s, out_dir).train(examples, progress=False)
     model.eval()
     return tm, result

@@ -152,8 +152,10 @@ def costs(loaded, decoder, *, announce=None, remeasure: bool = False):
     `remeasure`: measure them again rather than read the kept ones."""
     from ..core.decode.cost import BatchCosts
 
-    return BatchCosts(cost_curve(loaded, decoder, announce=announce, remeasure=remeasure),
-                      measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch, remeasure=remeasure))
+    return BatchCosts(
+        cost_curve(loaded, decoder, announce=announce, remeasure=remeasure),
+        measure=lambda batch: cost_curve(loaded, decoder, announce=announce, batch=batch, remeasure=remeasure),
+    )
 
 
 REMEASURE_HINT = "--remeasure-cost measures it again"
@@ -166,13 +168,17 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     loaded; measured again where the kept one is not non-decreasing, or with `remeasure`.
     `announce` hears, before a measurement, what it is, about how long it takes and where
     its result is kept. The decoding loop refreshes its copy from the forwards it times."""
-    from ..core.decode.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
     from ..checkpoint.default_model import keyed_cache_file
+    from ..core.decode.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
     # "calibration" versions the measurement method, so stored curves measured another way are not reused.
-    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 4,
-           **(decoder.cost_key() if hasattr(decoder, "cost_key") else {})}
+    key = {
+        "model": str(getattr(loaded, "path", "")),
+        "gate": gate,
+        "calibration": 4,
+        **(decoder.cost_key() if hasattr(decoder, "cost_key") else {}),
+    }
     if batch > 1:
         key["batch"] = batch
     path = keyed_cache_file("cost", key)
@@ -184,15 +190,18 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
 
     def before(seconds: float) -> None:
         if announce:
-            announce(f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, more on a busy machine; "
-                     f"kept in {path}; {REMEASURE_HINT})")
+            announce(
+                f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, more on a busy machine; "
+                f"kept in {path}; {REMEASURE_HINT})"
+            )
 
     mask_id = mask_id_for(loaded)
     # Wide forwards feed masks (a gated adapter works there), a one-token forward is AR.
     # A batch's widths are per row; its curve is in total fed tokens.
     widths = CALIBRATION_WIDTHS if batch == 1 else BATCH_CALIBRATION_WIDTHS
-    curve = calibrate(decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch,
-                      before=before)
+    curve = calibrate(
+        decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch, before=before
+    )
     try:
         curve.save(path, key=key)
     except OSError:

@@ -29,7 +29,9 @@ _MLX_KEY = re.compile(r"^(.+)\.lora_([ab])$")
 def safe_output(output: Path, sources, overwrite: bool) -> None:
     """Refuse an output that would overwrite a source or existing files (core.files.check_output), as a ConvertError."""
     try:
-        check_output(output, sources=sources, overwrite=overwrite, fix="pass --overwrite to replace it, or choose a new --output")
+        check_output(
+            output, sources=sources, overwrite=overwrite, fix="pass --overwrite to replace it, or choose a new --output"
+        )
     except OutputError as e:
         raise ConvertError(str(e)) from None
 
@@ -84,7 +86,9 @@ def _check_pairs(path: Path, a: dict, b: dict, rank: int) -> list[int]:
     for name in a:
         ra, rb = a[name].shape[0], b[name].shape[1]
         if a[name].array.ndim != 2 or b[name].array.ndim != 2 or ra != rank or rb != rank:
-            raise ConvertError(f"{path}: shape mismatch for {name}: A {list(a[name].shape)}, B {list(b[name].shape)} with rank {rank}")
+            raise ConvertError(
+                f"{path}: shape mismatch for {name}: A {list(a[name].shape)}, B {list(b[name].shape)} with rank {rank}"
+            )
         m = _LAYER.match(name)
         if not m:
             raise ConvertError(f"{path}: LoRA on {name}, outside the decoder layers, is not supported")
@@ -99,7 +103,12 @@ def read_peft(path: Path) -> Lora:
     config = _json(path / ADAPTER_CONFIG)
     if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ConvertError(f"{path}: PEFT type {config.get('peft_type')} is not supported (LoRA only)")
-    for key, why in (("use_dora", "DoRA"), ("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas"), ("modules_to_save", "modules_to_save")):
+    for key, why in (
+        ("use_dora", "DoRA"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+        ("modules_to_save", "modules_to_save"),
+    ):
         if config.get(key):
             raise ConvertError(f"{path}: {why} ({key}) has no mlx-lm equivalent; convert a plain LoRA adapter")
     if config.get("fan_in_fan_out"):
@@ -111,10 +120,22 @@ def read_peft(path: Path) -> Lora:
     for name, t in tensors.items():
         m = _PEFT_KEY.match(name)
         if not m:
-            raise ConvertError(f"{path / PEFT_WEIGHTS}: tensor {name} is not a LoRA matrix (only LoRA A/B weights convert)")
+            raise ConvertError(
+                f"{path / PEFT_WEIGHTS}: tensor {name} is not a LoRA matrix (only LoRA A/B weights convert)"
+            )
         (a if m.group(2) == "A" else b)[m.group(1)] = t
     layers = _check_pairs(path / PEFT_WEIGHTS, a, b, rank)
-    return Lora(a, b, rank, scale, float(config.get("lora_dropout") or 0.0), config.get("base_model_name_or_path") or "", config, None, layers)
+    return Lora(
+        a,
+        b,
+        rank,
+        scale,
+        float(config.get("lora_dropout") or 0.0),
+        config.get("base_model_name_or_path") or "",
+        config,
+        None,
+        layers,
+    )
 
 
 def read_mlx(path: Path) -> Lora:
@@ -136,7 +157,17 @@ def read_mlx(path: Path) -> Lora:
         (a if m.group(2) == "a" else b)[m.group(1)] = t.transpose()
     layers = _check_pairs(path / MLX_WEIGHTS, a, b, rank)
     peft = config.get("peft_config")
-    return Lora(a, b, rank, float(params["scale"]), float(params.get("dropout") or 0.0), config.get("model") or "", peft, config, layers)
+    return Lora(
+        a,
+        b,
+        rank,
+        float(params["scale"]),
+        float(params.get("dropout") or 0.0),
+        config.get("model") or "",
+        peft,
+        config,
+        layers,
+    )
 
 
 def read_adapter(path: Path) -> Lora:
@@ -154,20 +185,28 @@ def _keys(lora: Lora, where: Path) -> list[str]:
         per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
     sets = list(per_layer.values())
     if any(s != sets[0] for s in sets):
-        raise ConvertError(f"{where}: layers adapt different modules; mlx-lm needs the same modules on every adapted layer")
+        raise ConvertError(
+            f"{where}: layers adapt different modules; mlx-lm needs the same modules on every adapted layer"
+        )
     return sorted(sets[0])
 
 
 def _num_layers(lora: Lora, where: Path, total_layers: int | None) -> int:
     layers = lora.layers
     if layers != list(range(layers[0], layers[-1] + 1)):
-        raise ConvertError(f"{where}: adapted layers {layers} are not consecutive; mlx-lm adapts the last num_layers layers")
+        raise ConvertError(
+            f"{where}: adapted layers {layers} are not consecutive; mlx-lm adapts the last num_layers layers"
+        )
     if total_layers is None and lora.peft_config is not None and not lora.peft_config.get("layers_to_transform"):
         total_layers = layers[-1] + 1  # PEFT adapted every matching layer
     if total_layers is None:
-        raise ConvertError(f"{where}: cannot tell the model's layer count; pass the base model (--model) so the adapter can be placed")
+        raise ConvertError(
+            f"{where}: cannot tell the model's layer count; pass the base model (--model) so the adapter can be placed"
+        )
     if layers[-1] != total_layers - 1:
-        raise ConvertError(f"{where}: adapts layers {layers[0]}..{layers[-1]} of {total_layers}; mlx-lm can only adapt the last layers")
+        raise ConvertError(
+            f"{where}: adapts layers {layers[0]}..{layers[-1]} of {total_layers}; mlx-lm can only adapt the last layers"
+        )
     return total_layers - layers[0]
 
 
@@ -268,7 +307,9 @@ def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False)
     if to not in ("hf", "mlx"):
         raise ConvertError(f"--to must be hf or mlx, got {to!r}")
     if (fmt == "peft") == (to == "hf"):
-        raise ConvertError(f"{src}: already a {'PEFT' if fmt == 'peft' else 'mlx-lm'} adapter; choose --to {'mlx' if fmt == 'peft' else 'hf'}")
+        raise ConvertError(
+            f"{src}: already a {'PEFT' if fmt == 'peft' else 'mlx-lm'} adapter; choose --to {'mlx' if fmt == 'peft' else 'hf'}"
+        )
     lora = read_adapter(src)
     if fmt == "peft":
         guess = base if base is not None else (Path(lora.base) if lora.base else _recorded_base(src))
@@ -290,4 +331,3 @@ def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False)
             (d / "README.md").write_text(adapter_card(Path(os.path.abspath(output)), src))
 
     return atomic_dir(output, write)
-

@@ -45,11 +45,17 @@ def measured(source: Path) -> str:
     if not lines:
         return ""
     last = json.loads(lines[-1])
-    figures = [f"{key} {last[key]:.4f}" for key in ("noisy", "clean", "val_noisy", "val_clean") if isinstance(last.get(key), float)]
+    figures = [
+        f"{key} {last[key]:.4f}"
+        for key in ("noisy", "clean", "val_noisy", "val_clean")
+        if isinstance(last.get(key), float)
+    ]
     if not figures:
         return ""
-    return (f"At the end of training (step {last.get('step', '?')}, from `{log.resolve()}`): cross-entropy "
-            f"{', '.join(figures)} (noisy: the masks' predictions; clean: the ordinary next-token loss).")
+    return (
+        f"At the end of training (step {last.get('step', '?')}, from `{log.resolve()}`): cross-entropy "
+        f"{', '.join(figures)} (noisy: the masks' predictions; clean: the ordinary next-token loss)."
+    )
 
 
 def fused_card(output: Path, *, base: str | None, adapter: Path, mars: MarsConfig | None, note: str = "") -> str:
@@ -113,13 +119,16 @@ def adapter_card(output: Path, source: Path) -> str:
     """README.md of a PEFT adapter converted from an mlx-lm one: the base model it fits. An adapter
     trained on an mlx-lm quantized model fits that model's dequantized weights, which transformers
     can read once `mars convert` has written them."""
-    from .paths import mlx_quantization, portable_ref
     from ..core.config import has_config, read_config
+    from .paths import mlx_quantization, portable_ref
 
     mars = read_config(source) if has_config(source) else None
     base = mars.base_model if mars is not None else ""
     out = shlex.quote(str(output))
-    parts = [_front_matter(base, ["mars", "peft", "lora"] if mars is not None else ["peft", "lora"]), f"# {output.name}\n"]
+    parts = [
+        _front_matter(base, ["mars", "peft", "lora"] if mars is not None else ["peft", "lora"]),
+        f"# {output.name}\n",
+    ]
     what = "A MARS LoRA adapter (with its trained mask-token row)" if mars is not None else "A LoRA adapter"
     quant = mlx_quantization(Path(base)) if base and not portable_ref(base) else None
     if quant is not None:
@@ -137,7 +146,10 @@ def adapter_card(output: Path, source: Path) -> str:
             "",
         ]
     else:
-        parts += [f"{what}, converted from mlx-lm's format by `mars convert`, for the base model `{base or 'it was trained on'}`.", ""]
+        parts += [
+            f"{what}, converted from mlx-lm's format by `mars convert`, for the base model `{base or 'it was trained on'}`.",
+            "",
+        ]
     if mars is not None:
         parts += ["## What mars.json says\n", mars_table(mars), ""]
     figures = measured(source)

@@ -10,8 +10,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
-from .hf_config import add_rope_keys
 from ..core.files import atomic_dir
+from .hf_config import add_rope_keys
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_REF = f"default:{DEFAULT_NAME}"

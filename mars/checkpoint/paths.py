@@ -56,7 +56,9 @@ def refuse_mlx_quantized(path: Path) -> None:
         )
 
 
-def resolve_model_path(model: str | os.PathLike | None, adapter: str | os.PathLike | None = None, *, weights: bool = True):
+def resolve_model_path(
+    model: str | os.PathLike | None, adapter: str | os.PathLike | None = None, *, weights: bool = True
+):
     """(base path, adapter path or None). `model` may be an adapter directory: its base is then
     read from mars.json or adapter_config.json. None means the embedded default with the
     shipped MARS weights (`weights=False`, or an explicit adapter: without them);

@@ -105,7 +105,9 @@ def read_safetensors(path: Path) -> tuple[dict[str, Tensor], dict]:
         if dtype not in _STORAGE:
             raise ConvertError(f"{path}: tensor {name} has type {dtype}, which mars convert does not handle")
         start, end = info["data_offsets"]
-        arr = np.frombuffer(data, dtype=_STORAGE[dtype], count=(end - start) // np.dtype(_STORAGE[dtype]).itemsize, offset=base + start)
+        arr = np.frombuffer(
+            data, dtype=_STORAGE[dtype], count=(end - start) // np.dtype(_STORAGE[dtype]).itemsize, offset=base + start
+        )
         out[name] = Tensor(dtype, arr.reshape(info["shape"]))
     return out, meta
 
@@ -151,7 +153,10 @@ def write_weights(directory: Path, tensors: dict[str, Tensor], fmt: str) -> None
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         write_safetensors(directory / fname, shard, metadata)
         weight_map.update({k: fname for k in shard})
-    index = {"metadata": {"total_size": sum(t.array.nbytes for t in tensors.values())}, "weight_map": dict(sorted(weight_map.items()))}
+    index = {
+        "metadata": {"total_size": sum(t.array.nbytes for t in tensors.values())},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
@@ -161,7 +166,9 @@ def read_weights(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Te
     files = sorted(p for p in directory.glob("*.safetensors") if p.name not in exclude)
     if not files:
         if any(directory.glob("*.bin")):
-            raise ConvertError(f"{directory}: only PyTorch .bin weights; re-save the model as safetensors (save_pretrained(safe_serialization=True))")
+            raise ConvertError(
+                f"{directory}: only PyTorch .bin weights; re-save the model as safetensors (save_pretrained(safe_serialization=True))"
+            )
         raise ConvertError(f"{directory}: no *.safetensors weights")
     out: dict[str, Tensor] = {}
     for f in files:

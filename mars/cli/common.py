@@ -39,7 +39,11 @@ def defaults(source) -> dict:
     the options take their defaults from, so that each is written once."""
     if dataclasses.is_dataclass(source):
         return {f.name: f.default for f in dataclasses.fields(source) if f.default is not dataclasses.MISSING}
-    return {name: p.default for name, p in inspect.signature(source).parameters.items() if p.default is not inspect.Parameter.empty}
+    return {
+        name: p.default
+        for name, p in inspect.signature(source).parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 def say(message: str) -> None:
@@ -78,18 +82,29 @@ def friendly_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from ..backends.base import BackendUnavailable
+        from ..checkpoint.default_model import DefaultModelError
         from ..checkpoint.paths import ModelError
         from ..convert import ConvertError
+        from ..core.acceptance import ThresholdError
         from ..core.config import ConfigError
         from ..core.decode.drafts.corpus import CorpusError
-        from ..core.train.data import DataError
-        from ..core.files import OutputError
-        from ..core.acceptance import ThresholdError
         from ..core.decode.rules import UntrainedModelError
-        from ..checkpoint.default_model import DefaultModelError
+        from ..core.files import OutputError
+        from ..core.train.data import DataError
 
-        known = (BackendUnavailable, ConfigError, ConvertError, CorpusError, DataError, DefaultModelError, FileNotFoundError, ModelError,
-                 OutputError, ThresholdError, UntrainedModelError)
+        known = (
+            BackendUnavailable,
+            ConfigError,
+            ConvertError,
+            CorpusError,
+            DataError,
+            DefaultModelError,
+            FileNotFoundError,
+            ModelError,
+            OutputError,
+            ThresholdError,
+            UntrainedModelError,
+        )
         try:
             return fn(*args, **kwargs)
         except known as e:
@@ -99,15 +114,25 @@ def friendly_errors(fn):
 
 
 def backend_option(f):
-    return click.option("--backend", type=click.Choice(["auto", "torch", "mlx"]), default="auto", show_default=True,
-                        help="auto: MLX on Apple silicon, torch elsewhere.")(f)
+    return click.option(
+        "--backend",
+        type=click.Choice(["auto", "torch", "mlx"]),
+        default="auto",
+        show_default=True,
+        help="auto: MLX on Apple silicon, torch elsewhere.",
+    )(f)
 
 
 def device_options(f):
-    f = click.option("--dtype", type=DTYPE_CHOICE, default="auto", show_default=True,
-                     help="The number format the model runs in; auto: float32, bfloat16 on a CUDA device that "
-                          "supports it. Lossless output equals AR's exactly in float32, and up to near-ties of "
-                          "AR's two best logits in narrower formats (README, \"Formats\").")(f)
+    f = click.option(
+        "--dtype",
+        type=DTYPE_CHOICE,
+        default="auto",
+        show_default=True,
+        help="The number format the model runs in; auto: float32, bfloat16 on a CUDA device that "
+        "supports it. Lossless output equals AR's exactly in float32, and up to near-ties of "
+        'AR\'s two best logits in narrower formats (README, "Formats").',
+    )(f)
     return click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:1, mps or auto.")(f)
 
 
@@ -116,8 +141,17 @@ def model_options(f):
 
 
 def model_path_options(f):
-    f = click.option("--adapter-path", type=click.Path(path_type=Path), default=None, help="A LoRA adapter directory written by `mars finetune`.")(f)
-    f = click.option("--model", default=None, help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.")(f)
+    f = click.option(
+        "--adapter-path",
+        type=click.Path(path_type=Path),
+        default=None,
+        help="A LoRA adapter directory written by `mars finetune`.",
+    )(f)
+    f = click.option(
+        "--model",
+        default=None,
+        help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct.",
+    )(f)
     return f
 
 
@@ -137,7 +171,9 @@ def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bo
     from ..session import Session
 
     quiet_libraries()
-    return Session(model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say, remeasure_cost=remeasure_cost)
+    return Session(
+        model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say, remeasure_cost=remeasure_cost
+    )
 
 
 # -- decoding options (generate, chat) ---------------------------------------------------------------
@@ -148,57 +184,142 @@ def decode_options(f):
     from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
     d, s = defaults(DecodeSettings), defaults(Sampling)
-    f = click.option("--threshold", type=float, default=None, help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.")(f)
-    f = click.option("--block-size", type=click.IntRange(min=1), default=None, help="Masks per step (default: the checkpoint's block size).")(f)
-    f = click.option("--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's).")(f)
+    f = click.option(
+        "--threshold",
+        type=float,
+        default=None,
+        help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.",
+    )(f)
+    f = click.option(
+        "--block-size",
+        type=click.IntRange(min=1),
+        default=None,
+        help="Masks per step (default: the checkpoint's block size).",
+    )(f)
+    f = click.option(
+        "--metric", type=METRIC_CHOICE, default=None, help="Confidence metric (default: the checkpoint's)."
+    )(f)
     f = click.option("--max-tokens", type=click.IntRange(min=1), default=d["max_tokens"], show_default=True)(f)
-    f = click.option("--temp", type=Finite(min=0.0), default=s["temperature"], show_default=True, help="Sampling temperature; 0 is greedy.")(f)
+    f = click.option(
+        "--temp",
+        type=Finite(min=0.0),
+        default=s["temperature"],
+        show_default=True,
+        help="Sampling temperature; 0 is greedy.",
+    )(f)
     f = click.option("--top-p", type=Finite(0.0, 1.0, min_open=True), default=s["top_p"], show_default=True)(f)
     f = click.option("--top-k", type=click.IntRange(min=0), default=s["top_k"], show_default=True)(f)
     f = click.option("--seed", type=int, default=None)(f)
-    f = click.option("--cache", type=CACHE_CHOICE, default=d["cache"], show_default=True, help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.")(f)
-    f = click.option("--block-cache", type=click.IntRange(min=1), default=d["block_cache"], show_default=True, help="B_cache: slots per block of the block cache.")(f)
-    f = click.option("--force", is_flag=True, help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).")(f)
-    f = click.option("--lossless", is_flag=True, help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
-                                                 "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.")(f)
-    f = click.option("--verify/--no-verify", default=None,
-                     help="Threshold mode, greedy: verified threshold mode (the default there). Also feed drafts (the masks' "
-                          "proposals not taken, spare groups', n-gram lookup's) and keep those AR agrees with, as --lossless "
-                          "does, while taking confident proposals unverified; runs with the window cache (or none). "
-                          "--no-verify: plain threshold mode, which drops the proposals it does not take.")(f)
-    f = click.option("--hedge", type=click.IntRange(min=0), default=None,
-                     help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
-                          "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
-                          "Default: chosen per step from what a forward costs on this device (at most the block size); "
-                          "giving N fixes it (0: none).")(f)
-    f = click.option("--feed", type=click.Choice(FEEDS), default=None,
-                     help="auto: choose per step how many masks (and spare groups) to feed from what a forward costs on this "
-                          "device, AR's own feed when masks do not pay (lossless output is AR's either way; threshold-mode "
-                          "text may then differ from device to device and with the batch); fixed: always --block-size masks. "
-                          "Default: auto, fixed where --hedge fixes the spare groups.")(f)
-    f = click.option("--ngram", type=click.IntRange(min=0), default=DEFAULT_NGRAM, show_default=True,
-                     help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
-                          "the reply, where lookup is expected to keep more than the masks; 0: masks only.")(f)
-    f = click.option("--corpus", default=None, metavar="PATH|none",
-                     help="With --ngram > 0: also draft from this draft corpus (`mars corpus`), where it is expected to keep "
-                          "more; 'none': no corpus drafts. Default: the checkpoint's draft_corpus.npz, if it has one.")(f)
-    f = click.option("--remeasure-cost", is_flag=True,
-                     help="Measure again what a forward costs on this device (the curve --feed auto decides on, measured "
-                          "once and kept under the cache directory), e.g. after it was measured on a busy machine.")(f)
-    f = click.option("--alternatives", type=click.IntRange(min=0), default=DEFAULT_ALTERNATIVES, show_default=True,
-                     help="Lossless, greedy, window or no cache: also feed up to N runners-up of the first draft, each with B "
-                          "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "
-                          "token and better drafts (each costs 1 + B fed tokens; with --feed auto fed only where it pays); 0: none.")(f)
+    f = click.option(
+        "--cache",
+        type=CACHE_CHOICE,
+        default=d["cache"],
+        show_default=True,
+        help="window: sliding window on a KV cache; block: the block-level batch cache; none: no cache.",
+    )(f)
+    f = click.option(
+        "--block-cache",
+        type=click.IntRange(min=1),
+        default=d["block_cache"],
+        show_default=True,
+        help="B_cache: slots per block of the block cache.",
+    )(f)
+    f = click.option(
+        "--force",
+        is_flag=True,
+        help="Allow threshold < 1 on a model without mars.json (its mask guesses are untrained).",
+    )(f)
+    f = click.option(
+        "--lossless",
+        is_flag=True,
+        help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
+        "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.",
+    )(f)
+    f = click.option(
+        "--verify/--no-verify",
+        default=None,
+        help="Threshold mode, greedy: verified threshold mode (the default there). Also feed drafts (the masks' "
+        "proposals not taken, spare groups', n-gram lookup's) and keep those AR agrees with, as --lossless "
+        "does, while taking confident proposals unverified; runs with the window cache (or none). "
+        "--no-verify: plain threshold mode, which drops the proposals it does not take.",
+    )(f)
+    f = click.option(
+        "--hedge",
+        type=click.IntRange(min=0),
+        default=None,
+        help="Lossless, greedy, window or no cache: spare mask groups fed per step, one after each of the first N "
+        "drafts, so a rejected draft still leaves drafts for the next step (each costs B more fed tokens). "
+        "Default: chosen per step from what a forward costs on this device (at most the block size); "
+        "giving N fixes it (0: none).",
+    )(f)
+    f = click.option(
+        "--feed",
+        type=click.Choice(FEEDS),
+        default=None,
+        help="auto: choose per step how many masks (and spare groups) to feed from what a forward costs on this "
+        "device, AR's own feed when masks do not pay (lossless output is AR's either way; threshold-mode "
+        "text may then differ from device to device and with the batch); fixed: always --block-size masks. "
+        "Default: auto, fixed where --hedge fixes the spare groups.",
+    )(f)
+    f = click.option(
+        "--ngram",
+        type=click.IntRange(min=0),
+        default=DEFAULT_NGRAM,
+        show_default=True,
+        help="Lossless, greedy, window or no cache: also draft up to N tokens by n-gram lookup in the prompt and "
+        "the reply, where lookup is expected to keep more than the masks; 0: masks only.",
+    )(f)
+    f = click.option(
+        "--corpus",
+        default=None,
+        metavar="PATH|none",
+        help="With --ngram > 0: also draft from this draft corpus (`mars corpus`), where it is expected to keep "
+        "more; 'none': no corpus drafts. Default: the checkpoint's draft_corpus.npz, if it has one.",
+    )(f)
+    f = click.option(
+        "--remeasure-cost",
+        is_flag=True,
+        help="Measure again what a forward costs on this device (the curve --feed auto decides on, measured "
+        "once and kept under the cache directory), e.g. after it was measured on a busy machine.",
+    )(f)
+    f = click.option(
+        "--alternatives",
+        type=click.IntRange(min=0),
+        default=DEFAULT_ALTERNATIVES,
+        show_default=True,
+        help="Lossless, greedy, window or no cache: also feed up to N runners-up of the first draft, each with B "
+        "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "
+        "token and better drafts (each costs 1 + B fed tokens; with --feed auto fed only where it pays); 0: none.",
+    )(f)
     return f
 
 
-def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, top_p, top_k, seed, cache, block_cache, force,
-                lossless, hedge, ngram, feed=None, verify=None, alternatives=0, corpus=None):
+def plan_from_options(
+    session,
+    threshold,
+    block_size,
+    metric,
+    max_tokens,
+    temp,
+    top_p,
+    top_k,
+    seed,
+    cache,
+    block_cache,
+    force,
+    lossless,
+    hedge,
+    ngram,
+    feed=None,
+    verify=None,
+    alternatives=0,
+    corpus=None,
+):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
+    from ..core.acceptance import check_threshold
     from ..core.decode.drafts.corpus import DraftCorpus
     from ..core.decode.plan import Mode, Sampling, why_not_verified
-    from ..core.acceptance import check_threshold
     from ..core.decode.rules import metric_for
 
     drafts = {}  # no --corpus: the checkpoint's own (mars.backends.base.draft_corpus)
@@ -212,9 +333,21 @@ def plan_from_options(session, threshold, block_size, metric, max_tokens, temp, 
         if lossless:
             warn("--threshold is ignored with --lossless (lossless output is AR's whatever the threshold)")
     settings = session.plan(
-        threshold=threshold, lossless=lossless, verify=verify, metric=metric, block_size=block_size, force=force,
-        warn=lambda m: click.echo(f"WARNING: {m}", err=True), max_tokens=max_tokens, cache=cache, block_cache=block_cache,
-        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed), hedge=hedge, ngram=ngram, feed=feed, alternatives=alternatives,
+        threshold=threshold,
+        lossless=lossless,
+        verify=verify,
+        metric=metric,
+        block_size=block_size,
+        force=force,
+        warn=lambda m: click.echo(f"WARNING: {m}", err=True),
+        max_tokens=max_tokens,
+        cache=cache,
+        block_cache=block_cache,
+        sampling=Sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed),
+        hedge=hedge,
+        ngram=ngram,
+        feed=feed,
+        alternatives=alternatives,
         **drafts,
     )
     if verify and settings.mode is not Mode.VERIFIED:  # asked for by name where it cannot apply

@@ -11,27 +11,55 @@ import click
 
 from ..core.decode.drafts import LABELS
 from ..core.decode.types import masks_share
-from .common import backend_option, decode_options, plan_from_options, friendly_errors, model_options, open_session
+from .common import backend_option, decode_options, friendly_errors, model_options, open_session, plan_from_options
 
 
 @click.command("generate")
 @model_options
 @click.option("--prompt", "prompt_texts", multiple=True, help="A prompt (repeat for several).")
-@click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="A file of prompts: JSONL ({\"prompt\"} or {\"messages\"}) or one per line.")
+@click.option(
+    "--prompts",
+    "prompt_file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help='A file of prompts: JSONL ({"prompt"} or {"messages"}) or one per line.',
+)
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
-@click.option("--compare", is_flag=True, help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.")
-@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
-              help="--compare: timed rounds, AR and the mode interleaved; each mode reports its median round, "
-                   "and the speed ratio is the ratio of those two.")
+@click.option(
+    "--compare",
+    is_flag=True,
+    help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="--compare: timed rounds, AR and the mode interleaved; each mode reports its median round, "
+    "and the speed ratio is the ratio of those two.",
+)
 @decode_options
 @backend_option
 @friendly_errors
-def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_file, batch_size, raw, as_json, compare, rounds, backend, **decode):
+def generate_command(
+    model,
+    adapter_path,
+    dtype,
+    device,
+    prompt_texts,
+    prompt_file,
+    batch_size,
+    raw,
+    as_json,
+    compare,
+    rounds,
+    backend,
+    **decode,
+):
     """Generate replies; prints the text and tokens per forward."""
-    from ..core.decode.plan import replan
     from ..core.acceptance import ar_threshold
+    from ..core.decode.plan import replan
     from ..prompts import read_prompts
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
@@ -57,9 +85,20 @@ def generate_command(model, adapter_path, dtype, device, prompt_texts, prompt_fi
         if as_json:
             for s, r, text, run_rows in zip(runs, results, texts, rows):
                 row = run_rows[i]
-                click.echo(json.dumps({"prompt": p, "mode": s.name, "text": text, "tokens": len(r.tokens[i]), "finish": r.finish[i],
-                                       "forwards": row.forwards, "tokens_per_forward": round(row.tokens_per_forward, 3),
-                                       **sources_fields(row.by_source)}))
+                click.echo(
+                    json.dumps(
+                        {
+                            "prompt": p,
+                            "mode": s.name,
+                            "text": text,
+                            "tokens": len(r.tokens[i]),
+                            "finish": r.finish[i],
+                            "forwards": row.forwards,
+                            "tokens_per_forward": round(row.tokens_per_forward, 3),
+                            **sources_fields(row.by_source),
+                        }
+                    )
+                )
             continue
         click.echo(f"--- [{i}] {p if isinstance(p, str) else p[-1]['content']}")
         if compare:
@@ -91,8 +130,10 @@ def compare_line(runs, results, timed, prompts: int) -> str:
     two tokens/s the summary lines above print, with the per-round ratios' range."""
     same = sum(a == b for a, b in zip(results[0].tokens, results[1].tokens))
     ar, mode = speed(results[0]), speed(results[1])
-    line = (f"{same}/{prompts} replies identical to AR; {runs[1].name}: {mode / max(ar, 1e-9):.2f}x AR's tokens/s "
-            f"({mode:.1f} / {ar:.1f} tok/s")
+    line = (
+        f"{same}/{prompts} replies identical to AR; {runs[1].name}: {mode / max(ar, 1e-9):.2f}x AR's tokens/s "
+        f"({mode:.1f} / {ar:.1f} tok/s"
+    )
     if len(timed) == 1:
         return line + ", one round)"
     per_round = [speed(t[1]) / max(speed(t[0]), 1e-9) for t in timed]
@@ -188,7 +229,7 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
             nonlocal shown
             out.extend(new)
             text = tok.decode(out, skip_special_tokens=True)
-            sys.stdout.write(text[len(shown):])
+            sys.stdout.write(text[len(shown) :])
             sys.stdout.flush()
             shown = text
 
@@ -197,7 +238,10 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
         dt = time.perf_counter() - t0
         st = result.stats.rows[0]
         click.echo("")
-        click.echo(f"[{settings.name}: {st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]", err=True)
+        click.echo(
+            f"[{settings.name}: {st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]",
+            err=True,
+        )
         history.append({"role": "assistant", "content": shown})
 
 
@@ -215,8 +259,8 @@ def chat_command_line(line: str, asked: dict, settings, session):
     """Carry out a chat slash command (not /quit or /reset), reporting on stderr; never sends
     text to the model. `asked`: the chat's decoding options, which a command changes; returns
     the plan to decode by from now on, made anew by plan_from_options where the options changed."""
-    from ..core.decode.plan import replan, why_not_verified
     from ..core.acceptance import ThresholdError, ar_threshold, check_threshold
+    from ..core.decode.plan import replan, why_not_verified
     from ..core.decode.rules import UntrainedModelError, check_may_decode
 
     parts = line.split()
@@ -238,7 +282,14 @@ def chat_command_line(line: str, asked: dict, settings, session):
         except UntrainedModelError as e:
             click.echo(f"{e}; keeping plain AR (start with --force to override)", err=True)
             threshold = ar_threshold(settings.metric)
-        settings = replan(settings, session.mars, threshold=threshold, lossless=False, verify=asked.get("verify"), force=asked["force"])
+        settings = replan(
+            settings,
+            session.mars,
+            threshold=threshold,
+            lossless=False,
+            verify=asked.get("verify"),
+            force=asked["force"],
+        )
         click.echo(settings.name, err=True)
     elif command == "/lossless":
         settings = replan(settings, session.mars, lossless=True, threshold=None)
@@ -249,5 +300,8 @@ def chat_command_line(line: str, asked: dict, settings, session):
         why = why_not_verified(settings) if asked["verify"] else None
         click.echo(settings.name + (f" (verify is on, for threshold mode: {why})" if why else ""), err=True)
     else:
-        click.echo(f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)", err=True)
+        click.echo(
+            f"unknown command {command}; /help lists the commands (start a message with // to send a leading /)",
+            err=True,
+        )
     return settings

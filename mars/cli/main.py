@@ -24,8 +24,17 @@ def cli():
     """MARS: fine-tune a causal LM to emit several tokens per forward pass, and decode it with a speed knob."""
 
 
-for command in (finetune_command, generate_command, chat_command, convert_command, evaluate_command, bench_command,
-                distill_command, corpus_command, serve_command):
+for command in (
+    finetune_command,
+    generate_command,
+    chat_command,
+    convert_command,
+    evaluate_command,
+    bench_command,
+    distill_command,
+    corpus_command,
+    serve_command,
+):
     cli.add_command(command)
 
 

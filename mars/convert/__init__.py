@@ -10,8 +10,8 @@ ConvertError (a ValueError) with a one-line message; nothing is written on failu
 """
 
 from ..checkpoint.adapters import adapter_format, convert_adapter, read_adapter
-from .models import SUPPORTED, convert_model, import_gguf
 from ..checkpoint.tensors import ConvertError, Tensor, read_safetensors, write_safetensors
+from .models import SUPPORTED, convert_model, import_gguf
 from .vllm import convert_vllm
 
 __all__ = [

@@ -16,13 +16,24 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkpoint.adapters import Lora, read_adapter, safe_output
 from ..checkpoint.architectures import CONVERT, refusal
 from ..checkpoint.hf_config import add_rope_keys, rope_overrides
 from ..checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY
+from ..checkpoint.tensors import (
+    DTYPE_NAMES,
+    DTYPES,
+    ConvertError,
+    Tensor,
+    cast,
+    from_float32,
+    read_safetensors,
+    read_weights,
+    to_float32,
+    write_weights,
+)
 from ..core.files import atomic_dir
-from ..checkpoint.adapters import Lora, read_adapter, safe_output
 from .quant import BITS, GROUP_SIZES, dequantize, quantize
-from ..checkpoint.tensors import DTYPE_NAMES, DTYPES, ConvertError, Tensor, cast, from_float32, read_safetensors, read_weights, to_float32, write_weights
 
 SUPPORTED = CONVERT  # mars.checkpoint.architectures: the table, as tests/test_architectures.py checks it
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -55,7 +66,9 @@ def quantization_of(config: dict, where: Path) -> dict | None:
         if qc is None:
             return None
         if "quant_method" in qc or "bits" not in qc:
-            raise ConvertError(f"{where}/config.json: quantization method {qc.get('quant_method', '?')!r} is not supported (mlx-lm affine only); dequantize the model first")
+            raise ConvertError(
+                f"{where}/config.json: quantization method {qc.get('quant_method', '?')!r} is not supported (mlx-lm affine only); dequantize the model first"
+            )
         q = qc
     mode = q.get("mode", "affine")
     if mode != "affine":
@@ -79,20 +92,31 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     attn_bias = arch == "qwen2" or (llama_like and config.get("attention_bias"))
     for i in range(layers):
         p = f"model.layers.{i}."
-        norms = {"olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
-                 "gemma3_text": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
-        shapes.update({f"{p}{n}.weight": (h,) for n in norms.get(arch, ("input_layernorm", "post_attention_layernorm"))})
+        norms = {
+            "olmo2": ("post_attention_layernorm", "post_feedforward_layernorm"),
+            "gemma3_text": (
+                "input_layernorm",
+                "post_attention_layernorm",
+                "pre_feedforward_layernorm",
+                "post_feedforward_layernorm",
+            ),
+        }
+        shapes.update(
+            {f"{p}{n}.weight": (h,) for n in norms.get(arch, ("input_layernorm", "post_attention_layernorm"))}
+        )
         shapes[p + "self_attn.o_proj.weight"] = (h, heads * hd)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         if arch == "phi3":  # fused projections
             shapes[p + "self_attn.qkv_proj.weight"] = ((heads + 2 * kv) * hd, h)
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
             continue
-        shapes.update({
-            p + "self_attn.q_proj.weight": (heads * hd, h),
-            p + "self_attn.k_proj.weight": (kv * hd, h),
-            p + "self_attn.v_proj.weight": (kv * hd, h),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (heads * hd, h),
+                p + "self_attn.k_proj.weight": (kv * hd, h),
+                p + "self_attn.v_proj.weight": (kv * hd, h),
+            }
+        )
         experts = expert_layer(config, i)
         if experts:
             del shapes[p + "mlp.down_proj.weight"]
@@ -100,11 +124,19 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
         else:
             shapes.update({p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h)})
         if attn_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (heads * hd,), p + "self_attn.k_proj.bias": (kv * hd,), p + "self_attn.v_proj.bias": (kv * hd,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (heads * hd,),
+                    p + "self_attn.k_proj.bias": (kv * hd,),
+                    p + "self_attn.v_proj.bias": (kv * hd,),
+                }
+            )
         if llama_like and config.get("attention_bias"):
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if llama_like and config.get("mlp_bias"):
-            shapes.update({p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)})
+            shapes.update(
+                {p + "mlp.gate_proj.bias": (inter,), p + "mlp.up_proj.bias": (inter,), p + "mlp.down_proj.bias": (h,)}
+            )
         if arch in ("qwen3", "gemma3_text", "qwen3_moe"):  # per-head norms
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
         if arch == "olmo2":  # norms over all heads
@@ -154,8 +186,10 @@ def expert_projections(config: dict):
     for i in range(config["num_hidden_layers"]):
         experts = expert_layer(config, i)
         for hf, mlx in names.items() if experts else ():
-            yield ([f"model.layers.{i}.{block}.experts.{e}.{hf}.weight" for e in range(experts)],
-                   f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight")
+            yield (
+                [f"model.layers.{i}.{block}.experts.{e}.{hf}.weight" for e in range(experts)],
+                f"model.layers.{i}.{block}.switch_mlp.{mlx}.weight",
+            )
 
 
 def stack_experts(tensors: dict[str, Tensor], config: dict) -> dict[str, Tensor]:
@@ -192,7 +226,9 @@ def check_shapes(tensors: dict[str, Tensor], config: dict, where: Path) -> None:
         if name not in shapes:
             raise ConvertError(f"{where}: unexpected tensor {name} for a {config['model_type']} model")
         if t.shape != shapes[name]:
-            raise ConvertError(f"{where}: shape mismatch for {name}: {list(t.shape)} in the weights, {list(shapes[name])} from config.json")
+            raise ConvertError(
+                f"{where}: shape mismatch for {name}: {list(t.shape)} in the weights, {list(shapes[name])} from config.json"
+            )
         if not t.is_float:
             raise ConvertError(f"{where}: tensor {name} has non-float type {t.dtype}")
     for name in shapes:
@@ -232,12 +268,15 @@ def fuse(tensors: dict[str, Tensor], config: dict, lora: Lora, adapter: Path) ->
             raise ConvertError(f"{adapter}: the adapter changes {path}, which the base model does not have")
         w = tensors[name]
         if lora.a[path].shape[1] != w.shape[1] or lora.b[path].shape[0] != w.shape[0]:
-            raise ConvertError(f"{adapter}: shape mismatch for {path}: LoRA {lora.b[path].shape[0]}x{lora.a[path].shape[1]}, base weight {list(w.shape)}")
+            raise ConvertError(
+                f"{adapter}: shape mismatch for {path}: LoRA {lora.b[path].shape[0]}x{lora.a[path].shape[1]}, base weight {list(w.shape)}"
+            )
         tensors[name] = from_float32(to_float32(w) + lora.delta(path), w.dtype)
     row_file = adapter / MASK_EMBEDDING_FILE
     if not row_file.is_file():
         return
-    from ..core.config import has_config, read_config as read_mars
+    from ..core.config import has_config
+    from ..core.config import read_config as read_mars
 
     if not has_config(adapter):
         raise ConvertError(f"{adapter}: {MASK_EMBEDDING_FILE} without mars.json (the mask token id)")
@@ -252,7 +291,9 @@ def fuse(tensors: dict[str, Tensor], config: dict, lora: Lora, adapter: Path) ->
         e = np.concatenate([e, np.broadcast_to(e.mean(0, keepdims=True), (grow, e.shape[1]))])
         if "lm_head.weight" in tensors:
             head = tensors["lm_head.weight"]
-            tensors["lm_head.weight"] = from_float32(np.concatenate([to_float32(head), np.zeros((grow, e.shape[1]), np.float32)]), head.dtype)
+            tensors["lm_head.weight"] = from_float32(
+                np.concatenate([to_float32(head), np.zeros((grow, e.shape[1]), np.float32)]), head.dtype
+            )
         config["vocab_size"] = e.shape[0]
     e = np.array(e)
     e[mask_id] = to_float32(row)
@@ -287,8 +328,19 @@ def refuse_gated(adapter: Path) -> None:
         raise ConvertError(f"{adapter}: {GATED_FUSE_REFUSED}")
 
 
-def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int | None = None, q_group_size: int = 64, adapter=None,
-                  overwrite: bool = False, announce=print, fuse_gated: bool = False) -> Path:
+def convert_model(
+    src,
+    output,
+    to: str,
+    *,
+    dtype: str | None = None,
+    q_bits: int | None = None,
+    q_group_size: int = 64,
+    adapter=None,
+    overwrite: bool = False,
+    announce=print,
+    fuse_gated: bool = False,
+) -> Path:
     """Convert a model directory (HF or mlx-lm, float or mlx-quantized) or a .gguf file into a
     Hugging Face (to='hf') or mlx-lm (to='mlx') directory at `output`, optionally fusing an adapter
     (PEFT or mlx-lm), casting float tensors (dtype 'float32'|'float16'|'bfloat16') and quantizing
@@ -304,8 +356,10 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
     if q_bits is not None and to != "mlx":
         raise ConvertError("quantization (-q) writes mlx-lm layers; use --to mlx")
     if q_bits is not None and (q_bits not in BITS or q_group_size not in GROUP_SIZES):
-        raise ConvertError(f"quantization takes {', '.join(map(str, BITS))} bits and groups of {', '.join(map(str, GROUP_SIZES))}, "
-                           f"got {q_bits} bits in groups of {q_group_size}")
+        raise ConvertError(
+            f"quantization takes {', '.join(map(str, BITS))} bits and groups of {', '.join(map(str, GROUP_SIZES))}, "
+            f"got {q_bits} bits in groups of {q_group_size}"
+        )
     if not src.exists():
         raise ConvertError(f"{src}: no such file or directory")
     if src.is_file():
@@ -314,11 +368,23 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
         output.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}.gguf.") as tmp:
             imported = import_gguf(src, Path(tmp) / "hf", announce=announce)
-            return convert_model(imported, output, to, dtype=dtype, q_bits=q_bits, q_group_size=q_group_size, adapter=adapter,
-                                 overwrite=overwrite, announce=announce, fuse_gated=fuse_gated)
+            return convert_model(
+                imported,
+                output,
+                to,
+                dtype=dtype,
+                q_bits=q_bits,
+                q_group_size=q_group_size,
+                adapter=adapter,
+                overwrite=overwrite,
+                announce=announce,
+                fuse_gated=fuse_gated,
+            )
     config = read_config(src)
     if not _has_tokenizer(src) and not (adapter is not None and _has_tokenizer(Path(adapter))):
-        raise ConvertError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them in from the original model")
+        raise ConvertError(
+            f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them in from the original model"
+        )
     tensors = load_tensors(src, config)
     check_shapes(tensors, config, src)
     lora = None
@@ -332,8 +398,10 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
         tensors = {k: cast(t, DTYPES[dtype]) for k, t in tensors.items()}
     quant = None
     if q_bits is not None and config["model_type"] in EXPERTS:
-        raise ConvertError(f"{src}: quantizing a mixture of experts is not supported here (mlx-lm keeps its router at other "
-                           "settings); convert without -q, then quantize with mlx_lm.convert")
+        raise ConvertError(
+            f"{src}: quantizing a mixture of experts is not supported here (mlx-lm keeps its router at other "
+            "settings); convert without -q, then quantize with mlx_lm.convert"
+        )
     if q_bits is not None:
         quant = {"group_size": q_group_size, "bits": q_bits, "mode": "affine"}
         out = {}
@@ -356,7 +424,10 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
                 shutil.copy2(p, d / p.name)
         if adapter is not None:  # the adapter's tokenizer (it may have added the mask token) and mars.json
             for p in sorted(adapter.iterdir()):
-                if p.is_file() and (p.name in TOKENIZER_FILES or p.name in ("special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "mars.json")):
+                if p.is_file() and (
+                    p.name in TOKENIZER_FILES
+                    or p.name in ("special_tokens_map.json", "chat_template.jinja", "added_tokens.json", "mars.json")
+                ):
                     shutil.copy2(p, d / p.name)
         write_weights(d, stack_experts(tensors, config) if to == "mlx" else tensors, to)
         (d / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
@@ -369,11 +440,11 @@ def convert_model(src, output, to: str, *, dtype: str | None = None, q_bits: int
 def _carry_fused(src: Path, adapter: Path, d: Path, output: Path) -> None:
     """What a fused model needs to decode as the adapter did (its draft corpus; mars.json came
     with the tokenizer files), and a model card in place of the base's."""
-    from ..core.decode.drafts import corpus
+    from ..checkpoint.card import fused_card
+    from ..checkpoint.default_model import model_ref
     from ..core.config import has_config
     from ..core.config import read_config as read_mars
-    from ..checkpoint.default_model import model_ref
-    from ..checkpoint.card import fused_card
+    from ..core.decode.drafts import corpus
 
     if (adapter / corpus.FILE).is_file():
         shutil.copy2(adapter / corpus.FILE, d / corpus.FILE)
@@ -388,13 +459,17 @@ def import_gguf(gguf: Path, target: Path, announce=print) -> Path:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
-        raise ConvertError("GGUF import uses transformers and torch; install them (pip install torch transformers gguf)") from None
+        raise ConvertError(
+            "GGUF import uses transformers and torch; install them (pip install torch transformers gguf)"
+        ) from None
     announce(f"importing {gguf.name} (dequantizing through transformers)")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (ValueError, KeyError, OSError) as e:
-        raise ConvertError(f"{gguf}: cannot import this GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ConvertError(
+            f"{gguf}: cannot import this GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

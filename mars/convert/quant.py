@@ -26,9 +26,13 @@ def unpack(packed: np.ndarray, bits: int, columns: int) -> np.ndarray:
 def dequantize(name: str, weight: Tensor, scales: Tensor, biases: Tensor, bits: int, group_size: int) -> Tensor:
     """w = scales * q + biases per group along the last axis, in the scales' float type."""
     if bits not in BITS:
-        raise ConvertError(f"{name}: {bits}-bit quantization is not supported (affine {', '.join(map(str, BITS))} bits)")
+        raise ConvertError(
+            f"{name}: {bits}-bit quantization is not supported (affine {', '.join(map(str, BITS))} bits)"
+        )
     if weight.dtype != "U32" or weight.array.ndim != 2:
-        raise ConvertError(f"{name}.weight: expected packed uint32 (rows, words), got {weight.dtype} {list(weight.shape)}")
+        raise ConvertError(
+            f"{name}.weight: expected packed uint32 (rows, words), got {weight.dtype} {list(weight.shape)}"
+        )
     rows, words = weight.shape
     columns = words * 32 // bits
     groups = scales.shape[-1] if scales.array.ndim == 2 else -1

@@ -45,7 +45,9 @@ def check_threshold(metric: str, threshold, name: str = "threshold") -> float:
     value = float(threshold)
     low, high = THRESHOLD_RANGES[metric]
     if not (math.isfinite(value) and low <= value <= high):
-        raise ThresholdError(f"{name} {threshold!r} is out of range for the {metric} metric: use {threshold_range_text(metric)}")
+        raise ThresholdError(
+            f"{name} {threshold!r} is out of range for the {metric} metric: use {threshold_range_text(metric)}"
+        )
     return value
 
 

@@ -63,7 +63,10 @@ class MarsConfig:
         try:
             check_threshold(self.metric, self.default_threshold)
         except ThresholdError:
-            bad("default_threshold", f"must be {threshold_range_text(self.metric)} for metric {self.metric}, got {self.default_threshold!r}")
+            bad(
+                "default_threshold",
+                f"must be {threshold_range_text(self.metric)} for metric {self.metric}, got {self.default_threshold!r}",
+            )
         if self.default_mode not in MODES:
             bad("default_mode", f"must be one of {', '.join(MODES)}, got {self.default_mode!r}")
         if self.gate not in GATES:

@@ -24,8 +24,7 @@ def choose_mask_token(tokenizer, exclude=()) -> tuple[str, int, bool]:
     produces it and the embedding keeps its shape), and preferably not an end-of-text marker.
     """
     reserved = {
-        getattr(tokenizer, name, None)
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+        getattr(tokenizer, name, None) for name in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
     } | set(exclude)
     template = tokenizer.chat_template if isinstance(getattr(tokenizer, "chat_template", None), str) else ""
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
@@ -44,7 +43,9 @@ def choose_mask_token(tokenizer, exclude=()) -> tuple[str, int, bool]:
     return NEW_MASK_TOKEN, len(tokenizer), True
 
 
-def mask_config(tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(), announce=print) -> MarsConfig:
+def mask_config(
+    tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(), announce=print
+) -> MarsConfig:
     """The MarsConfig whose mask token is in `tokenizer`: a checkpoint's own (a token it added is
     added back to a tokenizer without it), or for a model without one the `choose_mask_token`
     choice, added to the tokenizer when it is new, and said through `announce`.
@@ -59,7 +60,9 @@ def mask_config(tokenizer, mars: MarsConfig | None, *, block_size: int = MarsCon
     if added:
         tokenizer.add_special_tokens({"additional_special_tokens": [token]})
         token_id = tokenizer.convert_tokens_to_ids(token)
-        announce(f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)")
+        announce(
+            f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)"
+        )
     else:
         announce(f"mask token: reusing unused special token {token} (id {token_id})")
     return MarsConfig(block_size=block_size, mask_token=token, mask_token_id=token_id, mask_token_added=added)

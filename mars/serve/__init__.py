@@ -17,9 +17,17 @@ from .engine import Engine, EngineLimits
 from .policy import PolicySettings, ThresholdPolicy
 
 
-def build(session, *, name: str = "default", aliases=(), block_size: int | None = None, policy: dict | None = None,
-          engine_limits: EngineLimits | None = None, serve_limits: ServeLimits | None = None,
-          admin_from_anywhere: bool = False):
+def build(
+    session,
+    *,
+    name: str = "default",
+    aliases=(),
+    block_size: int | None = None,
+    policy: dict | None = None,
+    engine_limits: EngineLimits | None = None,
+    serve_limits: ServeLimits | None = None,
+    admin_from_anywhere: bool = False,
+):
     """(app, engine) serving a model opened for decoding (mars.session.Session; its decoders,
     one per batch, from `session.new_decoder`), under `name` and `aliases`.
 

@@ -16,8 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..core.decode.plan import Sampling
 from ..core.acceptance import ThresholdError, check_threshold
+from ..core.decode.plan import Sampling
 from ..core.decode.rules import UntrainedModelError
 from ..core.tokens import encode_prompt
 
@@ -25,8 +25,16 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
         self.headers = headers or {}
@@ -35,7 +43,9 @@ class ApiError(Exception):
         return error_body(self.message, type=self.type, param=self.param, code=self.code)
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    message: str, *, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
@@ -132,7 +142,7 @@ def _unsupported(body: dict, chat: bool) -> None:
         raise _bad("tools", "tools are not supported by this server")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _bad("response_format", "only response_format {\"type\": \"text\"} is supported")
+        raise _bad("response_format", 'only response_format {"type": "text"} is supported')
     if not chat:
         if _boolean(body, "echo", False):
             raise _bad("echo", "'echo' is not supported by this server")
@@ -144,7 +154,7 @@ def _unsupported(body: dict, chat: bool) -> None:
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
+        raise _bad("messages", '\'messages\' must be a non-empty list of {"role", "content"} objects')
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
@@ -157,7 +167,10 @@ def _messages(body: dict) -> list[dict]:
             texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(f"{where}.content", f"'{where}.content': only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported")
+                    raise _bad(
+                        f"{where}.content",
+                        f'\'{where}.content\': only text parts ({{"type": "text", "text": ...}}) are supported',
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         elif not isinstance(content, str):
@@ -192,8 +205,11 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
     if name is not None and not isinstance(name, str):
         raise _bad("model", f"'model' must be a string, got {name!r}")
     if name and name not in names:
-        raise _bad("model", f"the model '{name}' does not exist; this server serves '{names[0]}' (see GET /v1/models)",
-                   "model_not_found")
+        raise _bad(
+            "model",
+            f"the model '{name}' does not exist; this server serves '{names[0]}' (see GET /v1/models)",
+            "model_not_found",
+        )
     _integer(body, "n", 1, low=1, high=1)
     _unsupported(body, chat)
     # Greedy unless asked (as `mars generate` and mlx_lm.server; OpenAI's own default is 1.0).
@@ -235,7 +251,10 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
         try:
             prompt = encode_prompt(tokenizer, messages)
         except Exception as e:  # the template itself refused (roles out of order, ...)
-            raise _bad("messages", f"the chat template rejected the messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise _bad(
+                "messages",
+                f"the chat template rejected the messages: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+            ) from None
     else:
         prompt = _prompt(body, tokenizer, session.loaded.vocab_rows)
     if not prompt:
@@ -243,18 +262,27 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
     context = session.context_length
     prompt_limit = limits.max_prompt_tokens or context
     if prompt_limit is not None and len(prompt) > prompt_limit:
-        raise _bad("messages" if chat else "prompt",
-                   f"the prompt has {len(prompt)} tokens; this server takes at most {prompt_limit}", "context_length_exceeded")
+        raise _bad(
+            "messages" if chat else "prompt",
+            f"the prompt has {len(prompt)} tokens; this server takes at most {prompt_limit}",
+            "context_length_exceeded",
+        )
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, ceiling)
         if context is not None:
             max_tokens = min(max_tokens, context - len(prompt))
         if max_tokens < 1:
-            raise _bad("messages" if chat else "prompt", f"the prompt fills the model's context ({context} tokens)", "context_length_exceeded")
+            raise _bad(
+                "messages" if chat else "prompt",
+                f"the prompt fills the model's context ({context} tokens)",
+                "context_length_exceeded",
+            )
     elif context is not None and len(prompt) + max_tokens > context:
-        raise _bad("max_tokens",
-                   f"this model's context is {context} tokens; the prompt ({len(prompt)}) plus max_tokens ({max_tokens}) exceed it",
-                   "context_length_exceeded")
+        raise _bad(
+            "max_tokens",
+            f"this model's context is {context} tokens; the prompt ({len(prompt)}) plus max_tokens ({max_tokens}) exceed it",
+            "context_length_exceeded",
+        )
     return Completion(
         chat=chat,
         model=names[0],
@@ -313,7 +341,10 @@ class TextStream:
             return self._emit(min(hits))
         # A suffix that is the start of a stop string waits for the next tokens.
         end = len(text)
-        hold = max((k for s in self.stop for k in range(1, min(len(s) - 1, end - self.sent) + 1) if text[end - k :] == s[:k]), default=0)
+        hold = max(
+            (k for s in self.stop for k in range(1, min(len(s) - 1, end - self.sent) + 1) if text[end - k :] == s[:k]),
+            default=0,
+        )
         return self._emit(end - hold)
 
     def flush(self) -> str:
@@ -354,14 +385,42 @@ def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: 
 
 def response(req: Completion, rid: str, created: int, text: str, finish: str, use: dict) -> dict:
     if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": "chat.completion", "created": created, "model": req.model, "choices": [choice], "usage": use}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": req.model,
+            "choices": [choice],
+            "usage": use,
+        }
     choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    return {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": [choice], "usage": use}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": req.model,
+        "choices": [choice],
+        "usage": use,
+    }
 
 
-def chunk(req: Completion, rid: str, created: int, *, text: str | None = None, finish: str | None = None,
-          first: bool = False, use: dict | None = None, usage_chunk: bool = False) -> dict:
+def chunk(
+    req: Completion,
+    rid: str,
+    created: int,
+    *,
+    text: str | None = None,
+    finish: str | None = None,
+    first: bool = False,
+    use: dict | None = None,
+    usage_chunk: bool = False,
+) -> dict:
     """One streamed event. With include_usage every chunk carries "usage": null and a last
     chunk with no choices carries the numbers (as OpenAI)."""
     if req.chat:

@@ -70,8 +70,16 @@ class Reader:
         return self.finish is not None
 
     def usage(self) -> dict:
-        threshold = None if self.job.plan is not None and self.job.plan.mode is Mode.LOSSLESS else self.job.outbox.threshold
-        return api.usage(len(self.req.prompt), self.completion_tokens, self.forwards, threshold, self.engine.mode_name(self.job, threshold))
+        threshold = (
+            None if self.job.plan is not None and self.job.plan.mode is Mode.LOSSLESS else self.job.outbox.threshold
+        )
+        return api.usage(
+            len(self.req.prompt),
+            self.completion_tokens,
+            self.forwards,
+            threshold,
+            self.engine.mode_name(self.job, threshold),
+        )
 
 
 def sse(obj) -> str:
@@ -98,7 +106,9 @@ async def read_json(request: Request, limit: int):
     try:
         return json.loads(b"".join(parts))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        raise ApiError(
+            400, f"the request body is not valid JSON ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
+        ) from None
 
 
 def metrics_text(engine: Engine, statuses: Counter) -> str:
@@ -161,8 +171,9 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
 
     async def completions(request: Request, chat: bool) -> Response:
         body = await read_json(request, limits.max_body_bytes)
-        req = api.parse(body, chat=chat, session=engine.session, names=engine.names, policy=engine.policy,
-                        limits=limits)
+        req = api.parse(
+            body, chat=chat, session=engine.session, names=engine.names, policy=engine.policy, limits=limits
+        )
         job = Job(
             prompt=req.prompt,
             max_tokens=req.max_tokens,
@@ -176,15 +187,25 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
         try:
             engine.submit(job)
         except QueueFull as e:
-            raise ApiError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
+            raise ApiError(
+                429,
+                f"the server is busy ({e}); retry shortly",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
         except EngineStopped as e:
-            raise ApiError(503, f"the server cannot decode now: {e}", type="server_error", code="engine_stopped") from None
+            raise ApiError(
+                503, f"the server cannot decode now: {e}", type="server_error", code="engine_stopped"
+            ) from None
         reader = Reader(engine, req, job)
         rid, created = api.new_id(chat), api.now()
         if req.stream:
-            return StreamingResponse(stream(reader, rid, created), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                stream(reader, rid, created),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await complete(request, reader, rid, created)
 
     async def complete(request: Request, reader: Reader, rid: str, created: int) -> Response:
@@ -259,13 +280,19 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
 
     async def admin_policy(request: Request) -> Response:
         if not admin_from_anywhere and not is_loopback(request):
-            raise ApiError(403, "admin endpoints answer loopback clients only (start the server with --admin-from-anywhere to change that)",
-                           type="permission_error", code="admin_loopback_only")
+            raise ApiError(
+                403,
+                "admin endpoints answer loopback clients only (start the server with --admin-from-anywhere to change that)",
+                type="permission_error",
+                code="admin_loopback_only",
+            )
         if request.method == "GET":
             return JSONResponse(engine.policy.describe())
         body = await read_json(request, limits.max_body_bytes)
         if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object like {\"policy\": \"adaptive\", \"min_threshold\": 0.7}")
+            raise ApiError(
+                400, 'the request body must be a JSON object like {"policy": "adaptive", "min_threshold": 0.7}'
+            )
         unknown = sorted(set(body) - set(ADMIN_FIELDS))
         if unknown:
             raise ApiError(400, f"unknown field '{unknown[0]}' (known: {', '.join(ADMIN_FIELDS)})", param=unknown[0])
@@ -281,12 +308,17 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
 
     async def http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(api.error_body(f"{request.method} {request.url.path}: {exc.detail}", type=kind),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            api.error_body(f"{request.method} {request.url.path}: {exc.detail}", type=kind),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     async def server_error(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error", exc_info=exc)
-        return JSONResponse(api.error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500)
+        return JSONResponse(
+            api.error_body(f"internal error: {type(exc).__name__}", type="server_error"), status_code=500
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -33,12 +33,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-
 from ..backends import base
+from ..core.acceptance import looser
 from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
 from ..core.decode.plan import DecodeSettings, Mode, Sampling
-from ..core.acceptance import looser
 from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 from ..session import Session
 from .policy import ThresholdPolicy
@@ -73,7 +72,9 @@ class Outbox:
         self.error: str | None = None
         self.threshold: float | None = None  # the loosest threshold the row decoded at
 
-    def post(self, tokens: list[int], *, threshold: float | None = None, finish: str | None = None, error: str | None = None) -> None:
+    def post(
+        self, tokens: list[int], *, threshold: float | None = None, finish: str | None = None, error: str | None = None
+    ) -> None:
         with self._lock:
             if tokens:
                 self._tokens.extend(tokens)
@@ -156,8 +157,16 @@ class EngineLimits:
 class Engine:
     """The model's thread. `submit` and `cancel` are safe to call from any thread."""
 
-    def __init__(self, session: Session, policy: ThresholdPolicy, limits: EngineLimits | None = None, *,
-                 name: str = "default", aliases=(), block_size: int | None = None):
+    def __init__(
+        self,
+        session: Session,
+        policy: ThresholdPolicy,
+        limits: EngineLimits | None = None,
+        *,
+        name: str = "default",
+        aliases=(),
+        block_size: int | None = None,
+    ):
         # The served model; its feed controller (session.controller, mars.core.decode.feed) holds
         # the cost curves, measured (or read from the cache directory) before the first request
         # that needs them, and the lossless feed policy, which learns for the server's life.
@@ -218,7 +227,9 @@ class Engine:
             # Requests that will get a free row at the next step do not count against the queue.
             free_rows = max(self.limits.max_batch - self._in_flight, 0)
             if len(self._waiting) >= self.limits.max_queue + free_rows:
-                raise QueueFull(f"{len(self._waiting) - free_rows} requests are waiting for a row (--max-queue {self.limits.max_queue})")
+                raise QueueFull(
+                    f"{len(self._waiting) - free_rows} requests are waiting for a row (--max-queue {self.limits.max_queue})"
+                )
             self._waiting.append(job)
             self._cond.notify_all()
 
@@ -326,11 +337,20 @@ class Engine:
         now = self._threshold(job) if threshold is None else threshold
         drafts = job.sampling.greedy  # the draft sources, used where the plan verifies drafts
         return base.plan_for_model(
-            self.session.loaded, threshold=None if job.threshold is None and threshold is None else now,
-            lossless=job.lossless, verify=job.verify, default_mode=self.policy.default_mode, default_threshold=now,
-            metric=self.policy.metric, block_size=self.block_size, max_tokens=job.max_tokens, cache=self.limits.cache,
+            self.session.loaded,
+            threshold=None if job.threshold is None and threshold is None else now,
+            lossless=job.lossless,
+            verify=job.verify,
+            default_mode=self.policy.default_mode,
+            default_threshold=now,
+            metric=self.policy.metric,
+            block_size=self.block_size,
+            max_tokens=job.max_tokens,
+            cache=self.limits.cache,
             block_cache=self.limits.block_cache,
-            sampling=job.sampling, ngram=self.limits.ngram if drafts else 0, alternatives=self.limits.alternatives if drafts else 0,
+            sampling=job.sampling,
+            ngram=self.limits.ngram if drafts else 0,
+            alternatives=self.limits.alternatives if drafts else 0,
             **({} if drafts else {"corpus": None}),
         )
 
@@ -408,8 +428,11 @@ class Engine:
         for row, new in took:
             job = b.jobs[id(row)]
             tokens += len(new)
-            job.outbox.post(new, threshold=None if job.plan.mode is Mode.LOSSLESS else thresholds[id(row)],
-                            finish=row.finish if row.done else None)
+            job.outbox.post(
+                new,
+                threshold=None if job.plan.mode is Mode.LOSSLESS else thresholds[id(row)],
+                finish=row.finish if row.done else None,
+            )
         still = {id(r) for r in b.batch.rows}
         for key in [k for k in b.jobs if k not in still]:
             del b.jobs[key]

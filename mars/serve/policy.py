@@ -27,8 +27,8 @@ import math
 import threading
 from dataclasses import asdict, dataclass, replace
 
-from ..core.decode.plan import Mode
 from ..core.acceptance import ThresholdError, ar_threshold, check_metric, check_threshold, looser, strict_and_loose
+from ..core.decode.plan import Mode
 from ..core.decode.rules import UntrainedModelError, check_may_decode, may_decode
 
 POLICIES = ("fixed", "adaptive")
@@ -86,7 +86,9 @@ class ThresholdPolicy:
         """Change settings live (None leaves one as it is); returns the new description."""
         unknown = sorted(set(changes) - set(asdict(self.settings)))
         if unknown:
-            raise PolicyError(f"unknown policy setting '{unknown[0]}' (known: {', '.join(sorted(asdict(self.settings)))})")
+            raise PolicyError(
+                f"unknown policy setting '{unknown[0]}' (known: {', '.join(sorted(asdict(self.settings)))})"
+            )
         with self._lock:
             new = replace(self.settings, **{k: v for k, v in changes.items() if v is not None})
             self._check(new)
@@ -114,7 +116,9 @@ class ThresholdPolicy:
         if isinstance(s.full_load, bool) or not isinstance(s.full_load, int) or s.full_load < 1:
             raise PolicyError(f"full_load must be an integer >= 1, got {s.full_load!r}")
         if not self.trained and s.policy == "adaptive":
-            raise PolicyError("the adaptive policy needs a MARS-trained model (this one has no mars.json); use the fixed policy")
+            raise PolicyError(
+                "the adaptive policy needs a MARS-trained model (this one has no mars.json); use the fixed policy"
+            )
         try:
             check_may_decode(self.trained, self.metric, s.default_threshold)
         except UntrainedModelError as e:

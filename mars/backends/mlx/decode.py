@@ -73,8 +73,12 @@ class MlxDecoder:
         import mlx.core as mx
 
         # The number format too: a 4-bit base and the float one read through the same adapter path.
-        return {"backend": "mlx", "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", ""),
-                "format": self.loaded.number_format}
+        return {
+            "backend": "mlx",
+            "device": str(mx.default_device()),
+            "mlx": getattr(mx, "__version__", ""),
+            "format": self.loaded.number_format,
+        }
 
     def new_cache(self, batch: int):
         from mlx_lm.models.cache import KVCache

@@ -60,7 +60,7 @@ class MlxModel:
 
     @property
     def number_format(self) -> str:
-        """"4-bit" (the quantized layers' widths), else the float type most weights have ("float32", "bfloat16")."""
+        """ "4-bit" (the quantized layers' widths), else the float type most weights have ("float32", "bfloat16")."""
         return number_format(self.model)
 
 
@@ -69,8 +69,11 @@ def number_format(model: nn.Module) -> str:
     bits = sorted({m.bits for _, m in model.named_modules() if isinstance(m, quantized)})
     if bits:
         return "/".join(map(str, bits)) + "-bit"
-    kinds = [str(m.weight.dtype).rsplit(".", 1)[-1] for _, m in model.named_modules()
-             if isinstance(m, (nn.Linear, nn.Embedding))]
+    kinds = [
+        str(m.weight.dtype).rsplit(".", 1)[-1]
+        for _, m in model.named_modules()
+        if isinstance(m, (nn.Linear, nn.Embedding))
+    ]
     return max(set(kinds), key=kinds.count) if kinds else "float32"
 
 
@@ -85,8 +88,9 @@ def check_windows(model: nn.Module, windows: list, where: str = "model") -> None
     """The sliding layers mlx-lm built must be the config's: mlx-lm passes one mask to all the
     layers it treats alike, and mars cuts each mask to the config's window (layer_masks)."""
     layers = body(model).layers
-    flags = [bool(getattr(layer, "use_sliding", False) or getattr(layer.self_attn, "is_sliding", False))
-             for layer in layers]
+    flags = [
+        bool(getattr(layer, "use_sliding", False) or getattr(layer.self_attn, "is_sliding", False)) for layer in layers
+    ]
     alike = flags == [w is not None for w in windows] if any(flags) else len(set(windows)) <= 1
     if len(windows) != len(layers) or not alike:
         raise MlxModelError(
@@ -99,12 +103,20 @@ def _hf_tokenizer(wrapper):
     return getattr(wrapper, "_tokenizer", wrapper)
 
 
-def ensure_mask_token(model: nn.Module, tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size,
-                      exclude=(), announce=print):
+def ensure_mask_token(
+    model: nn.Module,
+    tokenizer,
+    mars: MarsConfig | None,
+    *,
+    block_size: int = MarsConfig.block_size,
+    exclude=(),
+    announce=print,
+):
     """The same mask-token choice as the torch backend (mars.core.tokens.mask_config; never an id
     in `exclude`, e.g. the model's EOS ids); grows the embedding when a token is added."""
-    mars = mask_config(tokenizer, mars, block_size=block_size, exclude=eos_ids(tokenizer, list(exclude)),
-                       announce=announce)
+    mars = mask_config(
+        tokenizer, mars, block_size=block_size, exclude=eos_ids(tokenizer, list(exclude)), announce=announce
+    )
     emb = embed_tokens(model)
     rows = emb.weight.shape[0]
     if mars.mask_token_id >= rows:
@@ -193,8 +205,9 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
     if refused:
         raise MlxModelError(refused)
     if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):
-        raise MlxModelError(f"{base}/config.json: soft-capped logits, which mlx-lm's {model_type} does not apply; "
-                            "use the torch backend")
+        raise MlxModelError(
+            f"{base}/config.json: soft-capped logits, which mlx-lm's {model_type} does not apply; use the torch backend"
+        )
     source = adapter if adapter is not None else base
     try:
         model, wrapper = mlx_load(str(base), model_config=rope_overrides(config))
@@ -225,5 +238,6 @@ def load(model_path=None, *, adapter_path=None, announce=print, **_ignored) -> M
         gate = MlxMaskGate(model, mars.mask_token_id)
     model.eval()
     generation_eos = tuple(sorted(int(i) for i in getattr(wrapper, "eos_token_ids", ()) or ()))
-    return MlxModel(model=model, tokenizer=tokenizer, mars=mars, path=str(source), generation_eos=generation_eos,
-                    gate=gate)
+    return MlxModel(
+        model=model, tokenizer=tokenizer, mars=mars, path=str(source), generation_eos=generation_eos, gate=gate
+    )

@@ -20,8 +20,9 @@ def distill_kl(student: mx.array, teacher: mx.array, temperature: float) -> mx.a
     return (mx.exp(log_p) * (log_p - log_q)).sum(-1) * t * t
 
 
-def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1, gate=None, distill=None,
-                consistency: float = 0.0):
+def mars_losses(
+    model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1, gate=None, distill=None, consistency: float = 0.0
+):
     """(noisy, clean) losses of a MARS batch (docs/method.md §4), from the arrays of `loss_inputs`;
     `gate`: a gated adapter's MlxMaskGate (the deltas act at mask positions only); the batch's
     "noisy_weights" (slot weights) weigh the noisy stream's targets when present; `consistency`:
@@ -57,8 +58,9 @@ def mars_losses(model: nn.Module, batch: dict, mask_row=None, mask_id: int = -1,
     return (per_token * batch.get("noisy_weights", w)).sum(), (ce[n:] * w).sum()
 
 
-def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True,
-                slot_weights=()) -> dict:
+def loss_inputs(
+    ids, labels, lengths, block_size: int, mask_id: int, normalize: str = "row", trim: bool = True, slot_weights=()
+) -> dict:
     """MLX arrays for `mars_losses` from a padded numpy batch; masks and alignment come from the core.
     trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same.
     slot_weights: the noisy loss's weight per mask slot (core.loss.align)."""

@@ -18,6 +18,9 @@ import mlx.optimizers as optim
 from mlx import nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from ...checkpoint.architectures import FUSED_LORA_TARGETS
+from ...checkpoint.hf_config import rope_overrides
+from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, portable_ref
 from ...core.config import MarsConfig, write_config
 from ...core.files import atomic_dir
 from ...core.train.loop import (
@@ -31,9 +34,6 @@ from ...core.train.loop import (
     validation_losses,
     write_history,
 )
-from ...checkpoint.architectures import FUSED_LORA_TARGETS
-from ...checkpoint.hf_config import rope_overrides
-from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, portable_ref
 from .forward import body, embed_tokens
 from .load import MlxModel, MlxModelError, quantize_mask_row, set_mask_row
 from .loss import loss_inputs, mars_losses
@@ -66,7 +66,8 @@ def lora_keys(model: nn.Module) -> list[str]:
     return sorted(
         name
         for name, m in first.named_modules()
-        if name.rsplit(".", 1)[-1] in LORA_TARGETS + FUSED_LORA_TARGETS and isinstance(m, (nn.Linear, nn.QuantizedLinear))
+        if name.rsplit(".", 1)[-1] in LORA_TARGETS + FUSED_LORA_TARGETS
+        and isinstance(m, (nn.Linear, nn.QuantizedLinear))
     )
 
 
@@ -84,7 +85,9 @@ def _to_stderr(message: str) -> None:
 
 
 class MlxTrainer:
-    def __init__(self, loaded: MlxModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, announce=_to_stderr):
+    def __init__(
+        self, loaded: MlxModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, announce=_to_stderr
+    ):
         from mlx_lm.tuner.utils import linear_to_lora_layers
 
         slow = cpu_warning()
@@ -132,7 +135,9 @@ class MlxTrainer:
             mask_row = row.astype(mx.float32)
         elif settings.fine_tune_type == "full":
             if _quantized(model):
-                raise MlxModelError("full fine-tuning needs a float model, not a quantized one; use fine_tune_type lora")
+                raise MlxModelError(
+                    "full fine-tuning needs a float model, not a quantized one; use fine_tune_type lora"
+                )
             model.unfreeze()
         else:
             raise ValueError(f"fine_tune_type must be lora or full, got {settings.fine_tune_type!r}")
@@ -146,7 +151,9 @@ class MlxTrainer:
         mx.eval(self.net.parameters())
         self.trainable = sum(v.size for _, v in tree_flatten(self.net.trainable_parameters()))
         # torch.optim.AdamW corrects the moment estimates' bias; mlx's AdamW does so only when asked.
-        self.opt = optim.AdamW(learning_rate=settings.learning_rate, weight_decay=settings.weight_decay, bias_correction=True)
+        self.opt = optim.AdamW(
+            learning_rate=settings.learning_rate, weight_decay=settings.weight_decay, bias_correction=True
+        )
         self._value_and_grad = nn.value_and_grad(self.net, self._loss)
         self.step = 0
         self.epoch = 0
@@ -160,13 +167,27 @@ class MlxTrainer:
         """The arrays of a batch: in training with the settings' slot weights; in validation
         (`training` False) without, so runs with different settings validate alike."""
         ids, labels, lengths = batch
-        return loss_inputs(ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.s.normalize,
-                           slot_weights=self.s.slot_weights if training else ())
+        return loss_inputs(
+            ids,
+            labels,
+            lengths,
+            self.mars.block_size,
+            self.mars.mask_token_id,
+            self.s.normalize,
+            slot_weights=self.s.slot_weights if training else (),
+        )
 
     def _losses(self, arrays: dict, training: bool = True):
         distill = (self.s.distill_temperature, self.s.distill_mix) if self.s.objective == "distill" else None
-        return mars_losses(self.net.model, arrays, mask_row=self.mask_row, mask_id=self.mars.mask_token_id, gate=self.gate,
-                           distill=distill, consistency=self.s.consistency if training else 0.0)
+        return mars_losses(
+            self.net.model,
+            arrays,
+            mask_row=self.mask_row,
+            mask_id=self.mars.mask_token_id,
+            gate=self.gate,
+            distill=distill,
+            consistency=self.s.consistency if training else 0.0,
+        )
 
     def _loss(self, arrays: dict):
         noisy, clean = self._losses(arrays)
@@ -260,8 +281,15 @@ class MlxTrainer:
         self._schedule = lr_lambda(self.total, warmup)
         self.net.train()
         result = run(
-            self, train_examples, valid_examples, total=self.total, rank=self._group.rank(), world=self._world,
-            resume=resume, log=log, progress=progress,
+            self,
+            train_examples,
+            valid_examples,
+            total=self.total,
+            rank=self._group.rank(),
+            world=self._world,
+            resume=resume,
+            log=log,
+            progress=progress,
         )
         self.net.eval()
         return result

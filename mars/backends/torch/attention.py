@@ -75,11 +75,17 @@ def row_exact(exact_rows: np.ndarray | None = None):
 
 
 def _plain(kwargs) -> bool:
-    return (kwargs.get("position_bias") is None and kwargs.get("softcap") is None and kwargs.get("s_aux") is None
-            and not kwargs.get("output_attentions"))
+    return (
+        kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and not kwargs.get("output_attentions")
+    )
 
 
-def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+def grouped_sdpa(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -91,10 +97,19 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
             return out, None
     if groups > 1 and attention_mask is not None and query.device.type == "cpu" and plain:
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False, enable_gqa=True
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=False,
+            enable_gqa=True,
         )
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
 
 
 def _allowed(attention_mask, batch: int, q: int, n: int, causal: bool) -> np.ndarray | None:
@@ -175,8 +190,12 @@ def _plan(attention_mask, batch: int, q: int, n: int, causal: bool):
         if as_they_lie:
             sources.insert(0, _source(None, as_they_lie))
         # A call of every row in order writes the batch row's output whole.
-        plan.append([(cols, length, [(L, None if len(rows) == q else rows, m) for L, rows, m in calls])
-                     for cols, length, calls in sources])
+        plan.append(
+            [
+                (cols, length, [(L, None if len(rows) == q else rows, m) for L, rows, m in calls])
+                for cols, length, calls in sources
+            ]
+        )
     if _row_exact:  # kept for the forward's other layers, until its block ends
         _plans[id(attention_mask)] = (attention_mask, shape, plan)
     return plan

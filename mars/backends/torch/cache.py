@@ -35,8 +35,12 @@ class GrowingLayer(DynamicLayer):
         """Whether `keys`/`values` are still the buffer's first positions (not replaced)."""
         k, buf = self.keys, self._kbuf
         return (
-            buf is not None and k.dim() == 4 and k.data_ptr() == buf.data_ptr() and k.shape[:2] == buf.shape[:2]
-            and k.stride() == buf.stride() and self.values.data_ptr() == self._vbuf.data_ptr()
+            buf is not None
+            and k.dim() == 4
+            and k.data_ptr() == buf.data_ptr()
+            and k.shape[:2] == buf.shape[:2]
+            and k.stride() == buf.stride()
+            and self.values.data_ptr() == self._vbuf.data_ptr()
             and self.values.shape[:3] == k.shape[:3]
         )
 
@@ -59,8 +63,13 @@ class GrowingLayer(DynamicLayer):
         if length and not self._in_buffer():  # keys/values were replaced (rows or positions selected)
             self._kbuf = self._vbuf = None
         buf = self._kbuf
-        if (buf is None or buf.shape[:2] != key_states.shape[:2] or end > buf.shape[-2]
-                or buf.dtype != key_states.dtype or buf.device != key_states.device):
+        if (
+            buf is None
+            or buf.shape[:2] != key_states.shape[:2]
+            or end > buf.shape[-2]
+            or buf.dtype != key_states.dtype
+            or buf.device != key_states.device
+        ):
             self._regrow(length, end, key_states, value_states)
         self._kbuf[:, :, length:end].copy_(key_states)
         self._vbuf[:, :, length:end].copy_(value_states)
@@ -116,7 +125,9 @@ def cache_argument(body, cache) -> dict:
         params = inspect.signature(kind.forward).parameters
         name = "cache" if "cache" in params else "past_key_values"
         if name not in params:
-            raise TypeError(f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers is not supported")
+            raise TypeError(
+                f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers is not supported"
+            )
         _CACHE_KEYWORD[kind] = name
     return {name: cache}
 

@@ -52,9 +52,15 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
     size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
     if size < ROW_PATHS_MIN_BYTES:
         return []
-    key = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "dtype": str(tm.dtype), "torch": torch.__version__,
-           "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}), "layers": len(layers),
-           "paths": 1}
+    key = {
+        "cpu": cpu_name(),
+        "threads": torch.get_num_threads(),
+        "dtype": str(tm.dtype),
+        "torch": torch.__version__,
+        "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}),
+        "layers": len(layers),
+        "paths": 1,
+    }
     path = keyed_cache_file("paths", key)
     try:
         return [int(r) for r in json.loads(path.read_text())["linear_rows"]]
@@ -62,8 +68,11 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
         pass
     timings = packed.time_row_paths(tm.model)
     rows = packed.faster_on_linear(timings)
-    report = {"key": key, "linear_rows": rows,
-              "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()}}
+    report = {
+        "key": key,
+        "linear_rows": rows,
+        "seconds": {str(r): {"linear": a, "packed": b} for r, (a, b) in timings.items()},
+    }
     try:
         atomic_write_text(path, json.dumps(report, indent=1))
     except OSError:
@@ -111,12 +120,19 @@ class TorchDecoder:
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
-        return {"backend": "torch", "device": str(self.tm.device), "dtype": str(self.tm.dtype).replace("torch.", ""),
-                "threads": torch.get_num_threads(), "packed": bool(self.packed),
-                "packed_min_rows": packed.MIN_ROWS if self.packed else None,
-                "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
-                "linear_rows": self.linear_rows if self.packed else None,
-                "grouped": self.grouped, "torch": torch.__version__, **({"row_exact": True} if self.row_exact else {})}
+        return {
+            "backend": "torch",
+            "device": str(self.tm.device),
+            "dtype": str(self.tm.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(),
+            "packed": bool(self.packed),
+            "packed_min_rows": packed.MIN_ROWS if self.packed else None,
+            "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
+            "linear_rows": self.linear_rows if self.packed else None,
+            "grouped": self.grouped,
+            "torch": torch.__version__,
+            **({"row_exact": True} if self.row_exact else {}),
+        }
 
     def new_cache(self, batch: int):
         from .cache import growing_cache
@@ -198,8 +214,13 @@ class TorchDecoder:
         distinct, where = np.unique(flat, return_inverse=True)
         with packed.active(), self._row_exact(input_ids, valid):
             with real:  # the body alone: the head's rows are reads, not positions
-                out = self.body(input_ids=ids, position_ids=pos, attention_mask=attn, use_cache=cache is not None,
-                                **cache_argument(self.body, cache))
+                out = self.body(
+                    input_ids=ids,
+                    position_ids=pos,
+                    attention_mask=attn,
+                    use_cache=cache is not None,
+                    **cache_argument(self.body, cache),
+                )
             hidden = out.last_hidden_state
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
@@ -240,8 +261,11 @@ class TorchDecoder:
         chosen, conf = slot_predictions(unique, metric, sampling)
         # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros)
         # and the runners-up together.
-        wanted = ([chosen] + ([conf] if metric is not None else [])
-                  + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else []))
+        wanted = (
+            [chosen]
+            + ([conf] if metric is not None else [])
+            + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else [])
+        )
         host = [a[where] for a in to_host(*wanted)]
         ids = host[0]
         conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
@@ -279,15 +303,17 @@ def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]
     True packs them anyway, as a device would)."""
     if not (pack if pack is not None else any(a.device.type != "cpu" for a in arrays)):
         return [a.numpy() for a in arrays]
-    flat = [a.reshape(-1).view(torch.int32).long() if a.dtype == torch.float32 else a.reshape(-1).long()
-            for a in arrays]
+    flat = [
+        a.reshape(-1).view(torch.int32).long() if a.dtype == torch.float32 else a.reshape(-1).long() for a in arrays
+    ]
     host = torch.cat(flat).cpu().numpy()
     out, at = [], 0
     for a in arrays:
         part = host[at : at + a.numel()]
         at += a.numel()
-        part = (part.astype(np.int32).view(np.float32) if a.dtype == torch.float32
-                else part.astype(_HOST_DTYPES[a.dtype]))
+        part = (
+            part.astype(np.int32).view(np.float32) if a.dtype == torch.float32 else part.astype(_HOST_DTYPES[a.dtype])
+        )
         out.append(part.reshape(tuple(a.shape)))
     return out
 

@@ -52,6 +52,7 @@ def attention_masks(mask: np.ndarray, query_positions: np.ndarray, key_positions
         return sliding
     return {"full_attention": full, "sliding_attention": sliding}
 
+
 def body_and_head(model: torch.nn.Module):
     """The decoder body and the LM head of a *ForCausalLM, through a PEFT wrapper if any
     (LoRA layers live inside the body, so calling it uses them)."""

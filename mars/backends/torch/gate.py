@@ -78,8 +78,10 @@ class DecodeGate:
         """`set` from the host's copy of the ids: where the masks are is read on the host, so
         the step makes no device-to-host copy for it."""
         is_mask = (np.asarray(input_ids) == self.mask_id).reshape(-1)
-        self._place(np.flatnonzero(is_mask).tolist(),
-                    lambda: torch.from_numpy(is_mask.astype(np.float32)).to(device=device, dtype=self.dtype).reshape(-1, 1))
+        self._place(
+            np.flatnonzero(is_mask).tolist(),
+            lambda: torch.from_numpy(is_mask.astype(np.float32)).to(device=device, dtype=self.dtype).reshape(-1, 1),
+        )
 
     def _place(self, where: list[int], column) -> None:
         if not where:
@@ -118,7 +120,9 @@ class GatedLoRALinear(torch.nn.Module):
             return y
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] != column.shape[0]:
-            raise RuntimeError(f"gated adapter: the gate was set for {column.shape[0]} positions, the input has {flat.shape[0]}")
+            raise RuntimeError(
+                f"gated adapter: the gate was set for {column.shape[0]} positions, the input has {flat.shape[0]}"
+            )
         out = y.reshape(-1, y.shape[-1])  # a view when y is contiguous, else a copy: return it either way
         rows = self._gate.rows
         if rows is not None:
@@ -140,11 +144,17 @@ def unwrap_for_decoding(model: torch.nn.Module, mask_id: int) -> tuple[torch.nn.
         if not isinstance(module, LoraLayer):
             continue
         adapters = [a for a in module.active_adapters if a in module.lora_A]
-        if len(adapters) != 1 or getattr(module, "lora_variant", {}) or not isinstance(module.base_layer, torch.nn.Linear):
+        if (
+            len(adapters) != 1
+            or getattr(module, "lora_variant", {})
+            or not isinstance(module.base_layer, torch.nn.Linear)
+        ):
             raise GateError(f"gate masks: {name}: only one plain LoRA adapter on linear layers can be gated")
         a = adapters[0]
         gate = gate or DecodeGate(mask_id, module.base_layer.weight.dtype)
-        layer = GatedLoRALinear(module.base_layer, module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a], gate)
+        layer = GatedLoRALinear(
+            module.base_layer, module.lora_A[a].weight, module.lora_B[a].weight, module.scaling[a], gate
+        )
         parent, _, child = name.rpartition(".")
         setattr(base.get_submodule(parent) if parent else base, child, layer)
     if gate is None:

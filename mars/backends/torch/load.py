@@ -31,8 +31,9 @@ def pick_device(device: str | None = None) -> torch.device:
         except RuntimeError:
             raise ModelError(f"device={device}: not a device (cpu, cuda, cuda:1, mps or auto)") from None
         mps = getattr(torch.backends, "mps", None)
-        if ((dev.type == "cuda" and not torch.cuda.is_available())
-                or (dev.type == "mps" and not (mps and mps.is_available()))):
+        if (dev.type == "cuda" and not torch.cuda.is_available()) or (
+            dev.type == "mps" and not (mps and mps.is_available())
+        ):
             raise ModelError(f"device={device}: not available on this machine (use cpu or auto)")
         return dev
     if torch.cuda.is_available():
@@ -118,8 +119,9 @@ def load_hf_model(path: Path, *, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def ensure_mask_token(model, tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(),
-                      announce=print):
+def ensure_mask_token(
+    model, tokenizer, mars: MarsConfig | None, *, block_size: int = MarsConfig.block_size, exclude=(), announce=print
+):
     """Return a MarsConfig whose mask token exists in `tokenizer` and `model` (the choice is
     mars.core.tokens.mask_config's; a token it adds grows the embedding by one row)."""
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -25,8 +25,14 @@ def _mask_part(attn, rows: slice, columns):
 class MarsLoss(torch.nn.Module):
     """The MARS objective (docs/method.md §4) around a causal LM; a module so DDP/accelerate can wrap it."""
 
-    def __init__(self, model: torch.nn.Module, mask_row: torch.nn.Parameter | None = None, mask_id: int = -1, gate=None,
-                 distill: tuple[float, float] | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        mask_row: torch.nn.Parameter | None = None,
+        mask_id: int = -1,
+        gate=None,
+        distill: tuple[float, float] | None = None,
+    ):
         super().__init__()
         self.model = model
         self.mask_row = mask_row
@@ -63,14 +69,23 @@ class MarsLoss(torch.nn.Module):
         cache = full_cache(self.body.config)
         with torch.no_grad():
             self.gate.set(input_ids[:, n:])
-            out_c = self.body(inputs_embeds=self.embed(input_ids[:, n:]), position_ids=positions[:, n:],
-                              attention_mask=_mask_part(attn, slice(n, None), slice(n, None)), use_cache=True,
-                              **cache_argument(self.body, cache))
+            out_c = self.body(
+                inputs_embeds=self.embed(input_ids[:, n:]),
+                position_ids=positions[:, n:],
+                attention_mask=_mask_part(attn, slice(n, None), slice(n, None)),
+                use_cache=True,
+                **cache_argument(self.body, cache),
+            )
         self.gate.set(input_ids[:, :n])
         # keys: the cached clean stream, then the noisy
         mask = _mask_part(attn, slice(None, n), [slice(n, None), slice(None, n)])
-        out_n = self.body(inputs_embeds=self.embed(input_ids[:, :n]), position_ids=positions[:, :n],
-                          attention_mask=mask, use_cache=True, **cache_argument(self.body, cache))
+        out_n = self.body(
+            inputs_embeds=self.embed(input_ids[:, :n]),
+            position_ids=positions[:, :n],
+            attention_mask=mask,
+            use_cache=True,
+            **cache_argument(self.body, cache),
+        )
         return torch.cat([out_n.last_hidden_state, out_c.last_hidden_state], dim=1)
 
     def hidden(self, input_ids, positions, attn):
@@ -81,12 +96,24 @@ class MarsLoss(torch.nn.Module):
         if self.mask_row is None:
             out = self.body(input_ids=input_ids, position_ids=positions, attention_mask=attn, use_cache=False)
         else:
-            out = self.body(inputs_embeds=self.embed(input_ids), position_ids=positions, attention_mask=attn,
-                            use_cache=False)
+            out = self.body(
+                inputs_embeds=self.embed(input_ids), position_ids=positions, attention_mask=attn, use_cache=False
+            )
         return out.last_hidden_state
 
-    def forward(self, input_ids, positions, attn, rows, noisy_index, clean_index, targets, weights, noisy_weights=None,
-                consistency: float = 0.0):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        attn,
+        rows,
+        noisy_index,
+        clean_index,
+        targets,
+        weights,
+        noisy_weights=None,
+        consistency: float = 0.0,
+    ):
         """(noisy, clean) losses; `noisy_weights` (default `weights`) weigh the noisy stream's
         targets (slot weights, core.loss.align); `consistency` adds that weight times the
         noisy last hidden state's squared distance to the clean one's (detached), relative to
@@ -121,15 +148,27 @@ def distill_kl(student: torch.Tensor, teacher: torch.Tensor, temperature: float)
     return (p * log_ratio).sum(-1) * t * t
 
 
-def mix_distill(ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float,
-                mix: float) -> torch.Tensor:
+def mix_distill(
+    ce: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, temperature: float, mix: float
+) -> torch.Tensor:
     """(1 - mix) CE(label) + mix KL(clean stream || noisy stream), per noisy token."""
     kl = distill_kl(student, teacher, temperature)
     return kl if mix >= 1.0 else (1.0 - mix) * ce + mix * kl
 
 
-def loss_inputs(ids, labels, lengths, block_size: int, mask_id: int, dtype, device, normalize="row", trim=True,
-                windows=(), slot_weights=()):
+def loss_inputs(
+    ids,
+    labels,
+    lengths,
+    block_size: int,
+    mask_id: int,
+    dtype,
+    device,
+    normalize="row",
+    trim=True,
+    windows=(),
+    slot_weights=(),
+):
     """Tensors for MarsLoss.forward from a padded numpy batch (the core builds masks and alignment).
     trim: leave out the noisy blocks no loss reads (masks.noisy_start); the losses are the same.
     windows: the model's sliding windows per layer (model_windows), cut into the mask by position.
@@ -166,8 +205,9 @@ def losses(tm: TorchModel):
 
     @torch.inference_mode()
     def step(ids, labels, lengths, block_size, mask_id):
-        inputs = loss_inputs(ids, labels, lengths, block_size, mask_id, tm.dtype, tm.device, normalize="token",
-                             windows=windows)
+        inputs = loss_inputs(
+            ids, labels, lengths, block_size, mask_id, tm.dtype, tm.device, normalize="token", windows=windows
+        )
         noisy, clean = module(**inputs)
         return float(noisy), float(clean)
 

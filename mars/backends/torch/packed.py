@@ -78,8 +78,14 @@ def _packed_forward(self, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if _rows is not None and rows == _rows[1] and _enabled:
         return _real_rows_forward(self, x)
-    if (rows < MIN_ROWS or rows in self._mars_linear_rows or not _enabled or self.weight._version != self._mars_version
-            or self.weight.requires_grad and torch.is_grad_enabled()):
+    if (
+        rows < MIN_ROWS
+        or rows in self._mars_linear_rows
+        or not _enabled
+        or self.weight._version != self._mars_version
+        or self.weight.requires_grad
+        and torch.is_grad_enabled()
+    ):
         return F.linear(x, self.weight, self.bias)
     flat = x.reshape(rows, x.shape[-1])
     pad = PAD_ROWS.get(rows, rows) - rows

@@ -9,15 +9,26 @@ from pathlib import Path
 
 import torch
 
-from ...core.config import MarsConfig, write_config
-from ...core.files import atomic_dir
-from ...core.train.loop import CHECKPOINT, LORA_TARGETS, TRAINING_LOG, TrainSettings, lr_lambda, run, total_steps, validation_losses, write_history
 from ...checkpoint.architectures import FUSED_LORA_TARGETS
 from ...checkpoint.hf_config import add_rope_keys
 from ...checkpoint.paths import MASK_EMBEDDING_FILE, MASK_EMBEDDING_KEY, portable_ref
+from ...core.config import MarsConfig, write_config
+from ...core.files import atomic_dir
+from ...core.train.loop import (
+    CHECKPOINT,
+    LORA_TARGETS,
+    TRAINING_LOG,
+    TrainSettings,
+    lr_lambda,
+    run,
+    total_steps,
+    validation_losses,
+    write_history,
+)
 from .forward import model_windows
 from .load import TorchModel, load_mask_embedding
 from .loss import MarsLoss, loss_inputs
+
 
 class TorchTrainer:
     def __init__(self, tm: TorchModel, mars: MarsConfig, settings: TrainSettings, output: Path, *, accelerator=None):
@@ -136,8 +147,16 @@ class TorchTrainer:
         different settings report comparable validation losses."""
         ids, labels, lengths = batch
         inputs = loss_inputs(
-            ids, labels, lengths, self.mars.block_size, self.mars.mask_token_id, self.autocast or self.tm.dtype,
-            self.device, self.s.normalize, windows=self.windows, slot_weights=self.s.slot_weights if training else (),
+            ids,
+            labels,
+            lengths,
+            self.mars.block_size,
+            self.mars.mask_token_id,
+            self.autocast or self.tm.dtype,
+            self.device,
+            self.s.normalize,
+            windows=self.windows,
+            slot_weights=self.s.slot_weights if training else (),
         )
         if training and self.s.consistency:
             inputs["consistency"] = self.s.consistency
@@ -150,7 +169,11 @@ class TorchTrainer:
             return {}
         self.loss_module.eval()
         result = validation_losses(
-            examples, self.s, self.pad_id, lambda batch: tuple(float(x) for x in self._losses(batch, training=False)), self.mars.ar_weight,
+            examples,
+            self.s,
+            self.pad_id,
+            lambda batch: tuple(float(x) for x in self._losses(batch, training=False)),
+            self.mars.ar_weight,
             progress=progress,
         )
         self.loss_module.train()
@@ -179,8 +202,15 @@ class TorchTrainer:
         # The schedule stays outside accelerate, which would step it once per process each step.
         self.loss_module, self.opt = self.acc.prepare(self.loss, self.opt)
         return run(
-            self, train_examples, valid_examples, total=total, rank=self.acc.process_index,
-            world=self.acc.num_processes, resume=resume, log=log, progress=progress,
+            self,
+            train_examples,
+            valid_examples,
+            total=total,
+            rank=self.acc.process_index,
+            world=self.acc.num_processes,
+            resume=resume,
+            log=log,
+            progress=progress,
         )
 
     # -- output ------------------------------------------------------------

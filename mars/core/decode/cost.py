@@ -68,7 +68,11 @@ class CostCurve:
     def to_dict(self) -> dict:
         """`seconds` non-decreasing (the fit `seconds()` reads), `measured` as timed."""
         seconds = non_decreasing(np.fromiter(self.points.values(), dtype=np.float64))
-        return {"tokens": list(self.points), "seconds": [float(s) for s in seconds], "measured": list(self.points.values())}
+        return {
+            "tokens": list(self.points),
+            "seconds": [float(s) for s in seconds],
+            "measured": list(self.points.values()),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> CostCurve:
@@ -142,8 +146,17 @@ class BatchCosts:
             self.curve(batch).observe(b * width, seconds)
 
 
-def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, filler: int = 0, batch: int = 1,
-                  ar_filler: int | None = None, before=None) -> dict[int, list[float]]:
+def time_forwards(
+    backend,
+    prompt: list[int],
+    widths,
+    *,
+    repeats: int = 3,
+    filler: int = 0,
+    batch: int = 1,
+    ar_filler: int | None = None,
+    before=None,
+) -> dict[int, list[float]]:
     """Seconds of one forward of k new tokens, per k in `widths`, one per round after a warm-up, on a
     cache prefilled with `prompt` (`batch` copies), widths interleaved so drift hits them alike. A
     one-token forward feeds `ar_filler`, as an AR step feeds no mask (a gated adapter does no work
@@ -152,7 +165,9 @@ def time_forwards(backend, prompt: list[int], widths, *, repeats: int = 3, fille
     n = len(prompt)
     ids = np.tile(np.asarray(prompt, dtype=np.int64), (batch, 1))
     cache = backend.new_cache(batch)
-    backend.step(cache, ids, np.tile(np.arange(n), (batch, 1)), None, np.full((batch, 1), n - 1), metric=None, sampling=greedy)
+    backend.step(
+        cache, ids, np.tile(np.arange(n), (batch, 1)), None, np.full((batch, 1), n - 1), metric=None, sampling=greedy
+    )
 
     def forward(k: int) -> float:
         new = np.full((batch, k), filler if k > 1 or ar_filler is None else ar_filler, dtype=np.int64)
@@ -189,12 +204,23 @@ def noise(samples: dict[int, list[float]]) -> float:
     return float(statistics.median(statistics.median(v) / min(v) - 1.0 for v in samples.values()))
 
 
-def calibrate(backend, prompt: list[int], *, widths=CALIBRATION_WIDTHS, repeats: int = CALIBRATION_ROUNDS, filler: int = 0,
-              ar_filler: int | None = None, batch: int = 1, before=None) -> CostCurve:
+def calibrate(
+    backend,
+    prompt: list[int],
+    *,
+    widths=CALIBRATION_WIDTHS,
+    repeats: int = CALIBRATION_ROUNDS,
+    filler: int = 0,
+    ar_filler: int | None = None,
+    batch: int = 1,
+    before=None,
+) -> CostCurve:
     """A cost curve for `backend` measured now; with `batch` > 1, of forwards of that many rows (in
     total fed tokens). Load only adds time, so each width keeps its fastest round; where the rounds
     disagree by more than `NOISY`, as many again are timed first."""
-    samples = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch, before=before)
+    samples = time_forwards(
+        backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch, before=before
+    )
     if noise(samples) > NOISY:
         more = time_forwards(backend, prompt, widths, repeats=repeats, filler=filler, ar_filler=ar_filler, batch=batch)
         samples = {k: v + more[k] for k, v in samples.items()}

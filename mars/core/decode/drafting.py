@@ -7,11 +7,11 @@ import numpy as np
 
 from .drafts import ALT, IN_FORWARD, MASKS, SPARE, lookup_sources
 from .feed import DraftStats, LosslessFeed
-from .types import Row
-from .plan import DecodeSettings
 from .layout import Layout, lossless_width
-from .verify import Verdict
+from .plan import DecodeSettings
 from .strategies import WindowStrategy
+from .types import Row
+from .verify import Verdict
 
 
 class Drafting:
@@ -54,7 +54,9 @@ class Drafting:
         for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
-            if r.source not in IN_FORWARD:  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+            if (
+                r.source not in IN_FORWARD
+            ):  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
             strategy.group_counts[ALT] = self._alternatives(rows, m, g, batch)
@@ -82,14 +84,18 @@ class Drafting:
                 best, best_score = a, score
         return best
 
-    def _pick_all(self, options: list[list], masks: int, spare_groups: int, batch: int) -> list[tuple[str, str, list[int]]]:
+    def _pick_all(
+        self, options: list[list], masks: int, spare_groups: int, batch: int
+    ) -> list[tuple[str, str, list[int]]]:
         """The drafts each row feeds, (source, statistics key, drafts), from its `options` of that
         form: without a cost curve each row's option expected to keep the most; with one, each row's
         best option cut to the common length d (0: no drafts) with the most expected tokens per second
         for the step, decided for the batch together since a step is as wide as its widest row."""
         # Per row and option, the expected drafts kept out of its first n, at [n - 1].
-        kept_each = [[self.stats.expected_kept_each(key, len(drafts)).tolist() for _, key, drafts in row_options]
-                     for row_options in options]
+        kept_each = [
+            [self.stats.expected_kept_each(key, len(drafts)).tolist() for _, key, drafts in row_options]
+            for row_options in options
+        ]
 
         def best(row_options, row_kept, d):
             """A row's option with the most expected kept drafts among its first d (ties: the
@@ -105,7 +111,8 @@ class Drafting:
                 chosen = [c for c in (best(o, k, d) for o, k in zip(options, kept_each)) if c is not None]
                 widest = max((n for _, n, _ in chosen), default=0)
                 score = (batch + sum(kept for _, _, kept in chosen)) / self.policy.costs.seconds(
-                    batch, lossless_width(widest, masks, spare_groups))
+                    batch, lossless_width(widest, masks, spare_groups)
+                )
                 if score > best_score:
                     best_d, best_score = d, score
         picks = []
@@ -130,4 +137,3 @@ class Drafting:
                     self.stats.record_alternatives(int(n_alts[i]), hit)
         if self.policy is not None and self.learn:
             self.policy.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)
-

@@ -58,8 +58,9 @@ class Execution:
             stats.draft_kept = {k: list(v) for k, v in draft.kept.items()}
 
 
-def execution(plan: DecodeSettings, controller: FeedController | None, batch: int, *,
-              served: bool = False) -> Execution:
+def execution(
+    plan: DecodeSettings, controller: FeedController | None, batch: int, *, served: bool = False
+) -> Execution:
     """How a call of `plan` over `batch` rows runs (a served batch, `served`, keeps its cache and
     feeds threshold mode's masks as its rows' thresholds ask). Without a controller, or with a
     plan whose feed is fixed, every step feeds what the plan says."""
@@ -74,8 +75,16 @@ def execution(plan: DecodeSettings, controller: FeedController | None, batch: in
                 threshold = ThresholdFeed(controller.stored, plan.block_size, explore=controller.explore)
                 if cache == "block" and not block_cache_pays(threshold, plan.block_size, plan.block_cache, 0, batch):
                     cache = "window"
-        elif not (cache == "block" and (served or not plan.sampling.greedy or block_cache_pays(
-                controller.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch))):
+        elif not (
+            cache == "block"
+            and (
+                served
+                or not plan.sampling.greedy
+                or block_cache_pays(
+                    controller.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch
+                )
+            )
+        ):
             # Lossless: the measured feed on the window cache, unless the block cache pays.
             cache, lossless, learn = "window" if cache == "block" else cache, controller.policy_for(plan), True
     run = plan if cache == plan.cache else replace(plan, cache=cache)

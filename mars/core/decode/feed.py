@@ -66,8 +66,9 @@ class DraftStats:
         return np.cumsum(np.cumprod(self.rates(source, n)))
 
 
-def steady_state(mask_rates: list[float], spare_rates: list[float], masks: int, groups: int,
-                 batch: int = 1) -> tuple[float, float, float]:
+def steady_state(
+    mask_rates: list[float], spare_rates: list[float], masks: int, groups: int, batch: int = 1
+) -> tuple[float, float, float]:
     """(tokens per step and row, mean fed width per row, fraction of steps with drafts) of feeding
     `masks` masks and `groups` spare groups forever: a chain over steps with mask drafts (M),
     spare-group drafts (S) and none (N). Of d = masks drafts with keep rates r, exactly g are kept
@@ -111,8 +112,15 @@ class LosslessFeed:
 
     source = MASKS  # the draft source whose keep rates `block_tokens` reads
 
-    def __init__(self, curve: CostCurve | BatchCosts, max_masks: int, max_groups: int, *, stats: DraftStats | None = None,
-                 explore: int = 32):
+    def __init__(
+        self,
+        curve: CostCurve | BatchCosts,
+        max_masks: int,
+        max_groups: int,
+        *,
+        stats: DraftStats | None = None,
+        explore: int = 32,
+    ):
         self.costs = curve if isinstance(curve, BatchCosts) else BatchCosts(curve)
         self.max_masks = max_masks
         self.max_groups = max_groups
@@ -211,7 +219,9 @@ def frozen_costs(cost: CostCurve | BatchCosts | LosslessFeed) -> BatchCosts:
     return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
 
 
-def block_cache_pays(cost: CostCurve | BatchCosts | LosslessFeed, block_size: int, block_cache: int, spare_groups: int, batch: int) -> bool:
+def block_cache_pays(
+    cost: CostCurve | BatchCosts | LosslessFeed, block_size: int, block_cache: int, spare_groups: int, batch: int
+) -> bool:
     """Whether `batch` rows are expected to decode faster on the block cache than on the window cache
     with the cost-aware feed: a block step feeds about B_cache + t tokens a row for t taken (one AR
     token plus the drafts kept out of min(B, B_cache - 1))."""
@@ -228,8 +238,13 @@ class FeedController:
     and as measured (`stored`, for the modes whose text depends on the feed), and one lossless policy
     per block size, spare-group cap and kind of decoding, learning across calls."""
 
-    def __init__(self, costs: CostCurve | BatchCosts | None = None, *, measure: Callable[[], BatchCosts] | None = None,
-                 explore: int = 32):
+    def __init__(
+        self,
+        costs: CostCurve | BatchCosts | None = None,
+        *,
+        measure: Callable[[], BatchCosts] | None = None,
+        explore: int = 32,
+    ):
         if costs is None and measure is None:
             raise ValueError("a feed controller needs cost curves or a way to measure them")
         self._measure = measure

@@ -162,7 +162,9 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
             wide_ids[:, cols[:p]] = np.where(live[:, None], group.prefix, mask_id)
         wide_valid[:, cols] = live[:, None]
         anchor = columns.last + group.anchor  # the column the group follows
-        wide_positions[:, cols] = np.where(live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(group.width)[None, :], 0)
+        wide_positions[:, cols] = np.where(
+            live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(group.width)[None, :], 0
+        )
         upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
         attend[:, cols, :w0] = upto[:, None, :]
         attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((group.width, group.width), dtype=bool))[None]

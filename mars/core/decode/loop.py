@@ -22,6 +22,7 @@ from .strategies import BlockStrategy, WindowStrategy, make_strategy
 from .types import DecodeResult, DecodeStats, Row, StepBackend
 from .verify import accept_by_threshold, count_drafts, take_confident, verify
 
+
 def generate(
     backend: StepBackend,
     prompts: list[list[int]],
@@ -74,7 +75,15 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
     confident = s.mode is Mode.VERIFIED
     if s.verifies:
         t0 = time.perf_counter()
-        verdict = verify(backend, cache, layout, mask, s.sampling, metric=s.metric if confident else None, runners_up=s.alternative_groups)
+        verdict = verify(
+            backend,
+            cache,
+            layout,
+            mask,
+            s.sampling,
+            metric=s.metric if confident else None,
+            runners_up=s.alternative_groups,
+        )
         if drafting is not None:
             drafting.after_step(layout, verdict, rows, time.perf_counter() - t0)
         accepted, proposals = verdict.accepted, verdict.nxt
@@ -158,8 +167,13 @@ class ContinuousBatch:
     `keep_keys(cache, columns)`, when given, keeps only those cache positions of every layer, so a
     batch that never empties keeps a bounded cache."""
 
-    def __init__(self, backend: StepBackend, settings: DecodeSettings, keep_keys: Callable[[Any, np.ndarray], None] | None = None,
-                 controller: FeedController | None = None):
+    def __init__(
+        self,
+        backend: StepBackend,
+        settings: DecodeSettings,
+        keep_keys: Callable[[Any, np.ndarray], None] | None = None,
+        controller: FeedController | None = None,
+    ):
         if settings.cache not in ("block", "window"):
             raise ValueError(f"a served batch keeps a cache: cache 'block' or 'window', not {settings.cache!r}")
         self.backend = backend

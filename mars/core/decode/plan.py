@@ -116,7 +116,9 @@ class DecodeSettings:
             raise ValueError(f"{self.mode.value} mode needs a threshold below AR mode's {self.threshold:g}")
         if self.mode is Mode.VERIFIED:
             if not self.sampling.greedy:
-                raise ValueError("verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)")
+                raise ValueError(
+                    "verified threshold mode is greedy (a sampled draft's check needs the distribution it came from)"
+                )
             if self.cache == "block":
                 raise ValueError("verified threshold mode runs on the window cache or none, not the block cache")
 
@@ -171,7 +173,9 @@ class DecodeSettings:
         mode, sampling = self.mode, self.sampling
         how = "greedy" if sampling.greedy else f"sampling (temp {sampling.temperature:g})"
         if mode is Mode.LOSSLESS:
-            return f"lossless {how}" + ("" if self.numerics == "float32" else f" ({self.numerics}: AR's up to near-ties)")
+            return f"lossless {how}" + (
+                "" if self.numerics == "float32" else f" ({self.numerics}: AR's up to near-ties)"
+            )
         if mode is Mode.AR:
             return f"AR {how}"
         return f"{'verified ' if mode is Mode.VERIFIED else ''}threshold {self.threshold:g} ({self.metric})"
@@ -202,12 +206,28 @@ def choose_mode(metric: str, threshold: float, *, lossless: bool, verify: bool |
     return Mode.THRESHOLD
 
 
-def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: float | None = None, lossless: bool | None = None,
-                verify: bool | None = None, metric: str | None = None, block_size: int | None = None, force: bool = False,
-                warn: Callable[[str], None] | None = None, default_mode: Mode | None = None,
-                default_threshold: float | None = None, hedge: int | None = None,
-                alternatives: int = 0, ngram: int = 0, corpus: Any = None, drafts: DraftSources | None = None,
-                feed: str | None = "auto", **fields) -> DecodeSettings:
+def make_plan(
+    mars: MarsConfig | None,
+    *,
+    mask_id: int,
+    eos_ids,
+    threshold: float | None = None,
+    lossless: bool | None = None,
+    verify: bool | None = None,
+    metric: str | None = None,
+    block_size: int | None = None,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+    default_mode: Mode | None = None,
+    default_threshold: float | None = None,
+    hedge: int | None = None,
+    alternatives: int = 0,
+    ngram: int = 0,
+    corpus: Any = None,
+    drafts: DraftSources | None = None,
+    feed: str | None = "auto",
+    **fields,
+) -> DecodeSettings:
     """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request; the only
     place a mode is chosen (`choose_mode`). Unasked, the metric and block size are the checkpoint's,
     and with no threshold the default mode applies: a server's (`default_mode` at
@@ -230,15 +250,36 @@ def make_plan(mars: MarsConfig | None, *, mask_id: int, eos_ids, threshold: floa
         drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus)
     if feed is None:
         feed = "fixed" if mode is Mode.LOSSLESS and drafts.hedge is not None else "auto"
-    return DecodeSettings(mask_id=mask_id, eos_ids=tuple(eos_ids), mode=mode, block_size=block_size_for(mars, block_size),
-                          threshold=threshold, metric=metric, drafts=drafts, feed=feed, **fields)
+    return DecodeSettings(
+        mask_id=mask_id,
+        eos_ids=tuple(eos_ids),
+        mode=mode,
+        block_size=block_size_for(mars, block_size),
+        threshold=threshold,
+        metric=metric,
+        drafts=drafts,
+        feed=feed,
+        **fields,
+    )
 
 
 def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:
     """A new plan through `make_plan` for the same checkpoint (`mars`) and request as `plan` but for
     what `asked` changes (threshold, lossless, verify, force...)."""
-    request = dict(mask_id=plan.mask_id, eos_ids=plan.eos_ids, metric=plan.metric, block_size=plan.block_size,
-                   max_tokens=plan.max_tokens, cache=plan.cache, block_cache=plan.block_cache, sampling=plan.sampling,
-                   feed=plan.feed, drafts=plan.drafts, numerics=plan.numerics, lossless=plan.mode is Mode.LOSSLESS,
-                   threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold, verify=plan.mode is not Mode.THRESHOLD)
+    request = dict(
+        mask_id=plan.mask_id,
+        eos_ids=plan.eos_ids,
+        metric=plan.metric,
+        block_size=plan.block_size,
+        max_tokens=plan.max_tokens,
+        cache=plan.cache,
+        block_cache=plan.block_cache,
+        sampling=plan.sampling,
+        feed=plan.feed,
+        drafts=plan.drafts,
+        numerics=plan.numerics,
+        lossless=plan.mode is Mode.LOSSLESS,
+        threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold,
+        verify=plan.mode is not Mode.THRESHOLD,
+    )
     return make_plan(mars, **{**request, **asked})

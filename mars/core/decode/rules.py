@@ -33,7 +33,9 @@ def block_size_for(mars: MarsConfig | None, block_size: int | None = None) -> in
     return block_size or (mars.block_size if mars is not None else DEFAULT_BLOCK_SIZE)
 
 
-def checkpoint_mode(mars: MarsConfig | None, metric: str, threshold: float | None = None, lossless: bool = False) -> tuple[float, bool]:
+def checkpoint_mode(
+    mars: MarsConfig | None, metric: str, threshold: float | None = None, lossless: bool = False
+) -> tuple[float, bool]:
     """(threshold, lossless) of a run: the threshold asked for, else the checkpoint's default mode
     (mars.json's default_threshold and default_mode); a model without mars.json, AR mode."""
     if threshold is not None:
@@ -56,8 +58,15 @@ def untrained_message(metric: str) -> str:
     )
 
 
-def check_may_decode(trained: bool, metric: str, threshold: float, *, lossless: bool = False, force: bool = False,
-                     warn: Callable[[str], None] | None = None) -> None:
+def check_may_decode(
+    trained: bool,
+    metric: str,
+    threshold: float,
+    *,
+    lossless: bool = False,
+    force: bool = False,
+    warn: Callable[[str], None] | None = None,
+) -> None:
     """Raise UntrainedModelError where `may_decode` says no, unless `force`; forced, `warn`
     (when given) hears what to expect."""
     if may_decode(trained, metric, threshold, lossless=lossless):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .types import Row
-from .plan import DecodeSettings
 from .drafts import GROUP_SOURCES
 from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, with_groups
+from .plan import DecodeSettings
+from .types import Row
 
 
 class WindowStrategy:
@@ -26,7 +26,6 @@ class WindowStrategy:
         # The most groups of each in-forward source a step feeds ("spare", "alt").
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
 
-
     def lay_out(self, rows: list[Row]) -> Layout:
         s, m = self.s, self.masks
         # Lossless: as many drafts as leave room for the AR token after them.
@@ -37,11 +36,22 @@ class WindowStrategy:
         positions = consecutive_positions(valid, [r.cached for r in rows])
         padded, n = pad_drafts(drafts, s.mask_id)
         counts = self.group_counts
-        groups = tuple(g for name, source in GROUP_SOURCES.items() if s.verifies and counts.get(name)
-                       for g in source.groups(rows, n, counts[name], m, s.mask_id))
+        groups = tuple(
+            g
+            for name, source in GROUP_SOURCES.items()
+            if s.verifies and counts.get(name)
+            for g in source.groups(rows, n, counts[name], m, s.mask_id)
+        )
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
-        columns = Columns(last=width - m - 1 - n, n_drafts=n, draft_slots=padded.shape[1], masks=m, width=width, keep=width - m,
-                          groups=groups)
+        columns = Columns(
+            last=width - m - 1 - n,
+            n_drafts=n,
+            draft_slots=padded.shape[1],
+            masks=m,
+            width=width,
+            keep=width - m,
+            groups=groups,
+        )
         if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
             return Layout(ids, positions, valid, np.asarray(limit), columns)
@@ -65,7 +75,9 @@ class WindowStrategy:
             return layout.valid
         return joined_keys(self.key_valid, layout)
 
-    def commit(self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None) -> None:
+    def commit(
+        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None
+    ) -> None:
         """Keep what the step fed for real (`kept`, lossless: the drafts each row kept)."""
         if not self.cached:
             return
@@ -121,7 +133,9 @@ class BlockStrategy:
         padded, n = pad_drafts(drafts, s.mask_id)
         # The cache keeps the fold (the last block or the prompt) and only that.
         last = width_fold + np.asarray(fill, dtype=np.int64) - 1
-        columns = Columns(last=last, n_drafts=n, draft_slots=padded.shape[1], masks=self.masks, width=ids.shape[1], keep=width_fold)
+        columns = Columns(
+            last=last, n_drafts=n, draft_slots=padded.shape[1], masks=self.masks, width=ids.shape[1], keep=width_fold
+        )
         if s.verifies:
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
             return Layout(ids, positions, valid, limit, columns, drafts=padded)
@@ -151,7 +165,9 @@ class BlockStrategy:
             return layout.valid
         return joined_keys(self.key_valid, layout)
 
-    def commit(self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None) -> None:
+    def commit(
+        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None
+    ) -> None:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + layout.columns.keep]
         backend.crop(cache, self.key_valid.shape[1])

@@ -32,7 +32,9 @@ class StepBackend(Protocol):
         kept for speculate."""
         ...
 
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def speculate(
+        self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of the D
         draft slots and after the last (AR), then the m masks. Row r's first `n_drafts[r]` ids of
         `drafts` (b, D) were drawn by the previous call from its mask distributions q, which the backend
@@ -112,7 +114,11 @@ class DecodeStats:
                     "tokens_per_forward": round(r.tokens_per_forward, 4),
                     "accepted_per_slot": r.accepted_per_slot,
                     **(
-                        {"drafted_per_slot": r.drafted_per_slot, "verified_per_slot": r.verified_per_slot, "kept_per_slot": r.kept_per_slot}
+                        {
+                            "drafted_per_slot": r.drafted_per_slot,
+                            "verified_per_slot": r.verified_per_slot,
+                            "kept_per_slot": r.kept_per_slot,
+                        }
                         if r.drafted_per_slot
                         else {}
                     ),
@@ -124,10 +130,15 @@ class DecodeStats:
 
     def draft_totals(self) -> dict:
         """Lossless mode: drafts proposed, verified and kept, per draft slot, summed over rows."""
+
         def total(name):
             return sum_ragged(getattr(r, name) for r in self.rows)
 
-        return {"drafted_per_slot": total("drafted_per_slot"), "verified_per_slot": total("verified_per_slot"), "kept_per_slot": total("kept_per_slot")}
+        return {
+            "drafted_per_slot": total("drafted_per_slot"),
+            "verified_per_slot": total("verified_per_slot"),
+            "kept_per_slot": total("kept_per_slot"),
+        }
 
     def by_source(self) -> dict[str, int]:
         """Lossless mode: tokens taken per source (masks, spare, ngram, ar), summed over rows."""

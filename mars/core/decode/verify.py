@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..acceptance import accept_counts, ar_mode_rows
-from .types import Row
-from .plan import DecodeSettings, Sampling
 from .drafts import MASKS
 from .drafts.masks import Masks
 from .layout import Layout
+from .plan import DecodeSettings, Sampling
+from .types import Row
 
 
 def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:
@@ -23,8 +23,16 @@ def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s
     # Greedy AR accepts slot 0 by rule: without masks to judge, no confidence is computed.
     no_masks = ar_mode_rows(s.metric, thresholds).all() or layout.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
-    ids, conf = backend.step(cache, layout.ids, layout.positions, mask, layout.read, metric=step_metric, sampling=s.sampling,
-                             valid=layout.valid)
+    ids, conf = backend.step(
+        cache,
+        layout.ids,
+        layout.positions,
+        mask,
+        layout.read,
+        metric=step_metric,
+        sampling=s.sampling,
+        valid=layout.valid,
+    )
     counts = accept_counts(conf, s.metric, thresholds, layout.limit)
     return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
 
@@ -49,7 +57,9 @@ def confirmed(group, i: int, kept: int, token: int) -> bool:
     return group.prefix.shape[1] == 0 or int(group.prefix[i, 0]) == token
 
 
-def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0) -> Verdict:
+def verify(
+    backend, cache, layout: Layout, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0
+) -> Verdict:
     """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR token; none
     for a waiting row) and its next drafts, (source, ids).
 
@@ -63,8 +73,17 @@ def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str
     chosen = np.full(b, -1, dtype=np.int64)
     conf = second = ids = None
     if sampling.greedy:
-        out = backend.step(cache, layout.ids, layout.positions, mask, layout.read, metric=metric, sampling=sampling, valid=layout.valid,
-                           **({"runners_up": runners_up} if runners_up else {}))
+        out = backend.step(
+            cache,
+            layout.ids,
+            layout.positions,
+            mask,
+            layout.read,
+            metric=metric,
+            sampling=sampling,
+            valid=layout.valid,
+            **({"runners_up": runners_up} if runners_up else {}),
+        )
         ids = out[0]
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
@@ -108,11 +127,17 @@ def verify(backend, cache, layout: Layout, mask, sampling: Sampling, metric: str
             nxt_conf.append(None)
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
-        nxt_alts.append([[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else [])
-    return Verdict(accepted, nxt, np.where(layout.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None)
+        nxt_alts.append(
+            [[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else []
+        )
+    return Verdict(
+        accepted, nxt, np.where(layout.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None
+    )
 
 
-def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str) -> list[int]:
+def take_confident(
+    accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str
+) -> list[int]:
     """Verified threshold mode (docs/method.md §9): after a lossless step each row also takes,
     unverified, the leading next drafts whose confidence passes its threshold (`accept_counts`, the
     step's tokens as slot 0), within its max_tokens; the rest stay drafts. A row in AR mode takes
@@ -125,7 +150,9 @@ def take_confident(accepted: list[list[int]], nxt: list[tuple[str, list[int]]], 
             slots[i, 1 : 1 + len(drafts)] = conf[i][: len(drafts)]
     # A row that took nothing (finished, or waiting) takes no more: limit 0.
     limits = [r.max_tokens - r.produced - len(accepted[i]) + 1 if accepted[i] else 0 for i, r in enumerate(rows)]
-    counts = accept_counts(slots, metric, np.asarray([r.threshold for r in rows], dtype=np.float64), np.maximum(limits, 0))
+    counts = accept_counts(
+        slots, metric, np.asarray([r.threshold for r in rows], dtype=np.float64), np.maximum(limits, 0)
+    )
     taken = [max(int(c) - 1, 0) for c in counts]
     for i, c in enumerate(taken):
         if c:

@@ -88,7 +88,7 @@ def check_record(record, where: str) -> str:
     if "finish" in record and record["finish"] not in FINISH:
         raise _fail(
             where,
-            f"'finish' must be \"eos\" or \"length\", got {json.dumps(record['finish'])}",
+            f'\'finish\' must be "eos" or "length", got {json.dumps(record["finish"])}',
             '"length" marks a response cut by a length limit; remove the field otherwise',
         )
     if shape == "text":
@@ -213,7 +213,7 @@ def _chat_ids(tokenizer, messages, where: str, **kwargs) -> list[int]:
         raise _fail(
             where,
             f"the chat template failed: {e}",
-            "fix the conversation, or use the {\"text\": ...} shape",
+            'fix the conversation, or use the {"text": ...} shape',
         ) from None
 
 
@@ -248,7 +248,7 @@ def encode_record(record, tokenizer, *, eos_id: int, where: str = "record") -> t
             "the chat template does not extend the prompt (the conversation's tokens do not start with the prompt's)",
             'this template rewrites earlier turns; use the {"text": ...} shape',
         )
-    response = full[len(prompt):]
+    response = full[len(prompt) :]
     # Templates add text after the EOS (a newline, say) that the model should never be taught.
     if eos_id in response:
         response = response[: response.index(eos_id) + 1]
@@ -319,7 +319,9 @@ def load_split(
     for lineno, record in records:
         where = f"{path}:{lineno}"
         ids, labels = encode_record(record, tokenizer, eos_id=eos_id, where=where)
-        fitted = _fit_length(ids, labels, where, block_size=block_size, limit=limit, max_seq_length=max_seq_length, on_long=on_long)
+        fitted = _fit_length(
+            ids, labels, where, block_size=block_size, limit=limit, max_seq_length=max_seq_length, on_long=on_long
+        )
         if fitted is None:
             skipped += 1
             continue

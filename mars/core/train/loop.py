@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
 from tqdm.auto import tqdm
 
 from ..config import MarsConfig
@@ -128,7 +129,9 @@ class _StopRequest:
 def write_history(history: list[dict], path: Path) -> None:
     """training_log.jsonl: one record per optimizer step (losses, learning rate, tokens/s, validation)."""
     with open(path, "w") as f:
-        f.writelines(json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history)
+        f.writelines(
+            json.dumps({k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()}) + "\n" for h in history
+        )
 
 
 class Steps(Protocol):
@@ -163,8 +166,18 @@ class Steps(Protocol):
     def load_checkpoint(self) -> bool: ...
 
 
-def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: int = 0, world: int = 1,
-        resume: bool = False, log=print, progress: bool = True) -> dict:
+def run(
+    trainer: Steps,
+    train_examples,
+    valid_examples=(),
+    *,
+    total: int,
+    rank: int = 0,
+    world: int = 1,
+    resume: bool = False,
+    log=print,
+    progress: bool = True,
+) -> dict:
     """The training loop both backends share: epochs of length-bucketed batches (process
     `rank` of `world` takes every world-th), accumulation, history, validation, checkpoints.
     Ctrl-C raises TrainingInterrupted; alone, the first one stops after its step with a
@@ -187,8 +200,18 @@ def run(trainer: Steps, train_examples, valid_examples=(), *, total: int, rank: 
     return {"steps": trainer.step, "seconds": time.perf_counter() - t0, "history": trainer.history}
 
 
-def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int, world: int, bar, stop: _StopRequest,
-          saved: int | None, progress: bool) -> None:
+def _loop(
+    trainer: Steps,
+    train_examples,
+    valid_examples,
+    total: int,
+    rank: int,
+    world: int,
+    bar,
+    stop: _StopRequest,
+    saved: int | None,
+    progress: bool,
+) -> None:
     """Train up to step `total`; `saved` is the step of the checkpoint on disk, if any, which
     a Ctrl-C's TrainingInterrupted names."""
     from .data import batches
@@ -222,7 +245,9 @@ def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int,
                 if valid_examples and (trainer.step % s.steps_per_eval == 0 or trainer.step == total):
                     record.update(trainer.evaluate(valid_examples, progress=progress and rank == 0))
                     if rank == 0:  # tqdm.write prints even for a disabled bar
-                        bar.write(f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}")
+                        bar.write(
+                            f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}"
+                        )
                 trainer.history.append(record)
                 if trainer.step < total and (trainer.step % s.steps_per_save == 0 or stop.requested):
                     trainer.save_checkpoint()
@@ -238,12 +263,13 @@ def _loop(trainer: Steps, train_examples, valid_examples, total: int, rank: int,
         raise TrainingInterrupted(trainer.step, total, saved) from None
 
 
-def validation_losses(examples, s: TrainSettings, pad_id: int, losses, ar_weight: float, *, progress: bool = False) -> dict:
+def validation_losses(
+    examples, s: TrainSettings, pad_id: int, losses, ar_weight: float, *, progress: bool = False
+) -> dict:
     """Row-weighted mean of `losses(batch) -> (noisy, clean)` floats over `s.val_batches`
     batches of the examples (all of them for -1): the same batches at every pass, drawn in a
     fixed shuffled order, since the length-sorted order would take only the shortest."""
     from itertools import islice
-
 
     from .data import batches
 

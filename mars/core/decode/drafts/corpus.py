@@ -36,7 +36,7 @@ def _hashes(values: np.ndarray, n: int) -> np.ndarray:
     """h[e] = the hash of values[e - n + 1 : e + 1] for e >= n - 1 (uint64, wrapping)."""
     h = values.copy()
     for _ in range(1, n):
-        h = h[:-1] * _P + values[len(values) - len(h) + 1:]
+        h = h[:-1] * _P + values[len(values) - len(h) + 1 :]
     return h
 
 
@@ -108,7 +108,7 @@ class DraftCorpus:
             lo, hi = np.searchsorted(hashes, want, "left"), np.searchsorted(hashes, want, "right")
             if lo == hi:
                 continue
-            places = after[max(lo, hi - MAX_PLACES):hi]
+            places = after[max(lo, hi - MAX_PLACES) : hi]
             places = places[(t[places[:, None] - n + np.arange(n)] == tail[-n:]).all(axis=1)]  # no hash collision
             if not places.size:
                 continue
@@ -152,7 +152,9 @@ class DraftCorpus:
             raise CorpusError(f"{path}: no 'tokens' array (not a draft corpus; build one with `mars corpus`)")
         tokens, fmt = arrays["tokens"], int(arrays.get("format", FORMAT))
         if fmt != FORMAT:
-            raise CorpusError(f"{path}: draft corpus format {fmt}, this version reads {FORMAT}; rebuild it with `mars corpus`")
+            raise CorpusError(
+                f"{path}: draft corpus format {fmt}, this version reads {FORMAT}; rebuild it with `mars corpus`"
+            )
         if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
             raise CorpusError(f"{path}: 'tokens' must be a 1-D integer array")
         return cls(tokens=tokens)
@@ -186,8 +188,10 @@ def from_data(data, tokenizer, *, announce=None, max_tokens: int | None = None) 
         ids = encode_record(record, tokenizer, eos_id=eos_id, where=f"{path}:{lineno}")[0]
         if max_tokens is not None and total + len(ids) > max_tokens:
             if announce is not None:
-                announce(f"{path}: the draft corpus keeps the first {len(sequences)} of {len(records)} records "
-                         f"(at most {max_tokens:,} tokens)")
+                announce(
+                    f"{path}: the draft corpus keeps the first {len(sequences)} of {len(records)} records "
+                    f"(at most {max_tokens:,} tokens)"
+                )
             break
         sequences.append(ids)
         total += len(ids)

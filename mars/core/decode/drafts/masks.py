@@ -5,7 +5,6 @@ from __future__ import annotations
 
 
 class Masks:
-
     name = "masks"
     label = "mask drafts"
 

@@ -27,7 +27,9 @@ def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ng
     return _longest(arr, end, starts, max_drafts, max_ngram, min_ngram)
 
 
-def _longest(arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max_ngram: int, min_ngram: int = 1) -> tuple[int, list[int]]:
+def _longest(
+    arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max_ngram: int, min_ngram: int = 1
+) -> tuple[int, list[int]]:
     """`match` on the first `end` tokens of `arr` from `starts`, the earlier places of its last token:
     each longer n keeps those whose preceding tokens match too; the latest of the longest gives drafts."""
     found = best = 0

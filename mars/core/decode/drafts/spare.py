@@ -24,4 +24,7 @@ class SpareGroups:
         count = min(count, int(n_drafts.max(initial=0))) if masks else 0
         running = np.asarray([not r.done for r in rows], dtype=bool)
         empty = np.zeros((len(rows), 0), dtype=np.int64)
-        return [Group(self.name, np.full(len(rows), g, dtype=np.int64), empty, (g < n_drafts) & running, masks) for g in range(count)]
+        return [
+            Group(self.name, np.full(len(rows), g, dtype=np.int64), empty, (g < n_drafts) & running, masks)
+            for g in range(count)
+        ]
