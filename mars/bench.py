@@ -665,19 +665,23 @@ def format_table(report: dict) -> str:
     """The runs per batch size, then the forward-cost curve, as plain text."""
     s = report["settings"]
     head = (
-        f"backend {report['backend']} on {report['device']}, {report['prompts']} prompts, max {s['max_tokens']} tokens, "
-        f"median of {s['repeats']}; AR matches {report['reference_check'][0]['reference']}: {report['ar_matches_reference']}"
+        f"backend {report['backend']} on {report['device']}, {report['prompts']} prompts, max {s['max_tokens']} "
+        f"tokens, "
+        f"median of {s['repeats']}; AR matches {report['reference_check'][0]['reference']}: "
+        f"{report['ar_matches_reference']}"
     )
     lines = [
         head,
         "",
-        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} {'min-max':>11} {'=AR':>5} {'masks':>6}",
+        f"{'batch':>5}  {'configuration':<24} {'tokens':>6} {'wall s':>8} {'tok/s':>8} {'tok/fwd':>7} {'x AR':>6} "
+        f"{'min-max':>11} {'=AR':>5} {'masks':>6}",
     ]
     for r in report["runs"]:
         tpf = f"{r['tokens_per_forward']:.2f}" if r["tokens_per_forward"] is not None else "-"
         lines.append(
             f"{r['batch_size']:>5}  {r['name']:<24} {r['tokens']:>6} {r['wall_s']:>8.3f} {r['tokens_per_s']:>8.1f} "
-            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} {r['rows_equal_to_ar']:>5.2f} "
+            f"{tpf:>7} {r['ratio_to_ar']:>6.2f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<5.2f} "
+            f"{r['rows_equal_to_ar']:>5.2f} "
             f"{'-' if r.get('masks_share') is None else format(r['masks_share'], '.0%'):>6}"
             + (f"  (ran the {r['cache_ran']} cache)" if r.get("cache_ran") and r["cache_ran"] != r.get("cache") else "")
         )

@@ -448,7 +448,8 @@ def format_table(report: dict) -> str:
 
     def nll_line(label, n, extra=""):
         noisy = f"{n['noisy_nll']:.4f}" if n.get("noisy_nll") is not None else "n/a"
-        return f"  {label}: clean NLL {n['clean_nll']:.4f} (ppl {n['clean_ppl']:.2f}), noisy NLL {noisy}, {n['tokens']} tokens{extra}"
+        clean = f"clean NLL {n['clean_nll']:.4f} (ppl {n['clean_ppl']:.2f})"
+        return f"  {label}: {clean}, noisy NLL {noisy}, {n['tokens']} tokens{extra}"
 
     if base:
         lines.append(f"baseline {base['label']}")
@@ -468,12 +469,14 @@ def format_table(report: dict) -> str:
             if not sw:
                 continue
             lines.append(
-                f"  {title}: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, metric={sw['metric']}, max {sw['max_tokens']} tokens"
+                f"  {title}: {sw['prompts']} prompts, B={sw['block_size']}, cache={sw['cache']}, "
+                f"metric={sw['metric']}, max {sw['max_tokens']} tokens"
             )
             w = max([8] + [len(_mode_name(r, ".3g")) for r in sw["thresholds"]])
             p1 = f" {'pass@1':>7}" if key == "humaneval" else ""
             lines.append(
-                f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} {'sec':>6}{p1}  slot acceptance 0..B"
+                f"  {'tau':>{w}} {'tok/fwd':>8} {'exact':>6} {'prefix':>7} {'pfrac':>6} {'pshare':>6} {'tokens':>7} "
+                f"{'sec':>6}{p1}  slot acceptance 0..B"
             )
             for r in sw["thresholds"]:
                 slots = " ".join(f"{x:.2f}" for x in r["slot_acceptance"])
@@ -481,7 +484,8 @@ def format_table(report: dict) -> str:
                 passed = f" {r['passed']:>3d}/{len(sw['problems']):<3d}" if key == "humaneval" else ""
                 lines.append(
                     f"  {tau:>{w}} {r['tokens_per_forward']:>8.3f} {r['exact_match']:>6.2f} {r['mean_prefix']:>7.1f} "
-                    f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} {r['seconds']:>6.2f}{passed}  {slots}"
+                    f"{r['mean_prefix_fraction']:>6.2f} {r['prefix_token_share']:>6.2f} {r['tokens']:>7d} "
+                    f"{r['seconds']:>6.2f}{passed}  {slots}"
                 )
             checked = [r for r in sw["thresholds"] if "parity" in r]
             lines += [f"  parity {_mode_name(r, '.3g')}: {summary(r['parity'])}" for r in checked]

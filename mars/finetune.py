@@ -129,7 +129,8 @@ def finetune(
     for split in splits.values():
         if split is not None and (split.truncated or split.skipped):
             announce(
-                f"{split.path}: {split.truncated} truncated, {split.skipped} skipped over --max-seq-length {max_seq_length}"
+                f"{split.path}: {split.truncated} truncated, {split.skipped} skipped over --max-seq-length "
+                f"{max_seq_length}"
             )
     train_split, valid = splits["train"], splits["valid"]
     announce(

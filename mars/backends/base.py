@@ -191,7 +191,8 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     def before(seconds: float) -> None:
         if announce:
             announce(
-                f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, more on a busy machine; "
+                f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, "
+                f"more on a busy machine; "
                 f"kept in {path}; {REMEASURE_HINT})"
             )
 

@@ -307,9 +307,8 @@ def convert_adapter(src, output, to: str, *, base=None, overwrite: bool = False)
     if to not in ("hf", "mlx"):
         raise ConvertError(f"--to must be hf or mlx, got {to!r}")
     if (fmt == "peft") == (to == "hf"):
-        raise ConvertError(
-            f"{src}: already a {'PEFT' if fmt == 'peft' else 'mlx-lm'} adapter; choose --to {'mlx' if fmt == 'peft' else 'hf'}"
-        )
+        kind, other = ("PEFT", "mlx") if fmt == "peft" else ("mlx-lm", "hf")
+        raise ConvertError(f"{src}: already a {kind} adapter; choose --to {other}")
     lora = read_adapter(src)
     if fmt == "peft":
         guess = base if base is not None else (Path(lora.base) if lora.base else _recorded_base(src))

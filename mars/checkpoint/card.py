@@ -135,7 +135,8 @@ def adapter_card(output: Path, source: Path) -> str:
         hf = shlex.quote(str(Path(base).with_name(Path(base).name + "-hf")))
         parts += [
             f"{what}, converted from mlx-lm's format by `mars convert`. It was trained on `{base}`, an mlx-lm "
-            f"{quant['bits']}-bit model (groups of {quant.get('group_size', '?')}): it fits that model's dequantized weights, "
+            f"{quant['bits']}-bit model (groups of {quant.get('group_size', '?')}): it fits that model's dequantized "
+            f"weights, "
             "which is what a float model made from it holds. For transformers and peft, write them once:\n",
             "```bash",
             f"mars convert {shlex.quote(base)} --to hf --output {hf}",
@@ -147,7 +148,8 @@ def adapter_card(output: Path, source: Path) -> str:
         ]
     else:
         parts += [
-            f"{what}, converted from mlx-lm's format by `mars convert`, for the base model `{base or 'it was trained on'}`.",
+            f"{what}, converted from mlx-lm's format by `mars convert`, "
+            f"for the base model `{base or 'it was trained on'}`.",
             "",
         ]
     if mars is not None:

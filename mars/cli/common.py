@@ -188,7 +188,8 @@ def decode_options(f):
         "--threshold",
         type=float,
         default=None,
-        help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), else 1.0.",
+        help="Confidence threshold tau; 1.0 is plain greedy AR. Default: the checkpoint's default mode (mars.json), "
+        "else 1.0.",
     )(f)
     f = click.option(
         "--block-size",
@@ -232,7 +233,8 @@ def decode_options(f):
     f = click.option(
         "--lossless",
         is_flag=True,
-        help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is ignored. "
+        help="The masks draft, the next forward verifies: output identical to AR (greedy or sampled); --threshold is "
+        "ignored. "
         "The default for a checkpoint whose mars.json has default_mode lossless, unless --threshold is given.",
     )(f)
     f = click.option(

@@ -14,18 +14,21 @@ from .common import friendly_errors, say
     "--data",
     required=True,
     type=click.Path(exists=True, path_type=Path),
-    help="The replies to draft from: a .jsonl file, or a data directory's train.jsonl (e.g. `mars distill` output; never test data).",
+    help="The replies to draft from: a .jsonl file, or a data directory's train.jsonl (e.g. `mars distill` output; "
+    "never test data).",
 )
 @click.option(
     "--model",
     default=None,
-    help="The model (HF directory, .gguf, adapter directory) whose tokenizer encodes the data [default: the embedded default].",
+    help="The model (HF directory, .gguf, adapter directory) whose tokenizer encodes the data [default: the embedded "
+    "default].",
 )
 @click.option(
     "--output",
     required=True,
     type=click.Path(path_type=Path),
-    help="A checkpoint directory (writes its draft_corpus.npz: decoding it then drafts from the corpus) or an .npz file.",
+    help="A checkpoint directory (writes its draft_corpus.npz: decoding it then drafts from the corpus) or an .npz "
+    "file.",
 )
 @friendly_errors
 def corpus_command(data, model, output):

@@ -21,7 +21,8 @@ D = defaults(DistillSettings)
     "prompts",
     required=True,
     type=click.Path(path_type=Path),
-    help='A .jsonl prompt file, or a directory of train/valid/test .jsonl ({"messages"} or {"prompt"}, optional "follow_ups").',
+    help='A .jsonl prompt file, or a directory of train/valid/test .jsonl ({"messages"} or {"prompt"}, optional '
+    '"follow_ups").',
 )
 @click.option(
     "--output",

@@ -50,7 +50,8 @@ def _hedges(ctx, param, value):
     "--model",
     "models",
     multiple=True,
-    help="A model to evaluate (repeat for several: one line each in the plot). Default: the embedded SmolLM2-135M-Instruct.",
+    help="A model to evaluate (repeat for several: one line each in the plot). Default: the embedded "
+    "SmolLM2-135M-Instruct.",
 )
 @click.option(
     "--baseline", default=None, help="A model whose NLL the others are compared with (e.g. the plain SFT model)."
@@ -67,7 +68,8 @@ def _hedges(ctx, param, value):
     "prompt_file",
     type=click.Path(dir_okay=False, path_type=Path),
     default=None,
-    help='Decode these prompts instead of the dataset\'s: JSONL ({"prompt"}, {"messages"} or {"text"}, the last continued without the chat template) or one per line.',
+    help='Decode these prompts instead of the dataset\'s: JSONL ({"prompt"}, {"messages"} or {"text"}, the last '
+    "continued without the chat template) or one per line.",
 )
 @click.option(
     "--threshold",
@@ -116,14 +118,16 @@ def _hedges(ctx, param, value):
     "hedges",
     multiple=True,
     callback=_hedges,
-    help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block size.",
+    help="Lossless rows: spare mask groups per step (repeat, or comma-separated, for one row each). Default: the block "
+    "size.",
 )
 @click.option(
     "--alternatives",
     type=click.IntRange(min=0),
     default=E["alternatives"],
     show_default=True,
-    help="Lossless and verified rows: also feed up to N runners-up of the first draft as alternative groups (rows /aN).",
+    help="Lossless and verified rows: also feed up to N runners-up of the first draft as alternative groups (rows "
+    "/aN).",
 )
 @click.option(
     "--ngram",
@@ -139,7 +143,8 @@ def _hedges(ctx, param, value):
     type=click.IntRange(min=0),
     default=0,
     show_default=True,
-    help="Also decode the first N HumanEval problems in every mode and report pass@1 (needs pip install 'mars-mtp[eval]'); "
+    help="Also decode the first N HumanEval problems in every mode and report pass@1 (needs pip install "
+    "'mars-mtp[eval]'); "
     "each reply's code runs in its own Python process with a timeout.",
 )
 @click.option(
@@ -231,7 +236,8 @@ def evaluate_command(
         texts = sum(1 for _ in read_jsonl(path)) - len(prompts)
         if texts and prompt_file is None and not no_decode:
             say(
-                f'note: {path}: {texts} {{"text"}} record{"s" * (texts > 1)} without a prompt: in the NLL, not in the decoding '
+                f'note: {path}: {texts} {{"text"}} record{"s" * (texts > 1)} without a prompt: in the NLL, not in the '
+                f"decoding "
                 "sweep (pass them with --prompts to decode them as raw text)"
             )
     if data is None and baseline is not None:
@@ -266,7 +272,10 @@ def evaluate_command(
         except HumanEvalUnavailable as e:
             raise click.ClickException(str(e)) from None
     quiet_libraries()
-    load = lambda m: ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
+
+    def load(m):
+        return ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
+
     sessions = [load(m) for m in (models or [None])]
     base = load(baseline) if baseline is not None else None
     report = ev.evaluate(

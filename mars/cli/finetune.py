@@ -130,7 +130,8 @@ def _floats(value: str, param) -> tuple[float, ...]:
     "--init-adapter",
     type=click.Path(path_type=Path),
     default=None,
-    help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha and mask row are kept, and its block size unless --block-size names another.",
+    help="LoRA: start from this MARS adapter (e.g. weights/) instead of fresh LoRA layers; its rank, alpha and mask "
+    "row are kept, and its block size unless --block-size names another.",
 )
 @click.option(
     "--fuse",

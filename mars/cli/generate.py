@@ -239,7 +239,8 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
         st = result.stats.rows[0]
         click.echo("")
         click.echo(
-            f"[{settings.name}: {st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} tokens/forward, {dt:.2f}s]",
+            f"[{settings.name}: {st.accepted} tokens, {st.forwards} forwards, {st.tokens_per_forward:.2f} "
+            f"tokens/forward, {dt:.2f}s]",
             err=True,
         )
         history.append({"role": "assistant", "content": shown})

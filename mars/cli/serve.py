@@ -24,7 +24,8 @@ S = _serve_defaults()
 @click.option(
     "--model",
     default=None,
-    help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct with its MARS weights.",
+    help="HF model directory, .gguf file or MARS adapter directory. Default: the embedded SmolLM2-135M-Instruct with "
+    "its MARS weights.",
 )
 @click.option(
     "--adapter-path",
@@ -113,7 +114,8 @@ S = _serve_defaults()
     type=click.IntRange(min=0),
     default=S["alternatives"],
     show_default=True,
-    help="Greedy lossless requests on the window cache: the most runner-up groups of the first draft a step may feed (0: off).",
+    help="Greedy lossless requests on the window cache: the most runner-up groups of the first draft a step may feed "
+    "(0: off).",
 )
 @click.option(
     "--max-batch",
@@ -208,7 +210,8 @@ def serve_command(
     """Serve a model with an OpenAI-compatible API (chat and text completions, streaming).
 
     Requests decode in the checkpoint's default mode (mars.json default_mode) unless --threshold
-    or --default-mode says otherwise. Requests may add "threshold" (the speed knob), "lossless": true (output exactly AR's),
+    or --default-mode says otherwise. Requests may add "threshold" (the speed knob), "lossless": true (output exactly
+    AR's),
     "verify": false (plain threshold mode; greedy threshold requests are verified by default, as in mars generate)
     and, under --policy adaptive, "adaptive": false (keep the request's own threshold). usage.mode names the mode a
     reply ran in, as mars generate --json does.
@@ -282,14 +285,16 @@ def serve_command(
         if described["policy"] == "adaptive"
         else f"lossless by default (threshold {described['default_threshold']} ({described['metric']}) on request)"
         if engine.policy.default_mode.value == "lossless"
-        else f"fixed threshold {described['default_threshold']} ({described['metric']}; greedy requests verified unless they say "
+        else f"fixed threshold {described['default_threshold']} ({described['metric']}; greedy requests verified "
+        f"unless they say "
         f'"verify": false)'
     )
     engine.prepare_feed(announce=lambda m: click.echo(m, err=True))
     untrained = "" if session.trained else " (no mars.json: plain AR at threshold 1.0, or lossless, only)"
     click.echo(
         f"serving '{name}' on http://{host}:{port}/v1: {knob}, B={engine.block_size}, "
-        f"{cache} cache{f' (B_cache={block_cache})' if cache == 'block' else ''}, batch {max_batch}, queue {max_queue}{untrained}",
+        f"{cache} cache{f' (B_cache={block_cache})' if cache == 'block' else ''}, batch {max_batch}, queue "
+        f"{max_queue}{untrained}",
         err=True,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -67,7 +67,8 @@ def quantization_of(config: dict, where: Path) -> dict | None:
             return None
         if "quant_method" in qc or "bits" not in qc:
             raise ConvertError(
-                f"{where}/config.json: quantization method {qc.get('quant_method', '?')!r} is not supported (mlx-lm affine only); dequantize the model first"
+                f"{where}/config.json: quantization method {qc.get('quant_method', '?')!r} is not supported (mlx-lm "
+                f"affine only); dequantize the model first"
             )
         q = qc
     mode = q.get("mode", "affine")
@@ -227,7 +228,8 @@ def check_shapes(tensors: dict[str, Tensor], config: dict, where: Path) -> None:
             raise ConvertError(f"{where}: unexpected tensor {name} for a {config['model_type']} model")
         if t.shape != shapes[name]:
             raise ConvertError(
-                f"{where}: shape mismatch for {name}: {list(t.shape)} in the weights, {list(shapes[name])} from config.json"
+                f"{where}: shape mismatch for {name}: {list(t.shape)} in the weights, {list(shapes[name])} from "
+                f"config.json"
             )
         if not t.is_float:
             raise ConvertError(f"{where}: tensor {name} has non-float type {t.dtype}")
@@ -269,7 +271,8 @@ def fuse(tensors: dict[str, Tensor], config: dict, lora: Lora, adapter: Path) ->
         w = tensors[name]
         if lora.a[path].shape[1] != w.shape[1] or lora.b[path].shape[0] != w.shape[0]:
             raise ConvertError(
-                f"{adapter}: shape mismatch for {path}: LoRA {lora.b[path].shape[0]}x{lora.a[path].shape[1]}, base weight {list(w.shape)}"
+                f"{adapter}: shape mismatch for {path}: LoRA {lora.b[path].shape[0]}x{lora.a[path].shape[1]}, base "
+                f"weight {list(w.shape)}"
             )
         tensors[name] = from_float32(to_float32(w) + lora.delta(path), w.dtype)
     row_file = adapter / MASK_EMBEDDING_FILE

@@ -66,7 +66,8 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
     src, output = Path(src), Path(output)
     if not src.is_dir() or not has_config(src):
         raise ConvertError(
-            f"{src}: no mars.json (not a MARS checkpoint: its mask token is unknown); give a directory written by mars finetune"
+            f"{src}: no mars.json (not a MARS checkpoint: its mask token is unknown); give a directory written by mars "
+            f"finetune"
         )
     safe_output(output, (src,), overwrite)
     mars = read_mars(src)
@@ -81,7 +82,8 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
         own = base.is_dir() and model_ref(base) != DEFAULT_REF
         target = (base.resolve() if own else final / TARGET) if gated else drafter
         why = (
-            "the base model: the adapter is gated (its deltas act at mask positions only), so its greedy output is the base's"
+            "the base model: the adapter is gated (its deltas act at mask positions only), so its greedy output is the "
+            "base's"
             if gated
             else "the fused model itself: its greedy output is the checkpoint's"
         )
@@ -92,7 +94,8 @@ def convert_vllm(src, output, *, overwrite: bool = False, announce=print) -> Pat
 
     def write(d: Path):
         announce(
-            f"writing the drafter ({'the adapter fused at every position' if base is not None else 'the model'}) into {drafter}"
+            f"writing the drafter ({'the adapter fused at every position' if base is not None else 'the model'}) into "
+            f"{drafter}"
         )
         if base is not None:
             convert_model(base, d / DRAFTER, "hf", adapter=src, fuse_gated=True, announce=announce)
@@ -157,9 +160,12 @@ def _readme(src: Path, target: Path, why: str, drafter: Path, spec: dict, mars: 
             f"- target: `{target}`: {why}.",
             f"- drafter: `{drafter}`: {src} fused at every position, with the trained mask token "
             f"`{mars.mask_token}` (id {mars.mask_token_id}, `mask_token_id` in its config.json). It drafts "
-            f"{spec['num_speculative_tokens']} tokens per target step in one forward (parallel drafting); the target verifies "
-            f"every one, so greedy replies are the target's own, in the dtype the target runs in: `--dtype float32` below "
-            "gives the float32 model's greedy output, token for token (vLLM's default, `auto`, loads a float32 checkpoint "
+            f"{spec['num_speculative_tokens']} tokens per target step in one forward (parallel drafting); the target "
+            f"verifies "
+            f"every one, so greedy replies are the target's own, in the dtype the target runs in: `--dtype float32` "
+            f"below "
+            "gives the float32 model's greedy output, token for token (vLLM's default, `auto`, loads a float32 "
+            "checkpoint "
             "as bfloat16, whose greedy replies can differ from the float32 ones).",
             f"- `{SPECULATIVE_CONFIG}`: the speculative config below.",
             "",
@@ -181,7 +187,8 @@ def _readme(src: Path, target: Path, why: str, drafter: Path, spec: dict, mars: 
             "",
             "from vllm import LLM, SamplingParams",
             "",
-            'os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM\'s CPU build: 2 GiB of KV cache (GPU builds ignore it)',
+            'os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # vLLM\'s CPU build: 2 GiB of KV cache (GPU builds '
+            "ignore it)",
             "",
             'if __name__ == "__main__":  # vLLM starts worker processes',
             f'    llm = LLM(model={str(target)!r}, dtype="float32", speculative_config={spec!r})',

@@ -61,7 +61,8 @@ def mask_config(
         tokenizer.add_special_tokens({"additional_special_tokens": [token]})
         token_id = tokenizer.convert_tokens_to_ids(token)
         announce(
-            f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding grows by one row)"
+            f"mask token: the tokenizer has no unused special token; added {token} as id {token_id} (the embedding "
+            f"grows by one row)"
         )
     else:
         announce(f"mask token: reusing unused special token {token} (id {token_id})")

@@ -280,7 +280,8 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
     elif context is not None and len(prompt) + max_tokens > context:
         raise _bad(
             "max_tokens",
-            f"this model's context is {context} tokens; the prompt ({len(prompt)}) plus max_tokens ({max_tokens}) exceed it",
+            f"this model's context is {context} tokens; the prompt ({len(prompt)}) plus max_tokens ({max_tokens}) "
+            f"exceed it",
             "context_length_exceeded",
         )
     return Completion(

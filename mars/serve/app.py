@@ -282,7 +282,8 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
         if not admin_from_anywhere and not is_loopback(request):
             raise ApiError(
                 403,
-                "admin endpoints answer loopback clients only (start the server with --admin-from-anywhere to change that)",
+                "admin endpoints answer loopback clients only (start the server with --admin-from-anywhere to change "
+                "that)",
                 type="permission_error",
                 code="admin_loopback_only",
             )

@@ -228,7 +228,8 @@ class Engine:
             free_rows = max(self.limits.max_batch - self._in_flight, 0)
             if len(self._waiting) >= self.limits.max_queue + free_rows:
                 raise QueueFull(
-                    f"{len(self._waiting) - free_rows} requests are waiting for a row (--max-queue {self.limits.max_queue})"
+                    f"{len(self._waiting) - free_rows} requests are waiting for a row (--max-queue "
+                    f"{self.limits.max_queue})"
                 )
             self._waiting.append(job)
             self._cond.notify_all()

@@ -77,7 +77,10 @@ def cpu_warning() -> str | None:
     if mx.default_device().type != mx.DeviceType.cpu:
         return None
     why = "" if mx.metal.is_available() else " (no Metal)"
-    return f"warning: MLX is running on the CPU{why}: training is much slower here than --backend torch (about 37x on a 2-core CPU)"
+    return (
+        f"warning: MLX is running on the CPU{why}: training is much slower here than --backend torch "
+        "(about 37x on a 2-core CPU)"
+    )
 
 
 def _to_stderr(message: str) -> None:

@@ -126,7 +126,8 @@ def cache_argument(body, cache) -> dict:
         name = "cache" if "cache" in params else "past_key_values"
         if name not in params:
             raise TypeError(
-                f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers is not supported"
+                f"{kind.__name__}.forward takes neither `cache` nor `past_key_values`: this transformers is not "
+                f"supported"
             )
         _CACHE_KEYWORD[kind] = name
     return {name: cache}

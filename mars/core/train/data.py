@@ -331,7 +331,8 @@ def load_split(
         examples.append(Example(ids=ids, labels=labels, source=where, truncated=truncated))
     if not examples:
         raise DataError(
-            f"{path}: all {skipped} examples exceed max_seq_length={max_seq_length} and were skipped (raise max_seq_length=, or set on_long=truncate)",
+            f"{path}: all {skipped} examples exceed max_seq_length={max_seq_length} and were skipped (raise "
+            f"max_seq_length=, or set on_long=truncate)",
         )
     return SplitData(examples=examples, skipped=skipped, path=path)
 
@@ -353,7 +354,8 @@ def _no_split_file(data: Path, split: str) -> DataError:
     """Why `data` holds no file for `split`."""
     if not data.exists():
         return DataError(
-            f"{data}: no such file or directory (the data is a directory with train.jsonl and valid.jsonl, or one .jsonl file)",
+            f"{data}: no such file or directory (the data is a directory with train.jsonl and valid.jsonl, or one "
+            f".jsonl file)",
         )
     if data.is_file():
         what = "is not a .jsonl file"

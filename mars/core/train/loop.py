@@ -246,7 +246,8 @@ def _loop(
                     record.update(trainer.evaluate(valid_examples, progress=progress and rank == 0))
                     if rank == 0:  # tqdm.write prints even for a disabled bar
                         bar.write(
-                            f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean {record['val_clean']:.4f}"
+                            f"step {trainer.step}: val noisy {record['val_noisy']:.4f}, val clean "
+                            f"{record['val_clean']:.4f}"
                         )
                 trainer.history.append(record)
                 if trainer.step < total and (trainer.step % s.steps_per_save == 0 or stop.requested):
