@@ -1,7 +1,8 @@
 """Cost of one LoRA training step: ungated, gated in one joint forward, gated with the clean
 stream in a pass of its own without gradients (what `mars finetune --gate masks` runs).
 
-    python benchmarks/gated_step.py [--model M] [--data data/distilled/train.jsonl] [--batch-size 4] [--batches 4] [--json OUT]
+    python benchmarks/gated_step.py [--model M] [--data data/distilled/train.jsonl] [--batch-size 4] [--batches 4]
+        [--json OUT]
 
 Times forward + backward of the MARS loss on the same batches, the three variants interleaved
 (A B C A B C ...) so the machine's load moves them alike; prints medians and ratios to the

@@ -10,8 +10,8 @@ same on the float base, and mlx-lm's step (its `default_loss` and update, compil
 runs it) on the quantized base, with the same LoRA layers (rank 8, the last 16 layers, the usual
 projections) and the same rows: `--batch-size` rows of `--length` tokens from the distilled
 training replies, the last three quarters of each row labelled. mlx-lm's first step, which
-compiles it, is not timed (`--warmup`: one untimed step of each). Ratios are medians of the rounds, side by side in one run. MARS feeds two
-streams of `--length` tokens (the noisy one trimmed to the first labelled block), so about twice
+compiles it, is not timed (`--warmup`: one untimed step of each). Ratios are medians of the rounds, side by side in one
+run. MARS feeds two streams of `--length` tokens (the noisy one trimmed to the first labelled block), so about twice
 mlx-lm's step is what the method costs.
 """
 

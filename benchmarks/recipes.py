@@ -302,8 +302,8 @@ def shown(path: Path) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| recipe | slot agreement 1-4 (valid, teacher-forced) | lossless tok/fwd (test) | lossless slot acceptance 1-4 | "
-        "threshold 0.95 tok/fwd, replies = AR | valid noisy loss |",
+        "| recipe | slot agreement 1-4 (valid, teacher-forced) | lossless tok/fwd (test) | "
+        "lossless slot acceptance 1-4 | threshold 0.95 tok/fwd, replies = AR | valid noisy loss |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -5,8 +5,8 @@ in flight, in each of the server's decoding modes.
     python benchmarks/serve_speed.py --limit 16 --concurrency 1,4 --repeats 3
 
 Each configuration (a mode: lossless, threshold 1.0, a threshold below it; a cache: window,
-the default of `mars serve`, or block, `--cache block`; a concurrency) sends the prompts through the server's engine (`mars.serve.build`, as
-`mars serve` runs it, without HTTP): with concurrency c, c requests are in flight at a
+the default of `mars serve`, or block, `--cache block`; a concurrency) sends the prompts through the server's engine
+(`mars.serve.build`, as `mars serve` runs it, without HTTP): with concurrency c, c requests are in flight at a
 time, a new one submitted as one ends. The baseline is `generate` at threshold 1.0 on the
 window cache (`mars generate --threshold 1.0`, our AR), one prompt at a time. Rounds are
 interleaved (every other one in reverse order) so the machine's drift hits all alike; the
@@ -176,7 +176,8 @@ def main(argv):
     print("| configuration | tokens/s | x AR (min-max) | = AR | AR prefix |\n|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+            f"| {r['name']} | {r['tokens_per_s']:.1f} | {r['ratio_to_ar']:.2f} "
+            f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
             f"| {r['replies_equal_to_ar']}/{len(ids)} | {r['ar_prefix_kept']:.3f} |"
         )
     print(f"JSON: {out}", file=sys.stderr)

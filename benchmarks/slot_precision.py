@@ -165,7 +165,8 @@ def format_report(rep: dict) -> str:
     for s in rep["slots"]:
         rp = s.get("repeats_previous_slot")
         lines.append(
-            f"{s['slot']:>4} {s['n']:>7} {s['agree_with_ar']:>7.3f} {s['mean_confidence']:>7.3f} {'' if rp is None else f'{rp:.3f}':>8}"
+            f"{s['slot']:>4} {s['n']:>7} {s['agree_with_ar']:>7.3f} {s['mean_confidence']:>7.3f} "
+            f"{'' if rp is None else f'{rp:.3f}':>8}"
         )
     lines.append(
         f"{'tau':>6} {'tok/step':>9} {'precision':>10} {'err steps':>10}   ({rep.get('metric', 'probability')})"

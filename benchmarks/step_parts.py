@@ -18,10 +18,10 @@ warm-up of each, and splits the wall time of every loop step into three parts:
 - host: everything else the loop does, total - forward - reduce + D2H, itemised as step
   inputs (inside the decoder, before the forward: ids, positions, the additive mask, the
   gate, host-to-device copies), cache (crop, keep_rows, new_cache), layout (the strategy's
-  lay_out and keys, the attention mask; "feed plan" in results before 2026-12-05), drafting (which drafts and how wide, before the step;
-  statistics and cost curve after it), acceptance (verification or threshold acceptance,
-  after the step's results are on the host), commit (the strategy's cache bookkeeping) and
-  loop (the rest: rows taking tokens, compaction, statistics, setting up each call).
+  lay_out and keys, the attention mask; "feed plan" in results before 2026-12-05), drafting (which drafts and how wide,
+  before the step; statistics and cost curve after it), acceptance (verification or threshold acceptance, after the
+  step's results are on the host), commit (the strategy's cache bookkeeping) and loop (the rest: rows taking tokens,
+  compaction, statistics, setting up each call).
 
 Timers wrap the decoder's methods and the loop's functions from this script (nothing in
 `mars` changes); host work is what the loop's clock saw minus the two timed device parts.
@@ -80,7 +80,10 @@ def parse(argv):
     p.add_argument(
         "--remeasure-cost",
         action="store_true",
-        help="measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), e.g. once the machine is quiet",
+        help=(
+            "measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), "
+            "e.g. once the machine is quiet"
+        ),
     )
     p.add_argument("--output", default=None)
     return p.parse_args(argv)
@@ -684,7 +687,8 @@ def main(argv=None) -> dict:
     m = report["machine"]
     how = ", ".join(x for x in (m.get("dtype"), f"{m['threads']} threads" if "threads" in m else None) if x)
     print(
-        f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, {len(ids)} prompts x {args.max_tokens} "
+        f"{session.backend} on {m['device']}{f' ({how})' if how else ''}, {report['model']}, "
+        f"{len(ids)} prompts x {args.max_tokens} "
         f"tokens, batch {batch}, {args.rounds} round(s); load {' '.join(f'{x:.2f}' for x in load_before or [])}"
     )
     for name, mm in modes.items():

@@ -99,10 +99,12 @@ def main(argv=None) -> dict:
     print(f"{'batch':>5} {'L':>4} {'fed full':>9} {'trimmed':>8} {'s full':>7} {'s trim':>7}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['length']:>4} {r['fed_full']:>9} {r['fed_trimmed']:>8} {r['seconds_full']:>7.2f} {r['seconds_trimmed']:>7.2f}"
+            f"{r['batch']:>5} {r['length']:>4} {r['fed_full']:>9} {r['fed_trimmed']:>8} "
+            f"{r['seconds_full']:>7.2f} {r['seconds_trimmed']:>7.2f}"
         )
     print(
-        f"tokens fed: {rep['fed_ratio']:.3f} of the full layout; step time: {rep['speedup']:.2f}x faster trimmed (same losses)"
+        f"tokens fed: {rep['fed_ratio']:.3f} of the full layout; "
+        f"step time: {rep['speedup']:.2f}x faster trimmed (same losses)"
     )
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=2) + "\n")

@@ -166,7 +166,7 @@ def main() -> None:
         ]
         print(f"{method}: starting vLLM", file=sys.stderr, flush=True)
         done = subprocess.run(child, capture_output=True, text=True, env=env)
-        line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
         if done.returncode != 0 or line is None:
             sys.exit(f"{method}: vLLM failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
         runs.append(json.loads(line[len("RESULT ") :]))

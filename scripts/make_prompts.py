@@ -90,7 +90,8 @@ PROCESSES = _w("""photosynthesis turns sunlight into sugar|the heart pumps blood
     the body digests a meal|the eye sees colour|the seasons change during the year|stars are born|fossils form|
     a rainbow appears after rain|salt melts ice on roads|a fever helps the body fight infection|
     a bank decides whether to give someone a loan""")
-WHYS = _w("""the sky is blue|ice floats on water|onions make people cry|leaves change colour in autumn|we get goosebumps|
+WHYS = _w("""the sky is blue|ice floats on water|onions make people cry|leaves change colour in autumn|
+    we get goosebumps|
     bread goes stale|the ocean is salty|metal feels colder than wood at the same temperature|cats purr|we yawn|
     planes leave white trails in the sky|the moon looks bigger near the horizon|popcorn pops|
     our voice sounds different on a recording|fingers wrinkle in the bath|we need sleep|some people are left-handed|
@@ -274,7 +275,8 @@ POEM_TOPICS = _w("""autumn leaves|a rainy Monday morning|the first cup of coffee
     rain on a tin roof|a farmers' market|a melting snowman|a broken clock|fireflies|a late-night phone call|
     the first day at a new job|a grandmother's recipe|a cup of tea|a crowded subway|a kite in the wind|
     falling asleep on a plane|a Monday to-do list|an empty playground|a software bug at 2 a.m.""")
-CHARACTERS = _w("""a lighthouse keeper|a retired astronaut|a nervous chef|a talking dog|a shy librarian|a young inventor|
+CHARACTERS = _w("""a lighthouse keeper|a retired astronaut|a nervous chef|a talking dog|a shy librarian|
+    a young inventor|
     a lonely robot|a skateboarding grandmother|a detective on her first day|a farmer|
     a seasick pirate|a friendly ghost|a time traveller|a street musician|an adventurous cat|
     a schoolteacher|a small dragon|a delivery driver|a chess champion|a gardener""")
@@ -283,7 +285,8 @@ EVENTS = _w("""finds a mysterious key|loses their voice before a big speech|wake
     discovers a door that wasn't there yesterday|gets stuck in an elevator with a celebrity|finds a map in an old book|
     adopts a very strange pet|forgets their own birthday|meets their future self|has to cook for a hundred guests|
     hears a knock at midnight|finds a message in a bottle|swaps lives with their neighbour for a day""")
-BUSINESSES = _w("""a bakery that only sells sourdough|a bike repair shop|a city recycling campaign|a dog-walking service|
+BUSINESSES = _w("""a bakery that only sells sourdough|a bike repair shop|a city recycling campaign|
+    a dog-walking service|
     the local public library|a coffee cart|an eco-friendly laundry detergent|a maths tutoring service|
     a neighbourhood running club|a plant nursery|a second-hand bookshop|a vegan food truck|a language-learning app|
     a window-cleaning company|a summer coding camp|a reusable water bottle|a yoga studio|a family-run pizzeria|
@@ -406,13 +409,15 @@ def gen_writing(rng: random.Random) -> str:
 SUBJECTS = _w("""The team|My neighbour|Our manager|The students|The city council|My brother|The new intern|
     The company|Our teacher|The committee|My aunt|The restaurant owner""")
 PREDICATES = _w("""finished the report two days early|decided to postpone the meeting|fixed the broken printer|
-    planted tomatoes in the back garden|cancelled the trip because of the storm|ordered far too much pizza for the party|
+    planted tomatoes in the back garden|cancelled the trip because of the storm|
+    ordered far too much pizza for the party|
     forgot to lock the front door|raised prices for the third time this year|painted the fence bright yellow|
     won an award for the new design|lost the keys to the storage room|moved the deadline to next month|
     hired two new people|replaced the old windows|spent the whole weekend cleaning the garage""")
 WHENS = ["yesterday", "last week", "on Monday", "after lunch", "this morning", "at the last minute", ""]
 INFORMAL_OPEN = _w("hey,|ok so|hi,|yo,|sorry but|lol|hiya,|um,")
-INFORMAL_BODY = _w("""can u send me the file asap|gonna be late, traffic is crazy|thx for the help yesterday, u saved me|
+INFORMAL_BODY = _w("""can u send me the file asap|gonna be late, traffic is crazy|
+    thx for the help yesterday, u saved me|
     the meeting got moved, no idea why|i cant make it tmrw, something came up|this report is kinda a mess tbh|
     we need more coffee in the office, like seriously|pls tell the boss the printer is broken again|
     the client wants changes AGAIN|just checking if u saw my last msg|wanna grab lunch later|
@@ -482,8 +487,8 @@ PARAGRAPHS = [
     ),
     (
         "A small study followed {n} adults for {w} weeks. Half of them walked for 30 minutes each day, while the other "
-        "half kept their usual routine. The walkers reported better sleep and slightly lower stress. The researchers say "
-        "larger studies are needed before drawing firm conclusions."
+        "half kept their usual routine. The walkers reported better sleep and slightly lower stress. The researchers "
+        "say larger studies are needed before drawing firm conclusions."
     ),
     (
         "A local company has announced a new electric scooter that will go on sale in {m1}. It is lighter than the old "
@@ -491,39 +496,39 @@ PARAGRAPHS = [
         "price of {price} dollars. Pre-orders open next week."
     ),
     (
-        "Heavy rain is expected across {town} on {dayname}, with up to {n} millimetres in some areas. Drivers have been "
-        "advised to avoid unnecessary journeys. Several outdoor events, including the {town} food festival, have been "
-        "postponed. The weather should improve by the weekend."
+        "Heavy rain is expected across {town} on {dayname}, with up to {n} millimetres in some areas. Drivers have "
+        "been advised to avoid unnecessary journeys. Several outdoor events, including the {town} food festival, have "
+        "been postponed. The weather should improve by the weekend."
     ),
     (
         "In today's meeting, the team agreed to move the launch date to {m1} {d}. {a} will finish the user testing by "
-        "Friday, and {b} will update the budget. The marketing plan is still not final and will be discussed again next "
-        "week. Everyone was asked to send their feedback by email."
+        "Friday, and {b} will update the budget. The marketing plan is still not final and will be discussed again "
+        "next week. Everyone was asked to send their feedback by email."
     ),
     (
         "The town of {town} voted to turn its old train station into a community centre. The project will cost about "
-        "{w} million and include a cafe, a small theatre and rooms for local clubs. Some residents worry about parking, "
-        "while others say the building has been empty for too long. Work is expected to begin next spring."
+        "{w} million and include a cafe, a small theatre and rooms for local clubs. Some residents worry about "
+        "parking, while others say the building has been empty for too long. Work is expected to begin next spring."
     ),
     (
-        "To make a simple tomato soup, soften an onion and two cloves of garlic in olive oil. Add {w} chopped tomatoes, "
-        "a cup of stock and a pinch of salt, then simmer for {d} minutes. Blend until smooth and season to taste. Serve "
-        "with fresh bread or a spoon of yoghurt."
+        "To make a simple tomato soup, soften an onion and two cloves of garlic in olive oil. Add {w} chopped "
+        "tomatoes, a cup of stock and a pinch of salt, then simmer for {d} minutes. Blend until smooth and season to "
+        "taste. Serve with fresh bread or a spoon of yoghurt."
     ),
     (
         "The old stone bridge in {town} was built in {year} to connect the two halves of the town. At the time, it was "
-        "the longest bridge of its kind in the region. It was damaged in a flood in {year2} and rebuilt within two years. "
-        "Today it is one of the most photographed places in the area."
+        "the longest bridge of its kind in the region. It was damaged in a flood in {year2} and rebuilt within two "
+        "years. Today it is one of the most photographed places in the area."
     ),
     (
-        "I ordered a coffee machine from your website on {m1} {d}, and it arrived {w} days late. When I opened the box, "
-        "the water tank was missing. I called customer service twice, but nobody answered. I would like either the "
-        "missing part or a full refund."
+        "I ordered a coffee machine from your website on {m1} {d}, and it arrived {w} days late. When I opened the "
+        "box, the water tank was missing. I called customer service twice, but nobody answered. I would like either "
+        "the missing part or a full refund."
     ),
     (
-        "{a} started learning the guitar at the age of {n}. At first, {a} practised for ten minutes a day, mostly simple "
-        "chords. After a year, {a} could play a dozen songs and joined a small band with {b}. They now play at a cafe in "
-        "{town} every month."
+        "{a} started learning the guitar at the age of {n}. At first, {a} practised for ten minutes a day, mostly "
+        "simple chords. After a year, {a} could play a dozen songs and joined a small band with {b}. They now play at "
+        "a cafe in {town} every month."
     ),
 ]
 
@@ -721,7 +726,8 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
     if kind == 6:
         a, b = rng.randrange(12, 60), rng.randrange(2, 12)
         return (
-            f"{n1} has {a} {rng.choice(COUNTABLES)}. {cap(s1)} gives {b} of them to {n2}. How many does {n1} have left?",
+            f"{n1} has {a} {rng.choice(COUNTABLES)}. {cap(s1)} gives {b} of them to {n2}. "
+            f"How many does {n1} have left?",
             True,
         )
     if kind == 7:
@@ -761,9 +767,9 @@ def _reasoning_problem(rng: random.Random) -> tuple[str, bool]:
         a, w = rng.choice([5, 8, 10, 12, 15, 20, 25]), rng.randrange(4, 30)
         return f"{n1} saves ${a} every week. How many weeks will it take {o1} to save ${a * w}?", True
     if kind == 13:
-        w, l = rng.randrange(3, 20), rng.randrange(3, 20)
+        w, length = rng.randrange(3, 20), rng.randrange(3, 20)
         what = rng.choice(["area", "perimeter"])
-        return f"A rectangle is {w} cm wide and {l} cm long. What is its {what}?", True
+        return f"A rectangle is {w} cm wide and {length} cm long. What is its {what}?", True
     if kind == 14:
         x, y, z = (n[0] for n in rng.sample(NAMED, 3))
         adj, q = rng.choice(
@@ -835,7 +841,8 @@ FUNC_TASKS = _w("""reverse a string|sum a list of numbers|check whether a number
     find the second largest number in a list|keep only the even numbers from a list|
     check whether two strings are anagrams|split a list into chunks of size n|count the words in a sentence|
     convert a number of seconds into hours, minutes and seconds|check whether a string contains only digits|
-    find the most common element in a list|remove all whitespace from a string|return the items two lists have in common|
+    find the most common element in a list|remove all whitespace from a string|
+    return the items two lists have in common|
     generate a random password of a given length|check whether a number is prime|
     compute the greatest common divisor of two numbers|rotate a list by k positions|sort a list of words by length|
     return the longest word in a sentence|clamp a number between a minimum and a maximum|
@@ -877,7 +884,8 @@ SQL_TABLES = [
         count how many books each author has written|find titles that appear more than once"""),
     ),
 ]
-BASH_TASKS = _w("""count the lines in a file called data.txt|find all .log files in the current directory and its subfolders|
+BASH_TASKS = _w("""count the lines in a file called data.txt|
+    find all .log files in the current directory and its subfolders|
     rename every .jpeg file in a folder to .jpg|list the ten largest files in a directory|
     replace 'foo' with 'bar' in every .txt file in a folder|show how much disk space the current folder uses|
     list the files modified in the last 24 hours|make a backup copy of a folder with today's date in its name|
@@ -1096,7 +1104,8 @@ FACT_QUESTIONS = {
         What is the chemical formula for water?|Why do we have leap years?|Roughly how old is the universe?|
         What is an atom made of?|What is the difference between an element and a compound?|
         What gas do plants absorb from the air?|What is the hottest planet in the solar system?|What is DNA?|
-        How many hearts does an octopus have?|Why is Mars red?|What is absolute zero?|How do bats find their way in the dark?"""),
+        How many hearts does an octopus have?|Why is Mars red?|What is absolute zero?|
+        How do bats find their way in the dark?"""),
     "geography": _w("""What is the longest river in the world?|What is the highest mountain in Africa?|
         Which is the largest desert in the world?|What causes deserts to form?|How many continents are there?|
         What is the deepest ocean?|What is the equator?|Why are there different time zones?|What is a fjord?|
@@ -1115,7 +1124,8 @@ FACT_QUESTIONS = {
         What does it mean to fold ingredients together?|How can I tell if an avocado is ripe?|
         What is the best way to store fresh herbs?|Why did my cake sink in the middle?|How do I cook dried lentils?|
         How can I make a sauce thicker?|What are the five mother sauces of French cooking?|
-        Why do onions turn sweet when cooked slowly?|How long does homemade soup keep in the fridge?|What is a roux?"""),
+        Why do onions turn sweet when cooked slowly?|How long does homemade soup keep in the fridge?|
+        What is a roux?"""),
     "health": _w("""How much water should an adult drink each day?|Why is sleep important for health?|
         How much exercise do adults need per week?|What are the benefits of stretching?|
         What does vitamin D do in the body?|How can I tell a cold from the flu?|Why is washing your hands important?|
@@ -1212,19 +1222,23 @@ REVIEW_ITEMS = _w("""the blender|this phone case|the hotel room|the new album|th
     the coffee maker|these headphones|the tour guide|this novel""")
 VERDICTS = {
     "positive": _w(
-        "was absolutely wonderful|worked perfectly from day one|exceeded my expectations|is worth every penny|made my week"
+        "was absolutely wonderful|worked perfectly from day one|exceeded my expectations|is worth every penny|"
+        "made my week"
     ),
     "negative": _w(
-        "stopped working after two days|was a total waste of money|arrived broken|was much worse than described|was a big disappointment"
+        "stopped working after two days|was a total waste of money|arrived broken|was much worse than described|"
+        "was a big disappointment"
     ),
     "mixed": _w(
-        "looks nice but is quite noisy|was cheap, but it did not last long|does the job, nothing special|was fine, I suppose"
+        "looks nice but is quite noisy|was cheap, but it did not last long|does the job, nothing special|"
+        "was fine, I suppose"
     ),
 }
 HEADLINES = {
     "sports": _w("""Local runner breaks the city marathon record|Underdogs win the cup final on penalties|
         Tennis star announces retirement at 34|Swimming team qualifies for the world championships"""),
-    "technology": _w("""New phone battery charges fully in five minutes|Start-up launches an app that translates sign language|
+    "technology": _w("""New phone battery charges fully in five minutes|
+        Start-up launches an app that translates sign language|
         Major website suffers a six-hour outage|Researchers unveil a faster chip for laptops"""),
     "food": _w("""Chef opens a restaurant that serves only soup|Bakery sells out of croissants before 8 a.m.|
         Survey finds the city's favourite pizza topping|Street food festival returns this weekend"""),
@@ -1248,8 +1262,14 @@ def _number_sentence(rng: random.Random) -> str:
             f"Our flight leaves at {r(6, 12)}:{r(10, 60)} from gate {r(1, 40)}, and the trip takes {r(2, 14)} hours.",
             f"The recipe needs {r(2, 6)} eggs, {25 * r(4, 16)} grams of sugar and {50 * r(2, 10)} millilitres of milk.",
             f"In {r(1950, 2024)}, the town had {r(2000, 90000)} residents and {r(2, 30)} schools.",
-            f"{rng.choice(PEOPLE_NAMES)} ran {r(3, 22)} kilometres in {r(20, 140)} minutes and burned about {10 * r(20, 120)} calories.",
-            f"The invoice lists {r(2, 12)} chairs at {r(20, 90)} dollars each and a delivery fee of {r(5, 40)} dollars.",
+            (
+                f"{rng.choice(PEOPLE_NAMES)} ran {r(3, 22)} kilometres in {r(20, 140)} minutes and burned about "
+                f"{10 * r(20, 120)} calories."
+            ),
+            (
+                f"The invoice lists {r(2, 12)} chairs at {r(20, 90)} dollars each and a delivery fee of "
+                f"{r(5, 40)} dollars."
+            ),
         ]
     )
 
@@ -1503,25 +1523,31 @@ def gen_language(rng: random.Random) -> str:
 
 # ---------------------------------------------------------------- multi-turn follow-ups
 FOLLOW_UPS = {
-    "explain": _w("""Can you make it shorter?|Give me an example.|Explain it like I'm five.|Can you put that in a bulleted list?|
-        What is a common misconception about this?|Can you go into a bit more detail?|How would you explain it with an analogy?"""),
+    "explain": _w("""Can you make it shorter?|Give me an example.|Explain it like I'm five.|
+        Can you put that in a bulleted list?|
+        What is a common misconception about this?|Can you go into a bit more detail?|
+        How would you explain it with an analogy?"""),
     "definition": _w("""Give me an example.|Use it in a sentence.|How is it used in practice?|Can you make it simpler?|
         Where does the word come from?|Is there a related term I should know?"""),
     "list": _w("""Add two more.|Which one is the best, and why?|Sort them alphabetically.|
-        Can you explain the first one in more detail?|Make the list shorter.|Turn that into a numbered list with one sentence each."""),
+        Can you explain the first one in more detail?|Make the list shorter.|
+        Turn that into a numbered list with one sentence each."""),
     "writing": _w("""Make it funnier.|Now make it rhyme.|Can you give it a title?|Rewrite it in a more serious tone.|
         Make it shorter.|Write another version.|Can you make it more formal?|Make it sound more cheerful."""),
     "rewrite": _w("""Make it even shorter.|Can you give me another version?|Why did you change it that way?|
         Now make it sound friendlier.|Make it more formal."""),
     "reasoning": _w("""How did you get that?|Can you check your answer?|Explain it step by step.|
         Is there a quicker way to work it out?|Can you write a similar problem for me to try?"""),
-    "code": _w("""Can you add comments?|How would I test it?|What is its time complexity?|Can you make it handle empty input?|
+    "code": _w("""Can you add comments?|How would I test it?|What is its time complexity?|
+        Can you make it handle empty input?|
         Can you explain it line by line?|Is there a shorter way to write it?|What could go wrong with it?"""),
-    "advice": _w("""Which of these is most important?|Can you expand on the second point?|What if I only have ten minutes a day?|
+    "advice": _w("""Which of these is most important?|Can you expand on the second point?|
+        What if I only have ten minutes a day?|
         Give me a concrete first step for today.|What mistakes should I avoid?|Make it a short checklist."""),
     "compare": _w("""Summarise that in one sentence.|Make it a table.|Give me an example of each.|
         What do they have in common?|Can you make it shorter?|Explain it more simply."""),
-    "facts": _w("""Tell me one more interesting fact.|Where can I learn more about this?|Can you say that in simpler words?|
+    "facts": _w("""Tell me one more interesting fact.|Where can I learn more about this?|
+        Can you say that in simpler words?|
         Why is that?|Can you give me more detail?|How do we know that?"""),
     "language": _w("""Give me more examples.|Can you use that in a sentence?|Are there any exceptions?|
         Can you explain the rule?|Give me a few more."""),
@@ -1617,6 +1643,10 @@ def write_readme(out_dir, splits: dict[str, list[dict]], seed: int) -> None:
         "| **total** | " + " | ".join(str(len(splits[s])) for s in SPLITS) + f" | {sum(map(len, splits.values()))} |"
     )
     args = f"--seed {seed} --test {len(splits['test'])} --valid {len(splits['valid'])}"
+    multi_turn_example = (
+        '{"messages": [{"role": "user", "content": "..."}], "follow_ups": ["Give me an example."], '
+        '"category": "multi_turn"}'
+    )
     text = f"""# Instruction prompts
 
 The project's own set of instruction prompts, for self-distillation (`mars distill --prompts
@@ -1641,7 +1671,7 @@ This file is written by the script too.
 One JSON object per line (UTF-8, `\\n` line endings):
 
     {{"messages": [{{"role": "user", "content": "..."}}], "category": "explain"}}
-    {{"messages": [{{"role": "user", "content": "..."}}], "follow_ups": ["Give me an example."], "category": "multi_turn"}}
+    {multi_turn_example}
 
 `follow_ups` (multi-turn records only) holds 1 or 2 later user turns, each asked after the model's
 reply to the previous one.

@@ -708,7 +708,8 @@ def main(argv=None) -> int:
         "share": distil_share,
     }
     log(
-        f"{len(records)} replies ({len(reused)} reused, {len(fresh)} distilled now; {summary['distil']['cut_by_max_tokens']} cut), "
+        f"{len(records)} replies ({len(reused)} reused, {len(fresh)} distilled now; "
+        f"{summary['distil']['cut_by_max_tokens']} cut), "
         f"the store now {summary['store']['replies']}, {now() - t0:.0f}s in"
     )
     del model

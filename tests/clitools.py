@@ -1,4 +1,5 @@
-"""Driving the `mars` command in-process (click's CliRunner), checking how it fails, and the small JSONL datasets the CLI tests train on."""
+"""Driving the `mars` command in-process (click's CliRunner), checking how it fails, and the small JSONL datasets the
+CLI tests train on."""
 
 from __future__ import annotations
 

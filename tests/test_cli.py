@@ -534,11 +534,13 @@ def test_generate_prints_tokens_per_forward(full):
 
 MODE_LINE = re.compile(
     r"^(?P<mode>[^,]+), B=\d+, cache=[^:]+: (?P<tokens>\d+) tokens, (?P<forwards>\d+) forwards, [\d.]+ tokens/forward, "
-    r"(?P<seconds>[\d.]+)s \((?P<speed>[\d.]+) tok/s; median of (?P<rounds>\d+) rounds, range (?P<low>[\d.]+)-(?P<high>[\d.]+) tok/s\)"
+    r"(?P<seconds>[\d.]+)s \((?P<speed>[\d.]+) tok/s; median of (?P<rounds>\d+) rounds, "
+    r"range (?P<low>[\d.]+)-(?P<high>[\d.]+) tok/s\)"
 )
 RATIO_LINE = re.compile(
     r"^(?P<same>\d+)/(?P<prompts>\d+) replies identical to AR; (?P<mode>[^:]+): (?P<ratio>[\d.]+)x AR's tokens/s "
-    r"\((?P<speed>[\d.]+) / (?P<ar>[\d.]+) tok/s, the medians above; round by round (?P<low>[\d.]+)-(?P<high>[\d.]+)x\)$"
+    r"\((?P<speed>[\d.]+) / (?P<ar>[\d.]+) tok/s, the medians above; "
+    r"round by round (?P<low>[\d.]+)-(?P<high>[\d.]+)x\)$"
 )
 
 

@@ -294,7 +294,7 @@ def test_fuse(tmp_path, to):
 
 def one_line_failure(result, out, *needles):
     assert result.exit_code != 0
-    lines = [l for l in result.output.strip().splitlines() if l.strip()]
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
     for n in needles:
         assert n in lines[0], lines[0]

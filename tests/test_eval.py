@@ -1,4 +1,5 @@
-"""`mars eval`: NLL equals a direct computation, the threshold sweep's statistics are sound, the CLI writes its outputs."""
+"""`mars eval`: NLL equals a direct computation, the threshold sweep's statistics are sound, the CLI writes its
+outputs."""
 
 import json
 

@@ -326,14 +326,16 @@ def test_serve_follows_the_checkpoints_default_mode(lossless_ckpt):
     session = Session.from_loaded(tm, TorchDecoder)
     _, engine = build(session)
     assert engine.policy.default_mode is Mode.LOSSLESS
-    req = lambda b: parse(
-        b,
-        chat=True,
-        session=engine.session,
-        names=engine.names,
-        policy=engine.policy,  # noqa: E731
-        limits=limits,
-    )
+
+    def req(b):
+        return parse(
+            b,
+            chat=True,
+            session=engine.session,
+            names=engine.names,
+            policy=engine.policy,
+            limits=limits,
+        )
 
     def planned(b):
         """The plan the engine makes for the request (make_plan, with the server's defaults)."""
