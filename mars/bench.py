@@ -31,7 +31,7 @@ from .backends import base
 from .checkpoint.default_model import DEFAULT_REF, DefaultModelError, default_gguf, model_ref
 from .core.acceptance import ar_threshold, check_threshold
 from .core.decode.loop import generate
-from .core.decode.plan import FEEDS, DecodeSettings, Sampling
+from .core.decode.plan import FEEDS, Plan, Sampling
 from .core.decode.rules import (
     DEFAULT_ALTERNATIVES,
     DEFAULT_NGRAM,
@@ -146,7 +146,7 @@ def plan(
     feed: str = "auto",
     verify: bool = False,
     alternatives: int = 0,
-) -> DecodeSettings:
+) -> Plan:
     """The plan `mars generate` would make for this model (mars.core.decode.plan.make_plan), greedy."""
     return base.plan_for_model(
         loaded,
@@ -283,7 +283,7 @@ def mlx_reference(loaded, max_tokens: int):
 class _Ours:
     """A configuration of this project's loop: prompts -> (tokens, statistics); `mode` names its plan."""
 
-    def __init__(self, decoder, settings: DecodeSettings, controller=None):
+    def __init__(self, decoder, settings: Plan, controller=None):
         self.decoder, self.settings, self.controller = decoder, settings, controller
         self.mode = settings.name
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from .backends import base
 from .core.decode.feed import FeedController
 from .core.decode.loop import generate
-from .core.decode.plan import DecodeSettings
+from .core.decode.plan import Plan
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for
 from .core.decode.types import DecodeStats
 from .core.tokens import encode_prompt
@@ -62,7 +62,7 @@ class Decoded:
 def decode_batches(
     decoder,
     ids: list[list[int]],
-    settings: DecodeSettings,
+    settings: Plan,
     batch_size: int = 8,
     *,
     controller: FeedController | None = None,
@@ -162,7 +162,7 @@ class Session:
         """Masks per step: `override`, else the checkpoint's (mars.core.decode.rules.block_size_for)."""
         return block_size_for(self.mars, override)
 
-    def plan(self, **asked) -> DecodeSettings:
+    def plan(self, **asked) -> Plan:
         """The plan a request decodes by: the checkpoint's defaults plus `asked`
         (mars.core.decode.plan.make_plan), with the draft sources `mars generate` takes by
         default (n-gram lookup, runner-up groups) unless `asked` names them."""
@@ -171,7 +171,7 @@ class Session:
             asked.setdefault("alternatives", DEFAULT_ALTERNATIVES)
         return base.plan_for_model(self.loaded, **asked)
 
-    def prepare_feed(self, settings: DecodeSettings, batch: int = 1) -> None:
+    def prepare_feed(self, settings: Plan, batch: int = 1) -> None:
         """Measure now (once per device, mars.backends.base.cost_curve) the cost curves a plan's
         chosen feed needs for up to `batch` rows, so that no measurement falls inside a timed run."""
         self.controller.prepare(settings, batch)
@@ -185,11 +185,11 @@ class Session:
         """Token ids of each prompt (a string or chat messages), through the chat template unless `chat` is False."""
         return [encode_prompt(self.tokenizer, p, chat=chat) for p in prompts]
 
-    def decode(self, ids: list[list[int]], settings: DecodeSettings, batch_size: int = 8) -> Decoded:
+    def decode(self, ids: list[list[int]], settings: Plan, batch_size: int = 8) -> Decoded:
         """Decode prompts (token ids) in batches, with the cost-aware feed where `settings` takes it."""
         return decode_batches(self.decoder, ids, settings, batch_size, controller=self.controller)
 
-    def generate(self, ids: list[list[int]], settings: DecodeSettings, **kwargs):
+    def generate(self, ids: list[list[int]], settings: Plan, **kwargs):
         """One batch through the decoding loop (mars.core.decode.loop.generate), with the cost-aware
         feed where `settings` takes it; `kwargs` go to the loop (e.g. on_tokens)."""
         return generate(self.decoder, ids, settings, controller=self.controller, **kwargs)

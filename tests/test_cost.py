@@ -245,7 +245,7 @@ def test_masks_whose_drafts_other_sources_displace_count_for_less():
     feed = feed_of(fixed(FLAT))
     result = generate(OracleBackend(0, period), [prompt], settings(hedge=0, ngram=6), controller=feed)
     assert result.tokens == [[oracle(p, period) for p in range(12, 52)]]
-    (fresh,) = feed.policies.values()  # hedge 0: no spare groups
+    (fresh,) = feed.feeds.values()  # hedge 0: no spare groups
     assert fresh.max_groups == 0
     used, offered = fresh.mask_use
     assert offered > 3 and used < offered / 2, fresh.mask_use
@@ -484,7 +484,7 @@ def test_cost_aware_lossless_with_ngram_drafts_equals_ar_on_a_real_model(arch, c
             s = settings(cache=cache, max_tokens=24, ngram=5)
             out += generate(dec, prompts[start : start + batch], s, controller=feed).tokens
         assert out == ar, (arch, cache, batch)
-    (policy,) = feed.policies.values()
+    (policy,) = feed.feeds.values()
     assert len(policy.choices) > 1  # the feed changed from step to step (probes included)
 
 

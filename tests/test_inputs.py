@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from mars.convert import ConvertError, convert_model
 from mars.core.acceptance import THRESHOLD_RANGES, ThresholdError, check_threshold
 from mars.core.config import ConfigError, MarsConfig
-from mars.core.decode.plan import DecodeSettings, Mode
+from mars.core.decode.plan import Mode, Plan
 
 
 def tree(root: Path) -> dict:
@@ -169,15 +169,13 @@ def test_threshold_ranges(metric):
     low, high = THRESHOLD_RANGES[metric]
     for good in (low, 0.5, 1.0, 3.0 if math.isinf(high) else high):
         assert check_threshold(metric, good) == good
-        DecodeSettings(
-            mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=good, metric=metric
-        )  # any mode's threshold
+        Plan(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=good, metric=metric)  # any mode's threshold
     for bad in (-1, -1e-9, math.nan, math.inf, -math.inf, "0.5", True, None) + ((1.5, 1 + 1e-9) if high == 1.0 else ()):
         with pytest.raises(ThresholdError) as e:
             check_threshold(metric, bad)
         assert "\n" not in str(e.value)
         with pytest.raises(ThresholdError):
-            DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=bad, metric=metric)
+            Plan(mask_id=3, eos_ids=(2,), mode=Mode.LOSSLESS, threshold=bad, metric=metric)
     with pytest.raises(ConfigError, match="default_threshold"):
         MarsConfig(block_size=4, mask_token="m", mask_token_id=3, metric=metric, default_threshold=-1).validate()
 

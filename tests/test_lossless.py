@@ -385,7 +385,7 @@ def test_lossless_sampling_with_the_cost_aware_feed_matches_ar_sampling(sampler,
     points = {1: 1.0, 10**6: 1.0} if curve == "flat" else {1: 1.0, 2: 2.0, 64: 64.0}  # 500 rows a forward
     feed = feed_of(CostCurve(points, refresh=0.0))  # given costs: the run's timings do not move them
     counts, totals = lossless_samples(TorchDecoder(tm), prompt, n, "window", feed=feed)
-    (policy,) = feed.policies.values()
+    (policy,) = feed.feeds.values()
     fed_none = policy.choices.get((0, 0), 0) / sum(policy.choices.values())
     if curve == "flat":
         assert fed_none < 0.2 and 0 < totals["kept_per_slot"][0] < totals["verified_per_slot"][0], (

@@ -264,7 +264,7 @@ def test_mlx_lossless_sampling_matches_ar_sampling(tmp_path, steep):
         kept += res.stats.draft_totals()["kept_per_slot"][0]
         verified += res.stats.draft_totals()["verified_per_slot"][0]
     if steep:  # steps with and without masks; at 500 rows no draft pays for widening the step
-        (policy,) = feed.policies.values()
+        (policy,) = feed.feeds.values()
         probes = sum(n for (m, _), n in policy.choices.items() if m)
         assert 0 < probes < policy.choices[(0, 0)], policy.choices
     else:

@@ -11,7 +11,7 @@ from clitools import invoke, ok
 from tiny import make_tokenizer, save_model
 
 from mars.core.config import MarsConfig, write_config
-from mars.core.decode.plan import DecodeSettings, Mode, Sampling, make_plan, why_not_verified
+from mars.core.decode.plan import Mode, Plan, Sampling, make_plan, why_not_verified
 
 pytest.importorskip("starlette")
 pytest.importorskip("openai")
@@ -78,13 +78,13 @@ def test_a_plan_is_a_frozen_value_whose_mode_agrees_with_its_threshold():
         plan.mode = Mode.LOSSLESS
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.threshold = 0.9
-    assert DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.THRESHOLD, threshold=0.5).masks_per_step == 4
+    assert Plan(mask_id=3, eos_ids=(2,), mode=Mode.THRESHOLD, threshold=0.5).masks_per_step == 4
     with pytest.raises(ValueError, match="AR mode decodes at threshold 1"):
-        DecodeSettings(mask_id=3, eos_ids=(2,), threshold=0.5)  # the default mode is AR's
+        Plan(mask_id=3, eos_ids=(2,), threshold=0.5)  # the default mode is AR's
     with pytest.raises(ValueError, match="below AR mode"):
-        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=1.0)
+        Plan(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=1.0)
     with pytest.raises(ValueError, match="greedy"):
-        DecodeSettings(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=0.5, sampling=Sampling(temperature=0.5))
+        Plan(mask_id=3, eos_ids=(2,), mode=Mode.VERIFIED, threshold=0.5, sampling=Sampling(temperature=0.5))
     with pytest.raises(ValueError, match="hedge must be >= 0"):
         DraftSources(hedge=-1)
     # A change of mode is a new plan from the same request (chat's /lossless, /threshold).

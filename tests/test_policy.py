@@ -236,7 +236,7 @@ def test_session_threshold_mode_decides_on_the_stored_curves(plain, tmp_path, mo
     assert session.controller.uses(t) and not session.controller.uses(replace(t, feed="fixed"))
     session.prepare_feed(t, batch=2)
     stored = session.controller.stored
-    lossless = session.controller.policy_for(session.plan(lossless=True, max_tokens=6))
+    lossless = session.controller.feed_for(session.plan(lossless=True, max_tokens=6))
     assert lossless.costs is not stored
     ids = session.encode(["hi", "there"])
     stored_points = {b: dict(c.points) for b, c in stored.curves.items()}

@@ -311,7 +311,7 @@ def test_window_batch_rows_joining_at_any_step_decode_as_ar(tm, tok, cost):
     # Rows that left had their keys dropped: the cache stays well below what it grows to without.
     assert widest < 0.6 * unbounded, (widest, unbounded)
     if cost:
-        (policy,) = feed.policies.values()
+        (policy,) = feed.feeds.values()
         assert sum(policy.choices.values()) >= batch.stats.forwards
 
 
@@ -524,7 +524,7 @@ def test_requests_run_on_the_cache_asked(tm, tok, cache):
         t = srv.client().chat.completions.create(
             model="tiny", messages=msg, max_tokens=20, extra_body={"threshold": 0.5}
         )
-        policies = list(srv.engine.session.controller.policies.values())
+        policies = list(srv.engine.session.controller.feeds.values())
     assert r.choices[0].message.content == ref
     assert t.usage.model_extra["threshold"] == 0.5
     assert job_kinds == [cache, "window"]  # verified threshold mode runs on the window cache

@@ -180,10 +180,10 @@ def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bo
 
 
 def decode_options(f):
-    from ..core.decode.plan import FEEDS, DecodeSettings, Sampling
+    from ..core.decode.plan import FEEDS, Plan, Sampling
     from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 
-    d, s = defaults(DecodeSettings), defaults(Sampling)
+    d, s = defaults(Plan), defaults(Sampling)
     f = click.option(
         "--threshold",
         type=float,

@@ -373,7 +373,7 @@ def new_id(chat: bool) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: float | None, mode: str) -> dict:
     """OpenAI's usage numbers, and this server's: tokens per forward, the loosest threshold the
-    request decoded at, and `mode`, its plan's name (mars.core.decode.plan.DecodeSettings.name)."""
+    request decoded at, and `mode`, its plan's name (mars.core.decode.plan.Plan.name)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

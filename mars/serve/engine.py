@@ -37,7 +37,7 @@ from ..backends import base
 from ..core.acceptance import looser
 from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
-from ..core.decode.plan import DecodeSettings, Mode, Sampling
+from ..core.decode.plan import Mode, Plan, Sampling
 from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 from ..session import Session
 from .policy import ThresholdPolicy
@@ -117,7 +117,7 @@ class Job:
     cancelled: bool = False
     # The request's plan (mars.core.decode.plan), made when it is admitted (with the threshold in force
     # then) and as its batch runs it: its mode decides the batch, its name the reply's usage.mode.
-    plan: DecodeSettings | None = None
+    plan: Plan | None = None
 
     def kind(self) -> tuple:
         """Jobs of one kind share a batch (and its forwards); `plan` must be set."""
@@ -131,7 +131,7 @@ class Job:
 
 
 class _Batch:
-    def __init__(self, decoder, settings: DecodeSettings, controller: FeedController | None = None):
+    def __init__(self, decoder, settings: Plan, controller: FeedController | None = None):
         """`controller`, for a greedy batch that verifies drafts: the served session's feed controller."""
         self.decoder = decoder
         self.batch = ContinuousBatch(self.decoder, settings, keep_keys=self.decoder.keep_keys, controller=controller)
@@ -331,7 +331,7 @@ class Engine:
         self._in_flight += len(admitted)  # counted at once, so `submit` never sees their rows as free
         return admitted
 
-    def _plan(self, job: Job, threshold: float | None = None) -> DecodeSettings:
+    def _plan(self, job: Job, threshold: float | None = None) -> Plan:
         """The job's plan (mars.core.decode.plan.make_plan, as every entry point makes it): at
         the threshold it decodes at now (or `threshold`), in the server's default mode where
         the request named neither a threshold nor lossless."""

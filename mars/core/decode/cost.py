@@ -101,7 +101,7 @@ class BatchCosts:
     """What a forward of `batch` rows of `width` fed tokens each costs. A row attends to its own cache,
     so with `measure` (batch size -> a CostCurve at that batch, in total fed tokens) b rows are costed
     on the curve of the smallest bucket B >= b (the last for larger batches) at width x B tokens (the
-    policy compares feeds of one batch only); without it, the one-row curve at batch x width tokens."""
+    feed compares feeds of one batch only); without it, the one-row curve at batch x width tokens."""
 
     def __init__(self, one: CostCurve, measure=None, buckets=(1, 2, 4, 8)):
         self.one = one

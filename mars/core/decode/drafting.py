@@ -8,7 +8,7 @@ import numpy as np
 from .drafts import ALT, IN_FORWARD, MASKS, SPARE, lookup_sources
 from .feed import DraftStats, LosslessFeed
 from .layout import Layout, lossless_width
-from .plan import DecodeSettings
+from .plan import Plan
 from .strategies import WindowStrategy
 from .types import Row
 from .verify import Verdict
@@ -20,12 +20,12 @@ class Drafting:
     expected to keep more; with a cost curve, the drafts' common length and the alternative groups
     maximise expected tokens per second (sampled decoding: the mask drafts' length alone)."""
 
-    def __init__(self, settings: DecodeSettings, policy: LosslessFeed | None, *, learn: bool = True):
+    def __init__(self, settings: Plan, feed: LosslessFeed | None, *, learn: bool = True):
         self.s = settings
-        self.policy = policy
+        self.feed = feed
         # False where what a step feeds changes the text (verified threshold mode): no timing refreshes a curve.
         self.learn = learn
-        self.stats = policy.stats if policy is not None else DraftStats(slots=settings.block_size)
+        self.stats = feed.stats if feed is not None else DraftStats(slots=settings.block_size)
         self.lookups = lookup_sources(settings)
         self._keys: list[str] = []  # per row of the step: the statistics its drafts count under
 
@@ -46,11 +46,11 @@ class Drafting:
                     row_options.append((lookup.name, *found))
             options.append(row_options)
         picks = self._pick_all(options, m, g, batch)
-        if self.policy is not None:  # how often the masks' drafts win where they are on offer (LosslessFeed.used)
+        if self.feed is not None:  # how often the masks' drafts win where they are on offer (LosslessFeed.used)
             for row_options, (source, _, drafts) in zip(options, picks):
                 if any(o[0] in IN_FORWARD for o in row_options):
-                    self.policy.mask_use[1] += 1
-                    self.policy.mask_use[0] += bool(drafts) and source in IN_FORWARD
+                    self.feed.mask_use[1] += 1
+                    self.feed.mask_use[0] += bool(drafts) and source in IN_FORWARD
         for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
@@ -66,7 +66,7 @@ class Drafting:
         number with the most expected tokens per second, runner-up k adding a token with the chance
         that the first draft fails and runner-up k is AR's token (source "runner_up", slot k)."""
         most = self.s.alternative_groups
-        if self.policy is None:
+        if self.feed is None:
             return most
         st = self.stats
         live = [(r, key) for r, key in zip(rows, self._keys) if not r.done and r.drafts]
@@ -74,12 +74,12 @@ class Drafting:
             return 0
         base = batch + sum(float(st.expected_kept(key, len(r.drafts))) for r, key in live)
         widest = max(len(r.drafts) for r, _ in live)
-        best, best_score = 0, base / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
+        best, best_score = 0, base / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
         miss = [(1.0 - st.rate(key, 0), len(r.alts)) for r, key in live]
         hits = np.cumsum([0.0] + st.rates("runner_up", most))  # [a]: chance one of the first a runners-up is AR's token
         for a in range(1, most + 1):
             gain = sum(p * min(1.0, hits[min(n, a)]) for p, n in miss)
-            score = (base + gain) / self.policy.costs.seconds(batch, lossless_width(widest, masks, spare_groups, a))
+            score = (base + gain) / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups, a))
             if score > best_score:
                 best, best_score = a, score
         return best
@@ -105,12 +105,12 @@ class Drafting:
 
         longest = max((len(drafts) for row_options in options for _, _, drafts in row_options), default=0)
         best_d = longest  # without a cost curve: each row's whole best option
-        if self.policy is not None:
-            best_d, best_score = 0, batch / self.policy.costs.seconds(batch, lossless_width(0, masks, spare_groups))
+        if self.feed is not None:
+            best_d, best_score = 0, batch / self.feed.costs.seconds(batch, lossless_width(0, masks, spare_groups))
             for d in range(1, longest + 1):
                 chosen = [c for c in (best(o, k, d) for o, k in zip(options, kept_each)) if c is not None]
                 widest = max((n for _, n, _ in chosen), default=0)
-                score = (batch + sum(kept for _, _, kept in chosen)) / self.policy.costs.seconds(
+                score = (batch + sum(kept for _, _, kept in chosen)) / self.feed.costs.seconds(
                     batch, lossless_width(widest, masks, spare_groups)
                 )
                 if score > best_score:
@@ -135,5 +135,5 @@ class Drafting:
                 if n_alts is not None and n_alts[i] and not verdict.kept[i]:
                     hit = alt_groups.index(verdict.group[i]) if verdict.group[i] in alt_groups else -1
                     self.stats.record_alternatives(int(n_alts[i]), hit)
-        if self.policy is not None and self.learn:
-            self.policy.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)
+        if self.feed is not None and self.learn:
+            self.feed.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)

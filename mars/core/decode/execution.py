@@ -1,6 +1,6 @@
 """How a run executes, decided once (`execution`) from its plan and the model's feed controller:
 the cache strategy that runs, the drafting of a run that verifies drafts, and what chooses each
-step's feed (a policy on the measured cost curves, or the plan's fixed feed)."""
+step's feed (a feed on the measured cost curves, or the plan's fixed feed)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..acceptance import ar_mode_rows
 from .drafting import Drafting
 from .drafts import SPARE
 from .feed import FeedController, LosslessFeed, ThresholdFeed, block_cache_pays
-from .plan import DecodeSettings, Mode
+from .plan import Mode, Plan
 from .types import DecodeStats, Row
 
 
@@ -20,7 +20,7 @@ class Execution:
     `drafting` where drafts are verified on the window cache, and `lossless_feed` (a step that
     verifies drafts) or `threshold_feed` where the feed is measured."""
 
-    plan: DecodeSettings
+    plan: Plan
     drafting: Drafting | None = None
     lossless_feed: LosslessFeed | None = None
     threshold_feed: ThresholdFeed | None = None
@@ -58,9 +58,7 @@ class Execution:
             stats.draft_kept = {k: list(v) for k, v in draft.kept.items()}
 
 
-def execution(
-    plan: DecodeSettings, controller: FeedController | None, batch: int, *, served: bool = False
-) -> Execution:
+def execution(plan: Plan, controller: FeedController | None, batch: int, *, served: bool = False) -> Execution:
     """How a call of `plan` over `batch` rows runs (a served batch, `served`, keeps its cache and
     feeds threshold mode's masks as its rows' thresholds ask). Without a controller, or with a
     plan whose feed is fixed, every step feeds what the plan says."""
@@ -68,10 +66,10 @@ def execution(
     if controller is not None and controller.uses(plan):
         controller.prepare(plan, batch)
         if plan.mode is Mode.VERIFIED:
-            # What it feeds changes the text: a fresh policy per call on a frozen copy of the curves.
+            # What it feeds changes the text: a fresh feed per call on a frozen copy of the curves.
             lossless = LosslessFeed.for_plan(controller.stored.snapshot(), plan)
         elif plan.mode is Mode.THRESHOLD:
-            if not served:  # one policy per call, on a frozen copy
+            if not served:  # one feed per call, on a frozen copy
                 threshold = ThresholdFeed(controller.stored, plan.block_size, explore=controller.explore)
                 if cache == "block" and not block_cache_pays(threshold, plan.block_size, plan.block_cache, 0, batch):
                     cache = "window"
@@ -81,12 +79,12 @@ def execution(
                 served
                 or not plan.sampling.greedy
                 or block_cache_pays(
-                    controller.policy_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch
+                    controller.feed_for(plan), plan.block_size, plan.block_cache, plan.window_spare_groups, batch
                 )
             )
         ):
             # Lossless: the measured feed on the window cache, unless the block cache pays.
-            cache, lossless, learn = "window" if cache == "block" else cache, controller.policy_for(plan), True
+            cache, lossless, learn = "window" if cache == "block" else cache, controller.feed_for(plan), True
     run = plan if cache == plan.cache else replace(plan, cache=cache)
     drafting = None
     if run.verifies and cache != "block" and (run.sampling.greedy or (lossless is not None and not served)):

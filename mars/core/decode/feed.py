@@ -10,7 +10,7 @@ import numpy as np
 
 from .cost import BatchCosts, CostCurve
 from .drafts import MASKS, SPARE
-from .plan import DecodeSettings, Mode
+from .plan import Mode, Plan
 
 
 @dataclass
@@ -105,8 +105,8 @@ def steady_state(
 class LosslessFeed:
     """Per step, the masks and spare groups a lossless window step feeds: the choice with the most
     expected tokens per second (`rate`), AR's own feed (0, 0) included. Lossless output is AR's
-    whatever is fed, so one policy per loaded model may learn from timings across calls. AR's feed
-    teaches nothing about the masks, so after `explore` AR steps in a row the policy probes the next
+    whatever is fed, so one feed per loaded model may learn from timings across calls. AR's feed
+    teaches nothing about the masks, so after `explore` AR steps in a row the feed probes the next
     best choice for two steps (one proposes drafts, the next verifies them) so that estimates that
     went too low can recover; each probe that leaves AR best doubles the wait."""
 
@@ -135,7 +135,7 @@ class LosslessFeed:
 
     @classmethod
     def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> LosslessFeed:
-        """The policy of a plan's lossless loop: its block size and its spare groups on the window cache."""
+        """The feed of a plan's lossless loop: its block size and its spare groups on the window cache."""
         return cls(curve, plan.block_size, plan.window_spare_groups, explore=explore)
 
     @property
@@ -189,7 +189,7 @@ class LosslessFeed:
 class ThresholdFeed(LosslessFeed):
     """Per step, how many of the B masks a threshold-mode step feeds (docs/method.md §9): feeding m
     forever takes 1 + sum_j P(run >= j) tokens a step for a forward of the widest row's uncached
-    tokens (1 + its last run) plus m. What is fed changes the text, so the policy decides on a
+    tokens (1 + its last run) plus m. What is fed changes the text, so the feed decides on a
     `BatchCosts.snapshot` and one call's statistics, never on timing noise or earlier calls."""
 
     source = "threshold"
@@ -214,7 +214,7 @@ class ThresholdFeed(LosslessFeed):
 
 
 def frozen_costs(cost: CostCurve | BatchCosts | LosslessFeed) -> BatchCosts:
-    """A `BatchCosts.snapshot` of the curves behind `cost` (a policy's, a batch's or one curve)."""
+    """A `BatchCosts.snapshot` of the curves behind `cost` (a feed's, a batch's or one curve)."""
     costs = cost.costs if isinstance(cost, LosslessFeed) else cost
     return (costs if isinstance(costs, BatchCosts) else BatchCosts(costs)).snapshot()
 
@@ -225,17 +225,17 @@ def block_cache_pays(
     """Whether `batch` rows are expected to decode faster on the block cache than on the window cache
     with the cost-aware feed: a block step feeds about B_cache + t tokens a row for t taken (one AR
     token plus the drafts kept out of min(B, B_cache - 1))."""
-    policy = cost if isinstance(cost, LosslessFeed) else LosslessFeed(cost, block_size, spare_groups)
-    tokens = policy.block_tokens(min(block_size, block_cache - 1))
-    block = tokens / policy.costs.seconds(batch, block_cache + tokens)
-    window = max(policy.rate(m, g, batch=batch) for m, g in policy.candidates())
+    feed = cost if isinstance(cost, LosslessFeed) else LosslessFeed(cost, block_size, spare_groups)
+    tokens = feed.block_tokens(min(block_size, block_cache - 1))
+    block = tokens / feed.costs.seconds(batch, block_cache + tokens)
+    window = max(feed.rate(m, g, batch=batch) for m, g in feed.candidates())
     return block >= window
 
 
 class FeedController:
     """The feed of one loaded model, kept between calls: its cost curves, measured when first needed
     (`measure`) or given (`costs`), live (refreshed by lossless decoding from the forwards it times)
-    and as measured (`stored`, for the modes whose text depends on the feed), and one lossless policy
+    and as measured (`stored`, for the modes whose text depends on the feed), and one lossless feed
     per block size, spare-group cap and kind of decoding, learning across calls."""
 
     def __init__(
@@ -252,8 +252,8 @@ class FeedController:
         self._stored: BatchCosts | None = None
         if costs is not None:
             self._set(costs)
-        self.explore = explore  # the policies' probing (LosslessFeed)
-        self.policies: dict[tuple, LosslessFeed] = {}
+        self.explore = explore  # the feeds' probing (LosslessFeed)
+        self.feeds: dict[tuple, LosslessFeed] = {}
 
     def _set(self, costs: CostCurve | BatchCosts) -> None:
         self._live = costs if isinstance(costs, BatchCosts) else BatchCosts(costs)
@@ -273,11 +273,11 @@ class FeedController:
         return self._stored
 
     @staticmethod
-    def uses(plan: DecodeSettings) -> bool:
+    def uses(plan: Plan) -> bool:
         """Whether a plan decodes with a chosen feed: "auto", below AR mode."""
         return plan.feed == "auto" and plan.mode is not Mode.AR
 
-    def prepare(self, plan: DecodeSettings, batch: int = 1) -> None:
+    def prepare(self, plan: Plan, batch: int = 1) -> None:
         """Measure now every curve a call of `plan` over up to `batch` rows may need."""
         if self.uses(plan):
             self.prepare_all(batch, stored=plan.mode is not Mode.LOSSLESS)
@@ -289,9 +289,9 @@ class FeedController:
         if stored:
             self._stored.prepare(batch)
 
-    def policy_for(self, plan: DecodeSettings) -> LosslessFeed:
-        """The plan's lossless feed policy, kept across calls."""
+    def feed_for(self, plan: Plan) -> LosslessFeed:
+        """The plan's lossless feed feed, kept across calls."""
         key = (plan.block_size, plan.window_spare_groups, plan.sampling.greedy)
-        if key not in self.policies:
-            self.policies[key] = LosslessFeed.for_plan(self.costs, plan, explore=self.explore)
-        return self.policies[key]
+        if key not in self.feeds:
+            self.feeds[key] = LosslessFeed.for_plan(self.costs, plan, explore=self.explore)
+        return self.feeds[key]

@@ -17,7 +17,7 @@ from ..acceptance import check_threshold
 from .execution import Execution, execution
 from .feed import FeedController
 from .layout import layout_mask
-from .plan import DecodeSettings, Mode
+from .plan import Mode, Plan
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 from .types import DecodeResult, DecodeStats, Row, StepBackend
 from .verify import accept_by_threshold, count_drafts, take_confident, verify
@@ -26,7 +26,7 @@ from .verify import accept_by_threshold, count_drafts, take_confident, verify
 def generate(
     backend: StepBackend,
     prompts: list[list[int]],
-    settings: DecodeSettings,
+    settings: Plan,
     on_tokens: Callable[[int, list[int]], None] | None = None,
     controller: FeedController | None = None,
 ) -> DecodeResult:
@@ -170,7 +170,7 @@ class ContinuousBatch:
     def __init__(
         self,
         backend: StepBackend,
-        settings: DecodeSettings,
+        settings: Plan,
         keep_keys: Callable[[Any, np.ndarray], None] | None = None,
         controller: FeedController | None = None,
     ):

@@ -1,6 +1,6 @@
-"""The plan a request decodes by (docs/method.md §5, §8, §9): `DecodeSettings` and its `Mode`, and
+"""The plan a request decodes by (docs/method.md §5, §8, §9): `Plan` and its `Mode`, and
 `make_plan`, the one function that turns a checkpoint's defaults and a request's options into a
-plan. `DecodeSettings.name` is the one printable name of a run's mode, wherever a run reports it."""
+plan. `Plan.name` is the one printable name of a run's mode, wherever a run reports it."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class DraftSources:
 
 
 @dataclass(frozen=True)
-class DecodeSettings:
+class Plan:
     """A plan, made by `make_plan` (or built whole, as the tests do) and never changed: a new mode or
     threshold makes a new plan (`replan`). `mode` must agree with the threshold: AR mode at the
     metric's AR threshold, threshold and verified threshold mode below it; lossless ignores it."""
@@ -181,7 +181,7 @@ class DecodeSettings:
         return f"{'verified ' if mode is Mode.VERIFIED else ''}threshold {self.threshold:g} ({self.metric})"
 
 
-def why_not_verified(plan: DecodeSettings) -> str | None:
+def why_not_verified(plan: Plan) -> str | None:
     """Why a plan asked to verify (greedy threshold mode's default) is not in verified
     threshold mode, or None when it is."""
     if plan.mode is Mode.VERIFIED:
@@ -227,13 +227,13 @@ def make_plan(
     drafts: DraftSources | None = None,
     feed: str | None = "auto",
     **fields,
-) -> DecodeSettings:
+) -> Plan:
     """The plan for a checkpoint (`mars`, None for a model without mars.json) and a request; the only
     place a mode is chosen (`choose_mode`). Unasked, the metric and block size are the checkpoint's,
     and with no threshold the default mode applies: a server's (`default_mode` at
     `default_threshold`), else the checkpoint's. The draft sources come as `drafts` or as their
     fields; `feed` None: fixed where a lossless plan names its spare groups (`hedge`), else auto;
-    `fields`: the other DecodeSettings fields. Verified threshold mode never runs on the block cache."""
+    `fields`: the other Plan fields. Verified threshold mode never runs on the block cache."""
     metric = metric_for(mars, metric)
     if threshold is not None:
         threshold = check_threshold(metric, threshold)
@@ -250,7 +250,7 @@ def make_plan(
         drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus)
     if feed is None:
         feed = "fixed" if mode is Mode.LOSSLESS and drafts.hedge is not None else "auto"
-    return DecodeSettings(
+    return Plan(
         mask_id=mask_id,
         eos_ids=tuple(eos_ids),
         mode=mode,
@@ -263,7 +263,7 @@ def make_plan(
     )
 
 
-def replan(plan: DecodeSettings, mars: MarsConfig | None, **asked) -> DecodeSettings:
+def replan(plan: Plan, mars: MarsConfig | None, **asked) -> Plan:
     """A new plan through `make_plan` for the same checkpoint (`mars`) and request as `plan` but for
     what `asked` changes (threshold, lossless, verify, force...)."""
     request = dict(

@@ -7,7 +7,7 @@ import numpy as np
 
 from .drafts import GROUP_SOURCES
 from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, with_groups
-from .plan import DecodeSettings
+from .plan import Plan
 from .types import Row
 
 
@@ -17,7 +17,7 @@ class WindowStrategy:
     only. Where drafts are verified, a row's drafts sit between its real tokens and its masks, and
     up to `group_counts[name]` groups of each in-forward source follow."""
 
-    def __init__(self, settings: DecodeSettings, cached: bool):
+    def __init__(self, settings: Plan, cached: bool):
         self.s = settings
         self.cached = cached
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
@@ -104,7 +104,7 @@ class BlockStrategy:
     its block waits. A finished block (or the prompt) is fed in front of the next block's first step,
     so no forward only commits."""
 
-    def __init__(self, settings: DecodeSettings, rows: list[Row] = ()):
+    def __init__(self, settings: Plan, rows: list[Row] = ()):
         self.s = settings
         self.masks = settings.masks_per_step  # a served batch sets it per step from its rows' thresholds
         self.key_valid: np.ndarray | None = None
@@ -184,7 +184,7 @@ def joined_keys(key_valid: np.ndarray, layout: Layout) -> np.ndarray:
     return layout.keys
 
 
-def make_strategy(settings: DecodeSettings, rows: list[Row]):
+def make_strategy(settings: Plan, rows: list[Row]):
     """The strategy `settings.cache` names, for these rows."""
     if settings.cache == "block":
         return BlockStrategy(settings, rows)

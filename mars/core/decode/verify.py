@@ -13,11 +13,11 @@ from ..acceptance import accept_counts, ar_mode_rows
 from .drafts import MASKS
 from .drafts.masks import Masks
 from .layout import Layout
-from .plan import DecodeSettings, Sampling
+from .plan import Plan, Sampling
 from .types import Row
 
 
-def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: DecodeSettings) -> list[list[int]]:
+def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: Plan) -> list[list[int]]:
     """Threshold step: per row, the leading slots kept at the row's own threshold (none if it waits)."""
     thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
     # Greedy AR accepts slot 0 by rule: without masks to judge, no confidence is computed.

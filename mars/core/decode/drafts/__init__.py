@@ -22,7 +22,7 @@ from .spare import SpareGroups
 
 if TYPE_CHECKING:
     from ..layout import Group
-    from ..plan import DecodeSettings
+    from ..plan import Plan
 
 
 class Proposer(Protocol):
@@ -37,7 +37,7 @@ class Proposer(Protocol):
 
 
 # The lookup sources, each built for a plan (None: not in this plan), in the order a row prefers them on a tie.
-SOURCES: dict[str, Callable[[DecodeSettings], Proposer | None]] = {
+SOURCES: dict[str, Callable[[Plan], Proposer | None]] = {
     NgramLookup.name: lambda plan: NgramLookup(),
     DraftCorpus.name: lambda plan: plan.drafts.corpus,
 }
@@ -49,7 +49,7 @@ class GroupSource(Protocol):
 
     name: str
 
-    def count(self, plan: DecodeSettings) -> int:
+    def count(self, plan: Plan) -> int:
         """The most groups a step of `plan` feeds (0: none); the cost-aware feed may narrow it."""
         ...
 
@@ -67,7 +67,7 @@ MASKS, SPARE, ALT = Masks.name, SpareGroups.name, Alternatives.name
 LABELS = {s.name: s.label for s in (Masks, SpareGroups, NgramLookup, DraftCorpus, Alternatives)}
 
 
-def lookup_sources(plan: DecodeSettings) -> list[Proposer]:
+def lookup_sources(plan: Plan) -> list[Proposer]:
     """The lookup sources a plan drafts from, up to `plan.lookup_drafts` drafts a step each."""
     if not plan.lookup_drafts:
         return []

@@ -18,7 +18,7 @@ class Alternatives:
 
     @staticmethod
     def count(plan) -> int:
-        """The most alternative groups a step of the plan feeds (DecodeSettings.alternative_groups)."""
+        """The most alternative groups a step of the plan feeds (Plan.alternative_groups)."""
         return plan.alternative_groups
 
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:

@@ -10,7 +10,7 @@ class Masks:
 
     @staticmethod
     def count(plan) -> int:
-        """The masks a step of the plan feeds (DecodeSettings.masks_per_step)."""
+        """The masks a step of the plan feeds (Plan.masks_per_step)."""
         return plan.masks_per_step
 
     @staticmethod

@@ -17,7 +17,7 @@ class SpareGroups:
 
     @staticmethod
     def count(plan) -> int:
-        """The most spare groups a step of the plan feeds (DecodeSettings.spare_groups)."""
+        """The most spare groups a step of the plan feeds (Plan.spare_groups)."""
         return plan.spare_groups
 
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
