@@ -183,8 +183,6 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
     as its users run it: our packed linear layers are switched off for it."""
     import torch
 
-    from .backends.torch.packed import disabled
-
     eos = list(loaded.eos_ids)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else eos[0]
 
@@ -199,7 +197,7 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
         if loaded.gate is not None:
             loaded.gate.clear()  # no masks fed: a gated adapter's model is the base
-        with disabled():
+        with base.plain_forwards(loaded):
             out = loaded.model.generate(
                 ids.to(loaded.device),
                 attention_mask=attn.to(loaded.device),

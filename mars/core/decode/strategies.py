@@ -23,7 +23,7 @@ class WindowStrategy:
         self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
         # Narrowed per step where the feed is measured (Execution.choose).
         self.masks = settings.masks_per_step
-        # The most groups of each in-forward source a step feeds ("spare", "alt").
+        # The most groups of each in-forward source a step feeds, by source name (drafts.GROUP_SOURCES).
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
 
     def lay_out(self, rows: list[Row]) -> Layout:
