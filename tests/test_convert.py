@@ -60,8 +60,6 @@ def hf_logits(path):
 def mlx_logits(path, adapter=None, float32=False):
     from mlx_lm.utils import load
 
-    from mars.convert.models import rope_overrides
-
     # an HF directory needs its rope_parameters spelled out for mlx-lm (as the MLX backend does)
     overrides = rope_overrides(json.loads((path / "config.json").read_text()))
     model, _ = load(str(path), adapter_path=str(adapter) if adapter else None, model_config=overrides)

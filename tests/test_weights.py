@@ -16,7 +16,7 @@ from mars.checkpoint.default_model import DEFAULT_REF, WEIGHTS_DIR, shipped_weig
 from mars.core.config import read_config
 from mars.core.decode.loop import generate
 from mars.core.tokens import encode_prompt
-from mars.evaluate import common_prefix
+from mars.parity import common_prefix
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,7 @@
 """PyTorch backend: transformers models on CPU, CUDA or MPS; peft LoRA; accelerate for many GPUs."""
 
 from .decode import TorchDecoder
-from .load import ModelError, TorchModel, ensure_mask_token, load
+from .load import TorchModel, ensure_mask_token, load
 from .loss import losses
 
-__all__ = ["ModelError", "TorchDecoder", "TorchModel", "ensure_mask_token", "load", "losses"]
+__all__ = ["TorchDecoder", "TorchModel", "ensure_mask_token", "load", "losses"]
