@@ -40,19 +40,8 @@ def make_tokenizer(with_unused: bool = True):
 
 
 # The architectures make_model builds (transformers model_type names).
-ARCHITECTURES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "ministral",
-    "gemma3_text",
-    "phi3",
-    "olmo2",
-    "granite",
-    "smollm3",
-    "qwen3_moe",
-    "mixtral",
+ARCHITECTURES = tuple(
+    "llama qwen2 qwen3 mistral ministral gemma3_text phi3 olmo2 granite smollm3 qwen3_moe mixtral".split()
 )
 
 

@@ -125,17 +125,8 @@ def read_peft(path: Path) -> Lora:
             )
         (a if m.group(2) == "A" else b)[m.group(1)] = t
     layers = _check_pairs(path / PEFT_WEIGHTS, a, b, rank)
-    return Lora(
-        a,
-        b,
-        rank,
-        scale,
-        float(config.get("lora_dropout") or 0.0),
-        config.get("base_model_name_or_path") or "",
-        config,
-        None,
-        layers,
-    )
+    dropout, base = float(config.get("lora_dropout") or 0.0), config.get("base_model_name_or_path") or ""
+    return Lora(a, b, rank, scale, dropout, base, peft_config=config, layers=layers)
 
 
 def read_mlx(path: Path) -> Lora:
@@ -157,17 +148,8 @@ def read_mlx(path: Path) -> Lora:
         (a if m.group(2) == "a" else b)[m.group(1)] = t.transpose()
     layers = _check_pairs(path / MLX_WEIGHTS, a, b, rank)
     peft = config.get("peft_config")
-    return Lora(
-        a,
-        b,
-        rank,
-        float(params["scale"]),
-        float(params.get("dropout") or 0.0),
-        config.get("model") or "",
-        peft,
-        config,
-        layers,
-    )
+    dropout, base = float(params.get("dropout") or 0.0), config.get("model") or ""
+    return Lora(a, b, rank, float(params["scale"]), dropout, base, peft_config=peft, mlx_config=config, layers=layers)
 
 
 def read_adapter(path: Path) -> Lora:

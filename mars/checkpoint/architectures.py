@@ -8,19 +8,7 @@ from pathlib import Path
 
 # The MLX backend: decoding exact against greedy AR and the torch backend, the MARS mask the
 # model's own attention. mlx-lm has no model for Ministral (its `ministral3` is another).
-MLX = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "gemma3_text",
-    "phi3",
-    "olmo2",
-    "granite",
-    "smollm3",
-    "qwen3_moe",
-    "mixtral",
-)
+MLX = tuple("llama qwen2 qwen3 mistral gemma3_text phi3 olmo2 granite smollm3 qwen3_moe mixtral".split())
 TORCH = MLX + ("ministral",)
 # `mars convert` HF <-> MLX (and --to vllm), for what mlx-lm reads; a mixture of experts'
 # per-expert tensors are stacked for mlx-lm.
