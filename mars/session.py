@@ -19,7 +19,7 @@ from .core.decode.feed import FeedController
 from .core.decode.loop import generate
 from .core.decode.plan import Plan
 from .core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM, block_size_for
-from .core.decode.types import DecodeStats
+from .core.decode.types import DecodeStats, TokenLogprob
 from .core.tokens import encode_prompt
 
 
@@ -31,6 +31,7 @@ class Decoded:
     finish: list[str] = field(default_factory=list)
     stats: list[DecodeStats] = field(default_factory=list)
     seconds: float = 0.0
+    logprobs: list[list[TokenLogprob]] | None = None  # per prompt and token, where the plan asked for them
 
     @property
     def total(self) -> DecodeStats:
@@ -75,8 +76,21 @@ def decode_batches(
         out.tokens += result.tokens
         out.finish += result.finish
         out.stats.append(result.stats)
+        if result.logprobs is not None:
+            out.logprobs = (out.logprobs or []) + result.logprobs
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def token_logprobs(tokenizer, tokens: list[int], entries: list[TokenLogprob]) -> list[dict]:
+    """Each generated token's log-probability and its place's most likely ids, as the OpenAI API
+    spells them in chat: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}."""
+
+    def one(token: int, logprob: float) -> dict:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [{**one(t, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]} for t, e in zip(tokens, entries)]
 
 
 class Session:

@@ -818,8 +818,25 @@ def limited_server(tm):
         ({"stream": "yes"}, "stream", None),
         ({"threshold": "fast"}, "threshold", None),
         ({"messages": []}, "messages", None),
-        ({"messages": [{"content": "no role"}]}, "messages[0]", None),
-        ({"logprobs": True}, "logprobs", None),
+        ({"messages": [{"content": "no role"}]}, "messages[0].role", None),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", None),
+        ({"messages": [{"role": "assitant", "content": "hi"}]}, "messages[0].role", None),
+        ({"messages": [{"role": "user"}]}, "messages[0].content", None),
+        (
+            {"messages": [{"role": "system", "content": None}, {"role": "user", "content": "hi"}]},
+            "messages[0].content",
+            None,
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+            None,
+        ),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "messages[0].tool_call_id", None),
+        ({"messages": ["hi"]}, "messages[0]", None),
+        ({"logprobs": "yes"}, "logprobs", None),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", None),
+        ({"top_logprobs": 2}, "top_logprobs", None),
     ],
 )
 def test_limits_and_bad_fields_answer_400(limited_server, case):
@@ -1025,3 +1042,75 @@ def test_fuzzed_requests_never_answer_5xx(fuzz_server, payload, chat):
     elif r.status_code != 200:
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     assert http_get(fuzz_server.url + "/health").json() == {"status": "ok"}
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+
+def plain_logprobs(tm, prompt, reply):
+    """(len(reply), vocab): log-softmax of a plain causal forward at each reply token's place."""
+    with torch.no_grad():
+        logits = tm.model(input_ids=torch.tensor([prompt + reply])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) + len(reply) - 1].numpy()
+
+
+@pytest.mark.parametrize("mode", [{"threshold": 1.0}, {"lossless": True}, {"threshold": 0.2}])
+def test_openai_client_chat_logprobs_streaming_and_not(server, tm, tok, mode):
+    """The openai client parses the logprobs of a chat reply, streamed or not; asking for them leaves
+    the text and the mode as they are; AR and lossless ones are a plain forward's (float32)."""
+    client = server.client()
+    msg = [{"role": "user", "content": PROMPTS[3]}]
+    kw = dict(model="tiny", messages=msg, max_tokens=20, extra_body=mode)
+    plain = client.chat.completions.create(**kw)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    choice = r.choices[0]
+    assert choice.message.content == plain.choices[0].message.content
+    assert r.usage.model_extra["mode"] == plain.usage.model_extra["mode"] and plain.choices[0].logprobs is None
+    content = choice.logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
+    from_masks = "threshold" in mode and mode["threshold"] < 1
+    assert choice.model_extra["logprobs_from"] == ("model and masks" if from_masks else "model")
+    prompt = encode_prompt(tok, PROMPTS[3])
+    if not from_masks:
+        tokens, _, _ = reference(tm, prompt, 20)
+        want = plain_logprobs(tm, prompt, tokens)
+        np.testing.assert_allclose([t.logprob for t in content], want[np.arange(len(tokens)), tokens], atol=1e-5)
+    chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in content], abs=1e-5)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+
+
+def test_openai_client_completions_logprobs_streaming_and_not(server, tm, tok):
+    client = server.client()
+    ids = encode_prompt(tok, "The sea is", chat=False)
+    tokens, ref, _ = reference(tm, ids, 16)
+    r = client.completions.create(model="tiny", prompt="The sea is", max_tokens=16, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref and len(lp.tokens) == len(tokens) == len(lp.token_logprobs)
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset == sorted(lp.text_offset)
+    want = plain_logprobs(tm, ids, tokens)
+    np.testing.assert_allclose(lp.token_logprobs, want[np.arange(len(tokens)), tokens], atol=1e-5)
+    streamed = list(
+        client.completions.create(model="tiny", prompt="The sea is", max_tokens=16, logprobs=2, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed) == ref
+    assert [
+        x for c in streamed if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs
+    ] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+
+def test_logprobs_stop_at_a_stop_string(server, tm, tok):
+    """Tokens past a stop string are not returned, nor are their log-probabilities."""
+    client = server.client()
+    msg = [{"role": "user", "content": PROMPTS[1]}]
+    full = client.chat.completions.create(model="tiny", messages=msg, max_tokens=20, logprobs=True)
+    text = full.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = client.chat.completions.create(model="tiny", messages=msg, max_tokens=20, logprobs=True, stop=[stop])
+    kept = cut.choices[0].logprobs.content
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert len(kept) < len(full.choices[0].logprobs.content)
+    assert [t.logprob for t in kept] == [t.logprob for t in full.choices[0].logprobs.content[: len(kept)]]

@@ -316,6 +316,7 @@ def plan_from_options(
     verify=None,
     alternatives=0,
     corpus=None,
+    logprobs=None,
 ):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
@@ -350,6 +351,7 @@ def plan_from_options(
         ngram=ngram,
         feed=feed,
         alternatives=alternatives,
+        logprobs=logprobs,
         **drafts,
     )
     if verify and settings.mode is not Mode.VERIFIED:  # asked for by name where it cannot apply

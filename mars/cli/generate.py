@@ -27,6 +27,13 @@ from .common import backend_option, decode_options, friendly_errors, model_optio
 @click.option("--raw", is_flag=True, help="Feed the prompt as plain text, without the chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt (text, tokens, statistics).")
 @click.option(
+    "--logprobs",
+    type=click.IntRange(0, 20),
+    default=None,
+    help="--json: also print each token's log-probability and the N most likely ids at its place (under the "
+    "distribution it was taken from: the model's, or in threshold modes a mask's); the tokens do not change.",
+)
+@click.option(
     "--compare",
     is_flag=True,
     help="Also run the prompts as plain greedy AR (threshold 1.0) and print both side by side.",
@@ -52,6 +59,7 @@ def generate_command(
     batch_size,
     raw,
     as_json,
+    logprobs,
     compare,
     rounds,
     backend,
@@ -61,12 +69,15 @@ def generate_command(
     from ..core.acceptance import ar_threshold
     from ..core.decode.plan import replan
     from ..prompts import read_prompts
+    from ..session import token_logprobs
 
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
     if not prompts:
         raise click.UsageError("give --prompt TEXT or --prompts FILE")
     session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
-    settings = plan_from_options(session, **decode)
+    if logprobs is not None and not as_json:
+        raise click.UsageError("--logprobs prints with --json")
+    settings = plan_from_options(session, **decode, logprobs=logprobs)
     tok = session.tokenizer
     ids = session.encode(prompts, chat=not raw)
     runs = [settings]
@@ -96,6 +107,11 @@ def generate_command(
                             "forwards": row.forwards,
                             "tokens_per_forward": round(row.tokens_per_forward, 3),
                             **sources_fields(row.by_source),
+                            **(
+                                {"logprobs": token_logprobs(tok, r.tokens[i], r.logprobs[i])}
+                                if r.logprobs is not None
+                                else {}
+                            ),
                         }
                     )
                 )

@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..core.acceptance import ThresholdError, check_threshold
-from ..core.decode.plan import Sampling
+from ..core.decode.plan import MAX_LOGPROBS, Mode, Sampling
 from ..core.decode.rules import UntrainedModelError
 from ..core.tokens import encode_prompt
+from ..session import token_logprobs
 
 MAX_STOP_SEQUENCES = 4  # as OpenAI
 
@@ -74,6 +75,7 @@ class Completion:
     lossless: bool | None = None  # as asked; None: the server's default mode decides (when planned)
     verify: bool = True
     pinned: bool = False
+    logprobs: int | None = None  # the most likely ids each token's log-probability lists; None: not asked
 
 
 # -- field readers --------------------------------------------------------------------------------
@@ -118,6 +120,21 @@ def _boolean(body: dict, name: str, default: bool | None) -> bool | None:
     return value
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many most likely ids each token's log-probability lists, None where none are asked for.
+    Chat: `logprobs` true, with `top_logprobs` 0 to 20; completions: `logprobs` 0 to 20."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise _bad("top_logprobs", "'top_logprobs' is a chat field; completions take 'logprobs': N")
+        return _integer(body, "logprobs", None, low=0, high=MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
+    if not _boolean(body, "logprobs", False):
+        if top is not None:
+            raise _bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -133,8 +150,6 @@ def _stop(body: dict) -> list[str]:
 
 def _unsupported(body: dict, chat: bool) -> None:
     """Fields whose meaning this server cannot honour: refuse rather than silently ignore."""
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "logprobs are not supported by this server")
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0) != 0.0:
             raise _bad(name, f"'{name}' is not supported by this server (leave it out or 0)")
@@ -151,6 +166,12 @@ def _unsupported(body: dict, chat: bool) -> None:
         _integer(body, "best_of", 1, low=1, high=1)
 
 
+# The roles the OpenAI API takes, and those whose content it requires (an assistant turn may carry
+# tool calls instead; this server takes no tools, so its content reads as text when present).
+ROLES = ("system", "developer", "user", "assistant", "tool")
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -158,25 +179,38 @@ def _messages(body: dict) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
-            raise _bad(where, f"'{where}' must be an object with a 'role' string and a 'content'")
-        content = m.get("content")
-        if content is None:
-            content = ""
-        elif isinstance(content, list):  # content parts: text only
-            texts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise _bad(
-                        f"{where}.content",
-                        f'\'{where}.content\': only text parts ({{"type": "text", "text": ...}}) are supported',
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        elif not isinstance(content, str):
-            raise _bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
-        out.append({"role": m["role"], "content": content})
+        if not isinstance(m, dict):
+            raise _bad(where, f"'{where}' must be an object with a 'role' and a 'content'")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+        if m.get("content") is None and role in CONTENT_REQUIRED:
+            raise _bad(f"{where}.content", f"'{where}.content' is required for a {role} message")
+        if role == "tool" and not isinstance(m.get("tool_call_id"), str):
+            raise _bad(f"{where}.tool_call_id", f"'{where}.tool_call_id' (a string) is required for a tool message")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise _bad(f"{where}.name", f"'{where}.name' must be a string")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m.get("content"), where)})
     return out
+
+
+def _content(content, where: str) -> str:
+    """A message's text: a string, or a list of text parts joined (none: the empty string)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise _bad(
+                    f"{where}.content[{j}]",
+                    f'\'{where}.content[{j}]\': only text parts ({{"type": "text", "text": ...}}) are supported',
+                )
+            texts.append(part["text"])
+        return "".join(texts)
+    raise _bad(f"{where}.content", f"'{where}.content' must be a string or a list of text parts")
 
 
 def _prompt(body: dict, tokenizer, vocab: int) -> list[int]:
@@ -239,6 +273,7 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
         except UntrainedModelError as e:
             raise _bad("threshold", f"'threshold' {threshold}: {e}", "model_not_mars_trained") from None
     stop = _stop(body)
+    logprobs = _logprobs(body, chat)
     ceiling = limits.max_tokens_limit
     max_tokens = _integer(body, "max_tokens", None, low=1, high=ceiling, code="max_tokens_limit")
     max_tokens = _integer(body, "max_completion_tokens", max_tokens, low=1, high=ceiling, code="max_tokens_limit")
@@ -297,6 +332,7 @@ def parse(body, *, chat: bool, session, names: tuple[str, ...], policy, limits: 
         lossless=lossless,
         verify=verify,
         pinned=not adaptive,
+        logprobs=logprobs,
     )
 
 
@@ -384,13 +420,55 @@ def usage(prompt_tokens: int, completion_tokens: int, forwards: int, threshold: 
     }
 
 
-def response(req: Completion, rid: str, created: int, text: str, finish: str, use: dict) -> dict:
+# What a choice's log-probabilities were computed under, by the request's mode (the `logprobs_from` field).
+LOGPROBS_FROM = {
+    Mode.AR: "model",
+    Mode.LOSSLESS: "model",
+    Mode.THRESHOLD: "model and masks",
+    Mode.VERIFIED: "model and masks",
+}
+
+
+def choice_logprobs(req: Completion, tokenizer, tokens: list[int], entries: list, offset: int = 0) -> dict | None:
+    """The `logprobs` of a choice (or of a streamed chunk) for these tokens, in the OpenAI API's form:
+    chat {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}, completions {"tokens",
+    "token_logprobs", "top_logprobs", "text_offset"} (`offset`: the text before them)."""
+    if req.logprobs is None:
+        return None
+    listed = token_logprobs(tokenizer, tokens, [replace(e, top=e.top[: req.logprobs]) for e in entries])
+    if req.chat:
+        return {"content": listed}
+    offsets = []
+    for t in listed:
+        offsets.append(offset)
+        offset += len(t["token"])
+    return {
+        "tokens": [t["token"] for t in listed],
+        "token_logprobs": [t["logprob"] for t in listed],
+        "top_logprobs": [{x["token"]: x["logprob"] for x in t["top_logprobs"]} for t in listed],
+        "text_offset": offsets,
+    }
+
+
+def response(
+    req: Completion,
+    rid: str,
+    created: int,
+    text: str,
+    finish: str,
+    use: dict,
+    logprobs: dict | None = None,
+    mode: Mode | None = None,
+) -> dict:
+    """The whole reply; `logprobs` (choice_logprobs) with the `mode` they were computed in."""
+    extra = {"logprobs_from": LOGPROBS_FROM[mode]} if logprobs is not None and mode is not None else {}
     if req.chat:
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
+            **extra,
         }
         return {
             "id": rid,
@@ -400,7 +478,7 @@ def response(req: Completion, rid: str, created: int, text: str, finish: str, us
             "choices": [choice],
             "usage": use,
         }
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish, **extra}
     return {
         "id": rid,
         "object": "text_completion",
@@ -421,15 +499,18 @@ def chunk(
     first: bool = False,
     use: dict | None = None,
     usage_chunk: bool = False,
+    logprobs: dict | None = None,
+    mode: Mode | None = None,
 ) -> dict:
     """One streamed event. With include_usage every chunk carries "usage": null and a last
-    chunk with no choices carries the numbers (as OpenAI)."""
+    chunk with no choices carries the numbers (as OpenAI). `logprobs`: those of the chunk's tokens."""
+    extra = {"logprobs_from": LOGPROBS_FROM[mode]} if logprobs is not None and mode is not None else {}
     if req.chat:
         delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish, **extra}]
         out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model, "choices": choices}
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish, **extra}]
         out = {"id": rid, "object": "text_completion", "created": created, "model": req.model, "choices": choices}
     if usage_chunk:
         out["choices"] = []

@@ -48,12 +48,24 @@ class Reader:
         self.completion_tokens = 0
         self.forwards = 0
         self.finish: str | None = None
+        # With logprobs: every token so far, those whose entries wait for their text to go out (token,
+        # entry, where its text ends), and those released by the last `next` (token, entry).
+        self.ids: list[int] = []
+        self.pending: list[tuple] = []
+        self.released: list[tuple] = []
+        self.offset = 0  # completions' text_offset: the text before the next released token
 
     async def next(self) -> str:
-        """The next piece of text (maybe empty); sets `finish` once the job is over."""
+        """The next piece of text (maybe empty); sets `finish` once the job is over, and `released`,
+        the tokens (with their log-probabilities, where asked for) whose text this piece completes."""
         ids, forwards, finish = await self.job.outbox.take()
         self.completion_tokens += len(ids)
         self.forwards += forwards
+        if self.req.logprobs is not None:
+            tokenizer = self.engine.session.tokenizer
+            for t, e in zip(ids, self.job.outbox.taken_logprobs):
+                self.ids.append(t)
+                self.pending.append((t, e, len(tokenizer.decode(self.ids, skip_special_tokens=True))))
         delta = self.text.add(ids)
         if self.text.stopped:
             self.engine.cancel(self.job)  # the rest is not wanted: free the row now
@@ -63,7 +75,22 @@ class Reader:
         elif finish is not None:
             delta += self.text.flush()
             self.finish = finish
+        # A token's entry goes out with the text it ends; past a stop string, none does.
+        everything = self.finish is not None and self.finish != "stop"
+        out = [p for p in self.pending if everything or p[2] <= self.text.sent]
+        self.pending = [] if self.finish is not None else self.pending[len(out) :]
+        self.released = [(t, e) for t, e, _ in out]
         return delta
+
+    def logprobs(self, released: list[tuple]) -> dict | None:
+        """The choice's `logprobs` for these released tokens (None where the request asked none)."""
+        if self.req.logprobs is None:
+            return None
+        tokens, entries = [t for t, _ in released], [e for _, e in released]
+        out = api.choice_logprobs(self.req, self.engine.session.tokenizer, tokens, entries, self.offset)
+        if not self.req.chat and out["tokens"]:
+            self.offset = out["text_offset"][-1] + len(out["tokens"][-1])
+        return out
 
     @property
     def done(self) -> bool:
@@ -183,6 +210,7 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
             verify=req.verify,
             threshold=req.threshold,
             pinned=req.pinned,
+            logprobs=req.logprobs,
         )
         try:
             engine.submit(job)
@@ -210,10 +238,11 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
 
     async def complete(request: Request, reader: Reader, rid: str, created: int) -> Response:
         watcher = asyncio.create_task(cancel_on_disconnect(request, reader.job))
-        parts = []
+        parts, released = [], []
         try:
             while not reader.done:
                 parts.append(await reader.next())
+                released += reader.released
         except JobFailed as e:
             raise ApiError(500, str(e), type="server_error", code="decoding_failed") from None
         finally:
@@ -222,7 +251,10 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
         if reader.finish == "cancelled":
             return Response(status_code=499)  # the client is gone; nobody reads this
         finish = api.FINISH[reader.finish]
-        return JSONResponse(api.response(reader.req, rid, created, "".join(parts), finish, reader.usage()))
+        text, mode = "".join(parts), reader.job.plan.mode
+        return JSONResponse(
+            api.response(reader.req, rid, created, text, finish, reader.usage(), reader.logprobs(released), mode)
+        )
 
     async def cancel_on_disconnect(request: Request, job: Job) -> None:
         while True:
@@ -240,8 +272,9 @@ def create_app(engine: Engine, limits: ServeLimits | None = None, *, admin_from_
                 delta = await reader.next()
                 if reader.finish == "cancelled":
                     return
-                if delta:
-                    yield sse(api.chunk(req, rid, created, text=delta))
+                if delta or reader.released:
+                    logprobs, mode = reader.logprobs(reader.released), reader.job.plan.mode
+                    yield sse(api.chunk(req, rid, created, text=delta, logprobs=logprobs, mode=mode))
             yield sse(api.chunk(req, rid, created, finish=api.FINISH[reader.finish]))
             if req.include_usage:
                 yield sse(api.chunk(req, rid, created, use=reader.usage(), usage_chunk=True))

@@ -37,7 +37,7 @@ from ..backends import base
 from ..core.acceptance import looser
 from ..core.decode.feed import FeedController
 from ..core.decode.loop import ContinuousBatch
-from ..core.decode.plan import Mode, Plan, Sampling
+from ..core.decode.plan import MAX_LOGPROBS, Mode, Plan, Sampling
 from ..core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
 from ..session import Session
 from .policy import ThresholdPolicy
@@ -67,17 +67,26 @@ class Outbox:
         self._ready = asyncio.Event()
         self._wake_due = False
         self._tokens: list[int] = []
+        self._logprobs: list = []  # per token posted, its TokenLogprob, where the request asked for them
+        self.taken_logprobs: list = []  # those of the tokens the last `take` returned
         self._forwards = 0
         self.finish: str | None = None  # "eos" | "length" | "error" | "cancelled"
         self.error: str | None = None
         self.threshold: float | None = None  # the loosest threshold the row decoded at
 
     def post(
-        self, tokens: list[int], *, threshold: float | None = None, finish: str | None = None, error: str | None = None
+        self,
+        tokens: list[int],
+        *,
+        threshold: float | None = None,
+        finish: str | None = None,
+        error: str | None = None,
+        logprobs: list | None = None,
     ) -> None:
         with self._lock:
             if tokens:
                 self._tokens.extend(tokens)
+                self._logprobs.extend(logprobs or [])
                 self._forwards += 1  # a forward counts for a row when it produced a token (docs/method.md §5)
             if threshold is not None:
                 self.threshold = threshold if self.threshold is None else self._looser(self.threshold, threshold)
@@ -91,12 +100,14 @@ class Outbox:
                 pass
 
     async def take(self) -> tuple[list[int], int, str | None]:
-        """Wait for news; returns (new tokens, forwards that produced them, finish or None)."""
+        """Wait for news; returns (new tokens, forwards that produced them, finish or None). Their
+        log-probabilities, where asked for, wait in `taken_logprobs`."""
         await self._ready.wait()
         with self._lock:
             self._ready.clear()
             self._wake_due = False
             tokens, forwards = self._tokens, self._forwards
+            self.taken_logprobs, self._logprobs = self._logprobs, []
             self._tokens, self._forwards = [], 0
             return tokens, forwards, self.finish
 
@@ -113,6 +124,7 @@ class Job:
     threshold: float | None = None  # the request's own; None: the policy's
     verify: bool = True  # greedy threshold mode verifies the drafts it does not take (as `mars generate`)
     pinned: bool = False  # the request opted out of the adaptive policy
+    logprobs: int | None = None  # the most likely ids each token's log-probability lists; None: none asked
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     cancelled: bool = False
     # The request's plan (mars.core.decode.plan), made when it is admitted (with the threshold in force
@@ -121,13 +133,15 @@ class Job:
 
     def kind(self) -> tuple:
         """Jobs of one kind share a batch (and its forwards); `plan` must be set."""
+        # Rows that keep log-probabilities batch apart (their steps read more), all at MAX_LOGPROBS ids.
+        asked = self.logprobs is not None
         if self.sampling.greedy:
             # AR and threshold rows share one batch, each at its own threshold.
-            return ("greedy", Mode.THRESHOLD if self.plan.mode is Mode.AR else self.plan.mode)
+            return ("greedy", Mode.THRESHOLD if self.plan.mode is Mode.AR else self.plan.mode, asked)
         if self.sampling.seed is not None:  # its own random stream, as when decoded alone
             return ("seeded", self.id)
         s = self.sampling
-        return ("sampled", self.plan.mode, s.temperature, s.top_p, s.top_k)
+        return ("sampled", self.plan.mode, s.temperature, s.top_p, s.top_k, asked)
 
 
 class _Batch:
@@ -352,6 +366,7 @@ class Engine:
             sampling=job.sampling,
             ngram=self.limits.ngram if drafts else 0,
             alternatives=self.limits.alternatives if drafts else 0,
+            logprobs=MAX_LOGPROBS if job.logprobs is not None else None,
             **({} if drafts else {"corpus": None}),
         )
 
@@ -433,6 +448,7 @@ class Engine:
                 new,
                 threshold=None if job.plan.mode is Mode.LOSSLESS else thresholds[id(row)],
                 finish=row.finish if row.done else None,
+                logprobs=row.logprobs[len(row.logprobs) - len(new) :] if job.logprobs is not None else None,
             )
         still = {id(r) for r in b.batch.rows}
         for key in [k for k in b.jobs if k not in still]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...core.acceptance import speculative_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import runners_up_of
+from ...core.decode.types import ReadLogprobs, runners_up_of
 from .forward import Caches, body, head, hidden_states
 from .load import MlxModel
 
@@ -33,6 +33,26 @@ def slot_predictions(logits: mx.array, metric: str, sampling: Sampling, key=None
     else:
         conf = -mx.sum(mx.where(probs > 0, probs * logp, 0.0), axis=-1)
     return chosen, conf
+
+
+def most_likely(logits: mx.array, n: int) -> mx.array:
+    """The n most likely ids of each read, most likely first: a partition, then a sort of those."""
+    top = mx.argpartition(-logits, n - 1, axis=-1)[..., :n]
+    order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+    return mx.take_along_axis(top, order, axis=-1)
+
+
+def read_logprobs(logits: mx.array, ids: mx.array, n: int) -> list[mx.array]:
+    """[the log-probability of `ids` at each read, the n most likely ids there, their log-probabilities],
+    under the untempered distribution, on the device (the torch backend's rule)."""
+    z = logits.astype(mx.float32)
+    logp = z - mx.logsumexp(z, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, ids.astype(mx.int32)[..., None], axis=-1)[..., 0]
+    if not n:
+        empty = logp[..., :0]
+        return [chosen, empty.astype(mx.int64), empty]
+    top = most_likely(logp, n)
+    return [chosen, top.astype(mx.int64), mx.take_along_axis(logp, top, axis=-1)]
 
 
 def sample(logits: mx.array, sampling: Sampling, key):
@@ -130,22 +150,24 @@ class MlxDecoder:
         picked = mx.take_along_axis(h, idx[..., None], axis=1)
         return head(self.model, picked)
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
+    def step(
+        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+    ):
         logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)
+        lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
         if not (runners_up and sampling.greedy):
-            mx.eval(chosen, conf)
-            return np.array(chosen), np.array(conf)
-        # The n + 1 most likely ids, most likely first: a partition, then a sort of those.
-        top = mx.argpartition(-logits, runners_up, axis=-1)[..., : runners_up + 1]
-        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
-        top = mx.take_along_axis(top, order, axis=-1)
-        mx.eval(chosen, conf, top)
-        ids = np.array(chosen)
-        return ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up)
+            mx.eval(chosen, conf, *lp)
+            out = (np.array(chosen), np.array(conf))
+        else:
+            top = most_likely(logits, runners_up + 1)
+            mx.eval(chosen, conf, top, *lp)
+            ids = np.array(chosen)
+            out = (ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up))
+        return out + ((ReadLogprobs(*(np.array(a) for a in lp)),) if logprobs is not None else ())
 
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
         width = drafts.shape[1]
@@ -164,8 +186,14 @@ class MlxDecoder:
         else:
             proposals = mx.zeros((batch, 0), dtype=mx.int32)
         self._drafted = q_next
-        mx.eval(kept, token, proposals, q_next)
-        return np.array(kept), np.array(token), np.array(proposals)
+        lp = []
+        if logprobs is not None:  # the ids taken at the first 1 + width reads: the drafts kept, then the token
+            at = mx.arange(width + 1)[None, :]
+            taken = mx.where(at == kept[:, None], token[:, None], mx.concatenate([dr, dr[:, :1] * 0], axis=1))
+            lp = read_logprobs(logits[:, : width + 1], taken, logprobs)
+        mx.eval(kept, token, proposals, q_next, *lp)
+        out = (np.array(kept), np.array(token), np.array(proposals))
+        return out + ((ReadLogprobs(*(np.array(a) for a in lp)),) if logprobs is not None else ())
 
 
 class MlxOps:

@@ -11,7 +11,7 @@ import torch
 
 from ...core.acceptance import speculative_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import runners_up_of
+from ...core.decode.types import ReadLogprobs, runners_up_of
 from ...core.masks import decode_mask
 from . import packed
 from .attention import REDUCED, row_exact
@@ -253,28 +253,38 @@ class TorchDecoder:
         return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
 
     @torch.inference_mode()
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
+    def step(
+        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+    ):
         if not sampling.greedy:  # every read draws its own token: the reads stay apart
             logits = self.logits(cache, input_ids, positions, mask, read, valid)
-            return tuple(to_host(*slot_predictions(logits, metric, sampling, self.rng(sampling))))
+            chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling))
+            lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
+            host = to_host(chosen, conf, *lp)
+            return (host[0], host[1]) + ((ReadLogprobs(*host[2:]),) if logprobs is not None else ())
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
         chosen, conf = slot_predictions(unique, metric, sampling)
-        # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros)
-        # and the runners-up together.
+        # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros),
+        # the runners-up and the log-probabilities together.
+        lp = read_logprobs(unique, chosen, logprobs) if logprobs is not None else []
         wanted = (
             [chosen]
             + ([conf] if metric is not None else [])
             + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else [])
+            + lp
         )
         host = [a[where] for a in to_host(*wanted)]
         ids = host[0]
         conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
-        if not runners_up:
-            return ids, conf
-        return ids, conf, runners_up_of(host[-1], ids, runners_up)
+        out = (ids, conf)
+        if runners_up:
+            out += (runners_up_of(host[len(wanted) - len(lp) - 1], ids, runners_up),)
+        if logprobs is not None:
+            out += (ReadLogprobs(*host[-3:]),)
+        return out
 
     @torch.inference_mode()
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read)
         gen = self.rng(sampling)
@@ -290,7 +300,12 @@ class TorchDecoder:
         token = torch.multinomial(dist, 1, generator=gen)[:, 0]
         proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
         self._drafted = q_next
-        return tuple(to_host(kept, token, proposals))
+        if logprobs is None:
+            return tuple(to_host(kept, token, proposals))
+        # The ids taken at the first 1 + width reads: the drafts kept, then the token.
+        taken = torch.cat([dr, dr.new_zeros((dr.shape[0], 1))], dim=1).scatter(1, kept[:, None], token[:, None])
+        host = to_host(kept, token, proposals, *read_logprobs(logits[:, : width + 1], taken, logprobs))
+        return (*host[:3], ReadLogprobs(*host[3:]))
 
 
 _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
@@ -373,6 +388,14 @@ def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, gene
     else:
         conf = -(probs * logp).nan_to_num().sum(-1)
     return chosen, conf
+
+
+def read_logprobs(logits: torch.Tensor, ids: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """[the log-probability of `ids` at each read, the n most likely ids there, their log-probabilities],
+    under the untempered distribution, on the device."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = logp.topk(n, dim=-1)
+    return [logp.gather(-1, ids[..., None].long())[..., 0], top.indices, top.values]
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator=None) -> torch.Tensor:

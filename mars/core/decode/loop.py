@@ -61,7 +61,8 @@ def generate(
 
     rows = everyone
     run.report(stats)
-    return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats)
+    logprobs = [r.logprobs for r in rows] if s.logprobs is not None else None
+    return DecodeResult(tokens=[r.out for r in rows], finish=[r.finish for r in rows], stats=stats, logprobs=logprobs)
 
 
 def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: DecodeStats) -> list[list[int]]:
@@ -83,13 +84,15 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
             s.sampling,
             metric=s.metric if confident else None,
             runners_up=s.alternative_groups,
+            logprobs=s.logprobs,
         )
         if drafting is not None:
             drafting.after_step(layout, verdict, rows, time.perf_counter() - t0)
         accepted, proposals = verdict.accepted, verdict.nxt
-        taken = take_confident(accepted, proposals, verdict.conf, rows, s.metric) if confident else None
+        taken = take_confident(accepted, proposals, verdict.conf, rows, s.metric, verdict) if confident else None
+        logprobs = verdict.logprobs
     else:
-        accepted = accept_by_threshold(backend, cache, layout, mask, rows, s)
+        accepted, logprobs = accept_by_threshold(backend, cache, layout, mask, rows, s)
         stats.masks_fed[layout.columns.masks] = stats.masks_fed.get(layout.columns.masks, 0) + 1
         if threshold_feed is not None:
             for i, r in enumerate(rows):
@@ -118,6 +121,8 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(verdict.kept[i])
         accepted[i] = _take(r, accepted[i], eos)
+        if logprobs is not None:
+            r.logprobs.extend(logprobs[i][: len(accepted[i])])
     strategy.commit(backend, cache, rows, layout, before, verdict.kept if s.verifies else None)
     return accepted
 

@@ -23,6 +23,7 @@ class Mode(enum.Enum):
     LOSSLESS = "lossless"  # the masks (and other sources) draft, the next forward verifies: AR's output
 
 
+MAX_LOGPROBS = 20  # the most likely ids a token's logprobs may list (the OpenAI API's top_logprobs bound)
 STRATEGIES = ("none", "window", "block")
 FEEDS = ("auto", "fixed")
 
@@ -92,6 +93,9 @@ class Plan:
     # The loaded model's number format. Lossless output equals AR's exactly in float32, and up to
     # near-ties of AR's two best logits in narrower formats (the mode's name says so).
     numerics: str = "float32"
+    # Also keep each generated token's log-probability and the `logprobs` most likely ids at its place
+    # (None: none kept); what is generated does not change.
+    logprobs: int | None = None
 
     def __post_init__(self):
         check_metric(self.metric)
@@ -105,6 +109,8 @@ class Plan:
             raise ValueError(f"block size must be >= 1, got {self.block_size}")
         if self.block_cache < 1:
             raise ValueError(f"block cache size must be >= 1, got {self.block_cache}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be 0 to {MAX_LOGPROBS} most likely ids, got {self.logprobs}")
         if self.max_tokens < 1:
             raise ValueError(f"max tokens must be >= 1, got {self.max_tokens}")
         if self.feed not in FEEDS:
@@ -278,6 +284,7 @@ def replan(plan: Plan, mars: MarsConfig | None, **asked) -> Plan:
         feed=plan.feed,
         drafts=plan.drafts,
         numerics=plan.numerics,
+        logprobs=plan.logprobs,
         lossless=plan.mode is Mode.LOSSLESS,
         threshold=None if plan.mode is Mode.LOSSLESS else plan.threshold,
         verify=plan.mode is not Mode.THRESHOLD,

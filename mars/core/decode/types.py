@@ -18,13 +18,16 @@ class StepBackend(Protocol):
 
     def crop(self, cache: Any, length: int) -> None: ...
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up: int = 0):
+    def step(
+        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+    ):
         """Forward `input_ids` (b, q) at `positions` on `cache` (None: no cache) under `mask` (b, q, kv)
         bool or None (plain causal, no holes); return (ids, confidence), each (b, k), for the outputs
         at `read` (b, k) indices into q. `metric` None (greedy AR): the argmax ids alone, confidences
         may be zeros. `valid` (b, q), when given, marks the real positions: the others are holes, never
         attended nor read, which a backend may leave uncomputed (`skips_holes`). `runners_up` n > 0
-        (greedy): also return, third, (b, k, n) the next n ids of each read after its chosen one."""
+        (greedy): also return, third, (b, k, n) the next n ids of each read after its chosen one.
+        `logprobs` n (not None): also return, last, a ReadLogprobs of the reads with n top ids each."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:
@@ -32,16 +35,41 @@ class StepBackend(Protocol):
         kept for speculate."""
         ...
 
-    def speculate(
-        self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None) -> tuple:
         """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of the D
         draft slots and after the last (AR), then the m masks. Row r's first `n_drafts[r]` ids of
         `drafts` (b, D) were drawn by the previous call from its mask distributions q, which the backend
         kept. Returns (kept (b,), token (b,), new drafts (b, m)): drafts kept with chance min(1, p/q),
         then a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the last
-        draft; the new drafts are drawn from this step's mask distributions, kept for the next call."""
+        draft; the new drafts are drawn from this step's mask distributions, kept for the next call.
+        `logprobs` n (not None): also return, last, a ReadLogprobs of the first 1 + D reads whose
+        chosen ids are the drafts kept, then the token."""
         ...
+
+
+@dataclass
+class ReadLogprobs:
+    """What a step read, as log-probabilities (StepBackend.step and speculate with `logprobs` n): per
+    read, the id returned (or taken) there under the model's untempered distribution at that read, and
+    the n most likely ids there with theirs, most likely first."""
+
+    chosen: np.ndarray  # (b, k) float32
+    top_ids: np.ndarray  # (b, k, n) int64
+    top: np.ndarray  # (b, k, n) float32
+
+    def entry(self, i: int, j: int) -> TokenLogprob:
+        """Row i's read j as one token's entry."""
+        top = [(int(t), float(v)) for t, v in zip(self.top_ids[i, j], self.top[i, j])]
+        return TokenLogprob(float(self.chosen[i, j]), top)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability under the distribution it was taken from, and the most
+    likely ids there with theirs."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 def sum_ragged(lists) -> list[int]:
@@ -168,6 +196,7 @@ class DecodeResult:
     tokens: list[list[int]]  # generated ids per row, an accepted EOS included
     finish: list[str]  # "eos" or "length"
     stats: DecodeStats
+    logprobs: list[list[TokenLogprob]] | None = None  # per row and token, where the plan asked for them
 
 
 class Row:
@@ -185,6 +214,7 @@ class Row:
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
         self.source = MASKS  # where `drafts` came from: masks | spare | ngram | corpus | alt
         self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DraftSources.alternatives)
+        self.logprobs: list[TokenLogprob] = []  # per token of `out`, where the plan asks for them
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 
     @property

@@ -14,16 +14,20 @@ from .drafts import MASKS
 from .drafts.masks import Masks
 from .layout import Layout
 from .plan import Plan, Sampling
-from .types import Row
+from .types import Row, TokenLogprob
 
 
-def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s: Plan) -> list[list[int]]:
-    """Threshold step: per row, the leading slots kept at the row's own threshold (none if it waits)."""
+def accept_by_threshold(
+    backend, cache, layout: Layout, mask, rows: list[Row], s: Plan
+) -> tuple[list[list[int]], list[list[TokenLogprob]] | None]:
+    """Threshold step: per row, the leading slots kept at the row's own threshold (none if it waits),
+    and with the plan's `logprobs` each one's under the distribution it was read from (slot 0 the
+    model's next-token distribution, a mask's its own)."""
     thresholds = np.asarray([r.threshold for r in rows], dtype=np.float64)
     # Greedy AR accepts slot 0 by rule: without masks to judge, no confidence is computed.
     no_masks = ar_mode_rows(s.metric, thresholds).all() or layout.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
-    ids, conf = backend.step(
+    out = backend.step(
         cache,
         layout.ids,
         layout.positions,
@@ -32,9 +36,15 @@ def accept_by_threshold(backend, cache, layout: Layout, mask, rows: list[Row], s
         metric=step_metric,
         sampling=s.sampling,
         valid=layout.valid,
+        **({"logprobs": s.logprobs} if s.logprobs is not None else {}),
     )
+    ids, conf = out[0], out[1]
     counts = accept_counts(conf, s.metric, thresholds, layout.limit)
-    return [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
+    accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
+    if s.logprobs is None:
+        return accepted, None
+    lp = out[-1]
+    return accepted, [[lp.entry(i, j) for j in range(counts[i])] for i in range(len(rows))]
 
 
 @dataclass
@@ -47,6 +57,10 @@ class Verdict:
     group: np.ndarray  # (b,) the group (index into layout.columns.groups) whose proposals follow (-1: none)
     next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
     conf: list | None = None  # with a metric: per row, the confidence of each next draft
+    # With logprobs asked for: per row, each accepted token's (under the model's distribution where the
+    # forward verified or computed it), and each next draft's (under the distribution that proposed it).
+    logprobs: list[list[TokenLogprob]] | None = None
+    next_logprobs: list[list[TokenLogprob]] | None = None
 
 
 def confirmed(group, i: int, kept: int, token: int) -> bool:
@@ -58,7 +72,14 @@ def confirmed(group, i: int, kept: int, token: int) -> bool:
 
 
 def verify(
-    backend, cache, layout: Layout, mask, sampling: Sampling, metric: str | None = None, runners_up: int = 0
+    backend,
+    cache,
+    layout: Layout,
+    mask,
+    sampling: Sampling,
+    metric: str | None = None,
+    runners_up: int = 0,
+    logprobs: int | None = None,
 ) -> Verdict:
     """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR token; none
     for a waiting row) and its next drafts, (source, ids).
@@ -67,11 +88,13 @@ def verify(
     with the longest prefix does, a confirmed prefix also adding AR's token after it (read at the
     prefix, where the group was AR's own window); else there are no next drafts. Sampling: the
     backend's `speculate` verifies, the masks alone propose. Greedy, `runners_up` n adds each next
-    draft's n runners-up (`next_alts`) and `metric` their confidences (`conf`)."""
+    draft's n runners-up (`next_alts`) and `metric` their confidences (`conf`); `logprobs` n keeps
+    log-probabilities with n most likely ids (`logprobs`, `next_logprobs`)."""
     columns, width = layout.columns, layout.columns.draft_slots
     b = len(layout.ids)
     chosen = np.full(b, -1, dtype=np.int64)
-    conf = second = ids = None
+    conf = second = ids = lp = None
+    asked = {"logprobs": logprobs} if logprobs is not None else {}
     if sampling.greedy:
         out = backend.step(
             cache,
@@ -83,8 +106,10 @@ def verify(
             sampling=sampling,
             valid=layout.valid,
             **({"runners_up": runners_up} if runners_up else {}),
+            **asked,
         )
         ids = out[0]
+        lp = out[-1] if logprobs is not None else None
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
@@ -98,19 +123,34 @@ def verify(
             if fits:
                 chosen[i] = max(fits, key=lambda k: (columns.groups[k].prefix.shape[1], -k))
     else:
-        kept, token, proposals = backend.speculate(
-            cache, layout.ids, layout.positions, mask, layout.read, layout.drafts, layout.n_drafts, sampling=sampling
+        out = backend.speculate(
+            cache,
+            layout.ids,
+            layout.positions,
+            mask,
+            layout.read,
+            layout.drafts,
+            layout.n_drafts,
+            sampling=sampling,
+            **asked,
         )
+        kept, token, proposals = out[:3]
+        lp = out[3] if logprobs is not None else None
         kept = np.asarray(kept, dtype=np.int64)
     accepted, nxt, nxt_conf, nxt_alts = [], [], [], []
+    took_lp, nxt_lp = ([], []) if lp is not None else (None, None)
     for i in range(b):
+        reads: list[int] = []  # the reads of the tokens row i takes
         if layout.limit[i] <= 0:
             accepted.append([])
         else:
             took = [int(t) for t in layout.drafts[i, : kept[i]]] + [int(token[i])]
+            reads = list(range(int(kept[i]) + 1))
             if chosen[i] >= 0:  # AR's tokens after the group's prefix, read in the group: it was AR's window there
-                reads = columns.group_reads(int(chosen[i]))
-                took += [int(t) for t in ids[i, reads.start : reads.start + columns.groups[chosen[i]].prefix.shape[1]]]
+                start = columns.group_reads(int(chosen[i])).start
+                prefix = columns.groups[chosen[i]].prefix.shape[1]
+                took += [int(t) for t in ids[i, start : start + prefix]]
+                reads += list(range(start, start + prefix))
             accepted.append(took)
         # The masks' proposals were conditioned on every draft: wrong once one failed.
         if chosen[i] >= 0:
@@ -127,22 +167,33 @@ def verify(
             nxt_conf.append(None)
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
+        if lp is not None:
+            took_lp.append([lp.entry(i, j) for j in reads])
+            # A sampled step's next drafts were drawn from the masks' tempered distributions: none kept here.
+            nxt_lp.append([lp.entry(i, read + j) for j in range(n)] if read is not None and sampling.greedy else [])
         nxt_alts.append(
             [[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else []
         )
     return Verdict(
-        accepted, nxt, np.where(layout.limit > 0, kept, 0), chosen, nxt_alts, nxt_conf if metric is not None else None
+        accepted,
+        nxt,
+        np.where(layout.limit > 0, kept, 0),
+        chosen,
+        nxt_alts,
+        nxt_conf if metric is not None else None,
+        took_lp,
+        nxt_lp,
     )
 
 
 def take_confident(
-    accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str
+    accepted: list[list[int]], nxt: list[tuple[str, list[int]]], conf, rows: list[Row], metric: str, verdict=None
 ) -> list[int]:
     """Verified threshold mode (docs/method.md §9): after a lossless step each row also takes,
     unverified, the leading next drafts whose confidence passes its threshold (`accept_counts`, the
     step's tokens as slot 0), within its max_tokens; the rest stay drafts. A row in AR mode takes
-    none, so at threshold 1.0 the output is AR's. Updates `accepted` and `nxt` in place; returns how
-    many each row took."""
+    none, so at threshold 1.0 the output is AR's. Updates `accepted` and `nxt` in place (and `verdict`'s
+    log-probabilities, when given and kept); returns how many each row took."""
     width = max((len(d) for _, d in nxt), default=0)
     slots = np.full((len(rows), 1 + width), np.nan)  # NaN passes no threshold: rows with fewer drafts stop there
     for i, (_, drafts) in enumerate(nxt):
@@ -159,6 +210,9 @@ def take_confident(
             source, drafts = nxt[i]
             accepted[i] = accepted[i] + drafts[:c]
             nxt[i] = (source, drafts[c:])
+            if verdict is not None and verdict.logprobs is not None:
+                verdict.logprobs[i] = verdict.logprobs[i] + verdict.next_logprobs[i][:c]
+                verdict.next_logprobs[i] = verdict.next_logprobs[i][c:]
     return taken
 
 
