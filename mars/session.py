@@ -142,7 +142,7 @@ class Session:
         self._decoder_cls = decoder_cls
         self.decoder = self.new_decoder()
         # What a forward costs here, measured (or read from the cache directory) when a plan
-        # first needs it, and the feed policies that learn across calls.
+        # first needs it, and the lossless feeds that learn across calls.
         self.controller = FeedController(measure=self._measured_costs)
 
     def new_decoder(self):
