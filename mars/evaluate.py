@@ -57,6 +57,7 @@ class EvalSettings:
     nll: bool = True
     lossless: bool = False  # also decode in lossless mode (docs/method.md §8): one more row, exact by construction
     hedges: tuple = (None,)  # lossless rows: spare mask groups of each (DraftSources.hedge; None: B)
+    trees: tuple = (0,)  # lossless rows: tree nodes of each (DraftSources.tree; 0: the chain alone)
     alternatives: int = 0  # lossless and verified rows: runner-up groups (DraftSources.alternatives)
     # Lossless and verified rows: also draft up to this many tokens a step from n-gram lookup in
     # the prompt and reply and from the checkpoint's draft corpus (DraftSources.ngram, .corpus);
@@ -203,7 +204,7 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
     if not prompt_ids:
         raise DataError("no prompts to decode (text records have none; pass a prompt file)")
 
-    def run(threshold, lossless=False, hedge=None, verify=False):
+    def run(threshold, lossless=False, hedge=None, verify=False, tree=0):
         s = base.plan_for_model(
             session.loaded,
             threshold=threshold,
@@ -218,8 +219,10 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
             verify=verify,
             alternatives=settings.alternatives,
             ngram=settings.ngram,
+            tree=tree,
         )
         alts = f", {s.alternative_groups} runner-up groups" if s.alternative_groups else ""
+        alts += f", trees of up to {s.tree_nodes} nodes" if s.tree_nodes else ""
         lookup, corpus = (
             s.lookup_drafts,
             s.lookup_drafts > 0 and s.drafts.corpus is not None,
@@ -235,6 +238,7 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
         return decode_all(session, prompt_ids, s, settings.batch_size) | {
             "hedges": s.spare_groups,
             "alternatives": s.alternative_groups,
+            "tree": s.tree_nodes,
             "ngram": lookup,
             "corpus": corpus,
             "name": s.name,
@@ -242,11 +246,11 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
 
     reference = run(ar)
     rows = []
-    modes = [(t, False, None, False) for t in [ar] + others]
-    modes += [(t, False, None, True) for t in others] if settings.verify else []
-    modes += [(ar, True, h, False) for h in settings.hedges] if settings.lossless else []
-    for threshold, lossless, hedge, verify in modes:
-        d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge, verify)
+    modes = [(t, False, None, False, 0) for t in [ar] + others]
+    modes += [(t, False, None, True, 0) for t in others] if settings.verify else []
+    modes += [(ar, True, h, False, n) for h in settings.hedges for n in settings.trees] if settings.lossless else []
+    for threshold, lossless, hedge, verify, tree in modes:
+        d = reference if threshold == ar and not lossless else run(threshold, lossless, hedge, verify, tree)
         prefix = [common_prefix(o, r) for o, r in zip(d["outputs"], reference["outputs"])]
         longest = [max(len(o), len(r), 1) for o, r in zip(d["outputs"], reference["outputs"])]
         slots = np.zeros(max(B + 1, d["per_slot"].size))  # n-gram drafts may outnumber the masks
@@ -273,6 +277,7 @@ def sweep(session: Session, prompts: list, settings: EvalSettings, *, announce=l
                     else {}
                 ),
                 **({"alternatives": d["alternatives"]} if (lossless or verify) and d["alternatives"] else {}),
+                **({"tree": d["tree"]} if lossless and d["tree"] else {}),
                 **({"ngram": d["ngram"], "corpus": d["corpus"]} if (lossless or verify) and d["ngram"] else {}),
                 # Lossless rows promise AR's replies, verified rows come close: where, in this format, they did not.
                 **(
@@ -437,6 +442,7 @@ def _mode_name(row: dict, fmt: str) -> str:
     else:
         name = "lossless" if row.get("hedge") is None else f"lossless/h{row['hedge']}"
     name += f"/a{row['alternatives']}" if row.get("alternatives") else ""
+    name += f"/t{row['tree']}" if row.get("tree") else ""
     return name + (f"/n{row['ngram']}{'c' if row.get('corpus') else ''}" if row.get("ngram") else "")
 
 

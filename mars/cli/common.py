@@ -293,6 +293,15 @@ def decode_options(f):
         "masks, so that where the first draft is wrong and AR's token is a runner-up the step takes one more "
         "token and better drafts (each costs 1 + B fed tokens; with --feed auto fed only where it pays); 0: none.",
     )(f)
+    f = click.option(
+        "--tree",
+        type=click.IntRange(min=0),
+        default=0,
+        show_default=True,
+        help="Lossless, greedy, window or no cache: also feed up to N tree nodes a step, the masks' runners-up off "
+        "the chain of drafts by path probability, each with B masks (each costs 1 + B fed tokens; with --feed auto "
+        "as many as pay); 0: the chain alone.",
+    )(f)
     return f
 
 
@@ -317,6 +326,7 @@ def plan_from_options(
     alternatives=0,
     corpus=None,
     logprobs=None,
+    tree=0,
 ):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""
@@ -351,6 +361,7 @@ def plan_from_options(
         ngram=ngram,
         feed=feed,
         alternatives=alternatives,
+        tree=tree,
         logprobs=logprobs,
         **drafts,
     )

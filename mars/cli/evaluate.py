@@ -38,6 +38,13 @@ def _thresholds(ctx, param, value):
     return tuple(out)
 
 
+def _trees(ctx, param, value):
+    for part in _parts(value):
+        if not part.isdigit():
+            raise click.BadParameter(f"{part!r} is not a whole number >= 0", param=param)
+    return tuple(int(p) for p in _parts(value)) or (0,)
+
+
 def _hedges(ctx, param, value):
     for part in _parts(value):
         if not part.isdigit():
@@ -122,6 +129,14 @@ def _hedges(ctx, param, value):
     "size.",
 )
 @click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    callback=_trees,
+    help="Lossless rows: also feed up to N tree nodes a step, the masks' runners-up off the chain of drafts "
+    "(repeat, or comma-separated, for one row each; rows /tN). Default: 0, the chain alone.",
+)
+@click.option(
     "--alternatives",
     type=click.IntRange(min=0),
     default=E["alternatives"],
@@ -190,6 +205,7 @@ def evaluate_command(
     lossless,
     verify,
     hedges,
+    trees,
     alternatives,
     ngram,
     humaneval,
@@ -260,6 +276,7 @@ def evaluate_command(
         lossless=lossless,
         verify=verify,
         hedges=hedges,
+        trees=trees,
         alternatives=alternatives,
         ngram=ngram,
         humaneval=humaneval,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .drafts import ALT, IN_FORWARD, MASKS, SPARE, lookup_sources
+from .drafts import ALT, IN_FORWARD, MASKS, SPARE, TREE, lookup_sources
 from .feed import DraftStats, LosslessFeed
 from .layout import Layout, lossless_width
 from .plan import Plan
@@ -54,12 +54,35 @@ class Drafting:
         for i, own, choice in zip(live, owns, picks):
             r = rows[i]
             r.source, self._keys[i], r.drafts = choice
-            if (
-                r.source not in IN_FORWARD
-            ):  # the runners-up of lookup's first draft: the masks' draft, then its runners-up
+            if r.source not in IN_FORWARD:  # lookup's first draft's runners-up: the masks' draft, then its own
                 r.alts = [t for t in dict.fromkeys(own + r.alts) if t != r.drafts[0]] if own else []
         if self.s.alternative_groups:
             strategy.group_counts[ALT] = self._alternatives(rows, m, g, batch)
+        if self.s.tree_nodes:
+            strategy.group_counts[TREE] = self._tree_nodes(rows, m, g, strategy.group_counts.get(ALT, 0), batch)
+
+    def _tree_nodes(self, rows: list[Row], masks: int, spare_groups: int, alt_groups: int, batch: int) -> int:
+        """How many tree nodes the step feeds (drafts/tree.py): all allowed without a cost curve; with
+        one, the number with the most expected tokens per second, a node adding a token with its
+        path's probability under the masks (each row's most probable nodes first)."""
+        most = self.s.tree_nodes
+        if self.feed is None:
+            return most
+        live = [(r, key) for r, key in zip(rows, self._keys) if not r.done and r.drafts and r.branches]
+        if not live or not masks:
+            return 0
+        st = self.stats
+        base = batch + sum(float(st.expected_kept(key, len(r.drafts))) for r, key in live)
+        widest = max(len(r.drafts) for r, _ in live)
+        gains = np.zeros(most + 1)
+        for r, _ in live:
+            p = [prob for _, _, prob in r.branches[:most]]
+            gains[1 : len(p) + 1] += np.cumsum(p)
+            gains[len(p) + 1 :] += sum(p)
+        costs = self.feed.costs
+        width = [lossless_width(widest, masks, spare_groups, alt_groups + n) for n in range(most + 1)]
+        scores = [(base + gains[n]) / costs.seconds(batch, width[n]) for n in range(most + 1)]
+        return int(np.argmax(scores))
 
     def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:
         """How many alternative groups the step feeds: all allowed without a cost curve; with one, the

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..acceptance import check_threshold
+from .drafts.tree import RANKS, branches
 from .execution import Execution, execution
 from .feed import FeedController
 from .layout import layout_mask
@@ -85,6 +86,7 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
             metric=s.metric if confident else None,
             runners_up=s.alternative_groups,
             logprobs=s.logprobs,
+            ranks=RANKS if s.tree_nodes else 0,
         )
         if drafting is not None:
             drafting.after_step(layout, verdict, rows, time.perf_counter() - t0)
@@ -114,9 +116,13 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
             first = taken[i] if taken is not None else 0
             r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
             if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
-                group = layout.columns.groups[verdict.group[i]]
-                if group.prefix.shape[1]:
-                    r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + group.prefix.shape[1]
+                group, m = layout.columns.groups[verdict.group[i]], int(verdict.matched[i])
+                if m:
+                    r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + m
+            if verdict.next_top is not None:  # the tree's branches off the next drafts
+                top_ids, top_logp = verdict.next_top[i]
+                r.branches = branches(top_ids[first:], top_logp[first:], s.tree_nodes)
+                r.tree_chain = list(r.drafts)
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
             before[i] += int(verdict.kept[i])

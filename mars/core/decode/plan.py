@@ -60,6 +60,8 @@ class DraftSources:
     ngram: int = 0
     # With `ngram` > 0, a draft corpus (drafts/corpus.py) to draft up to `ngram` tokens a step from.
     corpus: Any = field(default=None, repr=False, compare=False)
+    # The most tree nodes (drafts/tree.py: the masks' runners-up off the chain of drafts) a step feeds; 0: off.
+    tree: int = 0
 
     def __post_init__(self):
         if self.hedge is not None and self.hedge < 0:
@@ -68,6 +70,8 @@ class DraftSources:
             raise ValueError(f"alternatives must be >= 0 runner-up drafts, got {self.alternatives}")
         if self.ngram < 0:
             raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
+        if self.tree < 0:
+            raise ValueError(f"tree nodes must be >= 0, got {self.tree}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +162,11 @@ class Plan:
         return 0 if self.no_spare_groups else self.drafts.alternatives
 
     @property
+    def tree_nodes(self) -> int:
+        """Tree nodes a window step may feed: `tree` where spare groups may be fed."""
+        return 0 if self.no_spare_groups else self.drafts.tree
+
+    @property
     def lookup_drafts(self) -> int:
         """The most drafts a step takes from lookup: greedy only (a sampled draft needs the
         distribution it came from), where drafts are verified."""
@@ -228,6 +237,7 @@ def make_plan(
     default_threshold: float | None = None,
     hedge: int | None = None,
     alternatives: int = 0,
+    tree: int = 0,
     ngram: int = 0,
     corpus: Any = None,
     drafts: DraftSources | None = None,
@@ -253,7 +263,7 @@ def make_plan(
     if mode is Mode.VERIFIED and fields.get("cache") == "block":
         fields["cache"] = "window"
     if drafts is None:
-        drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus)
+        drafts = DraftSources(hedge=hedge, alternatives=alternatives, ngram=ngram, corpus=corpus, tree=tree)
     if feed is None:
         feed = "fixed" if mode is Mode.LOSSLESS and drafts.hedge is not None else "auto"
     return Plan(

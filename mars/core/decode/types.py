@@ -214,6 +214,9 @@ class Row:
         self.drafts: list[int] = []  # lossless: the last proposals, verified next step
         self.source = MASKS  # where `drafts` came from: masks | spare | ngram | corpus | alt
         self.alts: list[int] = []  # lossless: runners-up for drafts[0] (DraftSources.alternatives)
+        # Lossless: the tree's branches (drafts/tree.py) and the chain of drafts they leave.
+        self.branches: list[tuple[int, list[int], float]] = []
+        self.tree_chain: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # per token of `out`, where the plan asks for them
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 

@@ -5,7 +5,7 @@ AR token after them, and picks the next drafts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -61,14 +61,27 @@ class Verdict:
     # forward verified or computed it), and each next draft's (under the distribution that proposed it).
     logprobs: list[list[TokenLogprob]] | None = None
     next_logprobs: list[list[TokenLogprob]] | None = None
+    # With ranks asked for: per row, (ids, log-probabilities), each (next drafts, k), most likely first.
+    next_top: list[tuple[np.ndarray, np.ndarray]] | None = None
+    matched: np.ndarray | None = None  # (b,) prefix tokens AR confirmed in `group` (greedy)
 
 
-def confirmed(group, i: int, kept: int, token: int) -> bool:
-    """Whether AR confirmed group `group`'s context for row i: it is live there, anchored after
-    the `kept` drafts kept, and its prefix (if any) begins with AR's token after them."""
+def matched(group, i: int, kept: int, token: int, ar: np.ndarray) -> int:
+    """How many of group `group`'s prefix tokens AR confirmed for row i, -1 where the group does not
+    apply: it must be live there and anchored after the `kept` drafts kept; its first prefix token
+    must be AR's token after them, and each next one AR's token after the one before (`ar`: AR's
+    predictions read at the group's prefix columns)."""
     if not group.live[i] or int(group.anchor[i]) != kept:
-        return False
-    return group.prefix.shape[1] == 0 or int(group.prefix[i, 0]) == token
+        return -1
+    p = group.prefix.shape[1]
+    if p == 0:
+        return 0
+    if int(group.prefix[i, 0]) != token:
+        return -1
+    m = 1
+    while m < p and int(group.prefix[i, m]) == int(ar[m - 1]):
+        m += 1
+    return m
 
 
 def verify(
@@ -80,6 +93,7 @@ def verify(
     metric: str | None = None,
     runners_up: int = 0,
     logprobs: int | None = None,
+    ranks: int = 0,
 ) -> Verdict:
     """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR token; none
     for a waiting row) and its next drafts, (source, ids).
@@ -89,12 +103,15 @@ def verify(
     prefix, where the group was AR's own window); else there are no next drafts. Sampling: the
     backend's `speculate` verifies, the masks alone propose. Greedy, `runners_up` n adds each next
     draft's n runners-up (`next_alts`) and `metric` their confidences (`conf`); `logprobs` n keeps
-    log-probabilities with n most likely ids (`logprobs`, `next_logprobs`)."""
+    log-probabilities with n most likely ids (`logprobs`, `next_logprobs`); greedy, `ranks` k keeps
+    each next draft's k most likely ids with their log-probabilities (`next_top`, for trees)."""
     columns, width = layout.columns, layout.columns.draft_slots
     b = len(layout.ids)
     chosen = np.full(b, -1, dtype=np.int64)
     conf = second = ids = lp = None
-    asked = {"logprobs": logprobs} if logprobs is not None else {}
+    wanted = max(logprobs or 0, ranks if sampling.greedy else 0)
+    asked = {"logprobs": wanted} if logprobs is not None or wanted else {}
+    matches = np.zeros(b, dtype=np.int64)  # prefix tokens AR confirmed in the chosen group
     if sampling.greedy:
         out = backend.step(
             cache,
@@ -109,7 +126,7 @@ def verify(
             **asked,
         )
         ids = out[0]
-        lp = out[-1] if logprobs is not None else None
+        lp = out[-1] if asked else None
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
@@ -119,9 +136,15 @@ def verify(
         for i in range(b):
             if layout.limit[i] <= 0 or kept[i] == layout.n_drafts[i]:
                 continue  # waiting, or every draft kept: the masks after them propose
-            fits = [k for k, g in enumerate(columns.groups) if confirmed(g, i, int(kept[i]), int(token[i]))]
+            fits = []
+            for k, g in enumerate(columns.groups):
+                start = columns.group_reads(k).start
+                m = matched(g, i, int(kept[i]), int(token[i]), ar=ids[i, start : start + g.prefix.shape[1]])
+                if m >= 0:
+                    fits.append((m, m == g.prefix.shape[1], -k))
             if fits:
-                chosen[i] = max(fits, key=lambda k: (columns.groups[k].prefix.shape[1], -k))
+                best = max(fits)
+                chosen[i], matches[i] = -best[2], best[0]
     else:
         out = backend.speculate(
             cache,
@@ -135,10 +158,11 @@ def verify(
             **asked,
         )
         kept, token, proposals = out[:3]
-        lp = out[3] if logprobs is not None else None
+        lp = out[3] if asked else None
         kept = np.asarray(kept, dtype=np.int64)
-    accepted, nxt, nxt_conf, nxt_alts = [], [], [], []
-    took_lp, nxt_lp = ([], []) if lp is not None else (None, None)
+    accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
+    took_lp, nxt_lp = ([], []) if logprobs is not None else (None, None)
+    trim = (lambda e: replace(e, top=e.top[:logprobs])) if logprobs is not None and logprobs < wanted else (lambda e: e)
     for i in range(b):
         reads: list[int] = []  # the reads of the tokens row i takes
         if layout.limit[i] <= 0:
@@ -146,14 +170,13 @@ def verify(
         else:
             took = [int(t) for t in layout.drafts[i, : kept[i]]] + [int(token[i])]
             reads = list(range(int(kept[i]) + 1))
-            if chosen[i] >= 0:  # AR's tokens after the group's prefix, read in the group: it was AR's window there
-                start = columns.group_reads(int(chosen[i])).start
-                prefix = columns.groups[chosen[i]].prefix.shape[1]
-                took += [int(t) for t in ids[i, start : start + prefix]]
-                reads += list(range(start, start + prefix))
+            if chosen[i] >= 0:  # AR's tokens after the confirmed prefix, read in the group: AR's window there
+                start, m = columns.group_reads(int(chosen[i])).start, int(matches[i])
+                took += [int(t) for t in ids[i, start : start + m]]
+                reads += list(range(start, start + m))
             accepted.append(took)
         # The masks' proposals were conditioned on every draft: wrong once one failed.
-        if chosen[i] >= 0:
+        if chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
             group = columns.groups[chosen[i]]
             read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
             nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
@@ -167,10 +190,15 @@ def verify(
             nxt_conf.append(None)
             read = None
         n = len(nxt[-1][1])  # per next draft, its runners-up (their reads follow one another)
-        if lp is not None:
-            took_lp.append([lp.entry(i, j) for j in reads])
+        if logprobs is not None:
+            took_lp.append([trim(lp.entry(i, j)) for j in reads])
             # A sampled step's next drafts were drawn from the masks' tempered distributions: none kept here.
-            nxt_lp.append([lp.entry(i, read + j) for j in range(n)] if read is not None and sampling.greedy else [])
+            nxt_lp.append(
+                [trim(lp.entry(i, read + j)) for j in range(n)] if read is not None and sampling.greedy else []
+            )
+        if ranks and sampling.greedy:
+            rows_at = [read + j for j in range(n)] if read is not None else []
+            nxt_top.append((lp.top_ids[i, rows_at, :ranks], lp.top[i, rows_at, :ranks]))
         nxt_alts.append(
             [[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else []
         )
@@ -183,6 +211,8 @@ def verify(
         nxt_conf if metric is not None else None,
         took_lp,
         nxt_lp,
+        nxt_top if ranks and sampling.greedy else None,
+        matches,
     )
 
 

@@ -19,6 +19,7 @@ from .corpus import DraftCorpus
 from .masks import Masks
 from .ngram import NgramLookup
 from .spare import SpareGroups
+from .tree import TreeDrafts
 
 if TYPE_CHECKING:
     from ..layout import Group
@@ -60,11 +61,15 @@ class GroupSource(Protocol):
 
 
 # The in-forward sources beside the masks, in the order their groups follow the window.
-GROUP_SOURCES: dict[str, GroupSource] = {SpareGroups.name: SpareGroups(), Alternatives.name: Alternatives()}
+GROUP_SOURCES: dict[str, GroupSource] = {
+    SpareGroups.name: SpareGroups(),
+    Alternatives.name: Alternatives(),
+    TreeDrafts.name: TreeDrafts(),
+}
 IN_FORWARD = (Masks.name, *GROUP_SOURCES)  # the model's own proposals, read from the verifying forward
-MASKS, SPARE, ALT = Masks.name, SpareGroups.name, Alternatives.name
+MASKS, SPARE, ALT, TREE = Masks.name, SpareGroups.name, Alternatives.name, TreeDrafts.name
 # How a report names each source's tokens.
-LABELS = {s.name: s.label for s in (Masks, SpareGroups, NgramLookup, DraftCorpus, Alternatives)}
+LABELS = {s.name: s.label for s in (Masks, SpareGroups, NgramLookup, DraftCorpus, Alternatives, TreeDrafts)}
 
 
 def lookup_sources(plan: Plan) -> list[Proposer]:

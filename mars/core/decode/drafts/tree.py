@@ -1,0 +1,71 @@
+"""Token trees from the masks' ranked guesses (Medusa's trees, docs/method.md §9): in-forward drafts
+for when a draft of the chain fails.
+
+The masks of a step rank the whole vocabulary at each slot; the chain of drafts is their first
+guesses. A node leaves the chain after its first `anchor` drafts with slot anchor + 1's runner-up of
+rank j; its path's probability under the masks is the chain's first `anchor` guesses' times the
+runner-up's. The tree is the chain and the `budget` nodes of highest path probability, one group
+each: anchored after its `anchor` drafts, the runner-up as a real id (seeing its ancestors alone),
+then masks. Where the chain fails at a node's place and AR's token there is the node, verification
+takes it and AR's token after it, and the node's masks propose the next drafts. (Paths of two or
+more nodes off the chain kept fewer tokens per forward here: a path AR confirms only in part leaves
+no proposals for the next step; the masks after a node propose its continuation instead.)"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..layout import Group
+
+RANKS = 8  # the ranked guesses per slot a tree draws on (the first is the chain's)
+
+
+class TreeDrafts:
+    """The tree source: per row, the nodes `branches` chose, one group each."""
+
+    name = "tree"
+    label = "tree drafts"
+
+    @staticmethod
+    def count(plan) -> int:
+        """The most tree nodes a step of the plan feeds (Plan.tree_nodes)."""
+        return plan.tree_nodes
+
+    def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
+        if not count or not masks:
+            return []
+        # A branch applies where the drafts fed before its anchor are the chain it leaves.
+        live_rows = [
+            [(a, p) for a, p, _ in r.branches[:count] if a < n_drafts[i] and r.drafts[:a] == r.tree_chain[:a]]
+            if not r.done and n_drafts[i]
+            else []
+            for i, r in enumerate(rows)
+        ]
+        out = []
+        for k in range(max((len(b) for b in live_rows), default=0)):
+            width = max(len(b[k][1]) for b in live_rows if len(b) > k)
+            anchor = np.zeros(len(rows), dtype=np.int64)
+            prefix = np.full((len(rows), width), mask_id, dtype=np.int64)
+            live = np.zeros(len(rows), dtype=bool)
+            for i, b in enumerate(live_rows):
+                if len(b) > k:
+                    anchor[i], path = b[k]
+                    prefix[i, : len(path)] = path
+                    live[i] = True
+            out.append(Group(self.name, anchor, prefix, live, masks))
+        return out
+
+
+def branches(top_ids: np.ndarray, top_logp: np.ndarray, budget: int) -> list[tuple[int, list[int], float]]:
+    """The tree's branches off the chain of first guesses, as (anchor, [runner-up], path probability),
+    most probable first: `top_ids`, `top_logp` (n, k) the masks' k most likely ids per slot with their
+    log-probabilities, most likely first; `budget` the most branches. A branch's probability is its
+    path's: the chain's first `anchor` guesses, then the runner-up."""
+    n, k = top_ids.shape
+    if not budget or not n or k < 2:
+        return []
+    chain = np.concatenate([[0.0], np.cumsum(top_logp[:, 0])])[:n]  # the chain's first a guesses
+    score = chain[:, None] + top_logp[:, 1:]  # (n, k - 1): anchor a, runner-up of rank j + 1
+    order = np.lexsort((np.arange(score.size), -score.reshape(-1)))[:budget]
+    flat = score.reshape(-1)
+    return [(int(i // (k - 1)), [int(top_ids[i // (k - 1), i % (k - 1) + 1])], float(np.exp(flat[i]))) for i in order]
