@@ -109,6 +109,10 @@ def test_the_trees_benchmark_reports_each_size_and_the_speed(tiny, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     report = load_script("benchmarks/trees.py").main(
         ["--model", str(tiny), "--prompts", str(prompts), "--limit", "2", "--max-tokens", "6", "--trees", "2,4"]
+        + ["--speed-tree", "4", "--repeats", "1"]
     )
     rows = report["masks_only"]["test"]
     assert [r["tree"] for r in rows] == [0, 2, 4] and all(r["identical_to_ar"] == 2 for r in rows)
+    speed = report["speed"]["rows"]
+    assert [r["mode"] for r in speed] == ["ar", "default", "default, tree 4"]
+    assert all(r["identical_to_ar"] == 2 and r["tok_s"] > 0 for r in speed)
