@@ -1114,3 +1114,16 @@ def test_logprobs_stop_at_a_stop_string(server, tm, tok):
     assert cut.choices[0].message.content == text[: text.find(stop)]
     assert len(kept) < len(full.choices[0].logprobs.content)
     assert [t.logprob for t in kept] == [t.logprob for t in full.choices[0].logprobs.content[: len(kept)]]
+
+
+def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok):
+    """`mars serve --tree N`: greedy lossless requests also feed tree nodes; the replies stay AR's."""
+    with live(tm, engine_limits=EngineLimits(max_batch=4, block_cache=8, tree=8)) as srv:
+        assert srv.engine.limits.tree == 8
+        client = srv.client()
+        for text in PROMPTS[:3]:
+            _, ref, _ = reference(tm, encode_prompt(tok, text), 20)
+            r = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20, extra_body={"lossless": True}
+            )
+            assert r.choices[0].message.content == ref

@@ -118,6 +118,14 @@ S = _serve_defaults()
     "(0: off).",
 )
 @click.option(
+    "--tree",
+    type=click.IntRange(min=0),
+    default=S["tree"],
+    show_default=True,
+    help="Greedy lossless requests on the window cache: the most tree nodes (the masks' runners-up off the chain "
+    "of drafts) a step may feed (0: off).",
+)
+@click.option(
     "--max-batch",
     type=click.IntRange(min=1),
     default=S["max_batch"],
@@ -194,6 +202,7 @@ def serve_command(
     cache,
     ngram,
     alternatives,
+    tree,
     max_batch,
     max_queue,
     max_prompt_tokens,
@@ -267,6 +276,7 @@ def serve_command(
                 cache=cache,
                 ngram=ngram,
                 alternatives=alternatives,
+                tree=tree,
             ),
             serve_limits=ServeLimits(
                 max_prompt_tokens=max_prompt_tokens,

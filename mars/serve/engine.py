@@ -165,6 +165,7 @@ class EngineLimits:
     cache: str = "window"
     ngram: int = DEFAULT_NGRAM  # n-gram drafts a greedy lossless window step may feed (0: off)
     alternatives: int = DEFAULT_ALTERNATIVES  # runner-up groups a greedy lossless window step may feed (0: off)
+    tree: int = 0  # tree nodes (drafts/tree.py) a greedy lossless window step may feed (0: off)
     stats_window: float = 10.0  # seconds of history behind the recent tokens/s and tokens/forward
 
 
@@ -366,6 +367,7 @@ class Engine:
             sampling=job.sampling,
             ngram=self.limits.ngram if drafts else 0,
             alternatives=self.limits.alternatives if drafts else 0,
+            tree=self.limits.tree if drafts else 0,
             logprobs=MAX_LOGPROBS if job.logprobs is not None else None,
             **({} if drafts else {"corpus": None}),
         )
