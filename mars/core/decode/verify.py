@@ -17,6 +17,11 @@ from .plan import Plan, Sampling
 from .types import Row, TokenLogprob
 
 
+def step(backend, cache, layout: Layout, mask, **options):
+    """One backend step over a step's layout (StepBackend.step): its ids, positions, reads and holes."""
+    return backend.step(cache, layout.ids, layout.positions, mask, layout.read, valid=layout.valid, **options)
+
+
 def accept_by_threshold(
     backend, cache, layout: Layout, mask, rows: list[Row], s: Plan
 ) -> tuple[list[list[int]], list[list[TokenLogprob]] | None]:
@@ -27,17 +32,8 @@ def accept_by_threshold(
     # Greedy AR accepts slot 0 by rule: without masks to judge, no confidence is computed.
     no_masks = ar_mode_rows(s.metric, thresholds).all() or layout.columns.masks == 0
     step_metric = None if no_masks and s.sampling.greedy else s.metric
-    out = backend.step(
-        cache,
-        layout.ids,
-        layout.positions,
-        mask,
-        layout.read,
-        metric=step_metric,
-        sampling=s.sampling,
-        valid=layout.valid,
-        **({"logprobs": s.logprobs} if s.logprobs is not None else {}),
-    )
+    asked = {"logprobs": s.logprobs} if s.logprobs is not None else {}
+    out = step(backend, cache, layout, mask, metric=step_metric, sampling=s.sampling, **asked)
     ids, conf = out[0], out[1]
     counts = accept_counts(conf, s.metric, thresholds, layout.limit)
     accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
@@ -113,20 +109,11 @@ def verify(
     asked = {"logprobs": wanted} if logprobs is not None or wanted else {}
     matches = np.zeros(b, dtype=np.int64)  # prefix tokens AR confirmed in the chosen group
     if sampling.greedy:
-        out = backend.step(
-            cache,
-            layout.ids,
-            layout.positions,
-            mask,
-            layout.read,
-            metric=metric,
-            sampling=sampling,
-            valid=layout.valid,
-            **({"runners_up": runners_up} if runners_up else {}),
-            **asked,
-        )
+        if runners_up:
+            asked["runners_up"] = runners_up
+        out = step(backend, cache, layout, mask, metric=metric, sampling=sampling, **asked)
         ids = out[0]
-        lp = out[-1] if asked else None
+        lp = out[-1] if "logprobs" in asked else None
         conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
         second = out[2] if runners_up else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
@@ -158,7 +145,7 @@ def verify(
             **asked,
         )
         kept, token, proposals = out[:3]
-        lp = out[3] if asked else None
+        lp = out[3] if "logprobs" in asked else None
         kept = np.asarray(kept, dtype=np.int64)
     accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
     took_lp, nxt_lp = ([], []) if logprobs is not None else (None, None)
