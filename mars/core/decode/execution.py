@@ -26,11 +26,6 @@ class Execution:
     threshold_feed: ThresholdFeed | None = None
     served: bool = False
 
-    @property
-    def measured(self) -> bool:
-        """Each step's feed is chosen from the cost curves (else the plan's fixed feed)."""
-        return self.lossless_feed is not None or self.threshold_feed is not None
-
     def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> None:
         """Before a step: the masks (and spare groups) it feeds, then each row's drafts. The only
         place a step's width is set."""
