@@ -2,12 +2,14 @@
 embedded default with the shipped weights (or --model), torch on the CPU, batch 1.
 
     python benchmarks/trees.py [--limit 32] [--max-tokens 128] [--trees 4,8,16,32] [--humaneval 40]
-        [--speed-tree 8] [--speed-only] [--repeats 2] [--threads 1] [--model DIR] [--prompts FILE] [--json OUT]
+        [--sampled 0.7] [--speed-tree 8] [--speed-only] [--repeats 2] [--threads 1] [--model DIR] [--prompts FILE]
+        [--json OUT]
 
 1. Masks only: lossless greedy, no lookup drafts (n-gram, corpus), no runner-up groups, the fixed
    feed (B masks and B spare groups every step), the chain alone and with trees of each size; per
    prompt set (the first --limit held-out test prompts; with --humaneval N, HumanEval problems
-   1..N too): tokens per forward and replies identical to AR's (they must all be).
+   1..N too): tokens per forward and replies identical to AR's (they must all be). With --sampled T,
+   the same sampled at temperature T (seed 0): tokens per forward.
 2. Speed (--speed-tree N > 0): AR, the default mode (the draft sources `mars generate` feeds with no
    options, the cost-aware feed) and the default mode with trees of up to N nodes, interleaved over
    --repeats rounds (every other round reversed) on the test prompts: tokens/s medians, and each
@@ -25,17 +27,27 @@ from pathlib import Path
 
 import torch
 
+from mars.core.decode.plan import Sampling
 from mars.prompts import read_prompts
 from mars.session import Session
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def masks_only(session, ids, ar, sizes, max_tokens) -> list[dict]:
+def masks_only(session, ids, ar, sizes, max_tokens, sampling=None) -> list[dict]:
+    """Masks-only lossless per tree size; with `sampling` (a Sampling) sampled, `ar` then None (sampled
+    replies are compared with AR's in distribution by the tests, not here)."""
     rows = []
     for n in sizes:
         plan = session.plan(
-            lossless=True, max_tokens=max_tokens, ngram=0, alternatives=0, corpus=None, feed="fixed", tree=n
+            lossless=True,
+            max_tokens=max_tokens,
+            ngram=0,
+            alternatives=0,
+            corpus=None,
+            feed="fixed",
+            tree=n,
+            **({"sampling": sampling} if sampling is not None else {}),
         )
         t0 = time.perf_counter()
         out = session.decode(ids, plan, 1)
@@ -44,7 +56,7 @@ def masks_only(session, ids, ar, sizes, max_tokens) -> list[dict]:
             {
                 "tree": n,
                 "tokens_per_forward": round(total.tokens_per_forward, 3),
-                "identical_to_ar": sum(a == b for a, b in zip(out.tokens, ar)),
+                "identical_to_ar": sum(a == b for a, b in zip(out.tokens, ar)) if ar is not None else None,
                 "prompts": len(ids),
                 "tokens_by_source": total.by_source(),
                 "seconds": round(time.perf_counter() - t0, 1),
@@ -97,6 +109,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--trees", default="4,8,16,32")
     ap.add_argument("--humaneval", type=int, default=0)
+    ap.add_argument("--sampled", type=float, default=0.0, help="also masks-only lossless sampled at this temperature")
     ap.add_argument("--speed-tree", type=int, default=0)
     ap.add_argument("--speed-only", action="store_true", help="skip the masks-only sizes")
     ap.add_argument("--repeats", type=int, default=2)
@@ -121,6 +134,10 @@ def main(argv=None) -> dict:
     for name, ids in sets.items() if not args.speed_only else ():
         ar = session.decode(ids, session.plan(threshold=1.0, max_tokens=args.max_tokens), 1).tokens
         report["masks_only"][name] = masks_only(session, ids, ar, sizes, args.max_tokens)
+        if args.sampled:
+            sampling = Sampling(temperature=args.sampled, seed=0)
+            rows = masks_only(session, ids, None, sizes, args.max_tokens, sampling)
+            report["masks_only"][f"{name}, sampled (temperature {args.sampled:g})"] = rows
     if args.speed_tree:
         report["speed"] = speed(session, sets["test"], args.speed_tree, args.max_tokens, args.repeats)
     print(json.dumps(report, indent=1))
@@ -129,7 +146,11 @@ def main(argv=None) -> dict:
         print("| prompts | " + " | ".join("chain" if n == 0 else f"tree {n}" for n in sizes) + " |")
         print("|---|" + "---|" * len(sizes))
     for name, rows in report["masks_only"].items():
-        cells = [f"{r['tokens_per_forward']} ({r['identical_to_ar']}/{r['prompts']})" for r in rows]
+        cells = [
+            f"{r['tokens_per_forward']}"
+            + (f" ({r['identical_to_ar']}/{r['prompts']})" if r["identical_to_ar"] is not None else "")
+            for r in rows
+        ]
         print(f"| {name} | " + " | ".join(cells) + " |")
     if "speed" in report:
         print()

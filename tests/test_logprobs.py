@@ -57,6 +57,8 @@ PLANS = {
     "verified": dict(threshold=0.3, verify=True, ngram=6),
     "sampled-lossless": dict(lossless=True, sampling=Sampling(temperature=0.8, seed=5)),
     "sampled-ar": dict(threshold=1.0, sampling=Sampling(temperature=0.8, seed=5)),
+    "lossless-tree": dict(lossless=True, tree=8),
+    "sampled-lossless-tree": dict(lossless=True, tree=8, sampling=Sampling(temperature=1.0, top_k=4, seed=5)),
 }
 
 
@@ -77,7 +79,9 @@ def test_logprobs_change_neither_tokens_nor_mode(tm, tok, name):
 
 
 @pytest.mark.parametrize(
-    "name", ["ar", "lossless", "lossless-block", "lossless-none", "sampled-lossless", "sampled-ar"]
+    "name",
+    ["ar", "lossless", "lossless-block", "lossless-none", "sampled-lossless", "sampled-ar"]
+    + ["lossless-tree", "sampled-lossless-tree"],
 )
 def test_ar_and_lossless_logprobs_equal_a_plain_forward(tm, tok, name):
     """Every token's log-probability (and the top ids') as a plain forward of prompt + reply computes
@@ -93,6 +97,8 @@ def test_ar_and_lossless_logprobs_equal_a_plain_forward(tm, tok, name):
     if name.startswith("lossless"):
         kept = sum(sum(r.kept_per_slot) for r in result.stats.rows)
         assert kept > 0, "no draft was kept: the verified tokens' path went untested"
+    if name.endswith("tree"):
+        assert result.stats.by_source().get("tree", 0) > 0, "no tree node was taken: its path went untested"
 
 
 @pytest.mark.parametrize("name", ["threshold", "verified"])
@@ -118,7 +124,8 @@ def test_logprobs_bounds():
     assert plan(threshold=1.0, logprobs=0).logprobs == 0
 
 
-def test_mlx_lossless_logprobs_equal_a_plain_forward(tok, tmp_path):
+@pytest.mark.parametrize("name", ["lossless", "sampled-lossless-tree"])
+def test_mlx_lossless_logprobs_equal_a_plain_forward(tok, tmp_path, name):
     pytest.importorskip("mlx_lm")
     from tiny import save_model
 
@@ -128,7 +135,9 @@ def test_mlx_lossless_logprobs_equal_a_plain_forward(tok, tmp_path):
     path = save_model(tmp_path / "m", "llama", seed=3)
     m = load(str(path), announce=lambda s: None)
     prompts = prompts_of(m.tokenizer, PROMPTS[:2])
-    result = generate(MlxDecoder(m), prompts, plan(lossless=True, ngram=6, logprobs=2))
+    result = generate(MlxDecoder(m), prompts, plan(**PLANS[name], logprobs=2))
+    if name.endswith("tree"):
+        assert result.stats.by_source().get("tree", 0) > 0, "no tree node was taken: its path went untested"
     tm = TorchModel(make_model("llama", len(tok), seed=3), tok, None, "", torch.device("cpu"), torch.float32)
     for prompt, reply, entries in zip(prompts, result.tokens, result.logprobs):
         want = plain_logprobs(tm, prompt, reply)

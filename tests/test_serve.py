@@ -1116,8 +1116,17 @@ def test_logprobs_stop_at_a_stop_string(server, tm, tok):
     assert [t.logprob for t in kept] == [t.logprob for t in full.choices[0].logprobs.content[: len(kept)]]
 
 
-def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok):
-    """`mars serve --tree N`: greedy lossless requests also feed tree nodes; the replies stay AR's."""
+def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok, monkeypatch):
+    """`mars serve --tree N`: greedy lossless requests also feed tree nodes; the replies stay AR's. Sampled
+    lossless requests feed them too."""
+    fed = []
+    speculate = TorchDecoder.speculate
+
+    def spy(self, *args, tree=None, **kw):
+        fed.append(tree is not None and bool(tree.live.any()))
+        return speculate(self, *args, tree=tree, **kw)
+
+    monkeypatch.setattr(TorchDecoder, "speculate", spy)
     with live(tm, engine_limits=EngineLimits(max_batch=4, block_cache=8, tree=8)) as srv:
         assert srv.engine.limits.tree == 8
         client = srv.client()
@@ -1127,3 +1136,14 @@ def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok):
                 model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20, extra_body={"lossless": True}
             )
             assert r.choices[0].message.content == ref
+        # Sampled lossless requests feed trees too (the speculative rule over the tree, tests/test_trees.py).
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": PROMPTS[0]}],
+            max_tokens=20,
+            temperature=1.0,
+            seed=3,
+            extra_body={"lossless": True},
+        )
+        assert r.usage.completion_tokens > 0 and r.usage.model_extra["mode"].startswith("lossless sampling")
+        assert any(fed), "no sampled step fed a tree node"

@@ -1,7 +1,8 @@
 """Token trees from the masks' ranked guesses (mars.core.decode.drafts.tree): the nodes chosen by path
-probability, greedy lossless output identical to AR with trees on (both backends, window cache and
-none, batched rows), the tree's tokens counted under its source, and the feed sizing the tree from
-the cost curve."""
+probability, greedy lossless output identical to AR with trees on (both backends, the window and block
+caches and none, batched rows), sampled lossless output distributed as AR sampling's (the speculative
+rule over the tree, chi-square), the tree's tokens counted under its source, and the feed sizing the
+tree from the cost curve."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def test_nodes_are_chosen_by_path_probability():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("cache", ["window", "none"])
+@pytest.mark.parametrize("cache", ["window", "none", "block"])
 def test_lossless_with_trees_equals_ar(tok, arch, cache):
     tm = TorchModel(make_model(arch, len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
     prompts = prompts_of(tok, PROMPTS)
@@ -78,8 +79,9 @@ def test_mlx_lossless_with_trees_equals_ar(tok, tmp_path):
     m = load(str(save_model(tmp_path / "m", "llama", seed=1)), announce=lambda s: None)
     prompts = prompts_of(m.tokenizer, PROMPTS[:4])
     ar = generate(MlxDecoder(m), prompts, plan(threshold=1.0))
-    result = generate(MlxDecoder(m), prompts, plan(lossless=True, tree=8))
-    assert result.tokens == ar.tokens and result.stats.by_source().get(TREE, 0) > 0
+    for cache in ("window", "block"):
+        result = generate(MlxDecoder(m), prompts, plan(lossless=True, tree=8, cache=cache, block_cache=8))
+        assert result.tokens == ar.tokens and result.stats.by_source().get(TREE, 0) > 0, cache
 
 
 def test_the_feed_sizes_the_tree_from_the_cost_curve():
@@ -109,10 +111,136 @@ def test_the_trees_benchmark_reports_each_size_and_the_speed(tiny, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     report = load_script("benchmarks/trees.py").main(
         ["--model", str(tiny), "--prompts", str(prompts), "--limit", "2", "--max-tokens", "6", "--trees", "2,4"]
-        + ["--speed-tree", "4", "--repeats", "1"]
+        + ["--speed-tree", "4", "--repeats", "1", "--sampled", "0.7"]
     )
     rows = report["masks_only"]["test"]
     assert [r["tree"] for r in rows] == [0, 2, 4] and all(r["identical_to_ar"] == 2 for r in rows)
+    sampled = report["masks_only"]["test, sampled (temperature 0.7)"]
+    assert [r["tree"] for r in sampled] == [0, 2, 4] and all(r["tokens_per_forward"] >= 1 for r in sampled)
     speed = report["speed"]["rows"]
     assert [r["mode"] for r in speed] == ["ar", "default", "default, tree 4"]
     assert all(r["identical_to_ar"] == 2 and r["tok_s"] > 0 for r in speed)
+
+
+# -- sampling over a tree: exact in distribution ------------------------------------------------
+
+
+def test_the_tree_rule_on_exact_cases():
+    """mars.core.acceptance.tree_sampling: a node is taken with its probability under what the chain's
+    rejection left, tried in order, each one not taken removed from what is left; nodes not anchored
+    where the chain failed, or not live, are not tried; a row where a node was taken tries no other."""
+    from test_lossless import NumpyOps
+
+    from mars.core.acceptance import tree_sampling
+
+    dist = np.array([[0.5, 0.3, 0.2, 0.0]] * 4)
+    nodes = np.array([[1, 0]] * 4)
+    anchors = np.array([[0, 0], [0, 0], [1, 0], [0, 0]])
+    live = np.array([[True, True], [True, True], [True, True], [False, True]])
+    kept = np.zeros(4, dtype=np.int64)
+    u = np.array([[0.29, 0.0], [0.31, 0.7], [0.0, 0.71], [0.0, 0.49]])
+    chosen, left = tree_sampling(NumpyOps(), dist, kept, nodes, anchors, live, u)
+    # row 0: node 1 taken (u 0.29 < 0.3); row 1: node 1 not, then node 0 under (0.5, 0, 0.2) / 0.7:
+    # 0.714 > u 0.7, taken; row 2: node 0 is anchored at 1 (not tried), node 1 at 0: u 0.71 > 0.5, not taken;
+    # row 3: node 0 not live, node 1 taken (0.49 < 0.5).
+    assert chosen.tolist() == [0, 1, -1, 1]
+    np.testing.assert_allclose(left[2], [0.0, 0.6, 0.4, 0.0])
+    np.testing.assert_allclose(left[0], dist[0])
+    # Over many draws the step's token keeps the distribution: P(node) = dist(node), the rest as dist.
+    n = 200_000
+    chosen, left = tree_sampling(
+        NumpyOps(),
+        np.repeat(dist[:1], n, 0),
+        np.zeros(n, dtype=np.int64),
+        np.repeat(nodes[:1], n, 0),
+        np.zeros((n, 2), dtype=np.int64),
+        np.ones((n, 2), dtype=bool),
+        np.random.default_rng(0).random((n, 2)),
+    )
+    freq = (chosen < 0).mean() * left[chosen < 0][0]  # what is left is the same wherever no node was taken
+    freq[nodes[0]] = [(chosen == j).mean() for j in range(2)]
+    np.testing.assert_allclose(freq, dist[0], atol=0.005)
+
+
+SAMPLED_N = 4000
+
+
+@pytest.fixture(scope="module")
+def sampler(tok):
+    """test_lossless's sampling model (AR and masks differ), a prompt, and AR sampling's exact distribution."""
+    from test_lossless import exact_distribution
+
+    model = make_model("llama", len(tok), seed=3, scale=0.15)
+    prompt = prompts_of(tok, ["Hi"])[0]
+    tm = TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32)
+    return tm, prompt, exact_distribution(model, prompt)
+
+
+def sampled_tree_counts(decoder, prompt, cache="window", tree=8, rows=500):
+    from collections import Counter
+
+    from test_lossless import N_TOKENS, SAMPLING, settings
+
+    s = settings(lossless=True, max_tokens=N_TOKENS, cache=cache, block_size=3, sampling=SAMPLING, tree=tree)
+    assert s.tree_nodes == tree
+    counts, taken = Counter(), 0
+    for _ in range(SAMPLED_N // rows):
+        result = generate(decoder, [prompt] * rows, s)
+        counts.update(tuple(t) for t in result.tokens)
+        taken += result.stats.by_source().get(TREE, 0)
+    return counts, taken
+
+
+@pytest.mark.parametrize("cache", ["window", "none", "block"])
+def test_sampled_lossless_with_trees_matches_ar_sampling(sampler, cache):
+    """The speculative rule over a tree: samples follow AR sampling's distribution (chi-square), with
+    tree nodes taken (the test model's masks and AR differ, so the chain is often rejected)."""
+    from test_lossless import chi_square_p
+
+    tm, prompt, expected = sampler
+    counts, taken = sampled_tree_counts(TorchDecoder(tm), prompt, cache)
+    assert taken > 100, "too few tree nodes taken: the tree's path went untested"
+    assert chi_square_p(counts, expected, SAMPLED_N) > 1e-3
+
+
+def always_take(ops, dist, kept, nodes, anchors, live, u):
+    """A broken rule: a node tried is taken wherever it has any probability."""
+    from mars.core.acceptance import tree_sampling
+
+    return tree_sampling(ops, dist, kept, nodes, anchors, live, u * 0)
+
+
+def never_remove(ops, dist, kept, nodes, anchors, live, u):
+    """A subtly broken rule: a node not taken stays in the distribution the token is drawn from."""
+    from mars.core.acceptance import tree_sampling
+
+    return tree_sampling(ops, dist, kept, nodes, anchors, live, u)[0], dist
+
+
+@pytest.mark.parametrize("broken", [always_take, never_remove])
+def test_the_tree_sampling_test_fails_when_the_rule_is_broken(sampler, broken, monkeypatch):
+    from test_lossless import chi_square_p
+
+    import mars.backends.torch.decode as torch_decode
+
+    tm, prompt, expected = sampler
+    monkeypatch.setattr(torch_decode, "tree_sampling", broken)
+    counts, _ = sampled_tree_counts(TorchDecoder(tm), prompt)
+    assert chi_square_p(counts, expected, SAMPLED_N) < 1e-3
+
+
+def test_mlx_sampled_lossless_with_trees_matches_ar_sampling(tmp_path):
+    pytest.importorskip("mlx_lm")
+    from test_lossless import chi_square_p, exact_distribution
+    from tiny import save_model
+
+    from mars.backends.mlx.decode import MlxDecoder
+    from mars.backends.mlx.load import load
+    from mars.backends.torch.load import load as torch_load
+
+    path = save_model(tmp_path / "m", "llama", seed=3, scale=0.15)
+    m = load(str(path), announce=lambda s: None)
+    prompt = prompts_of(m.tokenizer, ["Hi"])[0]
+    expected = exact_distribution(torch_load(str(path), announce=lambda s: None).model, prompt)
+    counts, taken = sampled_tree_counts(MlxDecoder(m), prompt)
+    assert taken > 100 and chi_square_p(counts, expected, SAMPLED_N) > 1e-3

@@ -122,8 +122,8 @@ S = _serve_defaults()
     type=click.IntRange(min=0),
     default=S["tree"],
     show_default=True,
-    help="Greedy lossless requests on the window cache: the most tree nodes (the masks' runners-up off the chain "
-    "of drafts) a step may feed (0: off).",
+    help="Lossless requests (greedy or sampled): the most tree nodes (the masks' runners-up off the chain of "
+    "drafts) a step may feed (0: off).",
 )
 @click.option(
     "--max-batch",

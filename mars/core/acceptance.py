@@ -188,3 +188,26 @@ def speculative_sampling(ops: DeviceOps, p, q, drafts, n_drafts, u):
     residual = ops.at_least(p_at - q_at, 0.0)
     total = ops.row_sum(residual)
     return kept, ops.where(total > 0, residual / ops.at_least(total, 1e-30), p_at)
+
+
+def tree_sampling(ops: DeviceOps, dist, kept, nodes, anchors, live, u):
+    """The speculative rule over a token tree's nodes (docs/method.md §8), after `speculative_sampling`:
+    `dist` (b, V) the distribution the step's token is drawn from, norm(max(0, p - q)) where the chain
+    was rejected at slot `kept` (b,); `nodes`, `anchors` (b, K) each node's id and the drafts before it
+    (where `live` (b, K) bool), nodes of a row in the order they are tried; `u` (b, K) uniform draws.
+    Each node anchored at `kept` is a fixed candidate: taken with its probability under `dist`, else
+    removed from `dist` (the rest renormalised) before the next is tried, so the token stays distributed
+    as `dist`. Returns (the node taken (b,), -1 for none; the distribution left to draw from, (b, V))."""
+    batch, k = nodes.shape
+    chosen = ops.zeros_int(batch) - 1
+    vocab = ops.arange(dist.shape[-1])[None, :]
+    for j in range(k):
+        node = nodes[:, j]
+        tried = live[:, j] & (anchors[:, j] == kept) & (chosen < 0)
+        prob = ops.take(dist[:, None], node[:, None])[:, 0]
+        taken = tried & (u[:, j] < prob)
+        chosen = ops.where(taken, j, chosen)
+        rest = ops.where(vocab == node[:, None], 0.0, dist)
+        rest = rest / ops.at_least(ops.row_sum(rest), 1e-30)
+        dist = ops.where((tried & ~taken)[:, None], rest, dist)
+    return chosen, dist

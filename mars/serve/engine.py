@@ -367,7 +367,7 @@ class Engine:
             sampling=job.sampling,
             ngram=self.limits.ngram if drafts else 0,
             alternatives=self.limits.alternatives if drafts else 0,
-            tree=self.limits.tree if drafts else 0,
+            tree=self.limits.tree,  # sampled too: the speculative rule over the tree
             logprobs=MAX_LOGPROBS if job.logprobs is not None else None,
             **({} if drafts else {"corpus": None}),
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from ...core.acceptance import speculative_sampling
+from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, runners_up_of
 from .forward import Caches, body, head, hidden_states
@@ -167,33 +167,70 @@ class MlxDecoder:
             out = (ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up))
         return out + ((ReadLogprobs(*(np.array(a) for a in lp)),) if logprobs is not None else ())
 
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None):
+    def speculate(
+        self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
+    ):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
         width = drafts.shape[1]
         p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)
-        masks = logits.shape[1] - width - 1  # none when a cost-aware step fed AR's feed alone
-        q_next = mx.softmax(sampling_logits(logits[:, width + 1 :], sampling), axis=-1) if masks else logits[:, :0]
+        # None when a cost-aware step fed AR's feed alone.
+        masks = logits.shape[1] - width - 1 if tree is None else tree.masks
+        mask_logits = logits[:, width + 1 : width + 1 + masks]
         batch = p.shape[0]
         dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)
         n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
         u = mx.random.uniform(shape=dr.shape, key=self._next_key(sampling)) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(MLX_OPS, p, q, dr, n, u)
+        nodes = tree is not None and tree.nodes.shape[1] > 0
+        if nodes:
+            ids, anchors = (mx.array(np.ascontiguousarray(a), dtype=mx.int32) for a in (tree.nodes, tree.anchors))
+            live = mx.array(np.ascontiguousarray(tree.live))
+            u_tree = mx.random.uniform(shape=ids.shape, key=self._next_key(sampling))
+            chosen, dist = tree_sampling(MLX_OPS, dist, kept, ids, anchors, live, u_tree)
         token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
+        extra = []
+        if tree is not None:
+            chosen = chosen if nodes else mx.full(kept.shape, -1, dtype=mx.int32)
+            at = mx.maximum(chosen, 0)
+            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (any node's where none)
+            node_logits = logits[:, width]
+            if nodes:
+                node_logits = mx.take_along_axis(logits, node_read[:, None, None], axis=1)[:, 0]
+            after = mx.random.categorical(sampling_logits(node_logits, sampling), axis=-1, key=self._next_key(sampling))
+            if nodes:
+                token = mx.where(chosen >= 0, mx.take_along_axis(ids, at[:, None], axis=1)[:, 0], token)
+                group_reads = node_read[:, None] + 1 + mx.arange(masks)[None, :]
+                group = mx.take_along_axis(logits, group_reads[:, :, None], axis=1)
+                mask_logits = mx.where((chosen >= 0)[:, None, None], group, mask_logits)
+            extra = [chosen, after]
         if masks:
+            q_next = mx.softmax(sampling_logits(mask_logits, sampling), axis=-1)
             proposals = mx.random.categorical(mx.log(q_next), axis=-1, key=self._next_key(sampling))
         else:
+            q_next = logits[:, :0]
             proposals = mx.zeros((batch, 0), dtype=mx.int32)
         self._drafted = q_next
-        lp = []
-        if logprobs is not None:  # the ids taken at the first 1 + width reads: the drafts kept, then the token
+        lp, ranked = [], []
+        if logprobs is not None:  # the ids taken at the first 1 + width reads: the drafts kept, the token (`after`)
             at = mx.arange(width + 1)[None, :]
-            taken = mx.where(at == kept[:, None], token[:, None], mx.concatenate([dr, dr[:, :1] * 0], axis=1))
-            lp = read_logprobs(logits[:, : width + 1], taken, logprobs)
-        mx.eval(kept, token, proposals, q_next, *lp)
-        out = (np.array(kept), np.array(token), np.array(proposals))
-        return out + ((ReadLogprobs(*(np.array(a) for a in lp)),) if logprobs is not None else ())
+            fed = mx.concatenate([dr, mx.zeros((batch, 1), dtype=dr.dtype)], axis=1)
+            taken = mx.where(at == kept[:, None], token[:, None], fed)
+            reads = logits[:, : width + 1]
+            if tree is not None:
+                taken = mx.concatenate([taken, after[:, None].astype(taken.dtype)], axis=1)
+                reads = mx.concatenate([reads, node_logits[:, None]], axis=1)
+            lp = read_logprobs(reads, taken, logprobs)
+        if ranks:
+            ranked = read_logprobs(mask_logits, proposals, ranks)
+        mx.eval(kept, token, proposals, q_next, *extra, *lp, *ranked)
+        out = (np.array(kept), np.array(token), np.array(proposals), *(np.array(a) for a in extra))
+        if logprobs is not None:
+            out = (*out, ReadLogprobs(*(np.array(a) for a in lp)))
+        if ranks:
+            out = (*out, ReadLogprobs(*(np.array(a) for a in ranked)))
+        return out
 
 
 class MlxOps:

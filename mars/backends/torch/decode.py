@@ -9,7 +9,7 @@ import contextlib
 import numpy as np
 import torch
 
-from ...core.acceptance import speculative_sampling
+from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, runners_up_of
 from ...core.masks import decode_mask
@@ -284,28 +284,64 @@ class TorchDecoder:
         return out
 
     @torch.inference_mode()
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None):
+    def speculate(
+        self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
+    ):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         logits = self.logits(cache, input_ids, positions, mask, read)
         gen = self.rng(sampling)
         width = drafts.shape[1]
+        masks = logits.shape[1] - width - 1 if tree is None else tree.masks
+        mask_logits = logits[:, width + 1 : width + 1 + masks]
         p = sampling_probs(logits[:, : width + 1], sampling)
-        q_next = sampling_probs(logits[:, width + 1 :], sampling)
         device = p.device
         dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(device)
         n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(device)
         u = torch.rand(dr.shape, generator=gen, device=device) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(TorchOps(device), p, q, dr, n, u)
+        nodes = tree is not None and tree.nodes.shape[1] > 0
+        if nodes:
+            ids, anchors, live = (
+                torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (tree.nodes, tree.anchors, tree.live)
+            )
+            u_tree = torch.rand(ids.shape, generator=gen, device=device)
+            chosen, dist = tree_sampling(TorchOps(device), dist, kept, ids, anchors, live, u_tree)
         token = torch.multinomial(dist, 1, generator=gen)[:, 0]
+        extra = []
+        if tree is not None:
+            rows = torch.arange(p.shape[0], device=device)
+            chosen = chosen if nodes else torch.full_like(kept, -1)
+            at = chosen.clamp(min=0)
+            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (any node's where none)
+            node_logits = logits[rows, node_read] if nodes else logits[:, width]
+            after = torch.multinomial(sampling_probs(node_logits, sampling), 1, generator=gen)[:, 0]
+            if nodes:
+                token = torch.where(chosen >= 0, ids[rows, at], token)
+                group = logits[rows[:, None], node_read[:, None] + 1 + torch.arange(masks, device=device)[None, :]]
+                mask_logits = torch.where((chosen >= 0)[:, None, None], group, mask_logits)
+            extra = [chosen, after]
+        q_next = sampling_probs(mask_logits, sampling)
         proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])
         self._drafted = q_next
-        if logprobs is None:
-            return tuple(to_host(kept, token, proposals))
-        # The ids taken at the first 1 + width reads: the drafts kept, then the token.
-        taken = torch.cat([dr, dr.new_zeros((dr.shape[0], 1))], dim=1).scatter(1, kept[:, None], token[:, None])
-        host = to_host(kept, token, proposals, *read_logprobs(logits[:, : width + 1], taken, logprobs))
-        return (*host[:3], ReadLogprobs(*host[3:]))
+        parts = [kept, token, proposals, *extra]
+        if logprobs is not None:
+            # The ids taken at the first 1 + width reads: the drafts kept, then the token (then `after`).
+            taken = torch.cat([dr, dr.new_zeros((dr.shape[0], 1))], dim=1).scatter(1, kept[:, None], token[:, None])
+            reads = logits[:, : width + 1]
+            if tree is not None:
+                taken = torch.cat([taken, after[:, None]], dim=1)
+                reads = torch.cat([reads, node_logits[:, None]], dim=1)
+            parts += read_logprobs(reads, taken, logprobs)
+        if ranks:
+            parts += read_logprobs(mask_logits, proposals, ranks)
+        host = to_host(*parts)
+        out, at = tuple(host[: 3 + len(extra)]), 3 + len(extra)
+        if logprobs is not None:
+            out, at = (*out, ReadLogprobs(*host[at : at + 3])), at + 3
+        if ranks:
+            out = (*out, ReadLogprobs(*host[at : at + 3]))
+        return out
 
 
 _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}

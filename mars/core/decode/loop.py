@@ -120,8 +120,8 @@ def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: D
                 if m:
                     r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + m
             if verdict.next_top is not None:  # the tree's branches off the next drafts
-                top_ids, top_logp = verdict.next_top[i]
-                r.branches = branches(top_ids[first:], top_logp[first:], s.tree_nodes)
+                top_ids, top_logp, own = verdict.next_top[i]
+                r.branches = branches(top_ids[first:], top_logp[first:], s.tree_nodes, r.drafts, own[first:])
                 r.tree_chain = list(r.drafts)
             if taken is not None and taken[i]:
                 r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]

@@ -163,8 +163,8 @@ class Plan:
 
     @property
     def tree_nodes(self) -> int:
-        """Tree nodes a window step may feed: `tree` where spare groups may be fed."""
-        return 0 if self.no_spare_groups else self.drafts.tree
+        """Tree nodes a step may feed: `tree` where drafts are verified (greedy or sampled, any cache)."""
+        return self.drafts.tree if self.verifies else 0
 
     @property
     def lookup_drafts(self) -> int:

@@ -108,6 +108,9 @@ class BlockStrategy:
         self.s = settings
         self.masks = settings.masks_per_step  # a served batch sets it per step from its rows' thresholds
         self.key_valid: np.ndarray | None = None
+        # In-forward sources whose groups the block's steps feed (tree nodes; spare and runner-up groups
+        # run on the window cache): the most groups of each, by source name.
+        self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
         self.block_start: list[int] = [len(r.seq) for r in rows]  # len(seq) at the start of each row's block
 
     def lay_out(self, rows: list[Row]) -> Layout:
@@ -133,12 +136,29 @@ class BlockStrategy:
         padded, n = pad_drafts(drafts, s.mask_id)
         # The cache keeps the fold (the last block or the prompt) and only that.
         last = width_fold + np.asarray(fill, dtype=np.int64) - 1
+        counts = self.group_counts
+        groups = tuple(
+            g
+            for name, source in GROUP_SOURCES.items()
+            if s.verifies and counts.get(name)
+            for g in source.groups(rows, n, counts[name], self.masks, s.mask_id)
+        )
         columns = Columns(
-            last=last, n_drafts=n, draft_slots=padded.shape[1], masks=self.masks, width=ids.shape[1], keep=width_fold
+            last=last,
+            n_drafts=n,
+            draft_slots=padded.shape[1],
+            masks=self.masks,
+            width=ids.shape[1],
+            keep=width_fold,
+            groups=groups,
         )
         if s.verifies:
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
-            return Layout(ids, positions, valid, limit, columns, drafts=padded)
+            if not groups:
+                return Layout(ids, positions, valid, limit, columns, drafts=padded)
+            # The groups follow the block; a group sees the fold and the block up to its anchor.
+            ids, valid, positions, attend = with_groups(ids, valid, positions, columns, s.mask_id)
+            return Layout(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
         limit = [0 if w else min(self.masks + 1, k) for w, k in zip(waiting, room)]
         return Layout(ids, positions, valid, np.asarray(limit), columns)
 

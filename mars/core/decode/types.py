@@ -35,16 +35,37 @@ class StepBackend(Protocol):
         kept for speculate."""
         ...
 
-    def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None) -> tuple:
+    def speculate(
+        self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
+    ) -> tuple:
         """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of the D
         draft slots and after the last (AR), then the m masks. Row r's first `n_drafts[r]` ids of
         `drafts` (b, D) were drawn by the previous call from its mask distributions q, which the backend
         kept. Returns (kept (b,), token (b,), new drafts (b, m)): drafts kept with chance min(1, p/q),
         then a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the last
         draft; the new drafts are drawn from this step's mask distributions, kept for the next call.
-        `logprobs` n (not None): also return, last, a ReadLogprobs of the first 1 + D reads whose
-        chosen ids are the drafts kept, then the token."""
+
+        `tree` (a SampledTree): the reads go on with each node's, then its m masks'; where the chain
+        was rejected at a node's anchor the nodes there are tried by `tree_sampling`, and where one is
+        taken it is the token, a token `after` it is drawn at its read and the new drafts from its
+        masks; also returns, after the new drafts, (node taken (b,), -1 for none; after (b,)).
+        `logprobs` n (not None): also return a ReadLogprobs of the first 1 + D reads (then, with a tree,
+        the taken node's read) whose chosen ids are the drafts kept, the token (and `after`).
+        `ranks` k > 0: also return, last, a ReadLogprobs of the reads the new drafts were drawn at, whose
+        chosen ids are the new drafts, with k top ids each (untempered)."""
         ...
+
+
+@dataclass(frozen=True)
+class SampledTree:
+    """A sampled step's token tree (drafts/tree.py) for StepBackend.speculate: row r's node j, id
+    `nodes[r, j]`, follows its first `anchors[r, j]` drafts where `live[r, j]`; each node feeds its id,
+    then `masks` masks, after the chain's masks, in that order."""
+
+    nodes: np.ndarray  # (b, K) int64
+    anchors: np.ndarray  # (b, K) int64
+    live: np.ndarray  # (b, K) bool
+    masks: int
 
 
 @dataclass

@@ -10,11 +10,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..acceptance import accept_counts, ar_mode_rows
-from .drafts import MASKS
+from .drafts import MASKS, TREE
 from .drafts.masks import Masks
 from .layout import Layout
 from .plan import Plan, Sampling
-from .types import Row, TokenLogprob
+from .types import Row, SampledTree, TokenLogprob
 
 
 def step(backend, cache, layout: Layout, mask, **options):
@@ -57,8 +57,9 @@ class Verdict:
     # forward verified or computed it), and each next draft's (under the distribution that proposed it).
     logprobs: list[list[TokenLogprob]] | None = None
     next_logprobs: list[list[TokenLogprob]] | None = None
-    # With ranks asked for: per row, (ids, log-probabilities), each (next drafts, k), most likely first.
-    next_top: list[tuple[np.ndarray, np.ndarray]] | None = None
+    # With ranks asked for: per row, (ids, log-probabilities), each (next drafts, k), most likely first, and
+    # the next drafts' own log-probabilities (next drafts,).
+    next_top: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
     matched: np.ndarray | None = None  # (b,) prefix tokens AR confirmed in `group` (greedy)
 
 
@@ -78,6 +79,22 @@ def matched(group, i: int, kept: int, token: int, ar: np.ndarray) -> int:
     while m < p and int(group.prefix[i, m]) == int(ar[m - 1]):
         m += 1
     return m
+
+
+def sampled_tree(layout: Layout) -> SampledTree | None:
+    """A sampled step's tree nodes, from its groups (None where it feeds none): where drafts are sampled,
+    tree nodes are the only groups."""
+    groups = layout.columns.groups
+    if not groups:
+        return None
+    if any(g.source != TREE or g.prefix.shape[1] != 1 for g in groups):
+        raise ValueError("a sampled step feeds tree nodes alone, one id each (no other draft groups)")
+    return SampledTree(
+        nodes=np.stack([g.prefix[:, 0] for g in groups], axis=1),
+        anchors=np.stack([g.anchor for g in groups], axis=1),
+        live=np.stack([g.live for g in groups], axis=1),
+        masks=groups[0].masks,
+    )
 
 
 def verify(
@@ -133,6 +150,12 @@ def verify(
                 best = max(fits)
                 chosen[i], matches[i] = -best[2], best[0]
     else:
+        tree = sampled_tree(layout)
+        asked = {"logprobs": logprobs} if logprobs is not None else {}
+        if ranks:
+            asked["ranks"] = ranks
+        if tree is not None:
+            asked["tree"] = tree
         out = backend.speculate(
             cache,
             layout.ids,
@@ -145,8 +168,13 @@ def verify(
             **asked,
         )
         kept, token, proposals = out[:3]
-        lp = out[3] if "logprobs" in asked else None
         kept = np.asarray(kept, dtype=np.int64)
+        if tree is not None:  # a node taken: it is the token, `after` the token drawn after it
+            node, after = out[3], out[4]
+            chosen = np.where(node >= 0, node, -1).astype(np.int64)
+            matches = (node >= 0).astype(np.int64)
+        lp = out[3 + 2 * (tree is not None)] if logprobs is not None else None
+        ranked = out[-1] if ranks else None
     accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
     took_lp, nxt_lp = ([], []) if logprobs is not None else (None, None)
     trim = (lambda e: replace(e, top=e.top[:logprobs])) if logprobs is not None and logprobs < wanted else (lambda e: e)
@@ -157,13 +185,20 @@ def verify(
         else:
             took = [int(t) for t in layout.drafts[i, : kept[i]]] + [int(token[i])]
             reads = list(range(int(kept[i]) + 1))
-            if chosen[i] >= 0:  # AR's tokens after the confirmed prefix, read in the group: AR's window there
+            if chosen[i] >= 0 and not sampling.greedy:  # the node taken, then the token drawn at its read
+                took.append(int(after[i]))
+                reads.append(width + 1)
+            elif chosen[i] >= 0:  # AR's tokens after the confirmed prefix, read in the group: AR's window there
                 start, m = columns.group_reads(int(chosen[i])).start, int(matches[i])
                 took += [int(t) for t in ids[i, start : start + m]]
                 reads += list(range(start, start + m))
             accepted.append(took)
         # The masks' proposals were conditioned on every draft: wrong once one failed.
-        if chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
+        if chosen[i] >= 0 and not sampling.greedy:  # the taken node's masks drew them
+            nxt.append((columns.groups[chosen[i]].source, [int(t) for t in proposals[i]]))
+            nxt_conf.append(None)
+            read = 0
+        elif chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
             group = columns.groups[chosen[i]]
             read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
             nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
@@ -185,7 +220,9 @@ def verify(
             )
         if ranks and sampling.greedy:
             rows_at = [read + j for j in range(n)] if read is not None else []
-            nxt_top.append((lp.top_ids[i, rows_at, :ranks], lp.top[i, rows_at, :ranks]))
+            nxt_top.append((lp.top_ids[i, rows_at, :ranks], lp.top[i, rows_at, :ranks], lp.chosen[i, rows_at]))
+        elif ranks:
+            nxt_top.append((ranked.top_ids[i, :n], ranked.top[i, :n], ranked.chosen[i, :n]))
         nxt_alts.append(
             [[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else []
         )
@@ -198,7 +235,7 @@ def verify(
         nxt_conf if metric is not None else None,
         took_lp,
         nxt_lp,
-        nxt_top if ranks and sampling.greedy else None,
+        nxt_top if ranks else None,
         matches,
     )
 

@@ -56,16 +56,21 @@ class TreeDrafts:
         return out
 
 
-def branches(top_ids: np.ndarray, top_logp: np.ndarray, budget: int) -> list[tuple[int, list[int], float]]:
-    """The tree's branches off the chain of first guesses, as (anchor, [runner-up], path probability),
-    most probable first: `top_ids`, `top_logp` (n, k) the masks' k most likely ids per slot with their
-    log-probabilities, most likely first; `budget` the most branches. A branch's probability is its
-    path's: the chain's first `anchor` guesses, then the runner-up."""
+def branches(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain=None, chain_logp=None) -> list:
+    """The tree's branches off the chain of drafts, as (anchor, [node], path probability), most probable
+    first: `top_ids`, `top_logp` (n, k) the masks' k most likely ids per slot with their log-probabilities,
+    most likely first; `budget` the most branches; `chain` (n,) the drafts (default: the first guesses,
+    greedy's chain) with their log-probabilities `chain_logp` (a sampled chain's drafts need not be
+    first guesses). A node is a guess at slot a + 1 other than the chain's draft there, its path's
+    probability the chain's first `a` drafts' times the node's."""
     n, k = top_ids.shape
-    if not budget or not n or k < 2:
+    if chain is None:
+        chain, chain_logp = top_ids[:, 0], top_logp[:, 0]
+    chain, chain_logp = np.asarray(chain)[:n], np.asarray(chain_logp, dtype=np.float64)[:n]
+    if not budget or not n or len(chain) < n:
         return []
-    chain = np.concatenate([[0.0], np.cumsum(top_logp[:, 0])])[:n]  # the chain's first a guesses
-    score = chain[:, None] + top_logp[:, 1:]  # (n, k - 1): anchor a, runner-up of rank j + 1
-    order = np.lexsort((np.arange(score.size), -score.reshape(-1)))[:budget]
+    path = np.concatenate([[0.0], np.cumsum(chain_logp)])[:n]  # the chain's first a drafts
+    score = np.where(top_ids == chain[:, None], -np.inf, path[:, None] + top_logp)  # (n, k): anchor a, guess j
     flat = score.reshape(-1)
-    return [(int(i // (k - 1)), [int(top_ids[i // (k - 1), i % (k - 1) + 1])], float(np.exp(flat[i]))) for i in order]
+    order = [i for i in np.lexsort((np.arange(flat.size), -flat))[:budget] if np.isfinite(flat[i])]
+    return [(int(i // k), [int(top_ids[i // k, i % k])], float(np.exp(flat[i]))) for i in order]
