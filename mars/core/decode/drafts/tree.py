@@ -1,15 +1,16 @@
-"""Token trees from the masks' ranked guesses (Medusa's trees, docs/method.md §9): in-forward drafts
-for when a draft of the chain fails.
+"""Token trees from the masks' ranked guesses (Medusa's trees, docs/method.md §8): in-forward drafts
+for when a draft of the chain fails, greedy or sampled (acceptance.tree_sampling).
 
 The masks of a step rank the whole vocabulary at each slot; the chain of drafts is their first
-guesses. A node leaves the chain after its first `anchor` drafts with slot anchor + 1's runner-up of
-rank j; its path's probability under the masks is the chain's first `anchor` guesses' times the
-runner-up's. The tree is the chain and the `budget` nodes of highest path probability, one group
-each: anchored after its `anchor` drafts, the runner-up as a real id (seeing its ancestors alone),
-then masks. Where the chain fails at a node's place and AR's token there is the node, verification
-takes it and AR's token after it, and the node's masks propose the next drafts. (Paths of two or
-more nodes off the chain kept fewer tokens per forward here: a path AR confirms only in part leaves
-no proposals for the next step; the masks after a node propose its continuation instead.)"""
+guesses (or, sampled, their draws). A node leaves the chain after its first `anchor` drafts with
+another of slot anchor + 1's guesses; its path's probability under the masks is the chain's first
+`anchor` drafts' times the node's. The tree is the chain and the `budget` nodes of highest path
+probability, one group each: anchored after its `anchor` drafts, the node as a real id (seeing its
+ancestors alone), then masks. Where the chain fails at a node's place and AR's token there is the
+node (sampled: the node passes the speculative rule), verification takes it and AR's token after it,
+and the node's masks propose the next drafts. (Paths of two or more nodes off the chain kept fewer
+tokens per forward here: a path AR confirms only in part leaves no proposals for the next step; the
+masks after a node propose its continuation instead.)"""
 
 from __future__ import annotations
 
