@@ -48,9 +48,10 @@ class Reader:
         self.completion_tokens = 0
         self.forwards = 0
         self.finish: str | None = None
-        # With logprobs: every token so far, those whose entries wait for their text to go out (token,
-        # entry, where its text ends), and those released by the last `next` (token, entry).
-        self.ids: list[int] = []
+        # With logprobs: the reply decoded token by token (where each token's text ends), the tokens whose
+        # entries wait for their text to go out (token, entry, where its text ends), and those released by
+        # the last `next` (token, entry).
+        self.ends = TextStream(engine.session.tokenizer, [])
         self.pending: list[tuple] = []
         self.released: list[tuple] = []
         self.offset = 0  # completions' text_offset: the text before the next released token
@@ -62,10 +63,9 @@ class Reader:
         self.completion_tokens += len(ids)
         self.forwards += forwards
         if self.req.logprobs is not None:
-            tokenizer = self.engine.session.tokenizer
             for t, e in zip(ids, self.job.outbox.taken_logprobs):
-                self.ids.append(t)
-                self.pending.append((t, e, len(tokenizer.decode(self.ids, skip_special_tokens=True))))
+                self.ends.add([t])  # incremental: a few tokens decoded per token, not the whole reply
+                self.pending.append((t, e, len(self.ends.text)))
         delta = self.text.add(ids)
         if self.text.stopped:
             self.engine.cancel(self.job)  # the rest is not wanted: free the row now
