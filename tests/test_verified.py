@@ -109,18 +109,30 @@ def test_the_reference_takes_unverified_tokens_somewhere(dec, tok):
 
 
 @pytest.mark.parametrize("cache", ["none", "window", "block"])
-def test_at_threshold_one_it_is_greedy_ar(dec, tok, cache):
+@pytest.mark.parametrize("tree", [0, 8])
+def test_at_threshold_one_it_is_greedy_ar(dec, tok, cache, tree):
     prompts = prompts_of(tok, PROMPTS[:4])
     ar = generate(dec, prompts, make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=24)).tokens
     assert (
         generate(
             dec,
             prompts,
-            settings(threshold=1.0, cache=cache, feed="auto", hedge=None),
+            settings(threshold=1.0, cache=cache, feed="auto", hedge=None, tree=tree),
             controller=feed_of(fixed({1: 1.0, 64: 1.0})),
         ).tokens
         == ar
     )
+
+
+def test_with_trees_batched_rows_equal_rows_alone(dec, tok):
+    """Verified threshold mode with tree nodes (drafts/tree.py): a node's masks may propose the next
+    drafts, some taken unverified; a row's text is the same alone or in a batch."""
+    prompts = prompts_of(tok, PROMPTS[:5])
+    s = settings(threshold=0.5, tree=8)
+    alone = [generate(dec, [p], s) for p in prompts]
+    together = generate(dec, prompts, s)
+    assert together.tokens == [r.tokens[0] for r in alone]
+    assert sum(r.stats.by_source().get("tree", 0) for r in alone) > 0, "no tree node was taken"
 
 
 def test_never_past_max_tokens(dec, tok):
