@@ -114,10 +114,11 @@ def verify(
     Greedy: where every draft was kept the masks after them propose; otherwise the `confirmed` group
     with the longest prefix does, a confirmed prefix also adding AR's token after it (read at the
     prefix, where the group was AR's own window); else there are no next drafts. Sampling: the
-    backend's `speculate` verifies, the masks alone propose. Greedy, `runners_up` n adds each next
+    backend's `speculate` verifies (the chain, then any tree nodes where it failed), and the masks after
+    every draft kept, or those of the node taken, propose. Greedy, `runners_up` n adds each next
     draft's n runners-up (`next_alts`) and `metric` their confidences (`conf`); `logprobs` n keeps
-    log-probabilities with n most likely ids (`logprobs`, `next_logprobs`); greedy, `ranks` k keeps
-    each next draft's k most likely ids with their log-probabilities (`next_top`, for trees)."""
+    log-probabilities with n most likely ids (`logprobs`, `next_logprobs`); `ranks` k keeps each next
+    draft's k most likely ids with their log-probabilities, and its own (`next_top`, for trees)."""
     columns, width = layout.columns, layout.columns.draft_slots
     b = len(layout.ids)
     chosen = np.full(b, -1, dtype=np.int64)
@@ -170,9 +171,9 @@ def verify(
         kept, token, proposals = out[:3]
         kept = np.asarray(kept, dtype=np.int64)
         if tree is not None:  # a node taken: it is the token, `after` the token drawn after it
-            node, after = out[3], out[4]
-            chosen = np.where(node >= 0, node, -1).astype(np.int64)
-            matches = (node >= 0).astype(np.int64)
+            # Node k is group k (a sampled step's groups are its tree's nodes alone).
+            chosen, after = np.asarray(out[3], dtype=np.int64), out[4]
+            matches = (chosen >= 0).astype(np.int64)
         lp = out[3 + 2 * (tree is not None)] if logprobs is not None else None
         ranked = out[-1] if ranks else None
     accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
