@@ -33,6 +33,7 @@ from mars.backends.torch.decode import TorchDecoder  # noqa: E402
 from mars.backends.torch.load import TorchModel  # noqa: E402
 from mars.core.acceptance import accept_counts  # noqa: E402
 from mars.core.config import MarsConfig  # noqa: E402
+from mars.core.decode.drafts.tree import TreeDrafts  # noqa: E402
 from mars.core.decode.loop import ContinuousBatch, generate  # noqa: E402
 from mars.core.tokens import encode_prompt  # noqa: E402
 from mars.serve import EngineLimits, ServeLimits, build  # noqa: E402
@@ -1116,7 +1117,8 @@ def test_logprobs_stop_at_a_stop_string(server, tm, tok):
     assert [t.logprob for t in kept] == [t.logprob for t in full.choices[0].logprobs.content[: len(kept)]]
 
 
-def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok, monkeypatch):
+@pytest.mark.parametrize("cache", ["window", "block"])
+def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok, monkeypatch, cache):
     """`mars serve --tree N`: greedy lossless requests also feed tree nodes; the replies stay AR's. Sampled
     lossless requests feed them too."""
     fed = []
@@ -1127,8 +1129,21 @@ def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok, monkeypatc
         return speculate(self, *args, tree=tree, **kw)
 
     monkeypatch.setattr(TorchDecoder, "speculate", spy)
-    with live(tm, engine_limits=EngineLimits(max_batch=4, block_cache=8, tree=8)) as srv:
+    nodes = []  # tree nodes each step laid out
+    groups = TreeDrafts.groups
+
+    def count(self, *args, **kw):
+        out = groups(self, *args, **kw)
+        nodes.append(sum(int(g.live.sum()) for g in out))
+        return out
+
+    monkeypatch.setattr(TreeDrafts, "groups", count)
+    from mars.core.decode.cost import CostCurve
+
+    with live(tm, engine_limits=EngineLimits(max_batch=4, block_cache=8, tree=8, cache=cache)) as srv:
         assert srv.engine.limits.tree == 8
+        # Flat costs: the feed takes every node that may pay (a measured CPU curve may take none).
+        srv.engine.session.controller = feed_of(CostCurve({1: 1.0, 10**6: 1.0}, refresh=0.0))
         client = srv.client()
         for text in PROMPTS[:3]:
             _, ref, _ = reference(tm, encode_prompt(tok, text), 20)
@@ -1136,6 +1151,7 @@ def test_a_server_with_trees_answers_lossless_requests_as_ar(tm, tok, monkeypatc
                 model="tiny", messages=[{"role": "user", "content": text}], max_tokens=20, extra_body={"lossless": True}
             )
             assert r.choices[0].message.content == ref
+        assert sum(nodes) > 0, "no greedy step fed a tree node"
         # Sampled lossless requests feed trees too (the speculative rule over the tree, tests/test_trees.py).
         r = client.chat.completions.create(
             model="tiny",
