@@ -692,6 +692,24 @@ def test_generate_json_and_prompts_file(full, tmp_path):
     assert "tokens/forward" in result.stderr  # the summary goes to stderr under --json
 
 
+def test_generate_with_trees_answers_as_ar(full, tmp_path):
+    """`mars generate --tree N`: greedy lossless replies are AR's, tree nodes taken (the fixed feed, no
+    n-gram drafts); sampled lossless runs over the tree too."""
+    out, _ = full
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"Spell from {c}"} for c in "abcd"])
+    common = ("generate", "--model", out, "--prompts", prompts, "--json", "--max-tokens", 30, "--device", "cpu")
+    ar = [json.loads(line) for line in ok(invoke(*common, "--threshold", 1.0)).stdout.splitlines()]
+    tree = [
+        json.loads(line)
+        for line in ok(invoke(*common, "--lossless", "--tree", 8, "--feed", "fixed")).stdout.splitlines()
+    ]
+    assert [r["text"] for r in tree] == [r["text"] for r in ar]
+    assert sum(r.get("tokens_by_source", {}).get("tree", 0) for r in tree) > 0, "no tree node was taken"
+    sampled = ok(invoke(*common, "--lossless", "--tree", 8, "--temp", 1.0, "--seed", 3, "--feed", "fixed"))
+    rows = [json.loads(line) for line in sampled.stdout.splitlines()]
+    assert len(rows) == 4 and all(r["mode"].startswith("lossless sampling") for r in rows)
+
+
 def test_threshold_below_one_needs_mars_json_or_force(tiny):
     args = ("generate", "--model", tiny, "--prompt", "hi", "--max-tokens", 3, "--threshold", 0.5, "--device", "cpu")
     one_line_error(invoke(*args), "mars.json", "--force")
