@@ -244,3 +244,32 @@ def test_mlx_sampled_lossless_with_trees_matches_ar_sampling(tmp_path):
     expected = exact_distribution(torch_load(str(path), announce=lambda s: None).model, prompt)
     counts, taken = sampled_tree_counts(MlxDecoder(m), prompt)
     assert taken > 100 and chi_square_p(counts, expected, SAMPLED_N) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_sampled_trees_with_steps_that_feed_no_masks(tmp_path, backend):
+    """On a steep cost curve most sampled steps feed AR's feed alone (no masks, so nothing to rank or
+    branch from), a few probe with masks and tree nodes: both backends run it."""
+    from test_lossless import SAMPLING, settings
+    from tiny import feed_of, save_model
+
+    path = str(save_model(tmp_path / "m", "llama", seed=3, scale=0.15))
+    if backend == "mlx":
+        pytest.importorskip("mlx_lm")
+        from mars.backends.mlx.decode import MlxDecoder
+        from mars.backends.mlx.load import load
+
+        model = load(path, announce=lambda s: None)
+        decoder = MlxDecoder(model)
+    else:
+        from mars.backends.torch.load import load
+
+        model = load(path, announce=lambda s: None)
+        decoder = TorchDecoder(model)
+    prompt = prompts_of(model.tokenizer, ["Hi"])[0]
+    feed = feed_of(CostCurve({1: 1.0, 2: 2.0, 64: 64.0}, refresh=0.0), explore=1)
+    s = settings(lossless=True, max_tokens=8, block_size=3, sampling=SAMPLING, tree=8, logprobs=1)
+    result = generate(decoder, [prompt] * 20, s, controller=feed)
+    (policy,) = feed.feeds.values()
+    assert policy.choices.get((0, 0), 0) > 0 and any(m for m, _ in policy.choices)
+    assert all(len(t) == len(lp) for t, lp in zip(result.tokens, result.logprobs))

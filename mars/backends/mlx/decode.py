@@ -222,8 +222,10 @@ class MlxDecoder:
                 taken = mx.concatenate([taken, after[:, None].astype(taken.dtype)], axis=1)
                 reads = mx.concatenate([reads, node_logits[:, None]], axis=1)
             lp = read_logprobs(reads, taken, logprobs)
-        if ranks:
+        if ranks and masks:
             ranked = read_logprobs(mask_logits, proposals, ranks)
+        elif ranks:  # no masks fed (a cost-aware step's AR feed): no next drafts to rank
+            ranked = [mx.zeros((batch, 0)), mx.zeros((batch, 0, ranks), dtype=mx.int64), mx.zeros((batch, 0, ranks))]
         mx.eval(kept, token, proposals, q_next, *extra, *lp, *ranked)
         out = (np.array(kept), np.array(token), np.array(proposals), *(np.array(a) for a in extra))
         if logprobs is not None:
