@@ -298,7 +298,7 @@ def decode_options(f):
         type=click.IntRange(min=0),
         default=0,
         show_default=True,
-        help="Lossless (greedy or sampled), window or no cache: also feed up to N tree nodes a step, the masks' "
+        help="Lossless (greedy or sampled), any cache: also feed up to N tree nodes a step, the masks' "
         "runners-up off the chain of drafts by path probability, each with B masks (each costs 1 + B fed tokens; "
         "with --feed auto as many as pay); 0: the chain alone.",
     )(f)

@@ -165,7 +165,7 @@ class EngineLimits:
     cache: str = "window"
     ngram: int = DEFAULT_NGRAM  # n-gram drafts a greedy lossless window step may feed (0: off)
     alternatives: int = DEFAULT_ALTERNATIVES  # runner-up groups a greedy lossless window step may feed (0: off)
-    tree: int = 0  # tree nodes (drafts/tree.py) a greedy lossless window step may feed (0: off)
+    tree: int = 0  # tree nodes (drafts/tree.py) a lossless step may feed, greedy or sampled (0: off)
     stats_window: float = 10.0  # seconds of history behind the recent tokens/s and tokens/forward
 
 

@@ -183,8 +183,7 @@ class MlxDecoder:
         u = mx.random.uniform(shape=dr.shape, key=self._next_key(sampling)) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(MLX_OPS, p, q, dr, n, u)
-        nodes = tree is not None and tree.nodes.shape[1] > 0
-        if nodes:
+        if tree is not None:  # one node at least (verify.sampled_tree)
             ids, anchors = (mx.array(np.ascontiguousarray(a), dtype=mx.int32) for a in (tree.nodes, tree.anchors))
             live = mx.array(np.ascontiguousarray(tree.live))
             u_tree = mx.random.uniform(shape=ids.shape, key=self._next_key(sampling))
@@ -192,18 +191,14 @@ class MlxDecoder:
         token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
         extra = []
         if tree is not None:
-            chosen = chosen if nodes else mx.full(kept.shape, -1, dtype=mx.int32)
             at = mx.maximum(chosen, 0)
-            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (any node's where none)
-            node_logits = logits[:, width]
-            if nodes:
-                node_logits = mx.take_along_axis(logits, node_read[:, None, None], axis=1)[:, 0]
+            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (node 0's where none)
+            node_logits = mx.take_along_axis(logits, node_read[:, None, None], axis=1)[:, 0]
             after = mx.random.categorical(sampling_logits(node_logits, sampling), axis=-1, key=self._next_key(sampling))
-            if nodes:
-                token = mx.where(chosen >= 0, mx.take_along_axis(ids, at[:, None], axis=1)[:, 0], token)
-                group_reads = node_read[:, None] + 1 + mx.arange(masks)[None, :]
-                group = mx.take_along_axis(logits, group_reads[:, :, None], axis=1)
-                mask_logits = mx.where((chosen >= 0)[:, None, None], group, mask_logits)
+            token = mx.where(chosen >= 0, mx.take_along_axis(ids, at[:, None], axis=1)[:, 0], token)
+            group_reads = node_read[:, None] + 1 + mx.arange(masks)[None, :]
+            group = mx.take_along_axis(logits, group_reads[:, :, None], axis=1)
+            mask_logits = mx.where((chosen >= 0)[:, None, None], group, mask_logits)
             extra = [chosen, after]
         if masks:
             q_next = mx.softmax(sampling_logits(mask_logits, sampling), axis=-1)

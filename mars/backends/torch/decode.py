@@ -300,8 +300,7 @@ class TorchDecoder:
         u = torch.rand(dr.shape, generator=gen, device=device) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(TorchOps(device), p, q, dr, n, u)
-        nodes = tree is not None and tree.nodes.shape[1] > 0
-        if nodes:
+        if tree is not None:  # one node at least (verify.sampled_tree)
             ids, anchors, live = (
                 torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (tree.nodes, tree.anchors, tree.live)
             )
@@ -311,15 +310,13 @@ class TorchDecoder:
         extra = []
         if tree is not None:
             rows = torch.arange(p.shape[0], device=device)
-            chosen = chosen if nodes else torch.full_like(kept, -1)
             at = chosen.clamp(min=0)
-            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (any node's where none)
-            node_logits = logits[rows, node_read] if nodes else logits[:, width]
+            node_read = width + 1 + masks + (1 + masks) * at  # the taken node's read (node 0's where none)
+            node_logits = logits[rows, node_read]
             after = torch.multinomial(sampling_probs(node_logits, sampling), 1, generator=gen)[:, 0]
-            if nodes:
-                token = torch.where(chosen >= 0, ids[rows, at], token)
-                group = logits[rows[:, None], node_read[:, None] + 1 + torch.arange(masks, device=device)[None, :]]
-                mask_logits = torch.where((chosen >= 0)[:, None, None], group, mask_logits)
+            token = torch.where(chosen >= 0, ids[rows, at], token)
+            group = logits[rows[:, None], node_read[:, None] + 1 + torch.arange(masks, device=device)[None, :]]
+            mask_logits = torch.where((chosen >= 0)[:, None, None], group, mask_logits)
             extra = [chosen, after]
         q_next = sampling_probs(mask_logits, sampling)
         proposals = torch.multinomial(q_next.reshape(-1, q_next.shape[-1]), 1, generator=gen).reshape(q_next.shape[:-1])

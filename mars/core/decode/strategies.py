@@ -35,13 +35,7 @@ class WindowStrategy:
         ids, valid = right_aligned(parts, width, s.mask_id, [0 if r.done else m for r in rows])
         positions = consecutive_positions(valid, [r.cached for r in rows])
         padded, n = pad_drafts(drafts, s.mask_id)
-        counts = self.group_counts
-        groups = tuple(
-            g
-            for name, source in GROUP_SOURCES.items()
-            if s.verifies and counts.get(name)
-            for g in source.groups(rows, n, counts[name], m, s.mask_id)
-        )
+        groups = in_forward_groups(s, self.group_counts, rows, n, m)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
         columns = Columns(
             last=width - m - 1 - n,
@@ -56,10 +50,7 @@ class WindowStrategy:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
             return Layout(ids, positions, valid, np.asarray(limit), columns)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        if not groups:
-            return Layout(ids, positions, valid, limit, columns, drafts=padded)
-        ids, valid, positions, attend = with_groups(ids, valid, positions, columns, s.mask_id)
-        return Layout(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
+        return verified_layout(ids, positions, valid, limit, columns, padded, s.mask_id)
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -136,13 +127,7 @@ class BlockStrategy:
         padded, n = pad_drafts(drafts, s.mask_id)
         # The cache keeps the fold (the last block or the prompt) and only that.
         last = width_fold + np.asarray(fill, dtype=np.int64) - 1
-        counts = self.group_counts
-        groups = tuple(
-            g
-            for name, source in GROUP_SOURCES.items()
-            if s.verifies and counts.get(name)
-            for g in source.groups(rows, n, counts[name], self.masks, s.mask_id)
-        )
+        groups = in_forward_groups(s, self.group_counts, rows, n, self.masks)
         columns = Columns(
             last=last,
             n_drafts=n,
@@ -154,11 +139,8 @@ class BlockStrategy:
         )
         if s.verifies:
             limit = np.asarray([0 if w else k + 1 for w, k in zip(waiting, n)])
-            if not groups:
-                return Layout(ids, positions, valid, limit, columns, drafts=padded)
-            # The groups follow the block; a group sees the fold and the block up to its anchor.
-            ids, valid, positions, attend = with_groups(ids, valid, positions, columns, s.mask_id)
-            return Layout(ids, positions, valid, limit, columns, drafts=padded, attend=attend)
+            # Any groups follow the block; a group sees the fold and the block up to its anchor.
+            return verified_layout(ids, positions, valid, limit, columns, padded, s.mask_id)
         limit = [0 if w else min(self.masks + 1, k) for w, k in zip(waiting, room)]
         return Layout(ids, positions, valid, np.asarray(limit), columns)
 
@@ -195,6 +177,27 @@ class BlockStrategy:
             if not r.done:
                 r.cached = start
         self.next_block_if_filled(rows)
+
+
+def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts: np.ndarray, masks: int) -> tuple:
+    """The groups a step that verifies drafts feeds after its columns: up to `counts[name]` of each
+    in-forward source (drafts.GROUP_SOURCES), each with `masks` masks; none where drafts are not verified."""
+    if not s.verifies:
+        return ()
+    return tuple(
+        g
+        for name, source in GROUP_SOURCES.items()
+        if counts.get(name)
+        for g in source.groups(rows, n_drafts, counts[name], masks, s.mask_id)
+    )
+
+
+def verified_layout(ids, positions, valid, limit, columns: Columns, drafts: np.ndarray, mask_id: int) -> Layout:
+    """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_groups`)."""
+    if not columns.groups:
+        return Layout(ids, positions, valid, limit, columns, drafts=drafts)
+    ids, valid, positions, attend = with_groups(ids, valid, positions, columns, mask_id)
+    return Layout(ids, positions, valid, limit, columns, drafts=drafts, attend=attend)
 
 
 def joined_keys(key_valid: np.ndarray, layout: Layout) -> np.ndarray:

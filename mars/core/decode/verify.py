@@ -198,7 +198,7 @@ def verify(
         if chosen[i] >= 0 and not sampling.greedy:  # the taken node's masks drew them
             nxt.append((columns.groups[chosen[i]].source, [int(t) for t in proposals[i]]))
             nxt_conf.append(None)
-            read = 0
+            read = None  # drawn on the device, not read here
         elif chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
             group = columns.groups[chosen[i]]
             read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
