@@ -109,7 +109,11 @@ class Session:
         announce=print,
         remeasure_cost: bool = False,
         label: str | None = None,
+        compile: bool = False,
     ):
+        """`compile`: accepted and kept (`Session.compile`); every step runs eager for now."""
+        if not isinstance(compile, bool):
+            raise TypeError(f"compile={compile!r}: a bool (True or False)")
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self._open(
@@ -120,6 +124,7 @@ class Session:
             remeasure_cost=remeasure_cost,
             label=label or (str(model) if model is not None else "default"),
         )
+        self.compile = compile
 
     @classmethod
     def from_loaded(
@@ -131,6 +136,7 @@ class Session:
         session._open(
             loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost, label=label
         )
+        session.compile = False
         return session
 
     def _open(self, loaded, backend: str, decoder_cls, *, announce, remeasure_cost: bool, label: str) -> None:

@@ -147,16 +147,20 @@ def _source(columns, entries):
     return columns, max(e[0] for e in entries), calls
 
 
-def _plan(attention_mask, batch: int, q: int, n: int, causal: bool):
-    """Per batch row, its key sequences (`_source`); None where the plain kernel must run."""
+def _plan(attention_mask, batch: int, q: int, n: int, causal: bool, exact_rows=None, plans=None):
+    """Per batch row, its key sequences (`_source`); None where the plain kernel must run. `plans`
+    (a dict the caller keeps for one forward) and `exact_rows` are given by mars's own forward
+    (models/); transformers' modules run inside `row_exact`, whose globals hold them."""
+    if plans is None:
+        plans, exact_rows = (_plans if _row_exact else None), _exact_rows
     shape = (batch, q, n, causal)
-    kept = _plans.get(id(attention_mask))
+    kept = plans.get(id(attention_mask)) if plans is not None else None
     if kept is not None and kept[0] is attention_mask and kept[1] == shape:
         return kept[2]
     allowed = _allowed(attention_mask, batch, q, n, causal)
     if allowed is None:
         return None
-    exact_rows = _exact_rows if _exact_rows is not None and _exact_rows.shape == (batch, q) else None
+    exact_rows = exact_rows if exact_rows is not None and exact_rows.shape == (batch, q) else None
     plan = []
     for b in range(batch):
         sets = allowed[b]
@@ -196,8 +200,8 @@ def _plan(attention_mask, batch: int, q: int, n: int, causal: bool):
                 for cols, length, calls in sources
             ]
         )
-    if _row_exact:  # kept for the forward's other layers, until its block ends
-        _plans[id(attention_mask)] = (attention_mask, shape, plan)
+    if plans is not None:  # kept for the forward's other layers
+        plans[id(attention_mask)] = (attention_mask, shape, plan)
     return plan
 
 
@@ -211,15 +215,16 @@ def _upcast(x: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
-def row_exact_attention(query, key, value, attention_mask, scaling, causal: bool = True):
+def row_exact_attention(query, key, value, attention_mask, scaling, causal: bool = True, exact_rows=None, plans=None):
     """Attention output (batch, q, heads, dim) in the query's dtype, each query row computed as its
     own problem (see the module's docstring); None where the mask is more than a mask. Without a
-    mask the rows attend causally (`causal`, the last row to the last key) or to every key."""
+    mask the rows attend causally (`causal`, the last row to the last key) or to every key.
+    `exact_rows` and `plans`: as `_plan` takes them (mars's own forward passes them)."""
     batch, heads, q, dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     if heads % kv_heads:
         return None
-    plan = _plan(attention_mask, batch, q, n, bool(causal) and attention_mask is None)
+    plan = _plan(attention_mask, batch, q, n, bool(causal) and attention_mask is None, exact_rows, plans)
     if plan is None:
         return None
     # (batch, q, kv heads, heads per kv head, dim): query head h reads key/value head h // group.

@@ -13,11 +13,47 @@ from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, runners_up_of
 from ...core.masks import decode_mask
-from . import packed
+from . import models, packed
 from .attention import REDUCED, row_exact
 from .cache import cache_argument
-from .forward import additive_mask, attention_masks, model_windows
+from .forward import additive_mask, attention_masks, model_windows, window_cut
 from .load import TorchModel
+
+# Positions a new cache of mars's own forward holds before it first grows (models.KVCache.reserve).
+CACHE_START = 256
+# The widths a padding decoder (TorchDecoder(buckets=True)) feeds: a step's width rounded up to the
+# next of these (past the last, to a multiple of it), so that a compiled or captured step meets a
+# few shapes only. The padding is holes at the end of each row: never attended, never read.
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(width: int) -> int:
+    """The width a step of `width` tokens is padded to (WIDTH_BUCKETS)."""
+    for b in WIDTH_BUCKETS:
+        if width <= b:
+            return b
+    last = WIDTH_BUCKETS[-1]
+    return -(-width // last) * last
+
+
+def pad_width(input_ids, positions, mask, valid, cached: int, width: int):
+    """A step's host inputs padded from q to `width` columns with holes at the end of every row:
+    ids 0, the row's last position, invalid, attending to themselves alone (as decode_mask makes a
+    hole attend) and attended by nobody; the real positions' mask is unchanged."""
+    b, q = input_ids.shape
+    if width == q:
+        return input_ids, positions, mask, valid
+    pad = width - q
+    ids = np.concatenate([input_ids, np.zeros((b, pad), dtype=input_ids.dtype)], axis=1)
+    pos = np.concatenate([positions, np.repeat(positions[:, -1:], pad, axis=1)], axis=1)
+    real = np.ones((b, q), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    valid = np.concatenate([real, np.zeros((b, pad), dtype=bool)], axis=1)
+    if mask is None:
+        mask = decode_mask(np.ones((b, cached + q), dtype=bool), q)
+    full = np.zeros((b, width, cached + width), dtype=bool)
+    full[:, :q, : cached + q] = mask
+    full[:, np.arange(q, width), cached + np.arange(q, width)] = True
+    return ids, pos, full, valid
 
 # Below this many bytes of packed weights the row paths are not measured (packed for every
 # product of 2 rows or more): a small model's products cost too little to tell them apart.
@@ -89,7 +125,7 @@ class TorchDecoder:
     unchanged. The packed copies double the weights' memory. With packed layers a batch's
     step computes its real positions alone, not its holes (`skips_holes`)."""
 
-    def __init__(self, tm: TorchModel, pack: bool | None = None):
+    def __init__(self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False):
         from .attention import use_grouped_sdpa
         from .packed import can_pack, pack_linears
 
@@ -117,6 +153,14 @@ class TorchDecoder:
         # cache keeps every position; the cached keys' positions are kept beside it, per row.
         self.windows = model_windows(tm.model)
         self.slides = any(self.windows)
+        # mars's own forward (models/) where the architecture has one: the step's arguments explicit,
+        # its cache preallocated; None: transformers' modules, steered as above.
+        self.lean = models.build(self.body, self.head, self.windows) if lean else None
+        # Pad each step's width to WIDTH_BUCKETS (mars's own forward only): fixed shapes for a compiled
+        # step. Off in an eager step, where it buys nothing: padding changes no token, but torch's
+        # attention kernel gives the real rows other last bits with more query rows or keys
+        # (tests/test_lean_forward.py measures both).
+        self.buckets = bool(buckets) and self.lean is not None
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -138,9 +182,17 @@ class TorchDecoder:
         from .cache import growing_cache
 
         self._drafted = None
+        if self.lean is not None:
+            return self._lean_cache(batch)
         return growing_cache(self.tm.model.config)
 
+    def _lean_cache(self, batch: int):
+        return models.KVCache(self.lean.args, batch, CACHE_START, self.tm.dtype, self.tm.device)
+
     def crop(self, cache, length: int) -> None:
+        if isinstance(cache, models.KVCache):
+            cache.crop(length)
+            return
         for layer in cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys[..., :length, :]
@@ -150,7 +202,9 @@ class TorchDecoder:
         if getattr(cache, "key_positions", None) is not None:
             cache.key_positions = cache.key_positions[rows]
         idx = torch.tensor(rows, device=self.tm.device)
-        for layer in cache.layers if cache is not None else ():
+        if isinstance(cache, models.KVCache):
+            cache.keep_rows(idx)
+        for layer in cache.layers if cache is not None and not isinstance(cache, models.KVCache) else ():
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 layer.keys = layer.keys.index_select(0, idx)
                 layer.values = layer.values.index_select(0, idx)
@@ -161,6 +215,9 @@ class TorchDecoder:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
         if getattr(cache, "key_positions", None) is not None:
             cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
+        if isinstance(cache, models.KVCache):
+            cache.keep_columns(torch.as_tensor(np.asarray(columns, dtype=np.int64), device=self.tm.device))
+            return
         for layer in cache.layers:
             if getattr(layer, "keys", None) is not None and layer.keys.numel():
                 idx = torch.as_tensor(columns, device=layer.keys.device)
@@ -192,6 +249,8 @@ class TorchDecoder:
         product on a small model) runs once per distinct read. With `valid` (b, q), reads at
         holes (never used) share the row's first, and with packed layers the body computes
         the real positions alone (packed.real_rows)."""
+        if self.lean is not None:
+            return self._lean_logits(cache, input_ids, positions, mask, read, valid)
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
@@ -225,6 +284,88 @@ class TorchDecoder:
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
+    def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
+        """`_read_logits` on mars's own forward (models.Transformer). Everything the forward takes
+        is laid out on the host first and copied to the device in one transfer: the real positions'
+        ids, the positions, where the real positions sit (a batch with holes, packed layers), the
+        rows read, and the attention masks as bytes (one per kind of layer: full, sliding)."""
+        dev = self.tm.device
+        input_ids = np.asarray(input_ids)
+        positions = np.asarray(positions, dtype=np.int64)
+        b, fed = input_ids.shape
+        read = np.asarray(read)
+        own = cache if cache is not None else self._lean_cache(b)
+        cached = own.length
+        if self.buckets:
+            input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, bucket(fed))
+        q = input_ids.shape[1]
+        real = None
+        if valid is not None:
+            valid = np.asarray(valid, dtype=bool)
+            read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
+            if self.skips_holes and not valid.all():
+                real = np.flatnonzero(valid)
+        flat = (np.arange(b)[:, None] * q + read).reshape(-1)
+        distinct, where = np.unique(flat, return_inverse=True)
+        ids = input_ids.reshape(-1)
+        reads = distinct
+        if real is not None:
+            # A read of a row that is all holes is never used: any real row's output will do.
+            ids, reads = ids[real], np.minimum(np.searchsorted(real, distinct), real.size - 1)
+        if self.slides:
+            masks = self._window_masks(own, mask, positions, bool_masks=True)
+        else:
+            full = decode_mask(np.ones((b, cached + q), dtype=bool), q) if mask is None else np.asarray(mask)
+            masks = (full,)
+        numbers = [ids, positions.reshape(-1), reads] + ([real] if real is not None else [])
+        host = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in numbers])
+        data = np.concatenate(
+            [host.view(np.uint8)] + [np.ascontiguousarray(m, dtype=bool).view(np.uint8).reshape(-1) for m in masks]
+        )
+        buf = torch.from_numpy(data)
+        if dev.type == "cuda":
+            buf = buf.pin_memory().to(dev, non_blocking=True)
+        elif dev.type != "cpu":
+            buf = buf.to(dev)
+        numbers_dev = buf[: host.size * 8].view(torch.int64)
+        sizes = [len(a) if np.ndim(a) == 1 else int(np.size(a)) for a in numbers]
+        parts = list(torch.split(numbers_dev, sizes))
+        ids_d, pos_d, reads_d = parts[0], parts[1].view(b, q), parts[2]
+        real_d = parts[3] if real is not None else None
+        dtype, at, additive = self.tm.dtype, host.size * 8, []
+        for m in masks:
+            allowed = buf[at : at + m.size].view(m.shape).bool()
+            at += m.size
+            out = torch.zeros(m.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+            additive.append(out[:, None])
+        kinds = (additive[0], additive[-1])
+        gate = None
+        if self.tm.gate is not None:
+            is_mask = ids == self.tm.gate.mask_id
+            spots = np.flatnonzero(is_mask)
+            if spots.size:
+                rows = slice(spots[0], spots[-1] + 1) if spots[-1] - spots[0] + 1 == spots.size else None
+                gate = (rows, (ids_d == self.tm.gate.mask_id).to(dtype)[:, None])
+        exact = None
+        if self.row_exact:
+            exact = np.ones((b, q), dtype=bool) if valid is None else valid.copy()
+            if self.tm.mars is not None:
+                exact &= input_ids != self.tm.mars.mask_token_id
+        inputs = models.StepInputs(
+            ids=ids_d,
+            positions=pos_d,
+            masks=kinds,
+            reads=reads_d,
+            batch=b,
+            width=q,
+            real=real_d,
+            gate=gate,
+            exact=exact,
+        )
+        logits = self.lean(own, inputs)
+        own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
+        return logits, where.reshape(read.shape)
+
     def _row_exact(self, input_ids, valid):
         """Row-exact attention (attention.row_exact) for the rows fed a real token, whose outputs
         may be taken as AR's; masks only propose drafts, and holes nothing."""
@@ -236,13 +377,14 @@ class TorchDecoder:
         exact = np.ones(np.shape(input_ids), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
         return row_exact(exact if mask_id is None else exact & (np.asarray(input_ids) != mask_id))
 
-    def _window_masks(self, cache, mask, positions):
+    def _window_masks(self, cache, mask, positions, bool_masks: bool = False):
         """The attention argument of a model with sliding layers (attention_masks), with the
         positions of the cached keys (kept on the cache, cut to its length: crops only shorten
-        it) followed by the step's own."""
+        it) followed by the step's own; `bool_masks`: (full, sliding) bool masks, for mars's own
+        forward (forward.window_cut)."""
         positions = np.asarray(positions, dtype=np.int64)
         b, q = positions.shape
-        cached = 0 if cache is None else cache.get_seq_length()
+        cached = 0 if cache is None else cache.length if isinstance(cache, models.KVCache) else cache.get_seq_length()
         before = getattr(cache, "key_positions", None)
         before = np.zeros((b, 0), np.int64) if before is None or not cached else before[:, :cached]
         keys = np.concatenate([before, positions], axis=1)
@@ -250,6 +392,8 @@ class TorchDecoder:
             cache.key_positions = keys
         if mask is None:  # plain causal on top of the cache, no holes
             mask = decode_mask(np.ones(keys.shape, dtype=bool), q)
+        if bool_masks:
+            return window_cut(mask, positions, keys, self.windows)
         return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
 
     @torch.inference_mode()

@@ -53,6 +53,18 @@ def attention_masks(mask: np.ndarray, query_positions: np.ndarray, key_positions
     return {"full_attention": full, "sliding_attention": sliding}
 
 
+def window_cut(mask: np.ndarray, query_positions: np.ndarray, key_positions: np.ndarray, windows):
+    """(the bool `mask`, the same cut to the layers' sliding window by logical position), as
+    attention_masks cuts it, for a forward that builds its additive masks itself."""
+    sizes = {w for w in windows if w}
+    if len(sizes) > 1:
+        raise ModelError(f"layers with different sliding windows ({sorted(sizes)}) are not supported")
+    if not sizes:
+        return mask, mask
+    gap = position_gaps(query_positions, key_positions)
+    return mask, mask & (gap < sizes.pop())
+
+
 def body_and_head(model: torch.nn.Module):
     """The decoder body and the LM head of a *ForCausalLM, through a PEFT wrapper if any
     (LoRA layers live inside the body, so calling it uses them)."""

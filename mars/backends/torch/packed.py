@@ -223,3 +223,18 @@ def time_row_paths(module: torch.nn.Module, rows=(2, 3, 4), repeats: int = 5) ->
 def faster_on_linear(timings: dict[int, tuple[float, float]], margin: float = 0.05) -> list[int]:
     """The row counts whose `F.linear` pass beat the packed one by more than `margin`."""
     return sorted(r for r, (linear, packed) in timings.items() if linear < (1 - margin) * packed)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias, pack, linear_rows=frozenset()) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for `x` (rows, in), through `pack` (a packed copy of `weight`,
+    or None) where the rules above say: 2 rows or more, not a row count that runs `F.linear` on
+    this CPU, no gradient wanted; two rows run as four. The explicit form of a packed layer's
+    forward, for mars's own forward (models/), which passes its layers' packs as arguments."""
+    rows = x.shape[0]
+    if pack is None or rows < MIN_ROWS or rows in linear_rows or (weight.requires_grad and torch.is_grad_enabled()):
+        return F.linear(x, weight, bias)
+    pad = PAD_ROWS.get(rows, rows) - rows
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[-1])])
+    y = torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [None], "")
+    return y[:rows] if pad else y

@@ -1,0 +1,310 @@
+"""mars's own decoder forward for the llama family, over a transformers checkpoint's weights.
+
+A transformers model is built to be steered by keyword arguments, masks it builds itself and
+caches it owns; the decoder needs none of that. `Transformer` is the forward the decoder runs
+instead: small modules holding the checkpoint's own tensors (nothing is copied), an explicit
+argument per thing that varies (`StepInputs`: the ids, positions, masks, which positions are
+real, which rows to read, the gated adapter's gate, row-exact attention), and a key/value cache
+it owns (`KVCache`: preallocated, cropped by setting a length). Nothing inside the forward
+branches on the contents of a tensor: what it computes is decided by shapes and by which
+arguments are given, on the host, before the call.
+
+The arithmetic is transformers' own, operation for operation (RMSNorm in float32, RoPE from the
+model's inverse frequencies, `scaled_dot_product_attention` under an additive mask, SiLU-gated
+MLP), so in float32 the forward gives transformers' forward bit for bit under the same mask
+(tests/test_lean_forward.py, per architecture). Each family's file (llama.py, qwen2.py, ...) says
+what its checkpoints add: a bias, per-head norms, layers without RoPE, multipliers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .. import packed
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """What the forward needs to know about a checkpoint besides its tensors."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # the attention's scale (head_dim ** -0.5, or Granite's attention_multiplier)
+    rope_layers: tuple[bool, ...]  # per layer: whether it applies RoPE (SmolLM3 leaves some out)
+    mask_kinds: tuple[int, ...]  # per layer: which of the step's masks it reads (0 full, 1 sliding)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of the queries and keys
+    embedding_multiplier: float = 1.0  # Granite
+    residual_multiplier: float = 1.0  # Granite
+
+
+class KVCache:
+    """The keys and values of every layer in preallocated buffers, (layers, batch, kv heads,
+    capacity, head dim): a step writes its positions at `length` and attends over the first
+    `length + width`; a crop sets `length`; keeping rows or columns gathers them in place. Grows
+    (one copy into buffers twice as large) only when a step would pass the capacity."""
+
+    def __init__(self, args: ModelArgs, batch: int, capacity: int, dtype, device):
+        self.args = args
+        self.batch = batch
+        self.length = 0
+        self.key_positions = None  # sliding layers: the cached keys' positions (the decoder keeps them)
+        shape = (args.layers, batch, args.kv_heads, capacity, args.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[3]
+
+    def reserve(self, width: int, batch: int) -> None:
+        """Room for `width` more positions of `batch` rows."""
+        if batch > self.keys.shape[1]:
+            self.keep_rows(list(range(self.batch)) + [0] * (batch - self.batch))
+        need = self.length + width
+        if need <= self.capacity:
+            return
+        room = max(2 * self.capacity, need + 256)
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], room, old.shape[4]))
+            new[:, :, :, : self.length].copy_(old[:, :, :, : self.length])
+            setattr(self, name, new)
+
+    def crop(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def keep_rows(self, rows) -> None:
+        """Keep these batch rows (indices, in order), gathered in place."""
+        index = torch.as_tensor(rows, dtype=torch.long, device=self.keys.device)
+        n = int(index.numel())
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            kept = buf[:, : self.batch, :, : self.length].index_select(1, index)
+            if n > buf.shape[1]:  # a served batch gains a row: buffers with room for it
+                buf = buf.new_zeros((buf.shape[0], n, *buf.shape[2:]))
+                setattr(self, name, buf)
+            buf[:, :n, :, : self.length] = kept
+        self.batch = n
+
+    def keep_columns(self, columns) -> None:
+        """Keep these cached positions (indices, in order), gathered in place."""
+        index = torch.as_tensor(columns, dtype=torch.long, device=self.keys.device)
+        n = int(index.numel())
+        for buf in (self.keys, self.values):
+            buf[:, :, :, :n] = buf[:, : self.batch, :, : self.length].index_select(3, index)
+        self.length = n
+
+
+@dataclass
+class StepInputs:
+    """One forward's arguments, on the device.
+
+    `ids` (n,): the real positions' ids, flattened row by row; `real` (n,): where they sit among
+    the batch x width positions (None: every position is real, n = batch x width); `positions`
+    (batch, width); `masks`: the additive masks (batch, 1, width, cached + width), one per kind a
+    layer reads (ModelArgs.mask_kinds); `reads` (k,): the rows of the n whose logits are wanted;
+    `gate`: a gated adapter's gate over the n rows ((rows slice or None, column (n, 1)) or None:
+    no mask fed, the base weights alone); `exact`: row-exact attention's rows (batch, width) bool
+    and its plans, or None."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    masks: tuple
+    reads: torch.Tensor
+    batch: int
+    width: int
+    real: torch.Tensor | None = None
+    gate: tuple | None = None
+    exact: tuple | None = None
+    plans: dict = field(default_factory=dict)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm: in float32, then back to the input's dtype before the weight."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Linear(torch.nn.Module):
+    """A checkpoint's linear layer: its weight and bias, the packed copy the CPU decoder made
+    (packed.pack_linears), and a gated adapter's low-rank delta (gate.GatedLoRALinear), applied
+    where the step's gate says."""
+
+    def __init__(self, layer: torch.nn.Module):
+        super().__init__()
+        base = getattr(layer, "base", layer)
+        self.weight, self.bias = base.weight, base.bias
+        self.pack = base.__dict__.get("_mars_packed")
+        self.linear_rows = base.__dict__.get("_mars_linear_rows", frozenset())
+        lora = getattr(layer, "lora_a_t", None)
+        self.lora = None if lora is None else (layer.lora_a_t, layer.lora_b_t)
+
+    def forward(self, x: torch.Tensor, gate) -> torch.Tensor:
+        y = packed.product(x, self.weight, self.bias, self.pack, self.linear_rows)
+        if self.lora is None or gate is None:
+            return y
+        a, b = self.lora
+        rows, column = gate
+        if rows is not None:  # the masks are one run of rows: the delta on them alone
+            y[rows].addmm_(torch.mm(x[rows], a), b)
+            return y
+        return y.addmm_(torch.mm(x, a).mul_(column), b)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, hf, args: ModelArgs, index: int):
+        super().__init__()
+        self.args, self.index = args, index
+        self.q, self.k, self.v, self.o = (Linear(getattr(hf, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        self.q_norm = hf.q_norm.weight if args.qk_norm else None
+        self.k_norm = hf.k_norm.weight if args.qk_norm else None
+        self.rope = args.rope_layers[index]
+        self.mask_kind = args.mask_kinds[index]
+
+    def forward(self, x: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        a = self.args
+        b, w = inp.batch, inp.width
+        q, k, v = self.q(x, inp.gate), self.k(x, inp.gate), self.v(x, inp.gate)
+        if inp.real is not None:  # holes: zeros, never attended nor read
+            q, k, v = (_scatter(t, inp.real, b * w) for t in (q, k, v))
+        q = q.view(b, w, a.heads, a.head_dim)
+        k = k.view(b, w, a.kv_heads, a.head_dim)
+        if self.q_norm is not None:
+            q, k = rms_norm(q, self.q_norm, a.eps), rms_norm(k, self.k_norm, a.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = v.view(b, w, a.kv_heads, a.head_dim).transpose(1, 2)
+        if self.rope:
+            cos, sin = rope
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        start, end = cache.length, cache.length + w
+        keys, values = cache.keys[self.index, :b], cache.values[self.index, :b]
+        keys[:, :, start:end].copy_(k)
+        values[:, :, start:end].copy_(v)
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        mask = inp.masks[self.mask_kind]
+        out = None
+        if inp.exact is not None:
+            from ..attention import row_exact_attention
+
+            out = row_exact_attention(q, keys, values, mask, a.scale, False, exact_rows=inp.exact, plans=inp.plans)
+        if out is None:
+            out = _sdpa(q, keys, values, mask, a.scale, a.heads // a.kv_heads).transpose(1, 2)
+        out = out.reshape(b * w, a.heads * a.head_dim)
+        if inp.real is not None:
+            out = out.index_select(0, inp.real)
+        return self.o(out, inp.gate)
+
+
+def _sdpa(q, keys, values, mask, scale: float, groups: int) -> torch.Tensor:
+    """Attention as transformers' sdpa computes it under a 4D mask: on the CPU each key/value head
+    shared by its query heads (`enable_gqa`, the same bits), elsewhere copied per query head."""
+    if groups > 1 and q.device.type != "cpu":
+        b, h, n, d = keys.shape
+        keys = keys[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+        values = values[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+        groups = 1
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+
+
+def _scatter(x: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
+    out = x.new_zeros((total, x.shape[-1]))
+    return out.index_copy_(0, index, x)
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hf):
+        super().__init__()
+        self.gate, self.up, self.down = Linear(hf.gate_proj), Linear(hf.up_proj), Linear(hf.down_proj)
+        self.act = hf.act_fn
+
+    def forward(self, x: torch.Tensor, gate) -> torch.Tensor:
+        return self.down(self.act(self.gate(x, gate)) * self.up(x, gate), gate)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hf, args: ModelArgs, index: int):
+        super().__init__()
+        self.args = args
+        self.attn = Attention(hf.self_attn, args, index)
+        self.mlp = MLP(hf.mlp)
+        self.norm1, self.norm2 = hf.input_layernorm.weight, hf.post_attention_layernorm.weight
+
+    def forward(self, h: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        eps, r = self.args.eps, self.args.residual_multiplier
+        out = self.attn(rms_norm(h, self.norm1, eps), rope, cache, inp)
+        h = h + out * r if r != 1.0 else h + out
+        out = self.mlp(rms_norm(h, self.norm2, eps), inp.gate)
+        return h + out * r if r != 1.0 else h + out
+
+
+class Transformer(torch.nn.Module):
+    """The decoder's forward (see the module's docstring): `forward(cache, inputs)` -> the float32
+    logits of the rows read, (k, vocab), with the step's keys and values written into `cache`
+    at its length (the caller advances the length)."""
+
+    def __init__(self, hf_body, head, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = hf_body.embed_tokens.weight
+        rotary = hf_body.rotary_emb
+        self.register_buffer("inv_freq", rotary.inv_freq, persistent=False)
+        self.rope_scaling = float(rotary.attention_scaling)
+        self.blocks = torch.nn.ModuleList(Block(layer, args, i) for i, layer in enumerate(hf_body.layers))
+        self.norm = hf_body.norm.weight
+        self.head = head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def rope(self, positions: torch.Tensor):
+        """cos and sin (batch, 1, width, head dim) at `positions`, as transformers' rotary embedding
+        computes them (float32, then the model's dtype)."""
+        freqs = positions[..., None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]
+
+    def forward(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        h = F.embedding(inp.ids, self.embed)
+        if self.args.embedding_multiplier != 1.0:
+            h = h * self.args.embedding_multiplier
+        cache.reserve(inp.width, inp.batch)
+        rope = self.rope(inp.positions)
+        for block in self.blocks:
+            h = block(h, rope, cache, inp)
+        h = rms_norm(h.index_select(0, inp.reads), self.norm, self.args.eps)
+        return self.head(h[None])[0].float()  # the head sees (1, reads, hidden), as a body's output
+
+
+def common_args(config, body, windows, **extra) -> ModelArgs:
+    """The arguments every llama-like checkpoint has, read off its config and first attention
+    module; `windows` per layer (forward.model_windows); `extra` what a family adds."""
+    attn = body.layers[0].self_attn
+    layers = len(body.layers)
+    fields = dict(
+        layers=layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=attn.head_dim,
+        eps=config.rms_norm_eps,
+        scale=float(attn.scaling),
+        rope_layers=(True,) * layers,
+        mask_kinds=tuple(1 if w else 0 for w in windows),
+    )
+    fields.update(extra)
+    return ModelArgs(**fields)
