@@ -456,7 +456,7 @@ def test_torch_cache_width_equals_the_committed_length_every_step():
 
         def check(row, new):
             out.extend(new)
-            seen.append((dec.cache.get_seq_length(), len(prompt) + len(out) - 1))
+            seen.append((dec.cache.length, len(prompt) + len(out) - 1))
 
         result = generate(dec, [prompt], settings(max_tokens=24), on_tokens=check)
         totals = result.stats.draft_totals()

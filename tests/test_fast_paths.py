@@ -183,16 +183,22 @@ def test_a_step_with_holes_reads_what_the_full_step_reads():
 
 
 def test_a_batch_decodes_alike_with_and_without_its_holes_computed(monkeypatch):
+    from mars.backends.torch import models
     from mars.core.decode.loop import generate
 
     dec, vocab = _decoder()
+    assert dec.lean is not None
     rng = np.random.default_rng(1)
     prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]  # different lengths: left padding, holes
     entered = []
-    real_rows = packed.real_rows
-    monkeypatch.setattr(
-        packed, "real_rows", lambda index, total: entered.append(len(index) / total) or real_rows(index, total)
-    )
+    step_inputs = models.StepInputs
+
+    def spy(**kw):  # mars's own forward is given the real positions alone
+        if kw.get("real") is not None:
+            entered.append(len(kw["real"]) / (kw["batch"] * kw["width"]))
+        return step_inputs(**kw)
+
+    monkeypatch.setattr(models, "StepInputs", spy)
     out = {}
     for skip in (True, False):
         dec.skips_holes = skip
@@ -355,7 +361,7 @@ def test_the_growing_cache_holds_what_the_concatenating_one_holds():
     same()
 
 
-def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(monkeypatch):
+def test_decoding_on_the_preallocated_and_growing_caches_equals_decoding_on_transformers_cache(monkeypatch):
     from transformers import DynamicCache
 
     from mars.core.decode.loop import generate
@@ -363,10 +369,12 @@ def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(mon
     dec, vocab = _decoder()
     rng = np.random.default_rng(2)
     prompts = [rng.integers(5, vocab, n).tolist() for n in (7, 12, 4)]
+    decoders = {"preallocated": dec, "growing": TorchDecoder(dec.tm, lean=False)}
+    decoders["dynamic"] = TorchDecoder(dec.tm, lean=False)
+    assert dec.lean is not None and decoders["growing"].lean is None
+    monkeypatch.setattr(decoders["dynamic"], "new_cache", lambda batch: DynamicCache(config=dec.tm.model.config))
     out = {}
-    for kind in ("growing", "dynamic"):
-        if kind == "dynamic":
-            monkeypatch.setattr(dec, "new_cache", lambda batch: DynamicCache(config=dec.tm.model.config))
+    for kind in ("preallocated", "growing", "dynamic"):
         for cache in ("window", "block"):
             for mode in ("ar", "lossless", "threshold"):
                 s = make_plan(
@@ -380,6 +388,6 @@ def test_decoding_on_the_growing_cache_equals_decoding_on_transformers_cache(mon
                     lossless=mode == "lossless",
                 )
                 for batch in (prompts, prompts[:1]):
-                    out[kind, cache, mode, len(batch)] = generate(dec, batch, s).tokens
+                    out[kind, cache, mode, len(batch)] = generate(decoders[kind], batch, s).tokens
     for key in [k for k in out if k[0] == "growing"]:
-        assert out[key] == out[("dynamic",) + key[1:]], key
+        assert out[key] == out[("dynamic",) + key[1:]] == out[("preallocated",) + key[1:]], key

@@ -97,7 +97,7 @@ class KVCache:
         index = torch.as_tensor(columns, dtype=torch.long, device=self.keys.device)
         n = int(index.numel())
         for buf in (self.keys, self.values):
-            buf[:, :, :, :n] = buf[:, : self.batch, :, : self.length].index_select(3, index)
+            buf[:, : self.batch, :, :n] = buf[:, : self.batch, :, : self.length].index_select(3, index)
         self.length = n
 
 
@@ -127,24 +127,27 @@ class StepInputs:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: in float32, then back to the input's dtype before the weight."""
-    dtype = x.dtype
+    if x.dtype == torch.float32:
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
+    return weight * h.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` in three operations: rotate_half(x) is x's
+    halves swapped with the first negated, and (-a) * s == a * (-s) exactly, so the sign moves
+    into `signed_sin` (sin with its first half negated, made once per forward) and the swap is
+    a roll."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-class Linear(torch.nn.Module):
+class Linear:
     """A checkpoint's linear layer: its weight and bias, the packed copy the CPU decoder made
     (packed.pack_linears), and a gated adapter's low-rank delta (gate.GatedLoRALinear), applied
     where the step's gate says."""
 
     def __init__(self, layer: torch.nn.Module):
-        super().__init__()
         base = getattr(layer, "base", layer)
         self.weight, self.bias = base.weight, base.bias
         self.pack = base.__dict__.get("_mars_packed")
@@ -152,7 +155,7 @@ class Linear(torch.nn.Module):
         lora = getattr(layer, "lora_a_t", None)
         self.lora = None if lora is None else (layer.lora_a_t, layer.lora_b_t)
 
-    def forward(self, x: torch.Tensor, gate) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, gate) -> torch.Tensor:
         y = packed.product(x, self.weight, self.bias, self.pack, self.linear_rows)
         if self.lora is None or gate is None:
             return y
@@ -164,9 +167,8 @@ class Linear(torch.nn.Module):
         return y.addmm_(torch.mm(x, a).mul_(column), b)
 
 
-class Attention(torch.nn.Module):
+class Attention:
     def __init__(self, hf, args: ModelArgs, index: int):
-        super().__init__()
         self.args, self.index = args, index
         self.q, self.k, self.v, self.o = (Linear(getattr(hf, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
         self.q_norm = hf.q_norm.weight if args.qk_norm else None
@@ -174,7 +176,7 @@ class Attention(torch.nn.Module):
         self.rope = args.rope_layers[index]
         self.mask_kind = args.mask_kinds[index]
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         a = self.args
         b, w = inp.batch, inp.width
         q, k, v = self.q(x, inp.gate), self.k(x, inp.gate), self.v(x, inp.gate)
@@ -187,9 +189,7 @@ class Attention(torch.nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = v.view(b, w, a.kv_heads, a.head_dim).transpose(1, 2)
         if self.rope:
-            cos, sin = rope
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         start, end = cache.length, cache.length + w
         keys, values = cache.keys[self.index, :b], cache.values[self.index, :b]
         keys[:, :, start:end].copy_(k)
@@ -225,25 +225,23 @@ def _scatter(x: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
     return out.index_copy_(0, index, x)
 
 
-class MLP(torch.nn.Module):
+class MLP:
     def __init__(self, hf):
-        super().__init__()
         self.gate, self.up, self.down = Linear(hf.gate_proj), Linear(hf.up_proj), Linear(hf.down_proj)
         self.act = hf.act_fn
 
-    def forward(self, x: torch.Tensor, gate) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, gate) -> torch.Tensor:
         return self.down(self.act(self.gate(x, gate)) * self.up(x, gate), gate)
 
 
-class Block(torch.nn.Module):
+class Block:
     def __init__(self, hf, args: ModelArgs, index: int):
-        super().__init__()
         self.args = args
         self.attn = Attention(hf.self_attn, args, index)
         self.mlp = MLP(hf.mlp)
         self.norm1, self.norm2 = hf.input_layernorm.weight, hf.post_attention_layernorm.weight
 
-    def forward(self, h: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         eps, r = self.args.eps, self.args.residual_multiplier
         out = self.attn(rms_norm(h, self.norm1, eps), rope, cache, inp)
         h = h + out * r if r != 1.0 else h + out
@@ -251,19 +249,19 @@ class Block(torch.nn.Module):
         return h + out * r if r != 1.0 else h + out
 
 
-class Transformer(torch.nn.Module):
-    """The decoder's forward (see the module's docstring): `forward(cache, inputs)` -> the float32
+class Transformer:
+    """The decoder's forward (see the module's docstring): `self(cache, inputs)` -> the float32
     logits of the rows read, (k, vocab), with the step's keys and values written into `cache`
-    at its length (the caller advances the length)."""
+    at its length (the caller advances the length). Plain objects, not torch modules: the
+    tensors belong to the checkpoint's model, and a module's call costs more than a small op."""
 
     def __init__(self, hf_body, head, args: ModelArgs):
-        super().__init__()
         self.args = args
         self.embed = hf_body.embed_tokens.weight
         rotary = hf_body.rotary_emb
-        self.register_buffer("inv_freq", rotary.inv_freq, persistent=False)
+        self.inv_freq = rotary.inv_freq
         self.rope_scaling = float(rotary.attention_scaling)
-        self.blocks = torch.nn.ModuleList(Block(layer, args, i) for i, layer in enumerate(hf_body.layers))
+        self.blocks = [Block(layer, args, i) for i, layer in enumerate(hf_body.layers)]
         self.norm = hf_body.norm.weight
         self.head = head
 
@@ -273,13 +271,16 @@ class Transformer(torch.nn.Module):
 
     def rope(self, positions: torch.Tensor):
         """cos and sin (batch, 1, width, head dim) at `positions`, as transformers' rotary embedding
-        computes them (float32, then the model's dtype)."""
+        computes them (float32, then the model's dtype), the sin with its first half negated
+        (apply_rope)."""
         freqs = positions[..., None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        half = sin.shape[-1] // 2
+        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]
 
-    def forward(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         h = F.embedding(inp.ids, self.embed)
         if self.args.embedding_multiplier != 1.0:
             h = h * self.args.embedding_multiplier
