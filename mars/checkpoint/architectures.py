@@ -10,6 +10,10 @@ from pathlib import Path
 # model's own attention. mlx-lm has no model for Ministral (its `ministral3` is another).
 MLX = tuple("llama qwen2 qwen3 mistral gemma3_text phi3 olmo2 granite smollm3 qwen3_moe mixtral".split())
 TORCH = MLX + ("ministral",)
+# The torch decoder's path per architecture: these decode on mars's own forward
+# (mars/backends/torch/models/, one file each), the rest of TORCH through transformers' modules
+# steered by the decoder (mars/backends/torch/decode.py). Training runs transformers' modules for all.
+TORCH_OWN_FORWARD = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite")
 # `mars convert` HF <-> MLX (and --to vllm), for what mlx-lm reads; a mixture of experts'
 # per-expert tensors are stacked for mlx-lm.
 CONVERT = MLX

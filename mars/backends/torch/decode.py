@@ -123,7 +123,12 @@ class TorchDecoder:
     their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
     a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards are
     unchanged. The packed copies double the weights' memory. With packed layers a batch's
-    step computes its real positions alone, not its holes (`skips_holes`)."""
+    step computes its real positions alone, not its holes (`skips_holes`).
+
+    `lean` (default): the architectures of TORCH_OWN_FORWARD run on mars's own forward
+    (models/, docs/design.md "The torch step"), the others on transformers' modules; False runs
+    every architecture on transformers' modules. `buckets`: pad each step's width to
+    WIDTH_BUCKETS (mars's own forward only)."""
 
     def __init__(self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False):
         from .attention import use_grouped_sdpa

@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import importlib
 
+from ....checkpoint.architectures import TORCH_OWN_FORWARD
 from .base import KVCache, ModelArgs, StepInputs, Transformer
 
-# model_type -> the module (in this folder) whose model_args reads its checkpoints.
-FAMILIES = {
-    "llama": "llama",
-    "mistral": "mistral",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "smollm3": "smollm3",
-    "granite": "granite",
-}
+# model_type -> the module (in this folder) whose model_args reads its checkpoints: the table's
+# TORCH_OWN_FORWARD, each a file named after it.
+FAMILIES = {arch: arch for arch in TORCH_OWN_FORWARD}
 # RoPE variants whose frequencies change with the sequence's length: transformers' modules keep them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
