@@ -9,10 +9,11 @@ command's own option defaults, the checkpoint's default mode and its cost-aware 
 at threshold 1.0 (AR) and once in the checkpoint's default lossless mode, after a short
 warm-up of each, and splits the wall time of every loop step into three parts:
 
-- forward: the model's body and LM head (torch: from the body's forward pre-hook to the
-  head's forward hook, synchronising the device at both ends on CUDA; MLX: from the body's
-  first layer to the evaluated logits of the reads, forced with `mx.eval`, so building MLX's
-  lazy graph counts here);
+- forward: the model's body and LM head (torch: from the body's forward pre-hook, or the call
+  of mars's own forward (mars/backends/torch/models/), to the head's forward hook,
+  synchronising the device at both ends on CUDA; MLX: from the body's first layer to the
+  evaluated logits of the reads, forced with `mx.eval`, so building MLX's lazy graph counts
+  here);
 - reduce + D2H: what `step`/`speculate` do after the forward: argmax, top-k and
   confidences, the device-to-host copies and the numpy conversions of their results;
 - host: everything else the loop does, total - forward - reduce + D2H, itemised as step
@@ -28,9 +29,17 @@ Timers wrap the decoder's methods and the loop's functions from this script (not
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
-backend; on CUDA, torch's sync debug mode also counts every synchronising operation. On a CPU
-a "transfer" copies nothing: it is the place where a device would have to. Each mode reports
-ms per step by part, each part's share, tokens per forward, transfers and bytes per step, and
+backend; on CUDA, torch's sync debug mode also counts every synchronising operation.
+Host-to-device copies are counted where code of the `mars` package (the frame that calls: not
+torch's, transformers' or mlx_lm's code, not this script) makes a device array of host data:
+torch's `torch.from_numpy`, `torch.tensor`, `torch.as_tensor` and `torch.asarray` of a numpy
+array or Python data (of a CPU tensor only where the result is on another device), and on CUDA
+`.to`, `.cuda()` and `.copy_` of a CPU tensor to the device (the `.to` of what such a call just
+made, or of its pinned copy, counts once with it: `torch.from_numpy(a).to(dev)` is one copy);
+MLX's `mx.array`/`mx.asarray` of numpy or Python data (not of an `mx.array`) in the MLX backend
+and `mars.core`. On a CPU a "transfer" copies nothing: it is the place where a device would
+have to. Each mode reports ms per step by part, each part's share, tokens per forward,
+transfers each way (D2H, H2D) and bytes per step, and
 the code locations of the transfers. Prints a table; writes JSON to --output (default
 benchmarks/results/step_parts_<backend>_<UTC time>.json). The instrumented replies are the
 plain ones: `tests/test_step_parts.py` checks it.
@@ -55,6 +64,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # torch's own Python code: a transfer is located at the first frame outside it.
 TORCH_DIR = (
     str(Path(importlib.util.find_spec("torch").origin).parent) + os.sep if importlib.util.find_spec("torch") else "\0"
+)
+# The mars package's code: a host-to-device copy counts where a frame of it asks for one.
+MARS_DIR = (
+    str(Path(importlib.util.find_spec("mars").origin).parent) + os.sep if importlib.util.find_spec("mars") else "\0"
 )
 # The host part's items, in the order printed.
 HOST_ITEMS = ("step inputs", "cache", "layout", "drafting", "acceptance", "commit", "loop")
@@ -141,7 +154,8 @@ class Clock:
 
 
 class Transfers:
-    """Device-to-host reads counted while `active`: count, bytes and the code location of each."""
+    """Transfers one way (device to host, or host to device) counted while `active`: count,
+    bytes and the code location of each."""
 
     def __init__(self):
         self.active = False
@@ -151,18 +165,16 @@ class Transfers:
         self.syncs = 0  # CUDA: synchronising operations torch's sync debug mode flagged
         self.per_step: list[int] = []
 
-    def record(self, nbytes: int, depth: int = 2) -> None:
-        frame = sys._getframe(depth)
-        # The first frame outside this script and torch's own Python code: where the read was asked for.
-        while frame is not None and (
-            frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH_DIR)
-        ):
-            frame = frame.f_back
-        where = (
-            "?"
-            if frame is None
-            else f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
-        )
+    def record(self, nbytes: int, depth: int = 2, where: str | None = None) -> None:
+        """Count one transfer at `where`, or (None) at the first frame from `depth` up outside this
+        script and torch's own Python code: where the read was asked for."""
+        if where is None:
+            frame = sys._getframe(depth)
+            while frame is not None and (
+                frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(TORCH_DIR)
+            ):
+                frame = frame.f_back
+            where = "?" if frame is None else site_of(frame)
         self.count += 1
         self.bytes += int(nbytes)
         site = self.sites[where]
@@ -173,6 +185,22 @@ class Transfers:
         self.count = self.bytes = self.syncs = 0
         self.sites.clear()
         self.per_step = []
+
+
+def site_of(frame) -> str:
+    return f"{short_path(frame.f_code.co_filename)}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def mars_caller() -> str | None:
+    """The code location of the first frame outside this script (the caller of the wrapper that
+    asks), where that frame is the `mars` package's own code; None where it is not (torch's,
+    transformers', mlx_lm's)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None or not frame.f_code.co_filename.startswith(MARS_DIR):
+        return None
+    return site_of(frame)
 
 
 def short_path(path: str) -> str:
@@ -213,12 +241,14 @@ class Profiler:
         self.session = session
         self.clock = Clock()
         self.transfers = Transfers()
+        self.h2d = Transfers()
         self.patches = Patches()
         self.handles: list = []
         self.backend = session.backend
         self.cuda = False
         self.forward_graph = 0.0  # MLX: seconds of the forward spent building the lazy graph
         self.from_cpu: set[int] = set()  # torch: see _torch
+        self.from_host: set[int] = set()  # torch: see _torch_h2d
 
     # -- the loop's own functions and classes ------------------------------------------------
 
@@ -227,21 +257,23 @@ class Profiler:
         from mars.core.decode import loop as decoding
 
         c, P = self.clock, self.patches
-        transfers, profiler = self.transfers, self
+        transfers, h2d, profiler = self.transfers, self.h2d, self
 
         advance = decoding._advance
 
         def loop_step(*args, **kwargs):
             if not c.active:
                 return advance(*args, **kwargs)
-            before = transfers.count
+            before, before_h2d = transfers.count, h2d.count
             profiler.from_cpu.clear()
+            profiler.from_host.clear()
             c.enter("loop")
             try:
                 return advance(*args, **kwargs)
             finally:
                 c.leave("loop")
                 transfers.per_step.append(transfers.count - before)
+                h2d.per_step.append(h2d.count - before_h2d)
 
         P.set(decoding, "_advance", loop_step)
         for name in ("verify", "accept_by_threshold", "take_confident"):
@@ -274,8 +306,6 @@ class Profiler:
         c, P, t = self.clock, self.patches, self.transfers
         self.cuda = d.tm.device.type == "cuda"
         cuda = self.cuda
-        P.set(d, "_read_logits", c.timed("step inputs", d._read_logits))
-
         def sync():
             if cuda:
                 mode = torch.cuda.get_sync_debug_mode()
@@ -293,7 +323,22 @@ class Profiler:
                 sync()
                 c.leave("forward")
 
-        self.handles.append(d.body.register_forward_pre_hook(forward_begins))
+        lean = getattr(d, "lean", None)
+        if lean is not None:  # mars's own forward: its call begins the forward, the head's hook ends it
+
+            class TimedForward:
+                def __getattr__(self, name):
+                    return getattr(lean, name)
+
+                def __call__(self, *args, **kwargs):
+                    forward_begins(None, args)
+                    return lean(*args, **kwargs)
+
+            P.set(d, "_lean_logits", c.timed("step inputs", d._lean_logits))
+            P.set(d, "lean", TimedForward())
+        else:
+            P.set(d, "_read_logits", c.timed("step inputs", d._read_logits))
+            self.handles.append(d.body.register_forward_pre_hook(forward_begins))
         self.handles.append(d.head.register_forward_hook(forward_ends))
 
         from_cpu = self.from_cpu  # ids of what a counted `.cpu()` returned: their `.numpy()` is no second transfer
@@ -336,6 +381,94 @@ class Profiler:
         wrap("item", lambda x: x.element_size(), skip_marked=True)
         for dunder in ("__bool__", "__int__", "__float__"):
             wrap(dunder, lambda x: x.element_size(), skip_marked=True)
+        self._torch_h2d(torch, size)
+
+    def _torch_h2d(self, torch, size) -> None:
+        """Host-to-device copies asked for by mars's code: tensors made of host data, and on CUDA
+        CPU tensors moved to the device."""
+        P, h = self.patches, self.h2d
+        # The storages of the CPU tensors counted as made of host data: moving one of them (or a
+        # view of it) to the device is the same copy, counted once (`torch.from_numpy(a).to(dev)`).
+        from_host = self.from_host
+
+        def storage(x) -> int | None:
+            try:
+                return x.untyped_storage().data_ptr()
+            except (RuntimeError, AttributeError):
+                return None
+
+        def making(name):
+            original = getattr(torch, name)
+
+            def make(*args, **kwargs):
+                out = original(*args, **kwargs)
+                if h.active and isinstance(out, torch.Tensor):
+                    data = args[0] if args else kwargs.get("data", kwargs.get("obj", kwargs.get("ndarray")))
+                    # Numpy or Python data counts; a tensor's only from the CPU to a device.
+                    if not isinstance(data, torch.Tensor) or (data.device.type == "cpu" and out.device.type != "cpu"):
+                        where = mars_caller()
+                        if where is not None:
+                            h.record(size(out), where=where)
+                            if out.device.type == "cpu":
+                                from_host.add(storage(out))
+                return out
+
+            make.__name__ = name
+            make.__doc__ = original.__doc__
+            P.set(torch, name, make)
+
+        for name in ("from_numpy", "tensor", "as_tensor", "asarray"):
+            making(name)
+        if not self.cuda:  # on a CPU no `.to` moves a tensor to a device: leave the forward's casts unwrapped
+            return
+
+        def to_target(x, args, kwargs):
+            target = kwargs.get("device", args[0] if args else None)
+            if isinstance(target, torch.Tensor):
+                return target.device
+            try:
+                return torch.device(target) if isinstance(target, (str, int, torch.device)) else None
+            except (TypeError, RuntimeError):
+                return None
+
+        def cuda_target(x, args, kwargs):
+            return torch.device("cuda")
+
+        def copy_source(x, args, kwargs):
+            src = args[0] if args else kwargs.get("src")
+            return src if isinstance(src, torch.Tensor) else None
+
+        def moving(name, source, target):
+            original = getattr(torch.Tensor, name)
+
+            def method(self, *args, **kwargs):
+                out = original(self, *args, **kwargs)
+                if h.active:
+                    src = source(self, args, kwargs)
+                    if src is not None and src.device.type == "cpu" and storage(src) not in from_host:
+                        dst = target(self, args, kwargs)
+                        if dst is not None and dst.type != "cpu":
+                            where = mars_caller()
+                            if where is not None:
+                                h.record(size(src), where=where)
+                return out
+
+            method.__name__ = name
+            P.set(torch.Tensor, name, method)
+
+        # A pinned copy of a tensor made of host data is still that data on its way: its `.to` is no second copy.
+        pin_memory = torch.Tensor.pin_memory
+
+        def pinned(self, *args, **kwargs):
+            out = pin_memory(self, *args, **kwargs)
+            if h.active and storage(self) in from_host:
+                from_host.add(storage(out))
+            return out
+
+        P.set(torch.Tensor, "pin_memory", pinned)
+        moving("to", lambda x, a, k: x, to_target)
+        moving("cuda", lambda x, a, k: x, cuda_target)
+        moving("copy_", copy_source, lambda x, a, k: x.device)
 
     def _mlx(self, d) -> None:
         import mlx.core as mx
@@ -390,6 +523,49 @@ class Profiler:
         counted.asarray = reading(np.asarray)
         P.set(mlx_model, "np", counted)
         P.set(mlx_forward, "np", counted)
+        self._mlx_h2d(mx)
+
+    def _mlx_h2d(self, mx) -> None:
+        """Host-to-device copies: the `mx` of mars's MLX backend and core modules, with
+        `mx.array`/`mx.asarray` counting what they make of numpy or Python data (not of an
+        `mx.array`). `mx.array` stays a type to `isinstance`."""
+        P, h = self.patches, self.h2d
+
+        def note(args, kwargs, out) -> None:
+            data = args[0] if args else kwargs.get("val", kwargs.get("a"))
+            if h.active and not isinstance(data, mx.array):
+                where = mars_caller()
+                if where is not None:
+                    h.record(out.nbytes, where=where)
+
+        class Counting(type):
+            def __call__(cls, *args, **kwargs):
+                out = mx.array(*args, **kwargs)
+                note(args, kwargs, out)
+                return out
+
+            def __instancecheck__(cls, obj):
+                return isinstance(obj, mx.array)
+
+            def __subclasscheck__(cls, sub):
+                return issubclass(sub, mx.array)
+
+        class array(metaclass=Counting):
+            __doc__ = mx.array.__doc__
+
+        def asarray(*args, **kwargs):
+            out = mx.asarray(*args, **kwargs)
+            note(args, kwargs, out)
+            return out
+
+        counted = types.ModuleType(mx.__name__)
+        counted.__dict__.update(mx.__dict__)
+        counted.array = array
+        if hasattr(mx, "asarray"):
+            counted.asarray = asarray
+        for name, module in list(sys.modules.items()):
+            if name.startswith(("mars.backends.mlx.", "mars.core.")) and getattr(module, "mx", None) is mx:
+                P.set(module, "mx", counted)
 
     # -- on and off ----------------------------------------------------------------------------
 
@@ -410,7 +586,7 @@ class Profiler:
         import contextlib
         import warnings
 
-        c, t = self.clock, self.transfers
+        c, t, h = self.clock, self.transfers, self.h2d
         sync_mode = contextlib.nullcontext()
         if self.cuda:
             import torch
@@ -420,17 +596,18 @@ class Profiler:
             if self.cuda:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode(1)
-            c.active = t.active = True
+            c.active = t.active = h.active = True
             c.enter("loop")
             try:
                 out = fn()
             finally:
                 seconds = c.leave("loop")
-                c.active = t.active = False
+                c.active = t.active = h.active = False
                 if self.cuda:
                     torch.cuda.set_sync_debug_mode(0)
                     t.syncs += sum("synchroniz" in str(w.message) for w in caught)
         self.from_cpu.clear()
+        self.from_host.clear()
         return out, seconds
 
 
@@ -453,7 +630,7 @@ def mode_plans(session, max_tokens: int):
     return {"AR": ar, "lossless": default}
 
 
-def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward_graph: float) -> dict:
+def summarise(clock: Clock, transfers: Transfers, h2d: Transfers, total: float, decoded, forward_graph: float) -> dict:
     t = decoded.total
     steps = t.forwards
     ex = clock.exclusive
@@ -486,6 +663,14 @@ def summarise(clock: Clock, transfers: Transfers, total: float, decoded, forward
         "d2h_per_step_range": [min(transfers.per_step, default=0), max(transfers.per_step, default=0)],
         "d2h_sites": {
             k: {"count": v[0], "bytes": v[1]} for k, v in sorted(transfers.sites.items(), key=lambda kv: -kv[1][0])
+        },
+        "h2d_transfers": h2d.count,
+        "h2d_bytes": h2d.bytes,
+        "h2d_per_step": h2d.count / max(steps, 1),
+        "h2d_bytes_per_step": h2d.bytes / max(steps, 1),
+        "h2d_per_step_range": [min(h2d.per_step, default=0), max(h2d.per_step, default=0)],
+        "h2d_sites": {
+            k: {"count": v[0], "bytes": v[1]} for k, v in sorted(h2d.sites.items(), key=lambda kv: -kv[1][0])
         },
         "cuda_syncs_per_step": transfers.syncs / max(steps, 1) if transfers.syncs else None,
         "by_source": t.by_source(),
@@ -545,14 +730,15 @@ def table(report: dict) -> str:
     lines = [
         f"{'mode':<10} {'steps':>5} {'tok/fwd':>7} {'ms/step':>8}  "
         + "  ".join(f"{p:>16}" for p in PART_NAMES)
-        + f"  {'D2H/step':>8} {'bytes/step':>10}"
+        + f"  {'D2H/step':>8} {'bytes/step':>10}  {'H2D/step':>8} {'bytes/step':>10}"
     ]
     for name, m in modes.items():
         cells = "  ".join(f"{m['parts_ms_per_step'][p]:7.2f} ({100 * m['parts_share'][p]:5.1f}%)" for p in PART_NAMES)
         lo, hi = m["d2h_per_step_range"]
         lines.append(
             f"{name:<10} {m['steps']:>5} {m['tokens_per_forward']:7.2f} {m['ms_per_step']:8.2f}  {cells}  "
-            f"{m['d2h_per_step']:8.2f} {m['d2h_bytes_per_step']:10.0f}"
+            f"{m['d2h_per_step']:8.2f} {m['d2h_bytes_per_step']:10.0f}  "
+            f"{m['h2d_per_step']:8.2f} {m['h2d_bytes_per_step']:10.0f}"
         )
     lines.append("")
     lines.append("host part by item, ms per step (share of the step):")
@@ -575,6 +761,12 @@ def table(report: dict) -> str:
         )
         lines.append(f"{name} D2H reads: {lo}-{hi} a step{extra}{graph}")
         for site, v in m["d2h_sites"].items():
+            lines.append(
+                f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}"
+            )
+        lo, hi = m["h2d_per_step_range"]
+        lines.append(f"{name} H2D copies: {lo}-{hi} a step")
+        for site, v in m["h2d_sites"].items():
             lines.append(
                 f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}"
             )
@@ -626,21 +818,23 @@ def main(argv=None) -> dict:
     profiler = Profiler(session)
     profiler.install()
     results = {name: {"seconds": 0.0, "decoded": []} for name in plans}
-    clocks = {name: (Clock(), Transfers(), [0.0]) for name in plans}
+    clocks = {name: (Clock(), Transfers(), Transfers(), [0.0]) for name in plans}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     try:
         for rnd in range(args.rounds):
             order = list(plans) if rnd % 2 == 0 else list(plans)[::-1]
             for name in order:
-                clock, transfers, graph = clocks[name]
+                clock, transfers, h2d, graph = clocks[name]
                 # Each mode keeps its own totals: point the profiler at them for this run.
                 profiler.clock.reset()
                 profiler.transfers.reset()
+                profiler.h2d.reset()
                 profiler.forward_graph = 0.0
                 decoded, seconds = profiler.measure(lambda: session.decode(ids, plans[name], batch))
                 merge(clock, profiler.clock)
                 merge_transfers(transfers, profiler.transfers)
+                merge_transfers(h2d, profiler.h2d)
                 graph[0] += profiler.forward_graph
                 results[name]["seconds"] += seconds
                 results[name]["decoded"].append(decoded)
@@ -654,8 +848,8 @@ def main(argv=None) -> dict:
         joined = Decoded(
             tokens=[t for d in r["decoded"] for t in d.tokens], stats=[s for d in r["decoded"] for s in d.stats]
         )
-        clock, transfers, graph = clocks[name]
-        modes[name] = summarise(clock, transfers, r["seconds"], joined, graph[0])
+        clock, transfers, h2d, graph = clocks[name]
+        modes[name] = summarise(clock, transfers, h2d, r["seconds"], joined, graph[0])
         modes[name]["plan"] = plans[name].name
         tokens[name] = r["decoded"][0].tokens
     report = {

@@ -1,10 +1,12 @@
 """benchmarks/step_parts.py on a tiny MARS checkpoint (random weights, mars.json with default
 mode lossless), torch and MLX: every part of a step is measured and the parts add up, the
-transfers are counted, and the instrumented decoding gives the replies plain decoding gives
-(lossless equal to AR). No timing is compared with anything: the machine's speed does not matter."""
+transfers both ways are counted (host-to-device ones at the mars code that asks for them), and
+the instrumented decoding gives the replies plain decoding gives (lossless equal to AR). No
+timing is compared with anything: the machine's speed does not matter."""
 
 import json
 import math
+import types
 
 import pytest
 from clitools import write_jsonl
@@ -78,6 +80,15 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         lo, hi = m["d2h_per_step_range"]
         assert isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi
         assert sum(site["count"] for site in m["d2h_sites"].values()) == m["d2h_transfers"]
+        # Every step copies its inputs (ids, positions or reads) to the device: a few a step, at mars's code.
+        assert isinstance(m["h2d_transfers"], int) and m["h2d_transfers"] > 0
+        assert isinstance(m["h2d_bytes"], int) and m["h2d_bytes"] > 0
+        assert math.isclose(m["h2d_per_step"], m["h2d_transfers"] / m["steps"])
+        assert 1 <= m["h2d_per_step"] <= 16, (name, m["h2d_per_step"], m["h2d_sites"])
+        lo, hi = m["h2d_per_step_range"]
+        assert isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi
+        assert sum(site["count"] for site in m["h2d_sites"].values()) == m["h2d_transfers"]
+        assert all(site.startswith(f"mars/backends/{backend}/") for site in m["h2d_sites"]), m["h2d_sites"]
     # Lossless decoding is AR's, and the timers change nothing that is decoded.
     assert report["tokens"]["lossless"] == report["tokens"]["AR"]
     assert report["replies_equal_to_ar"] == report["prompts"] == 3
@@ -93,12 +104,19 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         import torch
 
         assert "cpu" not in vars(torch.Tensor) and "__bool__" not in vars(torch.Tensor)
+        assert all(
+            isinstance(getattr(torch, f), types.BuiltinFunctionType)
+            for f in ("from_numpy", "tensor", "as_tensor", "asarray")
+        )
     else:
+        import mlx.core as mx
         import numpy as np
 
         from mars.backends.mlx import decode as mlx_model
+        from mars.backends.mlx import forward as mlx_forward
 
         assert mlx_model.np is np
+        assert mlx_model.mx is mx and mlx_forward.mx is mx
 
 
 def plain_replies(checkpoint, prompts, backend, batch):

@@ -55,6 +55,7 @@ def pad_width(input_ids, positions, mask, valid, cached: int, width: int):
     full[:, np.arange(q, width), cached + np.arange(q, width)] = True
     return ids, pos, full, valid
 
+
 # Below this many bytes of packed weights the row paths are not measured (packed for every
 # product of 2 rows or more): a small model's products cost too little to tell them apart.
 ROW_PATHS_MIN_BYTES = 8 << 20
@@ -241,11 +242,21 @@ class TorchDecoder:
             self._seeded = sampling.seed
         return self.generator
 
-    def logits(self, cache, input_ids, positions, mask, read, valid=None) -> torch.Tensor:
+    def logits(self, cache, input_ids, positions, mask, read, valid=None, extra=(), travelled=None) -> torch.Tensor:
         """One forward of `input_ids` (as `step`): the float32 logits of the `read` columns,
-        on the device. `step` and `speculate` reduce them; a subclass may inspect them."""
-        unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
-        return unique[torch.from_numpy(where).to(unique.device)]
+        on the device. `step` and `speculate` reduce them; a subclass may inspect them. `extra`:
+        host arrays (integers, booleans) the caller needs on the device beside, appended to the
+        list `travelled` there; on mars's own forward they travel in the step's one copy."""
+        if self.lean is not None:
+            unique, _, where, moved = self._lean_logits(cache, input_ids, positions, mask, read, valid, extra)
+            logits = unique[where]
+        else:
+            unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+            logits = unique[torch.from_numpy(where).to(unique.device)]
+            moved = [torch.from_numpy(np.ascontiguousarray(a)).to(unique.device) for a in extra]
+        if travelled is not None:
+            travelled.extend(moved)
+        return logits
 
     def _read_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
         """One forward: the float32 logits of each distinct (row, column) that `read` names,
@@ -255,7 +266,7 @@ class TorchDecoder:
         holes (never used) share the row's first, and with packed layers the body computes
         the real positions alone (packed.real_rows)."""
         if self.lean is not None:
-            return self._lean_logits(cache, input_ids, positions, mask, read, valid)
+            return self._lean_logits(cache, input_ids, positions, mask, read, valid)[:2]
         dev = self.tm.device
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
@@ -289,11 +300,14 @@ class TorchDecoder:
             picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
             return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
-    def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
-        """`_read_logits` on mars's own forward (models.Transformer). Everything the forward takes
-        is laid out on the host first and copied to the device in one transfer: the real positions'
-        ids, the positions, where the real positions sit (a batch with holes, packed layers), the
-        rows read, and the attention masks as bytes (one per kind of layer: full, sliding)."""
+    def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None, extra=()):
+        """`_read_logits` on mars's own forward (models.Transformer): (the logits of the distinct
+        reads, where each read finds its own, on the host and on the device, `extra` on the device).
+        Everything the step takes is laid out on the host first and copied to the device in one
+        transfer: the real positions' ids, the positions, the rows read and where each read finds
+        its row, where the real positions sit (a batch with holes, packed layers), `extra` (integer
+        or bool arrays a caller needs beside: speculate's drafts and tree), and the attention masks
+        as bytes (one per kind of layer: full, sliding)."""
         dev = self.tm.device
         input_ids = np.asarray(input_ids)
         positions = np.asarray(positions, dtype=np.int64)
@@ -322,7 +336,8 @@ class TorchDecoder:
         else:
             full = decode_mask(np.ones((b, cached + q), dtype=bool), q) if mask is None else np.asarray(mask)
             masks = (full,)
-        numbers = [ids, positions.reshape(-1), reads] + ([real] if real is not None else [])
+        extra = [np.asarray(e) for e in extra]
+        numbers = [ids, positions.reshape(-1), reads, where] + extra + ([real] if real is not None else [])
         host = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in numbers])
         data = np.concatenate(
             [host.view(np.uint8)] + [np.ascontiguousarray(m, dtype=bool).view(np.uint8).reshape(-1) for m in masks]
@@ -335,8 +350,12 @@ class TorchDecoder:
         numbers_dev = buf[: host.size * 8].view(torch.int64)
         sizes = [len(a) if np.ndim(a) == 1 else int(np.size(a)) for a in numbers]
         parts = list(torch.split(numbers_dev, sizes))
-        ids_d, pos_d, reads_d = parts[0], parts[1].view(b, q), parts[2]
-        real_d = parts[3] if real is not None else None
+        ids_d, pos_d, reads_d, where_d = parts[0], parts[1].view(b, q), parts[2], parts[3].view(read.shape)
+        extra_d = [
+            t.view(e.shape).bool() if e.dtype == bool else t.view(e.shape)
+            for t, e in zip(parts[4 : 4 + len(extra)], extra)
+        ]
+        real_d = parts[-1] if real is not None else None
         dtype, at, additive = self.tm.dtype, host.size * 8, []
         for m in masks:
             allowed = buf[at : at + m.size].view(m.shape).bool()
@@ -369,7 +388,7 @@ class TorchDecoder:
         )
         logits = self.lean(own, inputs)
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
-        return logits, where.reshape(read.shape)
+        return logits, where.reshape(read.shape), where_d, extra_d
 
     def _row_exact(self, input_ids, valid):
         """Row-exact attention (attention.row_exact) for the rows fed a real token, whose outputs
@@ -437,22 +456,21 @@ class TorchDecoder:
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
     ):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
-        logits = self.logits(cache, input_ids, positions, mask, read)
+        tree_arrays = () if tree is None else (tree.nodes, tree.anchors, tree.live)
+        travelled = []  # the drafts and the tree, on the device
+        logits = self.logits(cache, input_ids, positions, mask, read, None, (drafts, n_drafts, *tree_arrays), travelled)
         gen = self.rng(sampling)
         width = drafts.shape[1]
         masks = logits.shape[1] - width - 1 if tree is None else tree.masks
         mask_logits = logits[:, width + 1 : width + 1 + masks]
         p = sampling_probs(logits[:, : width + 1], sampling)
         device = p.device
-        dr = torch.from_numpy(np.ascontiguousarray(drafts)).to(device)
-        n = torch.from_numpy(np.ascontiguousarray(n_drafts)).to(device)
+        dr, n = travelled[0], travelled[1]
         u = torch.rand(dr.shape, generator=gen, device=device) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(TorchOps(device), p, q, dr, n, u)
         if tree is not None:  # one node at least (verify.sampled_tree)
-            ids, anchors, live = (
-                torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in (tree.nodes, tree.anchors, tree.live)
-            )
+            ids, anchors, live = travelled[2:]
             u_tree = torch.rand(ids.shape, generator=gen, device=device)
             chosen, dist = tree_sampling(TorchOps(device), dist, kept, ids, anchors, live, u_tree)
         token = torch.multinomial(dist, 1, generator=gen)[:, 0]
