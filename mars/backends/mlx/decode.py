@@ -1,6 +1,7 @@
 """The MLX backend's decoding step (MlxDecoder, a mars.core.decode.loop.StepBackend) on mlx-lm
 KV caches: forwards, the predictions and confidences of the slots read, sampling, and lossless
-sampling's speculate."""
+sampling's speculate. A step copies its host inputs to the device once and reads its results back
+once (forward.to_device, forward.to_host)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, runners_up_of
-from .forward import Caches, body, head, hidden_states
+from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, to_device, to_host
 from .load import MlxModel
 
 
@@ -139,16 +140,28 @@ class MlxDecoder:
         self._key, sub = mx.random.split(self._key)
         return sub
 
-    def logits(self, cache, input_ids, positions, mask, read) -> mx.array:
-        """One forward of `input_ids` (as `step`): the logits of the `read` columns."""
-        ids = mx.array(np.ascontiguousarray(input_ids), dtype=mx.int32)
-        attn = "causal" if mask is None else mx.array(mask)[:, None]
+    def logits(self, cache, input_ids, positions, mask, read, **more):
+        """One forward of `input_ids` (as `step`): the logits of the `read` columns. Its host
+        inputs reach the device in one copy (to_device), the mask as bool bytes; `more`: named host
+        arrays the caller needs there too (speculate's drafts and tree), which travel in that copy,
+        and then it returns (the logits, their device arrays by name)."""
+        positions = np.asarray(positions)
+        keys, cuts = sliding_keys(self.model, positions, cache)
+        sent = to_device(
+            ids=input_ids,
+            positions=positions,
+            read=read,
+            keys=keys if cuts else None,
+            mask=None if mask is None else np.asarray(mask, dtype=bool),
+            **more,
+        )
+        ids = sent["ids"]
         if self.loaded.gate is not None:
             self.loaded.gate.set(ids)
-        h = hidden_states(self.model, ids, positions, attn, cache)
-        idx = mx.array(np.ascontiguousarray(read), dtype=mx.int32)
-        picked = mx.take_along_axis(h, idx[..., None], axis=1)
-        return head(self.model, picked)
+        attn = "causal" if mask is None else sent["mask"][:, None]
+        h = hidden_states(self.model, ids, Positions(sent["positions"], sent.get("keys"), cuts), attn, cache)
+        logits = head(self.model, mx.take_along_axis(h, sent["read"][..., None], axis=1))
+        return (logits, {name: sent[name] for name in more}) if more else logits
 
     def step(
         self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
@@ -156,38 +169,34 @@ class MlxDecoder:
         logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)
+        top = [most_likely(logits, runners_up + 1)] if runners_up and sampling.greedy else []
         lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
-        if not (runners_up and sampling.greedy):
-            mx.eval(chosen, conf, *lp)
-            out = (np.array(chosen), np.array(conf))
-        else:
-            top = most_likely(logits, runners_up + 1)
-            mx.eval(chosen, conf, top, *lp)
-            ids = np.array(chosen)
-            out = (ids, np.array(conf), runners_up_of(np.array(top), ids, runners_up))
-        return out + ((ReadLogprobs(*(np.array(a) for a in lp)),) if logprobs is not None else ())
+        ids, conf, *rest = to_host(chosen, conf, *top, *lp)
+        out = (ids, conf, runners_up_of(rest.pop(0), ids, runners_up)) if top else (ids, conf)
+        return out + ((ReadLogprobs(*rest),) if logprobs is not None else ())
 
     def speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
     ):
         """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
-        logits = self.logits(cache, input_ids, positions, mask, read).astype(mx.float32)
+        chain = dict(drafts=drafts, n_drafts=n_drafts)
+        nodes = {} if tree is None else dict(nodes=tree.nodes, anchors=tree.anchors, live=tree.live)
+        logits, sent = self.logits(cache, input_ids, positions, mask, read, **chain, **nodes)
+        logits = logits.astype(mx.float32)
         width = drafts.shape[1]
         p = mx.softmax(sampling_logits(logits[:, : width + 1], sampling), axis=-1)
         # None when a cost-aware step fed AR's feed alone.
         masks = logits.shape[1] - width - 1 if tree is None else tree.masks
         mask_logits = logits[:, width + 1 : width + 1 + masks]
         batch = p.shape[0]
-        dr = mx.array(np.ascontiguousarray(drafts), dtype=mx.int32)
-        n = mx.array(np.ascontiguousarray(n_drafts), dtype=mx.int32)
+        dr, n = sent["drafts"], sent["n_drafts"]
         u = mx.random.uniform(shape=dr.shape, key=self._next_key(sampling)) if width else None
         q = self._drafted[:, :width] if width else None
         kept, dist = speculative_sampling(MLX_OPS, p, q, dr, n, u)
         if tree is not None:  # one node at least (verify.sampled_tree)
-            ids, anchors = (mx.array(np.ascontiguousarray(a), dtype=mx.int32) for a in (tree.nodes, tree.anchors))
-            live = mx.array(np.ascontiguousarray(tree.live))
+            ids = sent["nodes"]
             u_tree = mx.random.uniform(shape=ids.shape, key=self._next_key(sampling))
-            chosen, dist = tree_sampling(MLX_OPS, dist, kept, ids, anchors, live, u_tree)
+            chosen, dist = tree_sampling(MLX_OPS, dist, kept, ids, sent["anchors"], sent["live"], u_tree)
         token = mx.random.categorical(mx.log(dist), axis=-1, key=self._next_key(sampling))
         extra = []
         if tree is not None:
@@ -221,13 +230,12 @@ class MlxDecoder:
             ranked = read_logprobs(mask_logits, proposals, ranks)
         elif ranks:  # no masks fed (a cost-aware step's AR feed): no next drafts to rank
             ranked = [mx.zeros((batch, 0)), mx.zeros((batch, 0, ranks), dtype=mx.int64), mx.zeros((batch, 0, ranks))]
-        mx.eval(kept, token, proposals, q_next, *extra, *lp, *ranked)
-        out = (np.array(kept), np.array(token), np.array(proposals), *(np.array(a) for a in extra))
+        # One read-back; q_next, kept for the next call, is computed with them (the proposals are drawn from it).
+        kept, token, proposals, *rest = to_host(kept, token, proposals, *extra, *lp, *ranked)
+        out, rest = (kept, token, proposals, *rest[: len(extra)]), rest[len(extra) :]
         if logprobs is not None:
-            out = (*out, ReadLogprobs(*(np.array(a) for a in lp)))
-        if ranks:
-            out = (*out, ReadLogprobs(*(np.array(a) for a in ranked)))
-        return out
+            out, rest = (*out, ReadLogprobs(*rest[:3])), rest[3:]
+        return (*out, ReadLogprobs(*rest)) if ranks else out
 
 
 class MlxOps:

@@ -7,6 +7,8 @@ positions. So this module runs mlx-lm's own model (embedding, layers, norms, MLP
 RoPE variant, KV caches) and hands each attention layer, through the cache argument it
 already takes, the positions of its tokens and its mask (hidden_states), for the
 architectures of mars.checkpoint.architectures' MLX table; `head` applies the model's output head.
+A decoding step's host inputs reach the device in one copy (`to_device`) and its results come
+back in one (`to_host`): each copy waits and costs once, whatever it carries.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-
-from ...checkpoint.hf_config import position_gaps
 
 
 def body(model: nn.Module) -> nn.Module:
@@ -43,12 +43,16 @@ def head(model: nn.Module, hidden: mx.array) -> mx.array:
 
 
 class Positions:
-    """The logical positions (b, q) of a forward's tokens, handed to every attention layer as
-    its cache's `offset`: the layer passes that to its RoPE, which PositionedRope turns into
-    one rotation per token (mlx-lm's own offset is one number, or one per row)."""
+    """Where a forward's tokens and keys are, on the device: the logical positions (b, q) of its
+    tokens, handed to every attention layer as its cache's `offset` (the layer passes that to its
+    RoPE, which PositionedRope turns into one rotation per token; mlx-lm's own offset is one
+    number, or one per row); and, where a sliding layer's window cuts its mask (`sliding_keys`),
+    the positions (b, kv) of the keys attended and the windows that cut (layer_masks)."""
 
-    def __init__(self, positions: mx.array):
+    def __init__(self, positions: mx.array, keys: mx.array | None = None, cuts: tuple[int, ...] = ()):
         self.positions = positions
+        self.keys = keys
+        self.cuts = cuts
 
 
 class PositionedRope(nn.Module):
@@ -119,45 +123,105 @@ def layer_windows(model: nn.Module) -> list[int | None]:
     return getattr(model, "_mars_windows", None) or [None] * len(body(model).layers)
 
 
-def layer_masks(model: nn.Module, mask, query_positions: np.ndarray, key_positions: np.ndarray) -> list:
-    """Each layer's mask: `mask` (bool (b, 1, q, kv), "causal" or None), cut to the layer's
-    sliding window by logical position where some query is that far past a key."""
-    windows = layer_windows(model)
-    cut = {}
-    for window in {w for w in windows if w}:
-        gap = position_gaps(query_positions, key_positions)
-        if not (gap >= window).any():
-            continue
-        if isinstance(mask, mx.array):
-            allowed = np.array(mask[:, 0])
-        else:  # "causal" or None on top of the cache: every key up to the query's own place
-            q, kv = gap.shape[1:]
-            allowed = np.arange(kv)[None, None] <= (kv - q + np.arange(q))[None, :, None]
-        cut[window] = mx.array(allowed & (gap < window))[:, None]
-    return [cut.get(w, mask) for w in windows]
-
-
-def hidden_states(model: nn.Module, inputs: mx.array, positions, mask=None, cache=None, embeddings=None) -> mx.array:
-    """The decoder body (mlx-lm's own: embedding scale, layers, norms) at explicit `positions`
-    ((b, q) array, or segments [(length, offsets)]) under `mask`: bool (b, 1, q, kv), "causal",
-    or None (full attention). `cache`: the decoder's Caches, or None."""
-    inner = body(model)
-    b, q = inputs.shape
-    if isinstance(positions, list):
-        positions = segment_positions(positions, b)
-    positions = np.asarray(positions, dtype=np.int64)
+def sliding_keys(model: nn.Module, positions: np.ndarray, cache) -> tuple[np.ndarray | None, tuple[int, ...]]:
+    """The host's part of the sliding windows, for a forward at `positions` (b, q) on `cache`
+    (the decoder's Caches, or None): the positions (b, kv) of the keys it attends, the cached
+    keys' (kept on the Caches for the next forward) then its own, and the windows that cut,
+    those some query is that far past a key, whose layers' masks layer_masks cuts on the
+    device; (None, ()) for a model with no sliding layer. Decided here from positions the host
+    has, so that the device is asked for nothing."""
+    windows = {w for w in layer_windows(model) if w}
+    if not windows:
+        return None, ()
     keys = positions
-    if cache is not None and any(layer_windows(model)):
-        cached = cache[0].offset
+    if cache is not None:
+        b, cached = positions.shape[0], cache[0].offset
         before = getattr(cache, "key_positions", None)
         if before is None or before.shape[1] < cached:  # caches kept elsewhere: no holes
             before = np.broadcast_to(np.arange(cached, dtype=np.int64), (b, cached))
         keys = np.concatenate([before[:, :cached], positions], axis=1)
         if isinstance(cache, Caches):
             cache.key_positions = keys
-    masks = layer_masks(model, mask, positions, keys) if keys.shape[1] else [mask] * len(inner.layers)
-    at = Positions(mx.array(positions.astype(np.int32)))
-    caches = [LayerCache(None if cache is None else c, at, m) for c, m in zip(cache or [None] * len(masks), masks)]
+    if not (positions.size and keys.size):
+        return keys, ()
+    # The largest query-minus-key gap: a row's last query position less its first key position.
+    reach = int((positions.max(axis=1) - keys.min(axis=1)).max())
+    return keys, tuple(sorted(w for w in windows if reach >= w))
+
+
+def layer_masks(model: nn.Module, mask, at: Positions) -> list:
+    """Each layer's mask: `mask` (bool (b, 1, q, kv), "causal" or None), cut on the device to the
+    layer's sliding window by logical position where that window is one of `at.cuts` (a query at
+    position p keeps the keys at p - W + 1 .. p that the mask allows)."""
+    windows = layer_windows(model)
+    if not at.cuts:
+        return [mask] * len(windows)
+    gap = at.positions[:, None, :, None] - at.keys[:, None, None, :]  # (b, 1, q, kv)
+    if isinstance(mask, mx.array):
+        allowed = mask
+    else:  # "causal" or None on top of the cache: every key up to the query's own place
+        q, kv = gap.shape[2:]
+        allowed = mx.arange(kv)[None, None, None, :] <= (kv - q + mx.arange(q))[None, None, :, None]
+    cut = {w: allowed & (gap < w) for w in at.cuts}
+    return [cut.get(w, mask) for w in windows]
+
+
+def to_device(**arrays) -> dict[str, mx.array]:
+    """Host arrays on the device in one copy, by name (None ones left out): integers (that fit
+    int32: ids, positions, indices) as int32 and bools as bools. Each copy has a fixed cost and a
+    step has many small inputs, so they travel together: packed into one byte buffer, the
+    integers first (each then starts 4-byte aligned) and the bools' bytes after, one `mx.array`,
+    then cut back out on the device by slices, views and reshapes."""
+    parts = {k: np.asarray(v) for k, v in arrays.items() if v is not None}
+    ints = {k: np.ascontiguousarray(v, dtype=np.int32) for k, v in parts.items() if v.dtype != np.bool_}
+    bools = {k: np.ascontiguousarray(v) for k, v in parts.items() if v.dtype == np.bool_}
+    packed = {**ints, **bools}
+    buffer = mx.array(np.concatenate([v.reshape(-1).view(np.uint8) for v in packed.values()]))
+    out, at = {}, 0
+    for name, v in packed.items():
+        piece = buffer[at : at + v.nbytes].view(mx.bool_ if v.dtype == np.bool_ else mx.int32)
+        out[name], at = piece.reshape(v.shape), at + v.nbytes
+    return out
+
+
+HOST_TYPES = {mx.bool_: np.bool_, mx.int32: np.int32, mx.uint32: np.uint32, mx.int64: np.int64}
+
+
+def to_host(*arrays: mx.array) -> list[np.ndarray]:
+    """Device arrays on the host in one copy, each with its shape and dtype: float32 ones bit for
+    bit, integers (that fit int32: ids, counts, indices) and bools by value. One read-back waits
+    for the device once and costs once: each array is made int32 on the device (a float32 one by
+    a view of its bits), all are flattened into one, read back by one `np.array`, and cut apart
+    on the host."""
+    flat = []
+    for a in arrays:
+        if a.dtype != mx.float32 and a.dtype not in HOST_TYPES:
+            raise TypeError(f"to_host: {a.dtype} does not travel as int32")
+        flat.append((a.view(mx.int32) if a.dtype == mx.float32 else a.astype(mx.int32)).reshape(-1))
+    host = np.array(mx.concatenate(flat))
+    out, at = [], 0
+    for a in arrays:
+        piece = host[at : at + a.size]
+        piece = piece.view(np.float32) if a.dtype == mx.float32 else piece.astype(HOST_TYPES[a.dtype])
+        out.append(piece.reshape(a.shape))
+        at += a.size
+    return out
+
+
+def hidden_states(model: nn.Module, inputs: mx.array, positions, mask=None, cache=None, embeddings=None) -> mx.array:
+    """The decoder body (mlx-lm's own: embedding scale, layers, norms) at explicit `positions`
+    under `mask`: bool (b, 1, q, kv), "causal", or None (full attention). `positions`: a
+    Positions on the device (a decoding step's, copied with its other inputs), or host positions,
+    (b, q) or segments [(length, offsets)], copied here. `cache`: the decoder's Caches, or None."""
+    inner = body(model)
+    if not isinstance(positions, Positions):
+        b = inputs.shape[0]
+        host = segment_positions(positions, b) if isinstance(positions, list) else np.asarray(positions)
+        keys, cuts = sliding_keys(model, host, cache)
+        sent = to_device(positions=host, keys=keys if cuts else None)
+        positions = Positions(sent["positions"], sent.get("keys"), cuts)
+    masks = layer_masks(model, mask, positions)
+    caches = [LayerCache(c, positions, m) for c, m in zip(cache or [None] * len(masks), masks)]
     if embeddings is None:
         return inner(inputs, caches)
     # The embeddings are given (a trained mask row): the body embeds through a stand-in that
