@@ -306,6 +306,7 @@ class Profiler:
         c, P, t = self.clock, self.patches, self.transfers
         self.cuda = d.tm.device.type == "cuda"
         cuda = self.cuda
+
         def sync():
             if cuda:
                 mode = torch.cuda.get_sync_debug_mode()
