@@ -119,8 +119,9 @@ def test_the_lean_cache_keeps_rows_and_columns_in_place():
     body, head = body_and_head(model)
     lean = models.build(body, head, model_windows(model))
     cache = models.KVCache(lean.args, 3, 8, torch.float32, torch.device("cpu"))
-    cache.keys.copy_(torch.randn(cache.keys.shape))
-    cache.values.copy_(torch.randn(cache.values.shape))
+    with torch.inference_mode():  # the cache's buffers are inference tensors
+        cache.keys.copy_(torch.randn(cache.keys.shape))
+        cache.values.copy_(torch.randn(cache.values.shape))
     cache.length = 6
     before_k, before_v = cache.keys.clone(), cache.values.clone()
     cache.keep_rows(torch.tensor([2, 0, 0, 1]))  # grows by one row: a served batch gains one

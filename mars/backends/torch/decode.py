@@ -514,9 +514,10 @@ _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.boo
 def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]:
     """Device tensors (integers, booleans, float32) copied to the host in one transfer: each
     flattened to int64 (a float32 by its bits), joined, copied, then split and given back its
-    dtype and shape, bit for bit. Tensors already on the CPU are read as they are (`pack`
-    True packs them anyway, as a device would)."""
-    if not (pack if pack is not None else any(a.device.type != "cpu" for a in arrays)):
+    dtype and shape, bit for bit. One tensor already on the CPU is read as it is (`pack`
+    True packs it anyway); several are packed as on a device, so a step reads back once wherever
+    it runs (the join costs microseconds)."""
+    if not (pack if pack is not None else len(arrays) > 1 or any(a.device.type != "cpu" for a in arrays)):
         return [a.numpy() for a in arrays]
     flat = [
         a.reshape(-1).view(torch.int32).long() if a.dtype == torch.float32 else a.reshape(-1).long() for a in arrays

@@ -47,8 +47,10 @@ class KVCache:
     """The keys and values of every layer in preallocated buffers, (layers, batch, kv heads,
     capacity, head dim): a step writes its positions at `length` and attends over the first
     `length + width`; a crop sets `length`; keeping rows or columns gathers them in place. Grows
-    (one copy into buffers twice as large) only when a step would pass the capacity."""
+    (one copy into buffers twice as large) only when a step would pass the capacity. Its buffers
+    are inference tensors, written in inference mode only (the decoder's steps run in it)."""
 
+    @torch.inference_mode()
     def __init__(self, args: ModelArgs, batch: int, capacity: int, dtype, device):
         self.args = args
         self.batch = batch
@@ -62,6 +64,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
+    @torch.inference_mode()
     def reserve(self, width: int, batch: int) -> None:
         """Room for `width` more positions of `batch` rows."""
         if batch > self.keys.shape[1]:
@@ -79,6 +82,7 @@ class KVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
+    @torch.inference_mode()
     def keep_rows(self, rows) -> None:
         """Keep these batch rows (indices, in order), gathered in place."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.keys.device)
@@ -92,6 +96,7 @@ class KVCache:
             buf[:, :n, :, : self.length] = kept
         self.batch = n
 
+    @torch.inference_mode()
     def keep_columns(self, columns) -> None:
         """Keep these cached positions (indices, in order), gathered in place."""
         index = torch.as_tensor(columns, dtype=torch.long, device=self.keys.device)
@@ -280,6 +285,7 @@ class Transformer:
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]
 
+    @torch.inference_mode()
     def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         h = F.embedding(inp.ids, self.embed)
         if self.args.embedding_multiplier != 1.0:
