@@ -38,18 +38,23 @@ class CostCurve:
             raise ValueError(f"a cost curve needs positive times at token counts >= 1, got {points}")
         self.points = {int(k): float(s) for k, s in sorted(points.items())}
         self.refresh = refresh  # weight of a newly timed forward in the running estimate
-        self._arrays = None  # (token counts, non-decreasing seconds), rebuilt after `observe`
+        self._arrays = None  # (token counts, non-decreasing seconds, seconds asked), rebuilt after `observe`
 
     def seconds(self, tokens: int) -> float:
         if self._arrays is None:
             ks = np.fromiter(self.points, dtype=np.float64)
-            self._arrays = ks, non_decreasing(np.fromiter(self.points.values(), dtype=np.float64))
-        ks, ss = self._arrays
+            self._arrays = ks, non_decreasing(np.fromiter(self.points.values(), dtype=np.float64)), {}
+        ks, ss, known = self._arrays  # known: what was asked since the curve last changed
         t = float(max(tokens, 1))
-        if t <= ks[-1]:
-            return float(np.interp(t, ks, ss))
-        slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
-        return float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))
+        found = known.get(t)
+        if found is None:
+            if t <= ks[-1]:
+                found = float(np.interp(t, ks, ss))
+            else:
+                slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
+                found = float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))
+            known[t] = found
+        return found
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in a forward the loop timed (a running average per token count)."""

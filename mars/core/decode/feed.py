@@ -55,7 +55,9 @@ class DraftStats:
         return (kept[j] + self.prior_mean * self.prior_weight) / (reached[j] + self.prior_weight)
 
     def rates(self, source: str, n: int) -> list[float]:
-        return [self.rate(source, j) for j in range(n)]
+        reached, kept = self._lists(source, n)
+        m, w = self.prior_mean * self.prior_weight, self.prior_weight
+        return [(kept[j] + m) / (reached[j] + w) for j in range(n)]
 
     def expected_kept(self, source: str, n: int) -> float:
         """Expected drafts kept out of the first n of this source."""
@@ -154,14 +156,25 @@ class LosslessFeed:
         used, offered = self.mask_use
         return (used + 1.0) / (offered + 2.0)
 
-    def rate(self, masks: int, groups: int, batch: int = 1) -> float:
-        """Expected tokens per second and row of feeding this forever, mask drafts counted where taken."""
+    def rate(self, masks: int, groups: int, batch: int = 1, rates=None) -> float:
+        """Expected tokens per second and row of feeding this forever, mask drafts counted where taken.
+        `rates`: (the masks' keep rates, the spare groups', used()), each long enough, where the
+        caller read them once for several candidates."""
         s = self.stats
-        tokens, width, _ = steady_state(s.rates(MASKS, masks), s.rates(SPARE, masks), masks, groups, batch)
-        return (1.0 + self.used() * (tokens - 1.0)) / self.costs.seconds(batch, width)
+        mask_rates, spare_rates, used = rates or (s.rates(MASKS, masks), s.rates(SPARE, masks), self.used())
+        tokens, width, _ = steady_state(mask_rates[:masks], spare_rates[:masks], masks, groups, batch)
+        return (1.0 + used * (tokens - 1.0)) / self.costs.seconds(batch, width)
+
+    def _shared_rates(self):
+        """What `rate` reads for every candidate, read once (the same numbers)."""
+        s = self.stats
+        return s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks), self.used()
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
-        ranked = sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
+        rates = self._shared_rates()
+        ranked = sorted(
+            self.candidates(), key=lambda c: (self.rate(*c, batch=batch, rates=rates), -c[0], -c[1]), reverse=True
+        )
         best = ranked[0]
         if best == (0, 0) and self.max_masks:
             if not self._probe:
@@ -201,7 +214,10 @@ class ThresholdFeed(LosslessFeed):
         for m in range(self.max_masks + 1):
             yield m, 0
 
-    def rate(self, masks: int, groups: int = 0, batch: int = 1) -> float:
+    def _shared_rates(self):
+        return None
+
+    def rate(self, masks: int, groups: int = 0, batch: int = 1, rates=None) -> float:
         reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks
         tokens = 1.0 + float(reach.sum())
         # The widest of `batch` rows feeds 1 + its last run (expected max over the rows) + m.

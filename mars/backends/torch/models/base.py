@@ -233,7 +233,7 @@ def _scatter(x: torch.Tensor, index: torch.Tensor, total: int) -> torch.Tensor:
 class MLP:
     def __init__(self, hf):
         self.gate, self.up, self.down = Linear(hf.gate_proj), Linear(hf.up_proj), Linear(hf.down_proj)
-        self.act = hf.act_fn
+        self.act = getattr(hf.act_fn, "forward", hf.act_fn)  # the activation's own function: no module call
 
     def __call__(self, x: torch.Tensor, gate) -> torch.Tensor:
         return self.down(self.act(self.gate(x, gate)) * self.up(x, gate), gate)
