@@ -253,7 +253,7 @@ class Profiler:
     # -- the loop's own functions and classes ------------------------------------------------
 
     def _loop(self) -> None:
-        from mars.core.decode import drafting, strategies
+        from mars.core.decode import drafting, step, strategies
         from mars.core.decode import loop as decoding
 
         c, P = self.clock, self.patches
@@ -277,8 +277,8 @@ class Profiler:
 
         P.set(decoding, "_advance", loop_step)
         for name in ("verify", "accept_by_threshold", "take_confident"):
-            P.set(decoding, name, c.timed("acceptance", getattr(decoding, name)))
-        P.set(decoding, "layout_mask", c.timed("layout", decoding.layout_mask))
+            P.set(step, name, c.timed("acceptance", getattr(step, name)))
+        P.set(step, "layout_mask", c.timed("layout", step.layout_mask))
         for cls in (strategies.WindowStrategy, strategies.BlockStrategy):
             for name in ("lay_out", "keys"):
                 P.set(cls, name, c.timed("layout", cls.__dict__[name]))

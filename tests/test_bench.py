@@ -10,6 +10,7 @@ from tiny import save_model
 
 from mars.bench import BenchError, BenchSettings, benchmark, format_table
 from mars.cli.bench import bench_command, int_ranges
+from mars.core.decode.types import StepOutput
 
 PROMPTS = ["Hello there", "What is 2+2? Tell me now.", "x", "Write a short poem about the sea, please"]
 SETTINGS = dict(
@@ -395,7 +396,7 @@ def test_forward_cost_times_k1_as_an_ar_step():
 
         def step(self, cache, ids, positions, mask, read, *, metric, sampling, valid=None):
             fed.append(ids.copy())
-            return np.zeros(read.shape, dtype=np.int64), np.ones(read.shape)
+            return StepOutput(np.zeros(read.shape, dtype=np.int64), np.ones(read.shape))
 
     points = forward_cost(Stub(), [[5, 6, 7]], 1, (1, 3), 2, filler=3, ar_filler=2)
     assert [p["k"] for p in points] == [1, 3] and points[0]["ratio_to_first"] == 1.0

@@ -25,6 +25,7 @@ from mars.core.decode.cost import BatchCosts, CostCurve
 from mars.core.decode.drafts import ngram
 from mars.core.decode.feed import DraftStats, LosslessFeed, ThresholdFeed, block_cache_pays, steady_state
 from mars.core.decode.loop import generate
+from mars.core.decode.types import StepOutput
 
 MASK, EOS = 3, 2
 
@@ -72,7 +73,7 @@ class OracleBackend:
                     out[r, c] = nxt
                     run = 0
         ids = np.take_along_axis(out, read, axis=1)
-        return ids, np.ones(ids.shape)
+        return StepOutput(ids, np.ones(ids.shape))
 
 
 def settings(**kw):
@@ -302,10 +303,10 @@ class RunnerUpBackend(OracleBackend):
         out = np.where(wrong, 11 + (truth - 9) % 40, truth)
         ids = np.take_along_axis(out, read, axis=1)
         if not runners_up:
-            return ids, np.ones(ids.shape)
+            return StepOutput(ids, np.ones(ids.shape))
         right = np.take_along_axis(truth, read, axis=1)
         second = np.where(ids != right, right, 70)[..., None] + np.arange(runners_up)[None, None, :]
-        return ids, np.ones(ids.shape), second
+        return StepOutput(ids, np.ones(ids.shape), second)
 
 
 @pytest.mark.parametrize("curve", ["flat", "costly"])
@@ -529,9 +530,9 @@ class EndsAt(OracleBackend):
         self.end = end
 
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
-        ids, conf = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
+        out = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
         at = np.take_along_axis(positions, read, axis=1) + 1
-        return np.where(at == self.end, EOS, ids), conf
+        return StepOutput(np.where(at == self.end, EOS, out.ids), out.conf)
 
 
 @pytest.mark.parametrize("good", [0, 2, 4])
@@ -581,10 +582,10 @@ class ConfidentOracle(OracleBackend):
     0.1 where it is not, so threshold mode accepts exactly the right guesses."""
 
     def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None):
-        ids, _ = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling)
+        ids = super().step(cache, input_ids, positions, mask, read, metric=metric, sampling=sampling).ids
         at = np.take_along_axis(positions, read, axis=1)
         truth = np.vectorize(lambda p: oracle(int(p) + 1, self.period))(at)
-        return ids, np.where(ids == truth, 1.0, 0.1)
+        return StepOutput(ids, np.where(ids == truth, 1.0, 0.1))
 
 
 def threshold(**kw):
@@ -775,7 +776,7 @@ def test_calibration_keeps_each_widths_fastest_round_and_times_more_when_noisy()
         def step(self, cache, ids, positions, mask, read, **kw):
             self.calls += 1
             self.now += ids.shape[1] * 1e-3 + (5e-3 if self.busy and self.calls % 3 else 0.0)
-            return np.zeros(read.shape, dtype=np.int64), np.zeros(read.shape)
+            return StepOutput(np.zeros(read.shape, dtype=np.int64), np.zeros(read.shape))
 
     widths = (1, 2, 4, 8)
     for busy, passes in ((False, 1), (True, 2)):

@@ -9,6 +9,7 @@ from test_cost import MASK, ORACLE_REPLY, PROMPT, OracleBackend, oracle, setting
 
 from mars.core.decode import drafts
 from mars.core.decode.loop import generate
+from mars.core.decode.types import StepOutput
 
 
 class Future:
@@ -74,7 +75,7 @@ class PositionOracle(OracleBackend):
         nxt = np.vectorize(lambda p: oracle(int(p) + 1))(positions)
         out = np.where((input_ids == MASK) & ((positions + 1) % 5 == 0), nxt + 1, nxt)
         ids = np.take_along_axis(out, read, axis=1)
-        return ids, np.ones(ids.shape)
+        return StepOutput(ids, np.ones(ids.shape))
 
 
 def test_a_new_in_forward_source_is_one_registration(monkeypatch):

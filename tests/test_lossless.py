@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -231,9 +232,10 @@ def test_runners_up_are_the_next_most_likely_ids(tm, tok):
     p = prompts_of(tok, PROMPTS[:1])[0]
     n = len(p)
     read = np.arange(n - 3, n)[None]
-    ids, _, second = dec.step(
+    out = dec.step(
         None, np.asarray([p]), np.arange(n)[None], None, read, metric=None, sampling=Sampling(), runners_up=3
     )
+    ids, second = out.ids, out.runners_up
     logits = dec.logits(None, np.asarray([p]), np.arange(n)[None], None, read)[0]
     order = torch.argsort(logits, dim=-1, descending=True).numpy()
     assert ids[0].tolist() == order[:, 0].tolist()
@@ -331,10 +333,8 @@ class AcceptEveryDraft(TorchDecoder):
     """A broken verifier: keeps every draft whatever p says."""
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        _, token, proposals = super().speculate(
-            cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling
-        )
-        return np.asarray(n_drafts), token, proposals
+        out = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
+        return replace(out, kept=np.asarray(n_drafts))
 
 
 class ResampleFromP(TorchDecoder):
@@ -345,13 +345,11 @@ class ResampleFromP(TorchDecoder):
         return self.last
 
     def speculate(self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling):
-        kept, token, proposals = super().speculate(
-            cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling
-        )
+        out = super().speculate(cache, input_ids, positions, mask, read, drafts, n_drafts, sampling=sampling)
         p = sampling_probs(self.last[:, : drafts.shape[1] + 1], sampling)
-        at = p[torch.arange(p.shape[0]), torch.from_numpy(np.asarray(kept))]
+        at = p[torch.arange(p.shape[0]), torch.from_numpy(np.asarray(out.kept))]
         redrawn = torch.multinomial(at, 1, generator=self.rng(sampling))[:, 0].numpy()
-        return kept, np.where(kept < n_drafts, redrawn, token), proposals
+        return replace(out, token=np.where(out.kept < n_drafts, redrawn, out.token))
 
 
 @pytest.fixture(scope="module")

@@ -180,14 +180,14 @@ def test_the_backend_contract(plain, name):
     cache = decoder.new_cache(1)
     first = decoder.step(
         cache, prompt[:, :-1], positions[:, :-1], None, np.array([[n - 2]]), metric=None, sampling=greedy
-    )[0]
-    last = decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[
-        0
-    ]
+    ).ids
+    last = decoder.step(
+        cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy
+    ).ids
     assert first[0, 0] == whole[0, n - 2] and last[0, 0] == whole[0, n - 1]
     decoder.crop(cache, n - 1)
     assert (
-        decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0][
+        decoder.step(cache, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy).ids[
             0, 0
         ]
         == whole[0, n - 1]
@@ -204,7 +204,9 @@ def test_the_backend_contract(plain, name):
         sampling=greedy,
     )
     decoder.keep_rows(both, [1])  # the second row alone, as if decoded alone
-    kept = decoder.step(both, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy)[0]
+    kept = decoder.step(
+        both, prompt[:, -1:], positions[:, -1:], None, np.array([[0]]), metric=None, sampling=greedy
+    ).ids
     assert kept[0, 0] == whole[0, n - 1]
 
 

@@ -10,6 +10,8 @@ threshold 1.0 it is plain greedy AR.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,7 @@ from mars.backends.torch.load import TorchModel
 from mars.core.decode.cost import BatchCosts, CostCurve
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
+from mars.core.decode.types import StepOutput
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +168,7 @@ class SpareOracle(ConfidentOracle):
         ids = np.take_along_axis(out, read, axis=1)
         at = np.take_along_axis(positions, read, axis=1)
         truth = np.vectorize(lambda p: oracle(int(p) + 1, self.period))(at)
-        return ids, np.where(ids == truth, 1.0, 0.1)
+        return StepOutput(ids, np.where(ids == truth, 1.0, 0.1))
 
 
 @pytest.mark.parametrize("good", [1, 2, 4])
@@ -199,7 +202,7 @@ class HonestRunnerUp(RunnerUpBackend):
             runners_up=runners_up,
         )
         truth = np.vectorize(lambda p: oracle(int(p) + 1))(np.take_along_axis(positions, read, axis=1))
-        return (out[0], np.where(out[0] == truth, 1.0, 0.1)) + tuple(out[2:])
+        return replace(out, conf=np.where(out.ids == truth, 1.0, 0.1))
 
 
 def test_alternative_groups_in_verified_threshold_mode():

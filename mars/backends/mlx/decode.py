@@ -10,7 +10,7 @@ import numpy as np
 
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import ReadLogprobs, runners_up_of
+from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
 from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, to_device, to_host
 from .load import MlxModel
 
@@ -172,8 +172,8 @@ class MlxDecoder:
         top = [most_likely(logits, runners_up + 1)] if runners_up and sampling.greedy else []
         lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
         ids, conf, *rest = to_host(chosen, conf, *top, *lp)
-        out = (ids, conf, runners_up_of(rest.pop(0), ids, runners_up)) if top else (ids, conf)
-        return out + ((ReadLogprobs(*rest),) if logprobs is not None else ())
+        second = runners_up_of(rest.pop(0), ids, runners_up) if top else None
+        return StepOutput(ids, conf, second, ReadLogprobs(*rest) if logprobs is not None else None)
 
     def speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
@@ -232,10 +232,9 @@ class MlxDecoder:
             ranked = [mx.zeros((batch, 0)), mx.zeros((batch, 0, ranks), dtype=mx.int64), mx.zeros((batch, 0, ranks))]
         # One read-back; q_next, kept for the next call, is computed with them (the proposals are drawn from it).
         kept, token, proposals, *rest = to_host(kept, token, proposals, *extra, *lp, *ranked)
-        out, rest = (kept, token, proposals, *rest[: len(extra)]), rest[len(extra) :]
-        if logprobs is not None:
-            out, rest = (*out, ReadLogprobs(*rest[:3])), rest[3:]
-        return (*out, ReadLogprobs(*rest)) if ranks else out
+        node, after = (rest.pop(0), rest.pop(0)) if extra else (None, None)
+        lp_out = ReadLogprobs(*rest[:3]) if logprobs is not None else None
+        return Speculated(kept, token, proposals, node, after, lp_out, ReadLogprobs(*rest[-3:]) if ranks else None)
 
 
 class MlxOps:

@@ -11,7 +11,7 @@ import torch
 
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import ReadLogprobs, runners_up_of
+from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
 from ...core.masks import decode_mask
 from . import models, packed
 from .attention import REDUCED, row_exact
@@ -429,7 +429,7 @@ class TorchDecoder:
             chosen, conf = slot_predictions(logits, metric, sampling, self.rng(sampling))
             lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
             host = to_host(chosen, conf, *lp)
-            return (host[0], host[1]) + ((ReadLogprobs(*host[2:]),) if logprobs is not None else ())
+            return StepOutput(host[0], host[1], logprobs=ReadLogprobs(*host[2:]) if logprobs is not None else None)
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
         chosen, conf = slot_predictions(unique, metric, sampling)
         # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros),
@@ -444,12 +444,12 @@ class TorchDecoder:
         host = [a[where] for a in to_host(*wanted)]
         ids = host[0]
         conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
-        out = (ids, conf)
-        if runners_up:
-            out += (runners_up_of(host[len(wanted) - len(lp) - 1], ids, runners_up),)
-        if logprobs is not None:
-            out += (ReadLogprobs(*host[-3:]),)
-        return out
+        return StepOutput(
+            ids,
+            conf,
+            runners_up_of(host[len(wanted) - len(lp) - 1], ids, runners_up) if runners_up else None,
+            ReadLogprobs(*host[-3:]) if logprobs is not None else None,
+        )
 
     @torch.inference_mode()
     def speculate(
@@ -500,12 +500,11 @@ class TorchDecoder:
         if ranks:
             parts += read_logprobs(mask_logits, proposals, ranks)
         host = to_host(*parts)
-        out, at = tuple(host[: 3 + len(extra)]), 3 + len(extra)
-        if logprobs is not None:
-            out, at = (*out, ReadLogprobs(*host[at : at + 3])), at + 3
-        if ranks:
-            out = (*out, ReadLogprobs(*host[at : at + 3]))
-        return out
+        kept, token, proposals, *rest = host
+        node, after = (rest.pop(0), rest.pop(0)) if extra else (None, None)
+        lp_out = ReadLogprobs(*rest[:3]) if logprobs is not None else None
+        ranked = ReadLogprobs(*rest[-3:]) if ranks else None
+        return Speculated(kept, token, proposals, node, after, lp_out, ranked)
 
 
 _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}

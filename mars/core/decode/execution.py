@@ -26,9 +26,10 @@ class Execution:
     threshold_feed: ThresholdFeed | None = None
     served: bool = False
 
-    def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> None:
-        """Before a step: the masks (and spare groups) it feeds, then each row's drafts. The only
-        place a step's width is set."""
+    def choose(self, strategy, rows: list[Row], stats: DecodeStats) -> tuple[int, int] | None:
+        """Before a step (step.decide): the masks (and spare groups) it feeds, then each row's drafts;
+        returns the feed's choice of (masks, spare groups), None where no feed chose. The only place
+        a step's width is set."""
         s = self.plan
         batch = max(1, len(rows))  # a finished row not yet dropped still takes its slots
         if self.served:  # rows of a served batch decode at their own thresholds
@@ -44,6 +45,7 @@ class Execution:
             self.drafting.before_step(strategy, rows)
         if choice is not None:
             stats.feed_choices[choice] = stats.feed_choices.get(choice, 0) + 1
+        return choice
 
     def report(self, stats: DecodeStats) -> None:
         """The drafting statistics as they stand, into `stats` (plain copies)."""

@@ -1,6 +1,7 @@
-"""The decoding loop (docs/method.md §5-6, §8-9): per step the strategy lays out what every row
-feeds on its committed cache (mars.core.decode.strategies), the backend runs one forward, the mode
-decides what each row keeps (mars.core.decode.verify), and the strategy commits and crops the cache.
+"""The decoding loop (docs/method.md §5-6, §8-9): per step (mars.core.decode.step) the step is decided
+(the feed, the drafts, the strategy's layout of what every row feeds on its committed cache), the
+backend runs one forward, the mode decides what each row keeps (mars.core.decode.verify), the rows
+take it, and the strategy commits and crops the cache.
 
 Rows of a batch share one cache length: a row that fed fewer tokens than others leaves holes, keys
 nobody attends, so every row sees exactly the sequence it would see alone, at its own positions.
@@ -8,20 +9,17 @@ nobody attends, so every row sees exactly the sequence it would see alone, at it
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import numpy as np
 
 from ..acceptance import check_threshold
-from .drafts.tree import RANKS, branches
 from .execution import Execution, execution
 from .feed import FeedController
-from .layout import layout_mask
-from .plan import Mode, Plan
+from .plan import Plan
+from .step import apply, decide, run_step
 from .strategies import BlockStrategy, WindowStrategy, make_strategy
 from .types import DecodeResult, DecodeStats, Row, StepBackend
-from .verify import accept_by_threshold, count_drafts, take_confident, verify
 
 
 def generate(
@@ -67,90 +65,14 @@ def generate(
 
 
 def _advance(backend, cache, strategy, rows: list[Row], run: Execution, stats: DecodeStats) -> list[list[int]]:
-    """One forward of the loop; returns the tokens each row took (none if it waited)."""
-    s, drafting, threshold_feed = run.plan, run.drafting, run.threshold_feed
-    run.choose(strategy, rows, stats)
-    layout = strategy.lay_out(rows)
-    mask = layout_mask(strategy.keys(layout), layout)
-    stats.forwards += 1
-    stats.fed_tokens += layout.ids.size
-    confident = s.mode is Mode.VERIFIED
-    if s.verifies:
-        t0 = time.perf_counter()
-        verdict = verify(
-            backend,
-            cache,
-            layout,
-            mask,
-            s.sampling,
-            metric=s.metric if confident else None,
-            runners_up=s.alternative_groups,
-            logprobs=s.logprobs,
-            ranks=RANKS if s.tree_nodes else 0,
-        )
-        if drafting is not None:
-            drafting.after_step(layout, verdict, rows, time.perf_counter() - t0)
-        accepted, proposals = verdict.accepted, verdict.nxt
-        taken = take_confident(accepted, proposals, verdict.conf, rows, s.metric, verdict) if confident else None
-        logprobs = verdict.logprobs
-    else:
-        accepted, logprobs = accept_by_threshold(backend, cache, layout, mask, rows, s)
-        stats.masks_fed[layout.columns.masks] = stats.masks_fed.get(layout.columns.masks, 0) + 1
-        if threshold_feed is not None:
-            for i, r in enumerate(rows):
-                if layout.limit[i] > 0:
-                    threshold_feed.record(int(layout.limit[i]) - 1, len(accepted[i]) - 1)
-    # What each row had fed for real: the cached variants commit it (kept drafts too).
-    before = [len(r.seq) if not r.done else r.cached for r in rows]
-    eos = set(s.eos_ids)
-    for i, r in enumerate(rows):
-        if r.done:
-            accepted[i] = []
-            continue
-        if not accepted[i]:
-            r.stats.waited += 1
-            continue
-        if s.verifies:
-            count_drafts(r, int(layout.n_drafts[i]), int(verdict.kept[i]), proposals[i], s.masks_per_step)
-            # The runners-up of the next first draft: after confident drafts taken unverified, the first left.
-            first = taken[i] if taken is not None else 0
-            r.alts = verdict.next_alts[i][first] if first < len(verdict.next_alts[i]) else []
-            if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
-                group, m = layout.columns.groups[verdict.group[i]], int(verdict.matched[i])
-                if m:
-                    r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + m
-            if verdict.next_top is not None:  # the tree's branches off the next drafts
-                top_ids, top_logp, own = verdict.next_top[i]
-                r.branches = branches(top_ids[first:], top_logp[first:], s.tree_nodes, r.drafts, own[first:])
-                r.tree_chain = list(r.drafts)
-            if taken is not None and taken[i]:
-                r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken[i]
-            before[i] += int(verdict.kept[i])
-        accepted[i] = _take(r, accepted[i], eos)
-        if logprobs is not None:
-            r.logprobs.extend(logprobs[i][: len(accepted[i])])
-    strategy.commit(backend, cache, rows, layout, before, verdict.kept if s.verifies else None)
+    """One forward of the loop (mars.core.decode.step): decided, run, applied, committed; returns the
+    tokens each row took (none if it waited)."""
+    spec = decide(run, strategy, rows, stats)
+    outcome = run_step(backend, cache, spec, run, rows)
+    accepted, before = apply(outcome, spec, rows, run, stats)
+    kept = outcome.verdict.kept if outcome.verdict is not None else None
+    strategy.commit(backend, cache, rows, spec.layout, before, kept)
     return accepted
-
-
-def _take(r: Row, new: list[int], eos: set[int]) -> list[int]:
-    """Row r takes `new` (cut after an accepted EOS) and counts the forward; it finishes at
-    an accepted EOS or at its max_tokens. Returns what it took."""
-    for j, t in enumerate(new):
-        if t in eos:
-            new = new[: j + 1]
-            r.done, r.finish = True, "eos"
-            break
-    r.seq.extend(new)
-    r.stats.forwards += 1
-    r.stats.accepted += len(new)
-    per_slot = r.stats.accepted_per_slot
-    per_slot.extend([0] * (len(new) - len(per_slot)))  # n-gram drafts may outnumber the masks
-    for j in range(len(new)):
-        per_slot[j] += 1
-    if not r.done and r.produced >= r.max_tokens:
-        r.done, r.finish = True, "length"
-    return new
 
 
 def _compact(backend, cache, strategy, rows: list[Row], live: list[int]) -> list[int]:

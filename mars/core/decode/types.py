@@ -22,12 +22,13 @@ class StepBackend(Protocol):
         self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
     ):
         """Forward `input_ids` (b, q) at `positions` on `cache` (None: no cache) under `mask` (b, q, kv)
-        bool or None (plain causal, no holes); return (ids, confidence), each (b, k), for the outputs
-        at `read` (b, k) indices into q. `metric` None (greedy AR): the argmax ids alone, confidences
-        may be zeros. `valid` (b, q), when given, marks the real positions: the others are holes, never
-        attended nor read, which a backend may leave uncomputed (`skips_holes`). `runners_up` n > 0
-        (greedy): also return, third, (b, k, n) the next n ids of each read after its chosen one.
-        `logprobs` n (not None): also return, last, a ReadLogprobs of the reads with n top ids each."""
+        bool or None (plain causal, no holes); return a StepOutput: the ids and confidences, each (b, k),
+        of the outputs at `read` (b, k) indices into q. `metric` None (greedy AR): the argmax ids alone,
+        confidences may be zeros. `valid` (b, q), when given, marks the real positions: the others are
+        holes, never attended nor read, which a backend may leave uncomputed (`skips_holes`).
+        `runners_up` n > 0 (greedy): also (`runners_up`) (b, k, n) the next n ids of each read after its
+        chosen one. `logprobs` n (not None): also (`logprobs`) a ReadLogprobs of the reads with n top
+        ids each."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:
@@ -37,23 +38,56 @@ class StepBackend(Protocol):
 
     def speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
-    ) -> tuple:
+    ) -> Speculated:
         """Lossless sampling, on the device. `read` (b, 1 + D + m): the outputs before each of the D
         draft slots and after the last (AR), then the m masks. Row r's first `n_drafts[r]` ids of
         `drafts` (b, D) were drawn by the previous call from its mask distributions q, which the backend
-        kept. Returns (kept (b,), token (b,), new drafts (b, m)): drafts kept with chance min(1, p/q),
+        kept. Returns a Speculated: `kept` (b,), `token` (b,), the new drafts `proposals` (b, m): drafts
+        kept with chance min(1, p/q),
         then a token drawn from norm(max(0, p - q)) at the first rejection, or from p after the last
         draft; the new drafts are drawn from this step's mask distributions, kept for the next call.
 
         `tree` (a SampledTree): the reads go on with each node's, then its m masks'; where the chain
         was rejected at a node's anchor the nodes there are tried by `tree_sampling`, and where one is
         taken it is the token, a token `after` it is drawn at its read and the new drafts from its
-        masks; also returns, after the new drafts, (node taken (b,), -1 for none; after (b,)).
-        `logprobs` n (not None): also return a ReadLogprobs of the first 1 + D reads (then, with a tree,
-        the taken node's read) whose chosen ids are the drafts kept, the token (and `after`).
-        `ranks` k > 0: also return, last, a ReadLogprobs of the reads the new drafts were drawn at, whose
+        masks; also `node` taken (b,), -1 for none, and `after` (b,).
+        `logprobs` n (not None): also (`logprobs`) a ReadLogprobs of the first 1 + D reads (then, with a
+        tree, the taken node's read) whose chosen ids are the drafts kept, the token (and `after`).
+        `ranks` k > 0: also (`ranks`) a ReadLogprobs of the reads the new drafts were drawn at, whose
         chosen ids are the new drafts, with k top ids each (untempered)."""
         ...
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What StepBackend.step returns, on the host, the same fields whatever was asked: per read the
+    chosen `ids` (b, k) and their confidences `conf` (b, k; zeros where no metric was asked), the
+    `runners_up` (b, k, n) where n > 0 was asked, the reads' `logprobs` where asked (else None)."""
+
+    ids: np.ndarray
+    conf: np.ndarray
+    runners_up: np.ndarray | None = None
+    logprobs: ReadLogprobs | None = None
+
+    def __iter__(self):
+        """Unpacks as (ids, conf), whatever else was asked."""
+        return iter((self.ids, self.conf))
+
+
+@dataclass(frozen=True)
+class Speculated:
+    """What StepBackend.speculate returns, on the host, the same fields whatever was asked: per row the
+    drafts `kept` (b,), the `token` drawn after them (b,), the new drafts `proposals` (b, m); with a
+    tree, the `node` taken (b,; -1 for none) and the token drawn `after` it (b,); the reads'
+    `logprobs` and the new drafts' `ranks` where asked (else None)."""
+
+    kept: np.ndarray
+    token: np.ndarray
+    proposals: np.ndarray
+    node: np.ndarray | None = None
+    after: np.ndarray | None = None
+    logprobs: ReadLogprobs | None = None
+    ranks: ReadLogprobs | None = None
 
 
 @dataclass(frozen=True)

@@ -34,12 +34,11 @@ def accept_by_threshold(
     step_metric = None if no_masks and s.sampling.greedy else s.metric
     asked = {"logprobs": s.logprobs} if s.logprobs is not None else {}
     out = step(backend, cache, layout, mask, metric=step_metric, sampling=s.sampling, **asked)
-    ids, conf = out[0], out[1]
-    counts = accept_counts(conf, s.metric, thresholds, layout.limit)
-    accepted = [[int(t) for t in ids[i, : counts[i]]] for i in range(len(rows))]
+    counts = accept_counts(out.conf, s.metric, thresholds, layout.limit)
+    accepted = [[int(t) for t in out.ids[i, : counts[i]]] for i in range(len(rows))]
     if s.logprobs is None:
         return accepted, None
-    lp = out[-1]
+    lp = out.logprobs
     return accepted, [[lp.entry(i, j) for j in range(counts[i])] for i in range(len(rows))]
 
 
@@ -130,10 +129,8 @@ def verify(
         if runners_up:
             asked["runners_up"] = runners_up
         out = step(backend, cache, layout, mask, metric=metric, sampling=sampling, **asked)
-        ids = out[0]
-        lp = out[-1] if "logprobs" in asked else None
-        conf = np.asarray(out[1], dtype=np.float64) if metric is not None else None
-        second = out[2] if runners_up else None
+        ids, lp, second = out.ids, out.logprobs, out.runners_up
+        conf = np.asarray(out.conf, dtype=np.float64) if metric is not None else None
         ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
         same = (layout.drafts == ar[:, :width]) & (np.arange(width)[None, :] < layout.n_drafts[:, None])
         kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
@@ -168,14 +165,13 @@ def verify(
             sampling=sampling,
             **asked,
         )
-        kept, token, proposals = out[:3]
-        kept = np.asarray(kept, dtype=np.int64)
+        token, proposals = out.token, out.proposals
+        kept = np.asarray(out.kept, dtype=np.int64)
         if tree is not None:  # a node taken: it is the token, `after` the token drawn after it
             # Node k is group k (a sampled step's groups are its tree's nodes alone).
-            chosen, after = np.asarray(out[3], dtype=np.int64), out[4]
+            chosen, after = np.asarray(out.node, dtype=np.int64), out.after
             matches = (chosen >= 0).astype(np.int64)
-        lp = out[3 + 2 * (tree is not None)] if logprobs is not None else None
-        ranked = out[-1] if ranks else None
+        lp, ranked = out.logprobs, out.ranks
     accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
     took_lp, nxt_lp = ([], []) if logprobs is not None else (None, None)
     trim = (lambda e: replace(e, top=e.top[:logprobs])) if logprobs is not None and logprobs < wanted else (lambda e: e)
