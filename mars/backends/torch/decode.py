@@ -182,6 +182,8 @@ class TorchDecoder:
             "grouped": self.grouped,
             "torch": torch.__version__,
             **({"row_exact": True} if self.row_exact else {}),
+            **({"own_forward": 1} if self.lean is not None else {}),  # mars's forward costs what transformers' did not
+            **({"buckets": list(WIDTH_BUCKETS)} if self.buckets else {}),
         }
 
     def new_cache(self, batch: int):
