@@ -69,7 +69,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -513,20 +512,13 @@ def cpu_name() -> str:
 
 
 def commit() -> str | None:
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        return (head + ("+changes" if dirty else "")) or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+    """The checkout's commit, "+changes" where tracked files differ: step_parts.py's own."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_parts", Path(__file__).with_name("step_parts.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.commit()
 
 
 def load_average() -> list[float] | None:

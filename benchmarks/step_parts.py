@@ -657,22 +657,8 @@ def summarise(clock: Clock, transfers: Transfers, h2d: Transfers, total: float, 
         "host_ms_per_step": {k: v * per for k, v in items.items()},
         "host_share_of_step": {k: v / total if total > 0 else 0.0 for k, v in items.items()},
         "forward_graph_ms_per_step": forward_graph * per if forward_graph else None,
-        "d2h_transfers": transfers.count,
-        "d2h_bytes": transfers.bytes,
-        "d2h_per_step": transfers.count / max(steps, 1),
-        "d2h_bytes_per_step": transfers.bytes / max(steps, 1),
-        "d2h_per_step_range": [min(transfers.per_step, default=0), max(transfers.per_step, default=0)],
-        "d2h_sites": {
-            k: {"count": v[0], "bytes": v[1]} for k, v in sorted(transfers.sites.items(), key=lambda kv: -kv[1][0])
-        },
-        "h2d_transfers": h2d.count,
-        "h2d_bytes": h2d.bytes,
-        "h2d_per_step": h2d.count / max(steps, 1),
-        "h2d_bytes_per_step": h2d.bytes / max(steps, 1),
-        "h2d_per_step_range": [min(h2d.per_step, default=0), max(h2d.per_step, default=0)],
-        "h2d_sites": {
-            k: {"count": v[0], "bytes": v[1]} for k, v in sorted(h2d.sites.items(), key=lambda kv: -kv[1][0])
-        },
+        **copies("d2h", transfers, steps),
+        **copies("h2d", h2d, steps),
         "cuda_syncs_per_step": transfers.syncs / max(steps, 1) if transfers.syncs else None,
         "by_source": t.by_source(),
         "seconds_by_region_inclusive": dict(clock.inclusive),
@@ -707,6 +693,21 @@ def machine(args, session) -> dict:
 
         info.update(device=str(mx.default_device()), mlx=getattr(mx, "__version__", ""))
     return info
+
+
+def copies(prefix: str, counter, steps: int) -> dict:
+    """A transfer counter's fields in a mode's report: totals, per step, the range over steps, and
+    the code locations with their counts and bytes, most first."""
+    return {
+        f"{prefix}_transfers": counter.count,
+        f"{prefix}_bytes": counter.bytes,
+        f"{prefix}_per_step": counter.count / max(steps, 1),
+        f"{prefix}_bytes_per_step": counter.bytes / max(steps, 1),
+        f"{prefix}_per_step_range": [min(counter.per_step, default=0), max(counter.per_step, default=0)],
+        f"{prefix}_sites": {
+            k: {"count": v[0], "bytes": v[1]} for k, v in sorted(counter.sites.items(), key=lambda kv: -kv[1][0])
+        },
+    }
 
 
 def commit() -> str | None:
