@@ -28,27 +28,26 @@ def test_packed_linear_matches_f_linear_and_falls_back_when_the_weight_changes()
     block = torch.nn.Sequential(layer)
     assert packed.pack_linears(block) == 1
     one = torch.randn(1, 48)
-    with torch.no_grad(), packed.active():
-        assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))  # one row (an AR step): F.linear itself
+    with torch.no_grad():
+        # one row (an AR step): F.linear itself
+        assert torch.equal(packed.linear(layer, one), F.linear(one, layer.weight, layer.bias))
     for rows in (1, 2, 3, 4, 7, 16):
-        x = torch.randn(2, rows, 48)
-        with torch.no_grad(), packed.active():
-            got, want = layer(x), F.linear(x, layer.weight, layer.bias)
-        if rows * 2 < packed.MIN_ROWS:
+        x = torch.randn(rows, 48)
+        with torch.no_grad():
+            got, want = packed.linear(layer, x), F.linear(x, layer.weight, layer.bias)
+        if rows < packed.MIN_ROWS:
             assert torch.equal(got, want)  # few rows: F.linear itself
         else:
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     x = torch.randn(8, 48)
     with torch.no_grad():
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # outside the decoder's steps: F.linear
-    with torch.no_grad(), packed.active():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # the layer's own forward: F.linear
         layer.weight.mul_(2.0)  # trained or edited after packing: the stale pack is not used
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
-    with torch.no_grad(), packed.active(), packed.disabled():
-        packed.pack_linears(block)
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(packed.linear(layer, x), F.linear(x, layer.weight, layer.bias))
     packed.unpack_linears(block)
-    assert "forward" not in layer.__dict__ and not hasattr(layer, "_mars_packed")
+    assert not hasattr(layer, "_mars_packed")
+    with torch.no_grad():  # unpacked: F.linear
+        assert torch.equal(packed.linear(layer, x), F.linear(x, layer.weight, layer.bias))
 
 
 def test_the_packed_path_runs_for_wide_feeds(monkeypatch):
@@ -64,13 +63,10 @@ def test_the_packed_path_runs_for_wide_feeds(monkeypatch):
     layer = torch.nn.Linear(16, 16)
     packed.pack_linears(layer)
     with torch.no_grad():
-        layer(torch.randn(5, 16))  # outside the decoder's steps
-        with packed.active():
-            layer(torch.randn(1, 16))
-            layer(torch.randn(6, 16))  # the packed product: F.linear is not called
-            with packed.disabled():
-                layer(torch.randn(7, 16))
-    assert rows_seen == [5, 1, 7]
+        packed.linear(layer, torch.randn(1, 16))
+        packed.linear(layer, torch.randn(6, 16))  # the packed product: F.linear is not called
+        packed.linear(torch.nn.Linear(16, 16), torch.randn(7, 16))  # a layer without a pack
+    assert rows_seen == [1, 7]
 
 
 def test_grouped_attention_is_bit_identical_to_sdpa_with_a_mask():
@@ -102,45 +98,18 @@ def test_the_decoder_turns_both_on_for_the_cpu():
 
 
 def test_a_packed_products_rows_do_not_depend_on_how_many_rows_it_runs():
-    # What lets a batch's step compute its real positions alone (packed.real_rows): each
+    # What lets a batch's step compute its real positions alone (models.StepInputs.real): each
     # row of the packed product is the same number whatever the other rows are.
     torch.manual_seed(0)
     layer = torch.nn.Linear(96, 160)
     packed.pack_linears(layer)
     x = torch.randn(40, 96)
-    with torch.no_grad(), packed.active():
-        full = layer(x)
+    with torch.no_grad():
+        full = packed.linear(layer, x)
         for rows in (2, 3, 4, 5, 8, 9, 17, 33):
-            assert torch.equal(layer(x[:rows]), full[:rows])
+            assert torch.equal(packed.linear(layer, x[:rows]), full[:rows])
             pick = torch.randperm(40)[:rows].sort().values
-            assert torch.equal(layer(x[pick]), full[pick])
-
-
-def test_real_rows_computes_the_real_positions_alone():
-    torch.manual_seed(0)
-    q, k, o = (torch.nn.Linear(32, 24) for _ in range(3))
-    block = torch.nn.Sequential(q, k, o)
-    packed.pack_linears(block)
-    x = torch.randn(3, 5, 32)
-    real = torch.tensor([0, 1, 4, 7, 8, 9, 14])  # flat positions; the rest are holes
-    with torch.no_grad(), packed.active():
-        full_q, full_k = q(x), k(x)
-        with packed.real_rows(real, 15):
-            got_q, got_k = q(x), k(x)  # the same input: gathered once, used by both
-            y = x.clone()
-            first = q(y)
-            y.mul_(2.0)  # changed in place: gathered again, not reused
-            assert torch.equal(q(y).reshape(15, 24)[real], q(x * 2.0).reshape(15, 24)[real])
-            assert not torch.equal(first, q(y))
-            other = o(torch.randn(4, 32))  # not the step's positions: the plain packed product
-    assert other.shape == (4, 24)
-    for got, full in ((got_q, full_q), (got_k, full_k)):
-        flat, want = got.reshape(15, 24), full.reshape(15, 24)
-        assert torch.equal(flat[real], want[real])
-        holes = torch.ones(15, dtype=torch.bool)
-        holes[real] = False
-        assert not flat[holes].any()
-    assert packed._rows is None and packed._gathered is None
+            assert torch.equal(packed.linear(layer, x[pick]), full[pick])
 
 
 def _decoder(pack: bool = True):
@@ -234,13 +203,13 @@ def test_row_counts_chosen_for_f_linear_run_it(monkeypatch):
         rows_seen.append(x.numel() // x.shape[-1])
         return F.linear(x, w, b)
 
-    with torch.no_grad(), packed.active():
+    with torch.no_grad():
         for rows in (2, 3):
             x = torch.randn(rows, 32)
-            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+            assert torch.equal(packed.linear(layer, x), F.linear(x, layer.weight, layer.bias))
         monkeypatch.setattr(packed, "F", types.SimpleNamespace(linear=spy))
         for rows in (1, 2, 3, 4, 6):
-            layer(torch.randn(rows, 32))
+            packed.linear(layer, torch.randn(rows, 32))
     assert rows_seen == [1, 2, 3]
     timings = packed.time_row_paths(layer, rows=(2, 4), repeats=1)
     assert set(timings) == {2, 4} and all(a > 0 and b > 0 for a, b in timings.values())

@@ -46,7 +46,7 @@ def forward(dec: TorchDecoder, cache, ids, start: int) -> torch.Tensor:
 
 
 @REDUCED
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3"])  # phi3: transformers' modules, the keyword path
 def test_a_wide_forward_gives_each_row_what_a_one_token_forward_gives(tok, arch, dtype):
     # Context lengths on both sides of the key-padding blocks (64) and of the vector widths
     # (8, 16), feeds of 2 to 13 tokens (a lossless step's AR token, drafts and masks).
@@ -116,8 +116,7 @@ def test_row_exact_attention_is_attention(dtype):
     some[:, ::2] = True  # the other rows attend within the keys as they lie
     for mask in (additive_mask(allowed, dtype, "cpu"), bool_mask):
         for exact in (None, some):
-            with attention.row_exact(exact):
-                got = attention.row_exact_attention(query, key, value, mask, 0.3)
+            got = attention.row_exact_attention(query, key, value, mask, 0.3, exact_rows=exact)
             assert got.dtype == dtype and got.shape == (b, q, heads, dim)
             assert torch.allclose(got.float()[real], want[real], atol=tolerance, rtol=tolerance)
     # No mask: causal over the new rows (a prompt without a cache), or every key.
@@ -135,8 +134,7 @@ def test_a_bias_is_left_to_the_plain_kernel():
     torch.manual_seed(0)
     query, key, value = (torch.randn(1, 2, 3, 8).to(torch.bfloat16) for _ in range(3))
     bias = torch.randn(1, 1, 3, 3).to(torch.bfloat16)
-    with attention.row_exact():
-        assert attention.row_exact_attention(query, key, value, bias, None) is None
+    assert attention.row_exact_attention(query, key, value, bias, None) is None
 
 
 def test_float32_and_training_keep_the_plain_kernel(tok, monkeypatch):
@@ -146,8 +144,8 @@ def test_float32_and_training_keep_the_plain_kernel(tok, monkeypatch):
     dec = decoder(tok, "llama", torch.float32)
     forward(dec, dec.new_cache(1), [5, 6, 7, 8], 0)
     bf16 = decoder(tok, "llama", torch.bfloat16)
-    with attention.row_exact():
-        bf16.body(input_ids=torch.tensor([[5, 6, 7]]))  # gradients on: a training forward
+    # gradients on: a training forward, row-exact attention asked all the same
+    bf16.body(input_ids=torch.tensor([[5, 6, 7]]), **{attention.ROW_EXACT: (None, {})})
     assert calls == []
     forward(bf16, bf16.new_cache(1), [5, 6, 7, 8], 0)
     assert calls  # the decoder's bfloat16 forwards do take it

@@ -10,7 +10,9 @@ and value once per query head of the group. On the CPU the kernel handles a mask
 cache) is pure overhead: `mars_sdpa` skips it there and is transformers' `sdpa`
 everywhere else.
 
-Row-exact attention (`row_exact`, entered by the decoder for its bfloat16 and float16 forwards).
+Row-exact attention (`row_exact_attention`, asked by the decoder for its bfloat16 and float16
+forwards: mars's own forward passes its rows as an argument; transformers' modules carry the
+keyword `ROW_EXACT` from the body's call down to `grouped_sdpa`, as they carry any keyword).
 Lossless decoding compares the argmax of a multi-token forward with the drafts, so a row of that
 forward must compute what a one-token forward at its place computes. In float32 torch's kernel
 gives a row other last bits than a one-token forward gives, which almost never moves an argmax.
@@ -38,8 +40,6 @@ the keys as they lie, masked, and cost no gather of their own. Float32 forwards 
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -51,27 +51,10 @@ NAME = "mars_sdpa"
 KEY_BLOCK = 64
 REDUCED = (torch.bfloat16, torch.float16)
 
-_row_exact = False
-# (batch, q) bool: the rows of this forward that must compute a one-token forward's bits; None: all.
-_exact_rows: np.ndarray | None = None
-# This forward's plans (`_plan`), by mask: every layer of a forward gets the same mask (one per
-# layer type).
-_plans: dict = {}
-
-
-@contextlib.contextmanager
-def row_exact(exact_rows: np.ndarray | None = None):
-    """Inside this block, bfloat16 and float16 attention on the CPU computes each query row as a
-    one-token forward does (see the module's docstring): every row, or the rows `exact_rows`
-    (batch, q) marks (the others attend correctly, to the same last bits or not). One forward
-    per block: what it plans from the forward's masks is kept until the block ends."""
-    global _row_exact, _exact_rows, _plans
-    before = _row_exact, _exact_rows, _plans
-    _row_exact, _exact_rows, _plans = True, exact_rows, {}
-    try:
-        yield
-    finally:
-        _row_exact, _exact_rows, _plans = before
+# The keyword a transformers body's call takes row-exact attention by: (the rows of the forward that
+# must compute a one-token forward's bits, (batch, q) bool or None for all; a dict the forward's
+# layers share their plans in, by mask).
+ROW_EXACT = "mars_row_exact"
 
 
 def _plain(kwargs) -> bool:
@@ -89,10 +72,12 @@ def grouped_sdpa(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
+    exact = kwargs.pop(ROW_EXACT, None)
     plain = _plain(kwargs)
-    if _row_exact and plain and query.dtype in REDUCED and query.device.type == "cpu" and not query.requires_grad:
+    reduced = query.dtype in REDUCED and query.device.type == "cpu" and not query.requires_grad
+    if exact is not None and plain and reduced:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-        out = row_exact_attention(query, key, value, attention_mask, scaling, causal)
+        out = row_exact_attention(query, key, value, attention_mask, scaling, causal, *exact)
         if out is not None:
             return out, None
     if groups > 1 and attention_mask is not None and query.device.type == "cpu" and plain:
@@ -148,11 +133,8 @@ def _source(columns, entries):
 
 
 def _plan(attention_mask, batch: int, q: int, n: int, causal: bool, exact_rows=None, plans=None):
-    """Per batch row, its key sequences (`_source`); None where the plain kernel must run. `plans`
-    (a dict the caller keeps for one forward) and `exact_rows` are given by mars's own forward
-    (models/); transformers' modules run inside `row_exact`, whose globals hold them."""
-    if plans is None:
-        plans, exact_rows = (_plans if _row_exact else None), _exact_rows
+    """Per batch row, its key sequences (`_source`); None where the plain kernel must run. `plans`:
+    a dict the forward's layers share plans in (None: planned for this call alone)."""
     shape = (batch, q, n, causal)
     kept = plans.get(id(attention_mask)) if plans is not None else None
     if kept is not None and kept[0] is attention_mask and kept[1] == shape:
@@ -219,7 +201,7 @@ def row_exact_attention(query, key, value, attention_mask, scaling, causal: bool
     """Attention output (batch, q, heads, dim) in the query's dtype, each query row computed as its
     own problem (see the module's docstring); None where the mask is more than a mask. Without a
     mask the rows attend causally (`causal`, the last row to the last key) or to every key.
-    `exact_rows` and `plans`: as `_plan` takes them (mars's own forward passes them)."""
+    `exact_rows` (batch, q) bool, the rows that must be exact (None: every row); `plans`: as `_plan`."""
     batch, heads, q, dim = query.shape
     kv_heads, n = key.shape[1], key.shape[2]
     if heads % kv_heads:

@@ -4,8 +4,6 @@ sampling's speculate, with one device-to-host copy a step."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import torch
 
@@ -14,7 +12,7 @@ from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
 from ...core.masks import decode_mask
 from . import models, packed
-from .attention import REDUCED, row_exact
+from .attention import REDUCED, ROW_EXACT
 from .cache import cache_argument
 from .forward import additive_mask, attention_masks, model_windows, window_cut
 from .load import TorchModel
@@ -120,11 +118,12 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
 class TorchDecoder:
     """The decoding step of docs/method.md §5 for the core loop (mars.core.decode.loop.StepBackend).
 
-    `pack` (default: on the CPU where oneDNN is available): the linear layers also keep
-    their weights packed for multi-token forwards (mars.backends.torch.packed), which makes
-    a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards are
-    unchanged. The packed copies double the weights' memory. With packed layers a batch's
-    step computes its real positions alone, not its holes (`skips_holes`).
+    `pack` (default: on the CPU where oneDNN is available, for mars's own forward): the linear
+    layers also keep their weights packed for multi-token forwards (mars.backends.torch.packed),
+    which makes a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards
+    are unchanged. The packed copies double the weights' memory. With packed layers a batch's
+    step computes its real positions alone, not its holes (`skips_holes`). transformers' modules
+    run as transformers wrote them: no packs, every position computed.
 
     `lean` (default): the architectures of TORCH_OWN_FORWARD run on mars's own forward
     (models/, docs/design.md "The torch step"), the others on transformers' modules; False runs
@@ -141,19 +140,20 @@ class TorchDecoder:
         self.generator = None
         self._seeded = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
+        own = lean and models.lean_family(self.body.config) is not None
         if pack is None:
             pack = can_pack(tm.device, tm.dtype)
-        self.packed = pack_linears(tm.model) if pack else 0
+        self.packed = pack_linears(tm.model) if pack and own else 0
         # Row counts whose products run F.linear, where this CPU computes them faster (packed.py).
         self.linear_rows = linear_rows_for(tm) if self.packed else []
         if self.packed:
             packed.use_linear_rows(tm.model, self.linear_rows)
-        # A batch's step computes its real positions alone, not its holes (packed.real_rows).
+        # A batch's step computes its real positions alone, not its holes (models.StepInputs.real).
         self.skips_holes = bool(self.packed)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
         self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
         # CPU, bfloat16 or float16: each attention row computes what a one-token forward computes
-        # (attention.row_exact), so lossless verification reads AR's own predictions.
+        # (attention.row_exact_attention), so lossless verification reads AR's own predictions.
         self.row_exact = self.grouped and tm.dtype in REDUCED
         # Sliding-window layers: the masks cut the window by position (attention_masks), so the
         # cache keeps every position; the cached keys' positions are kept beside it, per row.
@@ -161,7 +161,7 @@ class TorchDecoder:
         self.slides = any(self.windows)
         # mars's own forward (models/) where the architecture has one: the step's arguments explicit,
         # its cache preallocated; None: transformers' modules, steered as above.
-        self.lean = models.build(self.body, self.head, self.windows) if lean else None
+        self.lean = models.build(self.body, self.head, self.windows) if own else None
         # Pad each step's width to WIDTH_BUCKETS (mars's own forward only): fixed shapes for a compiled
         # step. Off in an eager step, where it buys nothing: padding changes no token, but torch's
         # attention kernel gives the real rows other last bits with more query rows or keys
@@ -265,8 +265,8 @@ class TorchDecoder:
         (n, vocab), and where each read finds its own among them, (b, k). A row that
         feeds fewer drafts than the widest repeats its last read: the head (a large matrix
         product on a small model) runs once per distinct read. With `valid` (b, q), reads at
-        holes (never used) share the row's first, and with packed layers the body computes
-        the real positions alone (packed.real_rows)."""
+        holes (never used) share the row's first; mars's own forward computes the real positions
+        alone where the decoder `skips_holes`, transformers' modules compute them all."""
         if self.lean is not None:
             return self._lean_logits(cache, input_ids, positions, mask, read, valid)[:2]
         dev = self.tm.device
@@ -280,27 +280,22 @@ class TorchDecoder:
             self.tm.gate.set_host(input_ids, dev)
         b, q = ids.shape
         read = np.asarray(read)
-        real = contextlib.nullcontext()
-        if valid is not None:
-            valid = np.asarray(valid)
-            if self.skips_holes and not valid.all():
-                real = packed.real_rows(torch.from_numpy(np.flatnonzero(valid)).to(dev), b * q)
-            # A read at a hole is never used: let it share the row's first read.
-            read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
+        if valid is not None:  # a read at a hole is never used: let it share the row's first read
+            read = np.where(np.take_along_axis(np.asarray(valid), read, axis=1), read, read[:, :1])
         flat = (np.arange(b)[:, None] * q + read).reshape(-1)
         distinct, where = np.unique(flat, return_inverse=True)
-        with packed.active(), self._row_exact(input_ids, valid):
-            with real:  # the body alone: the head's rows are reads, not positions
-                out = self.body(
-                    input_ids=ids,
-                    position_ids=pos,
-                    attention_mask=attn,
-                    use_cache=cache is not None,
-                    **cache_argument(self.body, cache),
-                )
-            hidden = out.last_hidden_state
-            picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
-            return self.head(picked[None])[0].float(), where.reshape(read.shape)
+        exact = self._exact_rows(input_ids, valid)
+        out = self.body(  # the body alone: the head's rows are reads, not positions
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=attn,
+            use_cache=cache is not None,
+            **cache_argument(self.body, cache),
+            **({ROW_EXACT: (exact, {})} if exact is not None else {}),
+        )
+        hidden = out.last_hidden_state
+        picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
+        return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
     def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None, extra=()):
         """`_read_logits` on mars's own forward (models.Transformer): (the logits of the distinct
@@ -375,11 +370,7 @@ class TorchDecoder:
             if spots.size:
                 rows = slice(spots[0], spots[-1] + 1) if spots[-1] - spots[0] + 1 == spots.size else None
                 gate = (rows, (ids_d == self.tm.gate.mask_id).to(dtype)[:, None])
-        exact = None
-        if self.row_exact:
-            exact = np.ones((b, q), dtype=bool) if valid is None else valid.copy()
-            if self.tm.mars is not None:
-                exact &= input_ids != self.tm.mars.mask_token_id
+        exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,
             positions=pos_d,
@@ -395,16 +386,14 @@ class TorchDecoder:
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
         return logits, where.reshape(read.shape), where_d, extra_d
 
-    def _row_exact(self, input_ids, valid):
-        """Row-exact attention (attention.row_exact) for the rows fed a real token, whose outputs
-        may be taken as AR's; masks only propose drafts, and holes nothing."""
+    def _exact_rows(self, input_ids, valid) -> np.ndarray | None:
+        """The rows row-exact attention computes as a one-token forward would (None where the decoder
+        runs none): those fed a real token, whose outputs may be taken as AR's; masks only propose
+        drafts, and holes nothing."""
         if not self.row_exact:
-            return contextlib.nullcontext()
-        mask_id = self.tm.mars.mask_token_id if self.tm.mars is not None else None
-        if mask_id is None and valid is None:
-            return row_exact()
+            return None
         exact = np.ones(np.shape(input_ids), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
-        return row_exact(exact if mask_id is None else exact & (np.asarray(input_ids) != mask_id))
+        return exact if self.tm.mars is None else exact & (np.asarray(input_ids) != self.tm.mars.mask_token_id)
 
     def _window_masks(self, cache, mask, positions, bool_masks: bool = False):
         """The attention argument of a model with sliding layers (attention_masks), with the

@@ -153,15 +153,12 @@ class Linear:
     where the step's gate says."""
 
     def __init__(self, layer: torch.nn.Module):
-        base = getattr(layer, "base", layer)
-        self.weight, self.bias = base.weight, base.bias
-        self.pack = base.__dict__.get("_mars_packed")
-        self.linear_rows = base.__dict__.get("_mars_linear_rows", frozenset())
+        self.base = getattr(layer, "base", layer)  # the nn.Linear (with its pack, where one was made)
         lora = getattr(layer, "lora_a_t", None)
         self.lora = None if lora is None else (layer.lora_a_t, layer.lora_b_t)
 
     def __call__(self, x: torch.Tensor, gate) -> torch.Tensor:
-        y = packed.product(x, self.weight, self.bias, self.pack, self.linear_rows)
+        y = packed.linear(self.base, x)
         if self.lora is None or gate is None:
             return y
         a, b = self.lora
