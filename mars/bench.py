@@ -197,17 +197,16 @@ def torch_reference(loaded, max_tokens: int, lookup: int = 0):
         extra = {"prompt_lookup_num_tokens": lookup} if lookup else {}
         if loaded.gate is not None:
             loaded.gate.clear()  # no masks fed: a gated adapter's model is the base
-        with base.plain_forwards(loaded):
-            out = loaded.model.generate(
-                ids.to(loaded.device),
-                attention_mask=attn.to(loaded.device),
-                max_new_tokens=max_tokens,
-                do_sample=False,
-                num_beams=1,
-                eos_token_id=eos,
-                pad_token_id=pad,
-                **extra,
-            )
+        out = loaded.model.generate(
+            ids.to(loaded.device),
+            attention_mask=attn.to(loaded.device),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            **extra,
+        )
         new = out[:, width:].tolist()
         return [_until_eos(row, set(eos), max_tokens) for row in new], None
 

@@ -18,12 +18,10 @@ importing `mars.backends.torch` or `mars.backends.mlx` itself:
 - `losses(loaded)`: the training forward and loss without gradients, per batch (eval's NLL);
 - `context_length(loaded)`, `mask_id_for(loaded)`, `plan_for_model(loaded, ...)` (the
   plan of mars.core.decode.plan for a loaded model) and `cost_curve(loaded, decoder)` / `costs(loaded, decoder)`;
-- `plain_forwards(loaded)`: a context where the framework's own forward runs (bench's references).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import platform
 
@@ -111,16 +109,6 @@ def losses(loaded):
 def context_length(loaded) -> int | None:
     """The model's position limit, when its config states one."""
     return loaded.context_length
-
-
-def plain_forwards(loaded):
-    """A context in which the loaded model's forwards run as its framework runs them, mars's own
-    fast paths (torch's packed linear layers) off: how bench times the frameworks' references."""
-    if loaded.backend == "torch":
-        from .torch.packed import disabled
-
-        return disabled()
-    return contextlib.nullcontext()
 
 
 def mask_id_for(loaded) -> int:
