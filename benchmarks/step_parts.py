@@ -26,6 +26,9 @@ warm-up of each, and splits the wall time of every loop step into three parts:
 
 Timers wrap the decoder's methods and the loop's functions from this script (nothing in
 `mars` changes); host work is what the loop's clock saw minus the two timed device parts.
+Transfers are counted in one untimed pass of each mode before the timed rounds, with the
+counters alone installed: a counter wraps torch's or numpy's own functions, which would
+otherwise add its cost to the host part (0.3-0.8 ms a step here before 2026-12-06).
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
@@ -235,10 +238,13 @@ class Patches:
 
 
 class Profiler:
-    """Installs the timers and transfer counters on a session's decoder and the decoding loop."""
+    """Installs the timers (`count` False) or the transfer counters (`count` True) on a session's
+    decoder and the decoding loop. The two are never installed together: a counter wraps torch's
+    or numpy's own functions, and its cost must not be timed as the loop's."""
 
-    def __init__(self, session):
+    def __init__(self, session, count: bool = False):
         self.session = session
+        self.count = count
         self.clock = Clock()
         self.transfers = Transfers()
         self.h2d = Transfers()
@@ -374,6 +380,8 @@ class Profiler:
             except (TypeError, RuntimeError):
                 return False
 
+        if not self.count:
+            return
         wrap("cpu", size, mark=True)
         if cuda:  # on a CPU no `.to` reads a device: leave the forward's many dtype casts unwrapped
             wrap("to", size, mark=True, when=to_host)
@@ -507,6 +515,8 @@ class Profiler:
         P.set(mlx_model, "hidden_states", timed_hidden_states)
         P.set(d, "logits", timed_logits)
 
+        if not self.count:
+            return
         # The backend's numpy, with array/asarray counting what they read from an mx.array.
         counted = types.ModuleType("numpy")
         counted.__dict__.update(np.__dict__)
@@ -594,7 +604,7 @@ class Profiler:
 
             sync_mode = warnings.catch_warnings(record=True)
         with sync_mode as caught:
-            if self.cuda:
+            if self.cuda and self.count:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode(1)
             c.active = t.active = h.active = True
@@ -604,7 +614,7 @@ class Profiler:
             finally:
                 seconds = c.leave("loop")
                 c.active = t.active = h.active = False
-                if self.cuda:
+                if self.cuda and self.count:
                     torch.cuda.set_sync_debug_mode(0)
                     t.syncs += sum("synchroniz" in str(w.message) for w in caught)
         self.from_cpu.clear()
@@ -631,7 +641,11 @@ def mode_plans(session, max_tokens: int):
     return {"AR": ar, "lossless": default}
 
 
-def summarise(clock: Clock, transfers: Transfers, h2d: Transfers, total: float, decoded, forward_graph: float) -> dict:
+def summarise(
+    clock: Clock, transfers: Transfers, h2d: Transfers, total: float, decoded, forward_graph: float, counted: int
+) -> dict:
+    """A mode's report: the timed rounds' parts, and the transfers of the counting pass over its
+    `counted` steps."""
     t = decoded.total
     steps = t.forwards
     ex = clock.exclusive
@@ -657,9 +671,10 @@ def summarise(clock: Clock, transfers: Transfers, h2d: Transfers, total: float, 
         "host_ms_per_step": {k: v * per for k, v in items.items()},
         "host_share_of_step": {k: v / total if total > 0 else 0.0 for k, v in items.items()},
         "forward_graph_ms_per_step": forward_graph * per if forward_graph else None,
-        **copies("d2h", transfers, steps),
-        **copies("h2d", h2d, steps),
-        "cuda_syncs_per_step": transfers.syncs / max(steps, 1) if transfers.syncs else None,
+        **copies("d2h", transfers, counted),
+        **copies("h2d", h2d, counted),
+        "cuda_syncs_per_step": transfers.syncs / max(counted, 1) if transfers.syncs else None,
+        "counted_steps": counted,
         "by_source": t.by_source(),
         "seconds_by_region_inclusive": dict(clock.inclusive),
     }
@@ -753,6 +768,7 @@ def table(report: dict) -> str:
         )
     for name, m in modes.items():
         lo, hi = m["d2h_per_step_range"]
+        counted = max(m["counted_steps"], 1)  # the counting pass's steps
         extra = (
             f"; CUDA synchronising operations {m['cuda_syncs_per_step']:.2f} a step" if m["cuda_syncs_per_step"] else ""
         )
@@ -763,15 +779,11 @@ def table(report: dict) -> str:
         )
         lines.append(f"{name} D2H reads: {lo}-{hi} a step{extra}{graph}")
         for site, v in m["d2h_sites"].items():
-            lines.append(
-                f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}"
-            )
+            lines.append(f"    {v['count'] / counted:5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
         lo, hi = m["h2d_per_step_range"]
         lines.append(f"{name} H2D copies: {lo}-{hi} a step")
         for site, v in m["h2d_sites"].items():
-            lines.append(
-                f"    {v['count'] / max(m['steps'], 1):5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}"
-            )
+            lines.append(f"    {v['count'] / counted:5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
     same = report["replies_equal_to_ar"]
     lines.append(f"replies of lossless equal to AR's: {same}/{report['prompts']}")
     return "\n".join(lines)
@@ -817,12 +829,28 @@ def main(argv=None) -> dict:
         for s in plans.values():
             session.decode(ids[:batch], replace(s, max_tokens=args.warmup_tokens), batch)
 
-    profiler = Profiler(session)
-    profiler.install()
     results = {name: {"seconds": 0.0, "decoded": []} for name in plans}
     clocks = {name: (Clock(), Transfers(), Transfers(), [0.0]) for name in plans}
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     load_before = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    # First one untimed pass of each mode with the transfer counters on, then the timed rounds
+    # with the timers alone (a counter's own cost is no part of the loop's).
+    counted_steps = {}
+    counter = Profiler(session, count=True)
+    counter.install()
+    try:
+        for name in plans:
+            _, transfers, h2d, _ = clocks[name]
+            decoded, _ = counter.measure(lambda: session.decode(ids, plans[name], batch))
+            merge_transfers(transfers, counter.transfers)
+            merge_transfers(h2d, counter.h2d)
+            counter.transfers.reset()
+            counter.h2d.reset()
+            counted_steps[name] = decoded.total.forwards
+    finally:
+        counter.remove()
+    profiler = Profiler(session)
+    profiler.install()
     try:
         for rnd in range(args.rounds):
             order = list(plans) if rnd % 2 == 0 else list(plans)[::-1]
@@ -835,8 +863,6 @@ def main(argv=None) -> dict:
                 profiler.forward_graph = 0.0
                 decoded, seconds = profiler.measure(lambda: session.decode(ids, plans[name], batch))
                 merge(clock, profiler.clock)
-                merge_transfers(transfers, profiler.transfers)
-                merge_transfers(h2d, profiler.h2d)
                 graph[0] += profiler.forward_graph
                 results[name]["seconds"] += seconds
                 results[name]["decoded"].append(decoded)
@@ -851,7 +877,7 @@ def main(argv=None) -> dict:
             tokens=[t for d in r["decoded"] for t in d.tokens], stats=[s for d in r["decoded"] for s in d.stats]
         )
         clock, transfers, h2d, graph = clocks[name]
-        modes[name] = summarise(clock, transfers, h2d, r["seconds"], joined, graph[0])
+        modes[name] = summarise(clock, transfers, h2d, r["seconds"], joined, graph[0], counted_steps[name])
         modes[name]["plan"] = plans[name].name
         tokens[name] = r["decoded"][0].tokens
     report = {

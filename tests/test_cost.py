@@ -295,7 +295,9 @@ class RunnerUpBackend(OracleBackend):
     def __init__(self):
         super().__init__(good=0)
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0):
+    def step(
+        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, runners_up_from=0
+    ):
         if cache is not None:
             cache["width"] += input_ids.shape[1]
         truth = np.vectorize(oracle)(positions + 1)

@@ -189,7 +189,9 @@ def test_honest_confidences_give_the_oracle_text_in_no_more_forwards(good):
 class HonestRunnerUp(RunnerUpBackend):
     """RunnerUpBackend (wrong masks rank the right token second) with honest confidences."""
 
-    def step(self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0):
+    def step(
+        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, runners_up_from=0
+    ):
         out = super().step(
             cache,
             input_ids,

@@ -164,15 +164,33 @@ class MlxDecoder:
         return (logits, {name: sent[name] for name in more}) if more else logits
 
     def step(
-        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+        self,
+        cache,
+        input_ids,
+        positions,
+        mask,
+        read,
+        *,
+        metric,
+        sampling,
+        valid=None,
+        runners_up=0,
+        runners_up_from=0,
+        logprobs=None,
     ):
         logits = self.logits(cache, input_ids, positions, mask, read)
         key = None if sampling.greedy else self._next_key(sampling)
         chosen, conf = slot_predictions(logits, metric, sampling, key)
-        top = [most_likely(logits, runners_up + 1)] if runners_up and sampling.greedy else []
+        wants_top = runners_up and sampling.greedy and runners_up_from < logits.shape[1]
+        top = [most_likely(logits[:, runners_up_from:], runners_up + 1)] if wants_top else []
         lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
         ids, conf, *rest = to_host(chosen, conf, *top, *lp)
-        second = runners_up_of(rest.pop(0), ids, runners_up) if top else None
+        second = None
+        if runners_up and sampling.greedy:  # the reads before `runners_up_from` have none (-1)
+            every = np.full(ids.shape + (runners_up + 1,), -1, dtype=np.int64)
+            if top:
+                every[:, runners_up_from:] = rest.pop(0)
+            second = runners_up_of(every, ids, runners_up)
         return StepOutput(ids, conf, second, ReadLogprobs(*rest) if logprobs is not None else None)
 
     def speculate(

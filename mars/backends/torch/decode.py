@@ -318,9 +318,12 @@ class TorchDecoder:
         real = None
         if valid is not None:
             valid = np.asarray(valid, dtype=bool)
-            read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
-            if self.skips_holes and not valid.all():
-                real = np.flatnonzero(valid)
+            if valid.all():  # no holes: as if none were marked
+                valid = None
+            else:
+                read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
+                if self.skips_holes:
+                    real = np.flatnonzero(valid)
         flat = (np.arange(b)[:, None] * q + read).reshape(-1)
         if (flat[1:] > flat[:-1]).all():  # distinct and in order already (a row alone, most steps)
             distinct, where = flat, np.arange(flat.size)
@@ -348,8 +351,10 @@ class TorchDecoder:
         elif dev.type != "cpu":
             buf = buf.to(dev)
         numbers_dev = buf[: host.size * 8].view(torch.int64)
-        sizes = [len(a) if np.ndim(a) == 1 else int(np.size(a)) for a in numbers]
-        parts = list(torch.split(numbers_dev, sizes))
+        parts, start = [], 0
+        for a in numbers:
+            parts.append(numbers_dev[start : start + a.size])
+            start += a.size
         ids_d, pos_d, reads_d, where_d = parts[0], parts[1].view(b, q), parts[2], parts[3].view(read.shape)
         extra_d = [
             t.view(e.shape).bool() if e.dtype == bool else t.view(e.shape)
@@ -358,9 +363,9 @@ class TorchDecoder:
         real_d = parts[-1] if real is not None else None
         dtype, at, additive = self.tm.dtype, host.size * 8, []
         for m in masks:
-            allowed = buf[at : at + m.size].view(m.shape).bool()
+            allowed = buf[at : at + m.size].view(torch.bool).view(m.shape)
             at += m.size
-            out = torch.zeros(m.shape, dtype=dtype, device=dev).masked_fill_(~allowed, torch.finfo(dtype).min)
+            out = torch.full(m.shape, torch.finfo(dtype).min, dtype=dtype, device=dev).masked_fill_(allowed, 0.0)
             additive.append(out[:, None])
         kinds = (additive[0], additive[-1])
         gate = None
@@ -416,7 +421,19 @@ class TorchDecoder:
 
     @torch.inference_mode()
     def step(
-        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+        self,
+        cache,
+        input_ids,
+        positions,
+        mask,
+        read,
+        *,
+        metric,
+        sampling,
+        valid=None,
+        runners_up=0,
+        runners_up_from=0,
+        logprobs=None,
     ):
         if not sampling.greedy:  # every read draws its own token: the reads stay apart
             logits = self.logits(cache, input_ids, positions, mask, read, valid)
@@ -429,21 +446,21 @@ class TorchDecoder:
         # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros),
         # the runners-up and the log-probabilities together.
         lp = read_logprobs(unique, chosen, logprobs) if logprobs is not None else []
-        wanted = (
-            [chosen]
-            + ([conf] if metric is not None else [])
-            + ([unique.topk(runners_up + 1, dim=-1).indices] if runners_up else [])
-            + lp
-        )
-        host = [a[where] for a in to_host(*wanted)]
-        ids = host[0]
-        conf = host[1] if metric is not None else np.zeros(ids.shape, np.float32)
-        return StepOutput(
-            ids,
-            conf,
-            runners_up_of(host[len(wanted) - len(lp) - 1], ids, runners_up) if runners_up else None,
-            ReadLogprobs(*host[-3:]) if logprobs is not None else None,
-        )
+        top = []
+        if runners_up:  # the distinct rows of the reads from `runners_up_from` on, as one range
+            rows = where[:, runners_up_from:]
+            lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.size else (0, 0)
+            top = [unique[lo:hi].topk(runners_up + 1, dim=-1).indices] if hi > lo else []
+        host = to_host(*([chosen] + ([conf] if metric is not None else []) + top + lp))
+        ids = host.pop(0)[where]
+        conf = host.pop(0)[where] if metric is not None else np.zeros(ids.shape, np.float32)
+        second = None
+        if runners_up:  # the rows outside the range have none (-1)
+            every = np.full((unique.shape[0], runners_up + 1), -1, dtype=np.int64)
+            if top:
+                every[lo:hi] = host.pop(0)
+            second = runners_up_of(every[where], ids, runners_up)
+        return StepOutput(ids, conf, second, ReadLogprobs(*(a[where] for a in host)) if logprobs is not None else None)
 
     @torch.inference_mode()
     def speculate(

@@ -113,11 +113,15 @@ class BatchCosts:
         self.measure = measure
         self.buckets = tuple(sorted(set(buckets) | {1}))
         self.curves: dict[int, CostCurve] = {1: one}
+        self._bucket_of: dict[int, int] = {}  # batch -> its bucket, as found
 
     def bucket(self, batch: int) -> int:
         if self.measure is None:
             return 1
-        return next((b for b in self.buckets if b >= batch), self.buckets[-1])
+        found = self._bucket_of.get(batch)
+        if found is None:
+            found = self._bucket_of[batch] = next((b for b in self.buckets if b >= batch), self.buckets[-1])
+        return found
 
     def curve(self, batch: int) -> CostCurve:
         b = self.bucket(batch)
@@ -132,6 +136,8 @@ class BatchCosts:
                 self.curve(b)
 
     def seconds(self, batch: int, width: float) -> float:
+        if batch == 1:  # every bucket list starts at 1: the one-row curve
+            return self.one.seconds(max(1, round(width)))
         b = self.bucket(batch)
         rows = batch if b == 1 else b  # the one-row curve takes the batch's tokens, a bucket's its own rows
         return self.curve(batch).seconds(max(1, round(rows * width)))

@@ -123,8 +123,13 @@ class Drafting:
         def best(row_options, row_kept, d):
             """A row's option with the most expected kept drafts among its first d (ties: the
             first option), as (option index, drafts fed, expected kept); None without options."""
-            fed = [(j, min(d, len(o[2]))) for j, o in enumerate(row_options)]
-            return max(((j, n, row_kept[j][n - 1]) for j, n in fed), key=lambda c: (c[2], -c[0]), default=None)
+            top = None
+            for j, option in enumerate(row_options):
+                n = min(d, len(option[2]))
+                kept = row_kept[j][n - 1]
+                if top is None or kept > top[2]:  # ties: the first option
+                    top = (j, n, kept)
+            return top
 
         longest = max((len(drafts) for row_options in options for _, _, drafts in row_options), default=0)
         best_d = longest  # without a cost curve: each row's whole best option

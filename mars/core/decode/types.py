@@ -19,7 +19,19 @@ class StepBackend(Protocol):
     def crop(self, cache: Any, length: int) -> None: ...
 
     def step(
-        self, cache, input_ids, positions, mask, read, *, metric, sampling, valid=None, runners_up=0, logprobs=None
+        self,
+        cache,
+        input_ids,
+        positions,
+        mask,
+        read,
+        *,
+        metric,
+        sampling,
+        valid=None,
+        runners_up=0,
+        runners_up_from=0,
+        logprobs=None,
     ):
         """Forward `input_ids` (b, q) at `positions` on `cache` (None: no cache) under `mask` (b, q, kv)
         bool or None (plain causal, no holes); return a StepOutput: the ids and confidences, each (b, k),
@@ -27,7 +39,8 @@ class StepBackend(Protocol):
         confidences may be zeros. `valid` (b, q), when given, marks the real positions: the others are
         holes, never attended nor read, which a backend may leave uncomputed (`skips_holes`).
         `runners_up` n > 0 (greedy): also (`runners_up`) (b, k, n) the next n ids of each read after its
-        chosen one. `logprobs` n (not None): also (`logprobs`) a ReadLogprobs of the reads with n top
+        chosen one, wanted at reads `runners_up_from` on (the reads before may have none: -1).
+        `logprobs` n (not None): also (`logprobs`) a ReadLogprobs of the reads with n top
         ids each."""
         ...
 

@@ -126,8 +126,8 @@ def verify(
     asked = {"logprobs": wanted} if logprobs is not None or wanted else {}
     matches = np.zeros(b, dtype=np.int64)  # prefix tokens AR confirmed in the chosen group
     if sampling.greedy:
-        if runners_up:
-            asked["runners_up"] = runners_up
+        if runners_up:  # wanted at the next drafts' reads alone: the masks' and the groups'
+            asked["runners_up"], asked["runners_up_from"] = runners_up, columns.mask_reads.start
         out = step(backend, cache, layout, mask, metric=metric, sampling=sampling, **asked)
         ids, lp, second = out.ids, out.logprobs, out.runners_up
         conf = np.asarray(out.conf, dtype=np.float64) if metric is not None else None

@@ -25,7 +25,9 @@ MIN_NGRAM = 2
 MAX_PLACES = 256
 # Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (2, 3, 4, 6)
-_P = np.uint64(0x9E3779B97F4A7C15)  # the hash's multiplier (odd, 64-bit)
+_PI = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
+_P = np.uint64(_PI)
+_MASK = (1 << 64) - 1
 
 
 class CorpusError(ValueError):
@@ -97,19 +99,27 @@ class DraftCorpus:
             return 0, []
         if self._index is None:
             self._index = self._build()
-        tail = np.asarray(seq[-MAX_NGRAM:], dtype=np.int64)
-        values = (tail + 1).astype(np.uint64)
+        tail = [int(x) for x in seq[-MAX_NGRAM:]]
         t = self.tokens
+        # The hash of the last n tokens for every n at once, as _hashes computes it: a token's value
+        # (id + 1) times P to the power of how many tokens follow it, wrapping at 64 bits.
+        wants, h, power = [0], 0, 1
+        for n in range(1, len(tail) + 1):
+            h = (h + (tail[-n] + 1) * power) & _MASK
+            power = (power * _PI) & _MASK
+            wants.append(h)
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             if n not in self._index:
                 continue
-            want = _hashes(values[-n:], n)[0]
             hashes, after = self._index[n]
-            lo, hi = np.searchsorted(hashes, want, "left"), np.searchsorted(hashes, want, "right")
-            if lo == hi:
+            want = np.uint64(wants[n])
+            lo = int(hashes.searchsorted(want, "left"))
+            if lo == hashes.size or hashes[lo] != want:
                 continue
+            hi = int(hashes.searchsorted(want, "right"))
             places = after[max(lo, hi - MAX_PLACES) : hi]
-            places = places[(t[places[:, None] - n + np.arange(n)] == tail[-n:]).all(axis=1)]  # no hash collision
+            ngram = np.asarray(tail[-n:], dtype=np.int64)
+            places = places[(t[places[:, None] - n + np.arange(n)] == ngram).all(axis=1)]  # no hash collision
             if not places.size:
                 continue
             return n, self._continue(places, max_drafts)
@@ -122,16 +132,26 @@ class DraftCorpus:
 
     def _continue(self, places: np.ndarray, max_drafts: int) -> list[int]:
         t = self.tokens
+        if places.size == 1:  # one place: its continuation up to the separator
+            follow = t[int(places[0]) : int(places[0]) + max_drafts].tolist()
+            return follow[: follow.index(-1)] if -1 in follow else follow
+        # What follows each place, a row each: a row is read only while it is still in the vote, so
+        # never past its separator (reads past the corpus's end stop at its last separator).
+        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
         drafts: list[int] = []
         for j in range(max_drafts):
-            nxt = t[places]  # never past the end: the corpus ends with a separator, and a vote stops there
-            ids, counts = np.unique(nxt, return_counts=True)
-            best = int(np.argmax(counts))
-            token = int(ids[best])
-            if token < 0 or (j and 2 * counts[best] <= places.size):
+            nxt = table[:, j]
+            if (nxt == nxt[0]).all():  # every place agrees
+                token, agree = int(nxt[0]), nxt.size
+            else:
+                ids, counts = np.unique(nxt, return_counts=True)
+                best = int(np.argmax(counts))
+                token, agree = int(ids[best]), int(counts[best])
+            if token < 0 or (j and 2 * agree <= nxt.size):
                 break
             drafts.append(token)
-            places = places[nxt == token] + 1
+            if agree != nxt.size:
+                table = table[nxt == token]
         return drafts
 
     def save(self, path: Path) -> None:
