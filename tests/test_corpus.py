@@ -68,7 +68,7 @@ def test_lookup_equals_a_brute_force_search():
         sequences = [rng.integers(0, 4, size=int(rng.integers(1, 25))).tolist() for _ in range(int(rng.integers(1, 5)))]
         c = DraftCorpus(sequences)
         seq = rng.integers(0, 4, size=int(rng.integers(0, 12))).tolist()
-        max_drafts = int(rng.integers(1, 7))
+        max_drafts = int(rng.integers(1, 13))
         assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
 
 

@@ -240,6 +240,28 @@ def test_runners_up_are_the_next_most_likely_ids(tm, tok):
     order = torch.argsort(logits, dim=-1, descending=True).numpy()
     assert ids[0].tolist() == order[:, 0].tolist()
     assert second.shape == (1, 3, 3) and second[0].tolist() == order[:, 1:4].tolist()
+    # Asked from read 1 on (the next drafts' reads), the top-k runs on those rows alone: the
+    # same runners-up there, none (-1) before; two rows, one read twice.
+    both = np.asarray([p, p])
+    reads = np.array([[n - 3, n - 2, n - 1], [n - 1, n - 1, n - 2]])
+    full = dec.step(
+        None, both, np.tile(np.arange(n), (2, 1)), None, reads, metric=None, sampling=Sampling(), runners_up=3
+    )
+    part = dec.step(
+        None,
+        both,
+        np.tile(np.arange(n), (2, 1)),
+        None,
+        reads,
+        metric=None,
+        sampling=Sampling(),
+        runners_up=3,
+        runners_up_from=1,
+    )
+    assert part.ids.tolist() == full.ids.tolist()
+    assert part.runners_up[:, 1:].tolist() == full.runners_up[:, 1:].tolist()
+    before, every = part.runners_up[:, 0], full.runners_up[:, 0]  # none, or the same
+    assert ((before == -1) | (before == every)).all() and (every >= 0).all() and (before == -1).any()
     # A tie that puts the chosen id second in `top` still leaves it out.
     top = np.array([[[7, 5, 9]]])
     assert runners_up_of(top, np.array([[5]]), 2).tolist() == [[[7, 9]]]

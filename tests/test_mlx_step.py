@@ -155,3 +155,20 @@ def test_a_step_copies_once_each_way(request, monkeypatch, model, kind, cache):
         assert any(kw.get("tree") is not None for _, kw, _ in calls)
     for name, kw, counts in calls:
         assert counts["h2d"] == 1 and counts["d2h"] == 1, (name, counts)
+
+
+def test_runners_up_from_a_read_on(tiny):
+    """Runners-up asked from read j on: the same as asked for every read there; before, none (-1) or the same."""
+    dec = MlxDecoder(tiny)
+    p = encode_prompt(tiny.tokenizer, PROMPTS[1])
+    n = len(p)
+    both, positions = np.asarray([p, p]), np.tile(np.arange(n), (2, 1))
+    reads = np.array([[n - 3, n - 2, n - 1], [n - 1, n - 1, n - 2]])
+    full = dec.step(None, both, positions, None, reads, metric=None, sampling=Sampling(), runners_up=2)
+    part = dec.step(
+        None, both, positions, None, reads, metric=None, sampling=Sampling(), runners_up=2, runners_up_from=1
+    )
+    assert part.ids.tolist() == full.ids.tolist()
+    assert part.runners_up[:, 1:].tolist() == full.runners_up[:, 1:].tolist()
+    before, every = part.runners_up[:, 0], full.runners_up[:, 0]  # none, or the same
+    assert ((before == -1) | (before == every)).all() and (every >= 0).all() and (before == -1).any()
