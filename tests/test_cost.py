@@ -176,6 +176,30 @@ def test_policy_feeds_wide_on_a_flat_curve_and_like_ar_on_a_steep_one():
     assert m >= 2 and g < 4
 
 
+def test_the_feed_ranks_its_candidates_by_rate_exactly():
+    """LosslessFeed sums each mask count's outcomes once for all its group counts: the ranking it
+    chooses from is the candidates sorted by `rate`, every score the same float."""
+    rng = random.Random(3)
+    for trial in range(40):
+        stats = DraftStats(slots=6)
+        for _ in range(rng.randrange(0, 30)):
+            source, fed = rng.choice(("masks", "spare")), rng.randrange(1, 7)
+            stats.record(source, fed, rng.randrange(0, fed + 1))
+        curve = {1: 1.0, 4: 1.0 + rng.random(), 16: 3.0 + rng.random(), 64: 9.0}
+        feed = LosslessFeed(fixed(curve), rng.randrange(1, 7), rng.randrange(0, 5), stats=stats)
+        feed.mask_use = [rng.randrange(0, 5), 5]
+        batch = rng.choice((1, 2, 8))
+        rates = feed._shared_rates()
+        want = sorted(
+            feed.candidates(), key=lambda c: (feed.rate(*c, batch=batch, rates=rates), -c[0], -c[1]), reverse=True
+        )
+        assert feed._ranked(batch) == want, trial
+        for m, g in want:
+            assert steady_state(rates[0][:m], rates[1][:m], m, g, batch) == steady_state(
+                rates[0], rates[1], m, g, batch
+            )
+
+
 def test_batches_are_costed_on_their_own_curve():
     """With a measure, a batch runs on the curve measured at its bucket: a device where one
     row's wide feeds are cheap but a batch's are not feeds wide at batch 1 and like AR at 8."""

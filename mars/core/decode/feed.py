@@ -80,17 +80,29 @@ def steady_state(
     if masks == 0:
         return 1.0, 1.0, 0.0
 
-    def outcome(rates):
-        reach, to_s, kept = 1.0, 0.0, 0.0  # reach: chance the first g drafts were kept
-        for g in range(masks):
-            if g < groups:
-                to_s += reach * (1.0 - rates[g])  # exactly g kept, and group g's proposals follow
-            reach *= rates[g]
-            kept += reach
-        return kept, reach, to_s, 1.0 - reach - to_s
+    mask = _outcomes(mask_rates, masks, groups)
+    spare = _outcomes(spare_rates, masks, groups)
+    return _chain(mask, spare, masks, groups, batch)
 
-    km, mm, ms, mn = outcome(mask_rates)
-    ks, sm, ss, sn = outcome(spare_rates)
+
+def _outcomes(rates, masks: int, most_groups: int) -> tuple[float, float, list[float]]:
+    """Of `masks` drafts with keep rates `rates`: (expected kept, chance all are kept, and per g up
+    to `most_groups` the chance that exactly g' < g are kept), each summed in the drafts' order."""
+    reach, kept, to_s, by_groups = 1.0, 0.0, 0.0, [0.0]  # reach: chance the first g drafts were kept
+    for g in range(masks):
+        if g < most_groups:
+            to_s += reach * (1.0 - rates[g])  # exactly g kept, and group g's proposals follow
+            by_groups.append(to_s)
+        reach *= rates[g]
+        kept += reach
+    return kept, reach, by_groups
+
+
+def _chain(mask, spare, masks: int, groups: int, batch: int) -> tuple[float, float, float]:
+    """steady_state's stationary chain from the masks' and the spare groups' `_outcomes`."""
+    (km, mm, mask_to_s), (ks, sm, spare_to_s) = mask, spare
+    ms, ss = mask_to_s[min(groups, masks)], spare_to_s[min(groups, masks)]
+    mn, sn = 1.0 - mm - ms, 1.0 - sm - ss
     # Stationary distribution in closed form: N always leads to M, so pi_S = pi_M ms / (1 - ss) and
     # pi_N = pi_M mn + pi_S sn (1 - ss > 0: DraftStats' prior keeps every keep rate below 1).
     s_per_m = ms / max(1.0 - ss, 1e-12)
@@ -170,11 +182,21 @@ class LosslessFeed:
         s = self.stats
         return s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks), self.used()
 
+    def _ranked(self, batch: int) -> list[tuple[int, int]]:
+        """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups)."""
+        mask_rates, spare_rates, used = self._shared_rates()
+        # `rate` of every candidate, each masks' outcomes summed once for all its group counts.
+        keyed = [((1.0 / self.costs.seconds(batch, 1.0), 0, 0), (0, 0))]
+        for m in range(1, self.max_masks + 1):
+            most = min(m, self.max_groups)
+            mask, spare = _outcomes(mask_rates, m, most), _outcomes(spare_rates, m, most)
+            for g in range(most + 1):
+                tokens, width, _ = _chain(mask, spare, m, g, batch)
+                keyed.append((((1.0 + used * (tokens - 1.0)) / self.costs.seconds(batch, width), -m, -g), (m, g)))
+        return [c for _, c in sorted(keyed, key=lambda kc: kc[0], reverse=True)]
+
     def choose(self, batch: int = 1) -> tuple[int, int]:
-        rates = self._shared_rates()
-        ranked = sorted(
-            self.candidates(), key=lambda c: (self.rate(*c, batch=batch, rates=rates), -c[0], -c[1]), reverse=True
-        )
+        ranked = self._ranked(batch)
         best = ranked[0]
         if best == (0, 0) and self.max_masks:
             if not self._probe:
@@ -216,6 +238,9 @@ class ThresholdFeed(LosslessFeed):
 
     def _shared_rates(self):
         return None
+
+    def _ranked(self, batch: int) -> list[tuple[int, int]]:
+        return sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
 
     def rate(self, masks: int, groups: int = 0, batch: int = 1, rates=None) -> float:
         reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks
