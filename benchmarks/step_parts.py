@@ -29,6 +29,14 @@ Timers wrap the decoder's methods and the loop's functions from this script (not
 Transfers are counted in one untimed pass of each mode before the timed rounds, with the
 counters alone installed: a counter wraps torch's or numpy's own functions, which would
 otherwise add its cost to the host part (0.3-0.8 ms a step here before 2026-12-06).
+
+torch with mars's own forward also reports each mode's host work with the forward replayed
+("replayed"): the mode decoded once more with the forward's answers recorded (its top ids per
+read), then timed with them handed back as logits of the same shape, the feed's curves frozen and
+its state put back each round so that every pass decides alike (None where a replay decided
+otherwise). On a CPU the real forward streams the weights through the caches and evicts the
+loop's own code and data between steps (here touching 512 MB between replayed steps doubled the
+loop's time); a GPU runs the forward beside the host, which then sees the replayed figure.
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
@@ -339,7 +347,9 @@ class Profiler:
 
                 def __call__(self, *args, **kwargs):
                     forward_begins(None, args)
-                    return lean(*args, **kwargs)
+                    out = lean(*args, **kwargs)
+                    forward_ends(None, args, out)  # where no head's hook did (a replayed forward)
+                    return out
 
             P.set(d, "_lean_logits", c.timed("step inputs", d._lean_logits))
             P.set(d, "lean", TimedForward())
@@ -622,6 +632,99 @@ class Profiler:
         return out, seconds
 
 
+class Replayer:
+    """mars's own torch forward stood in for by what it answered before: `record` keeps each call's
+    `top` most likely ids (per row read); `replay` hands back, call by call, logits of the same shape
+    whose argmax and top-k are those ids (all else 0), so a greedy step without confidences or
+    log-probabilities decides as it did, while the forward computes nothing and evicts nothing."""
+
+    def __init__(self, lean, top: int):
+        self.lean, self.top = lean, top
+        self.calls: list = []  # (top ids (k, top), vocabulary)
+        self.at = 0
+        self.replaying = False
+
+    def __getattr__(self, name):
+        return getattr(self.lean, name)
+
+    def __call__(self, cache, inputs):
+        import torch
+
+        if not self.replaying:
+            logits = self.lean(cache, inputs)
+            self.calls.append((logits.topk(self.top, dim=-1).indices, logits.shape[-1]))
+            return logits
+        cache.reserve(inputs.width, inputs.batch)  # as the forward does: the cache's room grows alike
+        ids, vocab = self.calls[self.at]
+        self.at += 1
+        values = torch.arange(self.top, 0, -1, dtype=torch.float32).expand(ids.shape[0], -1)
+        return torch.zeros((ids.shape[0], vocab), dtype=torch.float32).scatter_(1, ids, values)
+
+
+def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
+    """Per mode, the loop's host work with the forward replayed (torch, mars's own forward): each
+    mode decoded once with its forward's answers recorded, then `rounds` times with them replayed
+    under the timers; the feed learns no timing in these passes (its curves frozen, its state put
+    back before each), so every pass decides alike. On this CPU a real forward streams the weights
+    through the caches and evicts the loop's own code and data; a device that runs the forward
+    beside the host leaves the host what this measures. None per mode where it does not apply (MLX,
+    transformers' modules) or the replay did not decide as the forward did."""
+    import copy
+
+    from mars.core.decode import cost
+
+    decoder = session.decoder
+    lean = getattr(decoder, "lean", None) if session.backend == "torch" else None
+    if lean is None:
+        return {name: None for name in plans}
+    frozen = Patches()
+    frozen.set(cost.CostCurve, "observe", lambda self, tokens, seconds: None)
+    out = {}
+    try:
+        for name, plan in plans.items():
+            start = copy.deepcopy(session.controller, {id(session): session})
+            replayer = Replayer(lean, 1 + plan.alternative_groups)
+            decoder.lean = replayer
+            want = session.decode(ids, plan, batch).tokens
+            profiler = Profiler(session)
+            profiler.install()
+            clock, seconds, same, steps = Clock(), 0.0, True, 0
+            replayer.replaying = True
+            try:
+                for _ in range(rounds):
+                    session.controller = copy.deepcopy(start, {id(session): session})
+                    replayer.at = 0
+                    profiler.clock.reset()
+                    decoded, spent = profiler.measure(lambda: session.decode(ids, plan, batch))
+                    merge(clock, profiler.clock)
+                    seconds += spent
+                    steps += decoded.total.forwards
+                    same = same and decoded.tokens == want
+            finally:
+                profiler.remove()
+                decoder.lean = lean
+                session.controller = start
+            if not same:
+                out[name] = None
+                continue
+            ex = clock.exclusive
+            forward, reduce = ex.get("forward", 0.0), ex.get("reduce + D2H", 0.0)
+            host = seconds - forward - reduce
+            items = {k: ex.get(k, 0.0) for k in HOST_ITEMS}
+            items["loop"] = host - sum(v for k, v in items.items() if k != "loop")
+            per = 1000.0 / max(steps, 1)
+            out[name] = {
+                "steps": steps,
+                "host_ms_per_step": host * per,
+                "reduce_ms_per_step": reduce * per,
+                "replay_ms_per_step": forward * per,
+                "host_items_ms_per_step": {k: v * per for k, v in items.items()},
+            }
+    finally:
+        frozen.undo()
+    return out
+
+
 def mode_plans(session, max_tokens: int):
     """(AR, lossless) plans as `mars generate` makes them: its options' own defaults, then
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
@@ -766,6 +869,17 @@ def table(report: dict) -> str:
                 f"{k} {m['host_ms_per_step'][k]:.2f} ({100 * m['host_share_of_step'][k]:.1f}%)" for k in HOST_ITEMS
             )
         )
+    if any(m.get("replayed") for m in modes.values()):
+        lines.append("host part with the forward replayed (nothing evicts the loop's caches), ms per step:")
+        for name, m in modes.items():
+            r = m.get("replayed")
+            if r is None:
+                lines.append(f"  {name:<10} not replayed")
+                continue
+            items = ", ".join(f"{k} {r['host_items_ms_per_step'][k]:.2f}" for k in HOST_ITEMS)
+            lines.append(
+                f"  {name:<10} host {r['host_ms_per_step']:.2f} ({items}); reduce + D2H {r['reduce_ms_per_step']:.2f}"
+            )
     for name, m in modes.items():
         lo, hi = m["d2h_per_step_range"]
         counted = max(m["counted_steps"], 1)  # the counting pass's steps
@@ -869,6 +983,8 @@ def main(argv=None) -> dict:
     finally:
         profiler.remove()
 
+    replays = replayed(session, ids, plans, batch, args.rounds)
+
     from mars.session import Decoded
 
     modes, tokens = {}, {}
@@ -879,6 +995,7 @@ def main(argv=None) -> dict:
         clock, transfers, h2d, graph = clocks[name]
         modes[name] = summarise(clock, transfers, h2d, r["seconds"], joined, graph[0], counted_steps[name])
         modes[name]["plan"] = plans[name].name
+        modes[name]["replayed"] = replays[name]
         tokens[name] = r["decoded"][0].tokens
     report = {
         "what": "where a decoding step's time goes: forward, reduce + D2H, host (benchmarks/step_parts.py)",

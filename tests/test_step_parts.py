@@ -91,6 +91,17 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         assert isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi
         assert sum(site["count"] for site in m["h2d_sites"].values()) == m["h2d_transfers"]
         assert all(site.startswith(f"mars/backends/{backend}/") for site in m["h2d_sites"]), m["h2d_sites"]
+    # torch's own forward is also timed replayed: each mode's replay decided as the forward did.
+    for name, m in report["modes"].items():
+        r = m["replayed"]
+        if backend == "mlx":
+            assert r is None
+            continue
+        assert r is not None and r["steps"] > 0, name
+        assert r["host_ms_per_step"] >= 0 and r["reduce_ms_per_step"] >= 0
+        assert math.isclose(
+            sum(r["host_items_ms_per_step"].values()), r["host_ms_per_step"], rel_tol=1e-6, abs_tol=1e-9
+        )
     # Lossless decoding is AR's, and the timers change nothing that is decoded.
     assert report["tokens"]["lossless"] == report["tokens"]["AR"]
     assert report["replies_equal_to_ar"] == report["prompts"] == 3
@@ -101,6 +112,9 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
     from mars.core.decode import strategies
 
     assert decoding._advance.__module__ == "mars.core.decode.loop"
+    from mars.core.decode import cost
+
+    assert cost.CostCurve.observe.__module__ == "mars.core.decode.cost"  # the replay's frozen curves thaw
     assert strategies.WindowStrategy.lay_out.__module__ == "mars.core.decode.strategies"
     if backend == "torch":
         import torch
