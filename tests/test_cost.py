@@ -200,6 +200,20 @@ def test_the_feed_ranks_its_candidates_by_rate_exactly():
             )
 
 
+def test_expected_kept_is_numpys_running_product_and_sum():
+    rng = random.Random(1)
+    for _ in range(300):
+        stats = DraftStats(slots=8)
+        for _ in range(rng.randrange(0, 40)):
+            fed = rng.randrange(1, 17)
+            stats.record("x", fed, rng.randrange(0, fed + 1))
+        n = rng.randrange(1, 17)
+        want = np.cumsum(np.cumprod(stats.rates("x", n)))
+        assert stats.expected_kept_list("x", n) == want.tolist()
+        assert stats.expected_kept_each("x", n).tolist() == want.tolist()
+        assert stats.expected_kept("x", n) == float(want[-1])
+
+
 def test_batches_are_costed_on_their_own_curve():
     """With a measure, a batch runs on the curve measured at its bucket: a device where one
     row's wide feeds are cheap but a batch's are not feeds wide at batch 1 and like AR at 8."""

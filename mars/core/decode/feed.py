@@ -61,11 +61,21 @@ class DraftStats:
 
     def expected_kept(self, source: str, n: int) -> float:
         """Expected drafts kept out of the first n of this source."""
-        return float(self.expected_kept_each(source, n)[-1]) if n else 0.0
+        return self.expected_kept_list(source, n)[-1] if n else 0.0
 
     def expected_kept_each(self, source: str, n: int) -> np.ndarray:
         """(n,) expected drafts kept out of the first d of this source, for d = 1 .. n."""
-        return np.cumsum(np.cumprod(self.rates(source, n)))
+        return np.asarray(self.expected_kept_list(source, n), dtype=np.float64)
+
+    def expected_kept_list(self, source: str, n: int) -> list[float]:
+        """`expected_kept_each` as a list: the running product of the keep rates (the chance the
+        first d are all kept), summed in order, as numpy's cumprod and cumsum compute them."""
+        out, reach, total = [], 1.0, 0.0
+        for r in self.rates(source, n):
+            reach *= r
+            total += reach
+            out.append(total)
+        return out
 
 
 def steady_state(
