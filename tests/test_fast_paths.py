@@ -215,6 +215,12 @@ def test_row_counts_chosen_for_f_linear_run_it(monkeypatch):
     assert set(timings) == {2, 4} and all(a > 0 and b > 0 for a, b in timings.values())
     assert layer._mars_linear_rows == frozenset({2, 3})  # timing leaves the choice as it was
     assert packed.faster_on_linear({2: (1.0, 2.0), 3: (0.97, 1.0), 4: (3.0, 1.0)}) == [2]
+    # Counts between the measured ones take the next measured count's choice, above them all the largest's.
+    assert packed.row_choices({2: (1.0, 2.0), 3: (0.97, 1.0), 4: (3.0, 1.0)}) == [2]
+    assert packed.row_choices({2: (2.0, 1.0), 4: (1.0, 2.0), 8: (2.0, 1.0), 16: (1.0, 2.0)}) == [3, 4] + list(
+        range(9, packed.CHOSEN_ROWS + 1)
+    )
+    assert packed.row_choices({}) == []
 
 
 def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, tmp_path):

@@ -55,8 +55,9 @@ def pad_width(input_ids, positions, mask, valid, cached: int, width: int):
 
 
 # Below this many bytes of packed weights the row paths are not measured (packed for every
-# product of 2 rows or more): a small model's products cost too little to tell them apart.
-ROW_PATHS_MIN_BYTES = 8 << 20
+# product of 2 rows or more): a tiny model's products (the tests') cost too little to tell them
+# apart. A narrow model of the default's depth (30 layers, hidden 64: 7.4 MB) is measured.
+ROW_PATHS_MIN_BYTES = 2 << 20
 
 
 def cpu_name() -> str:
@@ -73,8 +74,8 @@ def cpu_name() -> str:
 
 
 def linear_rows_for(tm: TorchModel) -> list[int]:
-    """The row counts (of 2-4) whose products run `F.linear` rather than the packed product
-    on this CPU (packed.time_row_paths): measured once per CPU model, thread count, dtype,
+    """The row counts (2 to packed.CHOSEN_ROWS) whose products run `F.linear` rather than the packed
+    product on this CPU (packed.time_row_paths, packed.row_choices): measured once per CPU model, thread count, dtype,
     torch version and layer shapes, about a second on the default model, and kept under
     the cache directory (`MARS_HOME`, default ~/.cache/mars/paths). None for a small model
     (below ROW_PATHS_MIN_BYTES of packed weights): every product of 2 rows or more is packed."""
@@ -94,7 +95,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
         "torch": torch.__version__,
         "shapes": sorted({(layer.out_features, layer.in_features) for layer in layers}),
         "layers": len(layers),
-        "paths": 1,
+        "paths": 2,  # 2: row counts 2-4, 8, 16 and 32 measured, the others chosen alike
     }
     path = keyed_cache_file("paths", key)
     try:
@@ -102,7 +103,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
     except (OSError, ValueError, KeyError, TypeError):
         pass
     timings = packed.time_row_paths(tm.model)
-    rows = packed.faster_on_linear(timings)
+    rows = packed.row_choices(timings)
     report = {
         "key": key,
         "linear_rows": rows,
@@ -143,7 +144,9 @@ class TorchDecoder:
         own = lean and models.lean_family(self.body.config) is not None
         if pack is None:
             pack = can_pack(tm.device, tm.dtype)
-        self.packed = pack_linears(tm.model) if pack and own else 0
+        # The body's layers alone: mars's forward runs the head with F.linear (its reads), so a
+        # packed copy of the head would be memory spent for nothing (113 MB on the default model).
+        self.packed = pack_linears(self.body) if pack and own else 0
         # Row counts whose products run F.linear, where this CPU computes them faster (packed.py).
         self.linear_rows = linear_rows_for(tm) if self.packed else []
         if self.packed:

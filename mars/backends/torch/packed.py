@@ -16,8 +16,11 @@ forward does. `pack_linears` keeps each weight as it is and adds its packed copy
   added, their outputs dropped), which oneDNN computes faster. Which is faster for a few
   rows depends on the CPU: where `F.linear`'s own small products beat the packed one (on
   a Xeon with AVX-512, 2 and 3 rows cost 1.08x and 1.18x one row with `F.linear` against
-  1.1-1.2x packed), those row counts run `F.linear` (`time_row_paths`,
-  `use_linear_rows`: measured once per CPU and model shape by the torch decoder).
+  1.1-1.2x packed), those row counts run `F.linear` (`time_row_paths`, `row_choices`,
+  `use_linear_rows`: 2-4, 8, 16 and 32 rows measured once per CPU and model shape by the
+  torch decoder, the counts between chosen as the next measured one). A narrow model's
+  small layers lose to oneDNN's per-call toll at every row count (hidden 64: 27 us a packed
+  product of 9 rows against 13 for `F.linear`), and then run `F.linear` throughout.
 
 The layers' own `forward` is left alone: anything else that runs the same model (training,
 `model.generate`, transformers' modules for the architectures without mars's forward)
@@ -123,7 +126,13 @@ def use_linear_rows(module: torch.nn.Module, rows) -> None:
         layer._mars_linear_rows = frozenset(int(r) for r in rows)
 
 
-def time_row_paths(module: torch.nn.Module, rows=(2, 3, 4), repeats: int = 5) -> dict[int, tuple[float, float]]:
+# The row counts whose two paths the decoder times (time_row_paths), and the most rows a choice
+# covers (row_choices): a product of more rows runs packed.
+MEASURED_ROWS = (2, 3, 4, 8, 16, 32)
+CHOSEN_ROWS = 64
+
+
+def time_row_paths(module: torch.nn.Module, rows=MEASURED_ROWS, repeats: int = 5) -> dict[int, tuple[float, float]]:
     """Seconds of one pass over every packed layer of `module` (as a forward reads them, so
     the weights come from memory) with `rows` input rows: {rows: (F.linear, packed)},
     medians of `repeats` interleaved passes after a warm-up."""
@@ -159,3 +168,20 @@ def time_row_paths(module: torch.nn.Module, rows=(2, 3, 4), repeats: int = 5) ->
 def faster_on_linear(timings: dict[int, tuple[float, float]], margin: float = 0.05) -> list[int]:
     """The row counts whose `F.linear` pass beat the packed one by more than `margin`."""
     return sorted(r for r, (linear, packed) in timings.items() if linear < (1 - margin) * packed)
+
+
+def row_choices(timings: dict[int, tuple[float, float]], margin: float = 0.05) -> list[int]:
+    """Every row count from 2 to CHOSEN_ROWS that runs `F.linear`: a measured count as measured
+    (`faster_on_linear`), another as the next measured count above it (above them all: the
+    largest). Small layers (a narrow model) lose to oneDNN's per-call toll at any row count;
+    large ones gain from the pack from a few rows on."""
+    if not timings:
+        return []
+    measured = sorted(timings)
+    linear = set(faster_on_linear(timings, margin))
+    out = []
+    for r in range(MIN_ROWS, CHOSEN_ROWS + 1):
+        like = next((m for m in measured if m >= r), measured[-1])
+        if like in linear:
+            out.append(r)
+    return out
