@@ -151,15 +151,17 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     wide_valid[:, :w0] = valid
     wide_positions = np.zeros((b, width), dtype=np.int64)
     wide_positions[:, :w0] = positions
-    attend = np.broadcast_to(np.tril(np.ones((width, width), dtype=bool)), (b, width, width)).copy()
+    attend = np.empty((b, width, width), dtype=bool)
+    attend[:] = np.tri(width, dtype=bool)
     attend[:, w0:, :] = False
     rows = np.arange(b)
     for k, group in enumerate(columns.groups):
-        cols = columns.group_columns(k)
+        first = columns.width + columns.group_start(k)  # a group's columns lie together: slices, not index arrays
+        cols = slice(first, first + group.width)
         live = group.live
         p = group.prefix.shape[1]
         if p:
-            wide_ids[:, cols[:p]] = np.where(live[:, None], group.prefix, mask_id)
+            wide_ids[:, first : first + p] = np.where(live[:, None], group.prefix, mask_id)
         wide_valid[:, cols] = live[:, None]
         anchor = columns.last + group.anchor  # the column the group follows
         wide_positions[:, cols] = np.where(
@@ -167,7 +169,7 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
         )
         upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
         attend[:, cols, :w0] = upto[:, None, :]
-        attend[:, cols[:, None], cols[None, :]] = np.tril(np.ones((group.width, group.width), dtype=bool))[None]
+        attend[:, cols, cols] = np.tri(group.width, dtype=bool)
     return wide_ids, wide_valid, wide_positions, attend
 
 
