@@ -76,7 +76,7 @@ def cpu_name() -> str:
 def linear_rows_for(tm: TorchModel) -> list[int]:
     """The row counts (2 to packed.CHOSEN_ROWS) whose products run `F.linear` rather than the packed
     product on this CPU (packed.time_row_paths, packed.row_choices): measured once per CPU model, thread count, dtype,
-    torch version and layer shapes, about a second on the default model, and kept under
+    torch version and layer shapes, about 4 s on the default model (2 cores, 1 thread), and kept under
     the cache directory (`MARS_HOME`, default ~/.cache/mars/paths). None for a small model
     (below ROW_PATHS_MIN_BYTES of packed weights): every product of 2 rows or more is packed."""
     import json

@@ -113,15 +113,11 @@ class BatchCosts:
         self.measure = measure
         self.buckets = tuple(sorted(set(buckets) | {1}))
         self.curves: dict[int, CostCurve] = {1: one}
-        self._bucket_of: dict[int, int] = {}  # batch -> its bucket, as found
 
     def bucket(self, batch: int) -> int:
         if self.measure is None:
             return 1
-        found = self._bucket_of.get(batch)
-        if found is None:
-            found = self._bucket_of[batch] = next((b for b in self.buckets if b >= batch), self.buckets[-1])
-        return found
+        return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
     def curve(self, batch: int) -> CostCurve:
         b = self.bucket(batch)

@@ -116,7 +116,7 @@ class Drafting:
         for the step, decided for the batch together since a step is as wide as its widest row."""
         # Per row and option, the expected drafts kept out of its first n, at [n - 1].
         kept_each = [
-            [self.stats.expected_kept_list(key, len(drafts)) for _, key, drafts in row_options]
+            [self.stats.expected_kept_each(key, len(drafts)) for _, key, drafts in row_options]
             for row_options in options
         ]
 

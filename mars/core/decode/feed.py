@@ -61,15 +61,12 @@ class DraftStats:
 
     def expected_kept(self, source: str, n: int) -> float:
         """Expected drafts kept out of the first n of this source."""
-        return self.expected_kept_list(source, n)[-1] if n else 0.0
+        return self.expected_kept_each(source, n)[-1] if n else 0.0
 
-    def expected_kept_each(self, source: str, n: int) -> np.ndarray:
-        """(n,) expected drafts kept out of the first d of this source, for d = 1 .. n."""
-        return np.asarray(self.expected_kept_list(source, n), dtype=np.float64)
-
-    def expected_kept_list(self, source: str, n: int) -> list[float]:
-        """`expected_kept_each` as a list: the running product of the keep rates (the chance the
-        first d are all kept), summed in order, as numpy's cumprod and cumsum compute them."""
+    def expected_kept_each(self, source: str, n: int) -> list[float]:
+        """Expected drafts kept out of the first d of this source, for d = 1 .. n: the running
+        product of the keep rates (the chance the first d are all kept), summed in order, the
+        floats numpy's cumprod and cumsum give."""
         out, reach, total = [], 1.0, 0.0
         for r in self.rates(source, n):
             reach *= r
@@ -178,31 +175,28 @@ class LosslessFeed:
         used, offered = self.mask_use
         return (used + 1.0) / (offered + 2.0)
 
-    def rate(self, masks: int, groups: int, batch: int = 1, rates=None) -> float:
-        """Expected tokens per second and row of feeding this forever, mask drafts counted where taken.
-        `rates`: (the masks' keep rates, the spare groups', used()), each long enough, where the
-        caller read them once for several candidates."""
+    def rate(self, masks: int, groups: int, batch: int = 1) -> float:
+        """Expected tokens per second and row of feeding this forever, mask drafts counted where taken."""
         s = self.stats
-        mask_rates, spare_rates, used = rates or (s.rates(MASKS, masks), s.rates(SPARE, masks), self.used())
-        tokens, width, _ = steady_state(mask_rates[:masks], spare_rates[:masks], masks, groups, batch)
+        tokens, width, _ = steady_state(s.rates(MASKS, masks), s.rates(SPARE, masks), masks, groups, batch)
+        return self._per_second(tokens, width, self.used(), batch)
+
+    def _per_second(self, tokens: float, width: float, used: float, batch: int) -> float:
         return (1.0 + used * (tokens - 1.0)) / self.costs.seconds(batch, width)
 
-    def _shared_rates(self):
-        """What `rate` reads for every candidate, read once (the same numbers)."""
-        s = self.stats
-        return s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks), self.used()
-
     def _ranked(self, batch: int) -> list[tuple[int, int]]:
-        """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups)."""
-        mask_rates, spare_rates, used = self._shared_rates()
-        # `rate` of every candidate, each masks' outcomes summed once for all its group counts.
-        keyed = [((1.0 / self.costs.seconds(batch, 1.0), 0, 0), (0, 0))]
+        """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups): each
+        `rate` with the keep rates read once and each mask count's outcomes summed once for all
+        its group counts (the same floats)."""
+        s, used = self.stats, self.used()
+        mask_rates, spare_rates = s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks)
+        keyed = [((self._per_second(1.0, 1.0, used, batch), 0, 0), (0, 0))]
         for m in range(1, self.max_masks + 1):
             most = min(m, self.max_groups)
             mask, spare = _outcomes(mask_rates, m, most), _outcomes(spare_rates, m, most)
             for g in range(most + 1):
                 tokens, width, _ = _chain(mask, spare, m, g, batch)
-                keyed.append((((1.0 + used * (tokens - 1.0)) / self.costs.seconds(batch, width), -m, -g), (m, g)))
+                keyed.append(((self._per_second(tokens, width, used, batch), -m, -g), (m, g)))
         return [c for _, c in sorted(keyed, key=lambda kc: kc[0], reverse=True)]
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
@@ -246,13 +240,10 @@ class ThresholdFeed(LosslessFeed):
         for m in range(self.max_masks + 1):
             yield m, 0
 
-    def _shared_rates(self):
-        return None
-
     def _ranked(self, batch: int) -> list[tuple[int, int]]:
         return sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
 
-    def rate(self, masks: int, groups: int = 0, batch: int = 1, rates=None) -> float:
+    def rate(self, masks: int, groups: int = 0, batch: int = 1) -> float:
         reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks
         tokens = 1.0 + float(reach.sum())
         # The widest of `batch` rows feeds 1 + its last run (expected max over the rows) + m.

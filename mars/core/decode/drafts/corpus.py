@@ -11,7 +11,6 @@ a few binary searches and a vote.
 from __future__ import annotations
 
 import io
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -147,9 +146,7 @@ class DraftCorpus:
             elif j:  # past the first draft only a majority counts: if there is one, it is the median
                 token = int(np.partition(nxt, nxt.size // 2)[nxt.size // 2])
                 agree = int((nxt == token).sum())
-            elif nxt.size <= 64:  # the first draft: the plurality, ties to the smallest id
-                token, agree = min(Counter(nxt.tolist()).items(), key=lambda kv: (-kv[1], kv[0]))
-            else:
+            else:  # the first draft: the plurality, ties to the smallest id
                 ids, counts = np.unique(nxt, return_counts=True)
                 best = int(np.argmax(counts))
                 token, agree = int(ids[best]), int(counts[best])
