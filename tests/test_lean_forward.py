@@ -71,19 +71,18 @@ def test_the_lean_forward_equals_transformers_bit_for_bit(case):
             mask = decode_mask(key_valid, q)
             full, sliding = window_cut(mask, positions, key_positions, windows)
             cut |= bool((full != sliding).any())
-            additive = [
-                torch.zeros(m.shape).masked_fill_(~torch.from_numpy(m), torch.finfo(torch.float32).min)[:, None]
-                for m in (full, sliding)
-            ]
+            # The bool mask alone: the forward cuts the window itself, by the positions it caches.
             inputs = models.StepInputs(
                 ids=torch.from_numpy(ids.reshape(-1)),
                 positions=torch.from_numpy(positions),
-                masks=tuple(additive),
                 reads=torch.arange(b * q),
                 batch=b,
                 width=q,
+                allowed=torch.from_numpy(mask),
             )
             mine = lean(cache, inputs)
+            for m, host in zip(lean.attention_masks(cache, inputs), (full, sliding)):  # as the forward built them
+                assert torch.equal(m[:, 0] == 0, torch.from_numpy(host))
             cache.length += q
             theirs = model(
                 input_ids=torch.from_numpy(ids),

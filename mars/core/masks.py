@@ -6,6 +6,8 @@ into whatever their attention wants (additive float masks, usually).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -95,3 +97,58 @@ def decode_mask(key_valid: np.ndarray, query_len: int) -> np.ndarray:
     mask = causal[None] & key_valid[:, None, :] & query_valid[:, :, None]
     mask[:, np.arange(query_len), q_index] = True
     return mask
+
+
+@dataclass(frozen=True)
+class StepMask:
+    """A decoding step's attention mask (b, width, cached + width), as few numbers as a device needs
+    to build it (the torch backend's own forward builds it there; `dense` builds it on the host).
+
+    Query j of row r (fed column j, key cached + j) may see key k when the query and the key are
+    real (`keys`: (b, cached + width) bool, None where every key is), k <= cached + j, and a fed key
+    (column c = k - cached) lies in the query's view: c <= see[r, j] or c >= start[r, j] (`see`,
+    `start`: (b, width) int64, None where every query sees every column before it, plain causal;
+    start[r, j] <= j: a query sees itself). A hole query sees itself alone. A group's columns
+    (mars.core.decode.layout.with_groups) see the chain up to their anchor and their own block; the
+    chain's columns see every column before them. The torch and MLX backends build it on the device
+    (models.Transformer.attention_masks, mlx forward.step_mask), bit for bit as `dense` does."""
+
+    cached: int
+    width: int
+    keys: np.ndarray | None = None
+    see: np.ndarray | None = None
+    start: np.ndarray | None = None
+
+    def dense(self, batch: int = 1) -> np.ndarray:
+        """The bool mask (b, width, cached + width); `batch` where neither `keys` nor `see` says it."""
+        c, q = self.cached, self.width
+        col = np.arange(c + q) - c
+        j = np.arange(q)
+        mask = np.broadcast_to(col[None, :] <= j[:, None], (batch, q, c + q))
+        if self.see is not None:
+            mask = mask & (
+                (col[None, None, :] <= self.see[:, :, None]) | (col[None, None, :] >= self.start[:, :, None])
+            )
+        if self.keys is not None:
+            keys = np.asarray(self.keys, dtype=bool)
+            mask = (mask & keys[:, None, :] & keys[:, c:, None]) | (col[None, None, :] == j[None, :, None])
+        return np.array(mask, dtype=bool)
+
+    def padded(self, width: int, batch: int) -> StepMask:
+        """The same mask for a feed widened to `width` columns by holes at the end of every row: the
+        real queries see what they saw; a hole sees itself alone and nobody sees a hole."""
+        pad = width - self.width
+        if pad <= 0:
+            return self
+        keys = np.ones((batch, self.cached + self.width), dtype=bool) if self.keys is None else self.keys
+        keys = np.concatenate([keys, np.zeros((batch, pad), dtype=bool)], axis=1)
+        see, start = self.see, self.start
+        if see is not None:
+            own = np.broadcast_to(np.arange(self.width, width), (len(see), pad))
+            see, start = np.concatenate([see, own], axis=1), np.concatenate([start, own], axis=1)
+        return StepMask(self.cached, width, keys, see, start)
+
+
+def dense_mask(mask, batch: int = 1) -> np.ndarray | None:
+    """A step's mask as a bool array (b, q, kv) or None: a StepMask built on the host, an array as it is."""
+    return mask.dense(batch) if isinstance(mask, StepMask) else mask

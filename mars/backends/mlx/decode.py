@@ -11,7 +11,8 @@ import numpy as np
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
-from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, to_device, to_host
+from ...core.masks import StepMask
+from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, step_mask, to_device, to_host
 from .load import MlxModel
 
 
@@ -147,18 +148,26 @@ class MlxDecoder:
         and then it returns (the logits, their device arrays by name)."""
         positions = np.asarray(positions)
         keys, cuts = sliding_keys(self.model, positions, cache)
+        compact = isinstance(mask, StepMask)  # the mask's few numbers travel; the device builds it
         sent = to_device(
             ids=input_ids,
             positions=positions,
             read=read,
             keys=keys if cuts else None,
-            mask=None if mask is None else np.asarray(mask, dtype=bool),
+            mask=None if mask is None or compact else np.asarray(mask, dtype=bool),
+            valid_keys=mask.keys if compact else None,
+            see=mask.see if compact else None,
+            start=mask.start if compact else None,
             **more,
         )
         ids = sent["ids"]
         if self.loaded.gate is not None:
             self.loaded.gate.set(ids)
-        attn = "causal" if mask is None else sent["mask"][:, None]
+        if compact:
+            attn = step_mask(
+                mask.cached, mask.width, len(positions), sent.get("valid_keys"), sent.get("see"), sent.get("start")
+            )
+        attn = "causal" if mask is None else attn[:, None] if compact else sent["mask"][:, None]
         h = hidden_states(self.model, ids, Positions(sent["positions"], sent.get("keys"), cuts), attn, cache)
         logits = head(self.model, mx.take_along_axis(h, sent["read"][..., None], axis=1))
         return (logits, {name: sent[name] for name in more}) if more else logits

@@ -166,6 +166,20 @@ def layer_masks(model: nn.Module, mask, at: Positions) -> list:
     return [cut.get(w, mask) for w in windows]
 
 
+def step_mask(cached: int, width: int, batch: int, keys, see, start) -> mx.array:
+    """A step's bool attention mask (batch, width, cached + width) built on the device from a
+    mars.core.masks.StepMask's arrays there (`keys`, `see`, `start`, each None where the StepMask
+    has none), as StepMask.dense builds it on the host."""
+    col = mx.arange(-cached, width)  # a key's column among the fed ones (cached: negative)
+    j = mx.arange(width)[:, None]
+    allowed = col <= j
+    if see is not None:
+        allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
+    if keys is not None:
+        allowed = (allowed & keys[:, None, :] & keys[:, cached:, None]) | (col == j)
+    return mx.broadcast_to(allowed, (batch, width, cached + width))
+
+
 def to_device(**arrays) -> dict[str, mx.array]:
     """Host arrays on the device in one copy, by name (None ones left out): integers (that fit
     int32: ids, positions, indices) as int32 and bools as bools. Each copy has a fixed cost and a

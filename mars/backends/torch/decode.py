@@ -10,11 +10,11 @@ import torch
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
-from ...core.masks import decode_mask
+from ...core.masks import StepMask, decode_mask, dense_mask
 from . import models, packed
 from .attention import REDUCED, ROW_EXACT
 from .cache import cache_argument
-from .forward import additive_mask, attention_masks, model_windows, window_cut
+from .forward import additive_mask, attention_masks, model_windows
 from .load import TorchModel
 
 # Positions a new cache of mars's own forward holds before it first grows (models.KVCache.reserve).
@@ -46,6 +46,8 @@ def pad_width(input_ids, positions, mask, valid, cached: int, width: int):
     pos = np.concatenate([positions, np.repeat(positions[:, -1:], pad, axis=1)], axis=1)
     real = np.ones((b, q), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
     valid = np.concatenate([real, np.zeros((b, pad), dtype=bool)], axis=1)
+    if isinstance(mask, StepMask):
+        return ids, pos, mask.padded(width, b), valid
     if mask is None:
         mask = decode_mask(np.ones((b, cached + q), dtype=bool), q)
     full = np.zeros((b, width, cached + width), dtype=bool)
@@ -273,6 +275,7 @@ class TorchDecoder:
         if self.lean is not None:
             return self._lean_logits(cache, input_ids, positions, mask, read, valid)[:2]
         dev = self.tm.device
+        mask = dense_mask(mask, len(input_ids))
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
         if self.slides:
@@ -306,8 +309,9 @@ class TorchDecoder:
         Everything the step takes is laid out on the host first and copied to the device in one
         transfer: the real positions' ids, the positions, the rows read and where each read finds
         its row, where the real positions sit (a batch with holes, packed layers), `extra` (integer
-        or bool arrays a caller needs beside: speculate's drafts and tree), and the attention masks
-        as bytes (one per kind of layer: full, sliding)."""
+        or bool arrays a caller needs beside: speculate's drafts and tree), and the attention mask:
+        a StepMask's `see` and `start` and its keys as bytes (the forward builds the mask on the
+        device), or a bool mask given as an array, as bytes."""
         dev = self.tm.device
         input_ids = np.asarray(input_ids)
         positions = np.asarray(positions, dtype=np.int64)
@@ -315,6 +319,12 @@ class TorchDecoder:
         read = np.asarray(read)
         own = cache if cache is not None else self._lean_cache(b)
         cached = own.length
+        if mask is None:  # plain causal over the cache
+            mask = StepMask(cached, fed)
+        elif isinstance(mask, StepMask) and (mask.cached, mask.width) != (cached, fed):
+            raise ValueError(
+                f"a mask of {mask.cached} cached keys and {mask.width} columns for a step of {cached} and {fed}"
+            )
         if self.buckets:
             input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, bucket(fed))
         q = input_ids.shape[1]
@@ -337,18 +347,17 @@ class TorchDecoder:
         if real is not None:
             # A read of a row that is all holes is never used: any real row's output will do.
             ids, reads = ids[real], np.minimum(np.searchsorted(real, distinct), real.size - 1)
-        if self.slides:
-            masks = self._window_masks(own, mask, positions, bool_masks=True)
-        else:
-            full = decode_mask(np.ones((b, cached + q), dtype=bool), q) if mask is None else np.asarray(mask)
-            masks = (full,)
+        compact = isinstance(mask, StepMask)
+        views = compact and mask.see is not None
+        bools = (mask.keys if compact else mask,)
         extra = [np.asarray(e) for e in extra]
-        numbers = [ids, positions.reshape(-1), reads, where] + extra + ([real] if real is not None else [])
+        numbers = [ids, positions, reads, where.reshape(read.shape)] + ([mask.see, mask.start] if views else []) + extra
+        numbers += [real] if real is not None else []
         host = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in numbers])
-        data = np.concatenate(
-            [host.view(np.uint8)] + [np.ascontiguousarray(m, dtype=bool).view(np.uint8).reshape(-1) for m in masks]
-        )
-        buf = torch.from_numpy(data)
+        data = [host.view(np.uint8)] + [
+            np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in bools if a is not None
+        ]
+        buf = torch.from_numpy(np.concatenate(data) if len(data) > 1 else data[0])
         if dev.type == "cuda":
             buf = buf.pin_memory().to(dev, non_blocking=True)
         elif dev.type != "cpu":
@@ -356,39 +365,35 @@ class TorchDecoder:
         numbers_dev = buf[: host.size * 8].view(torch.int64)
         parts, start = [], 0
         for a in numbers:
-            parts.append(numbers_dev[start : start + a.size])
+            parts.append(numbers_dev[start : start + a.size].view(a.shape))
             start += a.size
-        ids_d, pos_d, reads_d, where_d = parts[0], parts[1].view(b, q), parts[2], parts[3].view(read.shape)
-        extra_d = [
-            t.view(e.shape).bool() if e.dtype == bool else t.view(e.shape)
-            for t, e in zip(parts[4 : 4 + len(extra)], extra)
-        ]
-        real_d = parts[-1] if real is not None else None
-        dtype, at, additive = self.tm.dtype, host.size * 8, []
-        for m in masks:
-            allowed = buf[at : at + m.size].view(torch.bool).view(m.shape)
-            at += m.size
-            out = torch.full(m.shape, torch.finfo(dtype).min, dtype=dtype, device=dev).masked_fill_(allowed, 0.0)
-            additive.append(out[:, None])
-        kinds = (additive[0], additive[-1])
+        parts.reverse()  # taken in order from the end
+        ids_d, pos_d, reads_d, where_d = parts.pop(), parts.pop(), parts.pop(), parts.pop()
+        see_d, start_d = (parts.pop(), parts.pop()) if views else (None, None)
+        extra_d = [parts.pop().bool() if e.dtype == bool else parts.pop() for e in extra]
+        real_d = parts.pop() if real is not None else None
+        allowed = buf[host.size * 8 :].view(torch.bool).view(bools[0].shape) if bools[0] is not None else None
         gate = None
         if self.tm.gate is not None:
             is_mask = ids == self.tm.gate.mask_id
             spots = np.flatnonzero(is_mask)
             if spots.size:
                 rows = slice(spots[0], spots[-1] + 1) if spots[-1] - spots[0] + 1 == spots.size else None
-                gate = (rows, (ids_d == self.tm.gate.mask_id).to(dtype)[:, None])
+                gate = (rows, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
         exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,
             positions=pos_d,
-            masks=kinds,
             reads=reads_d,
             batch=b,
             width=q,
             real=real_d,
             gate=gate,
             exact=exact,
+            allowed=None if compact else allowed,
+            keys=allowed if compact else None,
+            see=see_d,
+            start=start_d,
         )
         logits = self.lean(own, inputs)
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
@@ -403,14 +408,13 @@ class TorchDecoder:
         exact = np.ones(np.shape(input_ids), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
         return exact if self.tm.mars is None else exact & (np.asarray(input_ids) != self.tm.mars.mask_token_id)
 
-    def _window_masks(self, cache, mask, positions, bool_masks: bool = False):
-        """The attention argument of a model with sliding layers (attention_masks), with the
-        positions of the cached keys (kept on the cache, cut to its length: crops only shorten
-        it) followed by the step's own; `bool_masks`: (full, sliding) bool masks, for mars's own
-        forward (forward.window_cut)."""
+    def _window_masks(self, cache, mask, positions):
+        """The attention argument of a model with sliding layers on transformers' modules
+        (attention_masks), with the positions of the cached keys (kept on the cache, cut to its
+        length: crops only shorten it) followed by the step's own."""
         positions = np.asarray(positions, dtype=np.int64)
         b, q = positions.shape
-        cached = 0 if cache is None else cache.length if isinstance(cache, models.KVCache) else cache.get_seq_length()
+        cached = 0 if cache is None else cache.get_seq_length()
         before = getattr(cache, "key_positions", None)
         before = np.zeros((b, 0), np.int64) if before is None or not cached else before[:, :cached]
         keys = np.concatenate([before, positions], axis=1)
@@ -418,8 +422,6 @@ class TorchDecoder:
             cache.key_positions = keys
         if mask is None:  # plain causal on top of the cache, no holes
             mask = decode_mask(np.ones(keys.shape, dtype=bool), q)
-        if bool_masks:
-            return window_cut(mask, positions, keys, self.windows)
         return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
 
     @torch.inference_mode()

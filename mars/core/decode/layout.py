@@ -9,7 +9,7 @@ from functools import cached_property
 
 import numpy as np
 
-from ..masks import decode_mask
+from ..masks import StepMask
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,10 @@ class Layout:
     columns: Columns  # where each row's parts sit; slot j of row r is read at read[r, j]
     # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r].
     drafts: np.ndarray | None = None
-    # With groups: (b, q, q), which fed columns each fed query may see.
-    attend: np.ndarray | None = None
+    # With groups: (b, q) per fed column, the last column of the chain it sees and the first of its
+    # own block (masks.StepMask's `see` and `start`).
+    see: np.ndarray | None = None
+    start: np.ndarray | None = None
     # (b, C + q) the cached keys' validity, then the fed columns' (the strategy's `keys`, made once).
     keys: np.ndarray | None = None
 
@@ -140,9 +142,10 @@ def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int =
 
 
 def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
-    """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and
-    `attend`, which fed columns each fed query may see. A live group sits, by position and by what it
-    sees, as a plain window continuing after its anchor would; elsewhere its columns are holes."""
+    """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and, per fed
+    column, what it sees (`see`, `start`: masks.StepMask). A live group sits, by position and by what
+    it sees, as a plain window continuing after its anchor would: the chain up to its anchor, then
+    its own columns; elsewhere its columns are holes."""
     b, w0 = ids.shape
     width = columns.total
     wide_ids = np.full((b, width), mask_id, dtype=np.int64)
@@ -151,9 +154,9 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     wide_valid[:, :w0] = valid
     wide_positions = np.zeros((b, width), dtype=np.int64)
     wide_positions[:, :w0] = positions
-    attend = np.empty((b, width, width), dtype=bool)
-    attend[:] = np.tri(width, dtype=bool)
-    attend[:, w0:, :] = False
+    see = np.empty((b, width), dtype=np.int64)
+    see[:] = np.arange(width)
+    start = see.copy()
     rows = np.arange(b)
     for k, group in enumerate(columns.groups):
         first = columns.width + columns.group_start(k)  # a group's columns lie together: slices, not index arrays
@@ -167,10 +170,9 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
         wide_positions[:, cols] = np.where(
             live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(group.width)[None, :], 0
         )
-        upto = np.arange(w0)[None, :] <= anchor[:, None]  # (b, w0): fed columns the group sees
-        attend[:, cols, :w0] = upto[:, None, :]
-        attend[:, cols, cols] = np.tri(group.width, dtype=bool)
-    return wide_ids, wide_valid, wide_positions, attend
+        see[:, cols] = anchor[:, None]
+        start[:, cols] = first
+    return wide_ids, wide_valid, wide_positions, see, start
 
 
 def right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int]):
@@ -200,13 +202,12 @@ def consecutive_positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
     return np.where(valid, pos, 0)
 
 
-def layout_mask(keys: np.ndarray, layout: Layout) -> np.ndarray | None:
-    """The attention mask of a step: causal over the cache and the fed columns, with holes, narrowed by
-    `layout.attend` for the groups; None where plain causal attention is exact."""
+def layout_mask(keys: np.ndarray, layout: Layout) -> StepMask | None:
+    """The attention mask of a step (masks.StepMask): causal over the cache and the fed columns, with
+    holes, narrowed by the layout's `see` and `start` for the groups; None where plain causal
+    attention is exact."""
     q = layout.ids.shape[1]
-    if keys.all() and layout.attend is None:
+    every = bool(keys.all())
+    if every and layout.see is None:
         return None
-    mask = decode_mask(keys, q)
-    if layout.attend is not None:  # its diagonal is set, so a hole still sees itself
-        mask[:, :, -q:] &= layout.attend
-    return mask
+    return StepMask(keys.shape[1] - q, q, None if every else keys, layout.see, layout.start)

@@ -196,8 +196,8 @@ def verified_layout(ids, positions, valid, limit, columns: Columns, drafts: np.n
     """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_groups`)."""
     if not columns.groups:
         return Layout(ids, positions, valid, limit, columns, drafts=drafts)
-    ids, valid, positions, attend = with_groups(ids, valid, positions, columns, mask_id)
-    return Layout(ids, positions, valid, limit, columns, drafts=drafts, attend=attend)
+    ids, valid, positions, see, start = with_groups(ids, valid, positions, columns, mask_id)
+    return Layout(ids, positions, valid, limit, columns, drafts=drafts, see=see, start=start)
 
 
 def joined_keys(key_valid: np.ndarray, layout: Layout) -> np.ndarray:

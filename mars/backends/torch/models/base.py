@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ....checkpoint.paths import ModelError
 from .. import packed
 
 
@@ -38,6 +39,7 @@ class ModelArgs:
     scale: float  # the attention's scale (head_dim ** -0.5, or Granite's attention_multiplier)
     rope_layers: tuple[bool, ...]  # per layer: whether it applies RoPE (SmolLM3 leaves some out)
     mask_kinds: tuple[int, ...]  # per layer: which of the step's masks it reads (0 full, 1 sliding)
+    window: int | None = None  # the sliding layers' window (keys whose position is less than it behind)
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of the queries and keys
     embedding_multiplier: float = 1.0  # Granite
     residual_multiplier: float = 1.0  # Granite
@@ -55,10 +57,11 @@ class KVCache:
         self.args = args
         self.batch = batch
         self.length = 0
-        self.key_positions = None  # sliding layers: the cached keys' positions (the decoder keeps them)
         shape = (args.layers, batch, args.kv_heads, capacity, args.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        # Sliding layers: each cached key's position, (batch, capacity), which the window cuts by.
+        self.positions = torch.zeros((batch, capacity), dtype=torch.long, device=device) if args.window else None
 
     @property
     def capacity(self) -> int:
@@ -78,6 +81,10 @@ class KVCache:
             new = old.new_zeros((*old.shape[:3], room, old.shape[4]))
             new[:, :, :, : self.length].copy_(old[:, :, :, : self.length])
             setattr(self, name, new)
+        if self.positions is not None:
+            new = self.positions.new_zeros((self.positions.shape[0], room))
+            new[:, : self.length].copy_(self.positions[:, : self.length])
+            self.positions = new
 
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
@@ -94,6 +101,11 @@ class KVCache:
                 buf = buf.new_zeros((buf.shape[0], n, *buf.shape[2:]))
                 setattr(self, name, buf)
             buf[:, :n, :, : self.length] = kept
+        if self.positions is not None:
+            kept = self.positions[: self.batch, : self.length].index_select(0, index)
+            if n > self.positions.shape[0]:
+                self.positions = self.positions.new_zeros((n, self.positions.shape[1]))
+            self.positions[:n, : self.length] = kept
         self.batch = n
 
     @torch.inference_mode()
@@ -103,6 +115,8 @@ class KVCache:
         n = int(index.numel())
         for buf in (self.keys, self.values):
             buf[:, : self.batch, :, :n] = buf[:, : self.batch, :, : self.length].index_select(3, index)
+        if self.positions is not None:
+            self.positions[: self.batch, :n] = self.positions[: self.batch, : self.length].index_select(1, index)
         self.length = n
 
 
@@ -112,21 +126,28 @@ class StepInputs:
 
     `ids` (n,): the real positions' ids, flattened row by row; `real` (n,): where they sit among
     the batch x width positions (None: every position is real, n = batch x width); `positions`
-    (batch, width); `masks`: the additive masks (batch, 1, width, cached + width), one per kind a
-    layer reads (ModelArgs.mask_kinds); `reads` (k,): the rows of the n whose logits are wanted;
-    `gate`: a gated adapter's gate over the n rows ((rows slice or None, column (n, 1)) or None:
-    no mask fed, the base weights alone); `exact`: row-exact attention's rows (batch, width) bool
-    and its plans, or None."""
+    (batch, width); `reads` (k,): the rows of the n whose logits are wanted; `gate`: a gated
+    adapter's gate over the n rows ((rows slice or None, column (n, 1)) or None: no mask fed, the
+    base weights alone); `exact`: row-exact attention's rows (batch, width) bool and its plans, or
+    None.
+
+    The attention mask (the forward builds it on the device, `attention_masks`): `allowed`, the
+    bool mask (batch, width, cached + width) where the caller has one; otherwise the step's
+    mars.core.masks.StepMask as tensors: `keys` (batch, cached + width) bool or None (every key
+    real), `see` and `start` (batch, width) or None (plain causal)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
-    masks: tuple
     reads: torch.Tensor
     batch: int
     width: int
     real: torch.Tensor | None = None
     gate: tuple | None = None
     exact: tuple | None = None
+    allowed: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    see: torch.Tensor | None = None
+    start: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
 
 
@@ -178,7 +199,7 @@ class Attention:
         self.rope = args.rope_layers[index]
         self.mask_kind = args.mask_kinds[index]
 
-    def __call__(self, x: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope, masks, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         a = self.args
         b, w = inp.batch, inp.width
         q, k, v = self.q(x, inp.gate), self.k(x, inp.gate), self.v(x, inp.gate)
@@ -197,7 +218,7 @@ class Attention:
         keys[:, :, start:end].copy_(k)
         values[:, :, start:end].copy_(v)
         keys, values = keys[:, :, :end], values[:, :, :end]
-        mask = inp.masks[self.mask_kind]
+        mask = masks[self.mask_kind]
         out = None
         if inp.exact is not None:
             from ..attention import row_exact_attention
@@ -243,9 +264,9 @@ class Block:
         self.mlp = MLP(hf.mlp)
         self.norm1, self.norm2 = hf.input_layernorm.weight, hf.post_attention_layernorm.weight
 
-    def __call__(self, h: torch.Tensor, rope, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, rope, masks, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         eps, r = self.args.eps, self.args.residual_multiplier
-        out = self.attn(rms_norm(h, self.norm1, eps), rope, cache, inp)
+        out = self.attn(rms_norm(h, self.norm1, eps), rope, masks, cache, inp)
         h = h + out * r if r != 1.0 else h + out
         out = self.mlp(rms_norm(h, self.norm2, eps), inp.gate)
         return h + out * r if r != 1.0 else h + out
@@ -282,6 +303,40 @@ class Transformer:
         sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         return cos.to(self.dtype)[:, None], sin.to(self.dtype)[:, None]
 
+    def attention_masks(self, cache: KVCache, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's additive masks (batch, 1, width, cached + width), (full, sliding), built on the
+        device from `inp` (StepInputs: the bool mask, or the StepMask's tensors) and, for sliding
+        layers, the cached keys' positions (written here, at the cache's length): 0 where a query
+        may see a key, the dtype's minimum elsewhere. As masks.StepMask.dense and
+        forward.window_cut build them on the host, bit for bit."""
+        b, w, c = inp.batch, inp.width, cache.length
+        dev = inp.positions.device
+        allowed = inp.allowed
+        if allowed is None:
+            col = torch.arange(-c, w, device=dev)  # a key's column among the fed ones (cached: negative)
+            j = torch.arange(w, device=dev)[:, None]
+            allowed = col <= j  # (width, cached + width): causal
+            if inp.see is not None:
+                allowed = allowed & ((col <= inp.see[:, :, None]) | (col >= inp.start[:, :, None]))
+            if inp.keys is not None:
+                keys = inp.keys
+                allowed = (allowed & keys[:, None, :] & keys[:, c:, None]) | (col == j)
+            if allowed.dim() == 2:
+                allowed = allowed.expand(b, w, c + w)
+        kinds = [allowed]
+        if self.args.window:
+            cache.positions[:b, c : c + w] = inp.positions
+            gap = inp.positions[:, :, None] - cache.positions[:b, None, : c + w]
+            kinds.append(allowed & (gap < self.args.window))
+        out = []
+        for m in kinds:
+            out.append(
+                torch.full(m.shape, torch.finfo(self.dtype).min, dtype=self.dtype, device=dev).masked_fill_(m, 0.0)[
+                    :, None
+                ]
+            )
+        return out[0], out[-1]
+
     @torch.inference_mode()
     def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         h = F.embedding(inp.ids, self.embed)
@@ -289,8 +344,9 @@ class Transformer:
             h = h * self.args.embedding_multiplier
         cache.reserve(inp.width, inp.batch)
         rope = self.rope(inp.positions)
+        masks = self.attention_masks(cache, inp)
         for block in self.blocks:
-            h = block(h, rope, cache, inp)
+            h = block(h, rope, masks, cache, inp)
         h = rms_norm(h.index_select(0, inp.reads), self.norm, self.args.eps)
         return self.head(h[None])[0].float()  # the head sees (1, reads, hidden), as a body's output
 
@@ -300,6 +356,9 @@ def common_args(config, body, windows, **extra) -> ModelArgs:
     module; `windows` per layer (forward.model_windows); `extra` what a family adds."""
     attn = body.layers[0].self_attn
     layers = len(body.layers)
+    sizes = {w for w in windows if w}
+    if len(sizes) > 1:
+        raise ModelError(f"layers with different sliding windows ({sorted(sizes)}) are not supported")
     fields = dict(
         layers=layers,
         heads=config.num_attention_heads,
@@ -309,6 +368,7 @@ def common_args(config, body, windows, **extra) -> ModelArgs:
         scale=float(attn.scaling),
         rope_layers=(True,) * layers,
         mask_kinds=tuple(1 if w else 0 for w in windows),
+        window=sizes.pop() if sizes else None,
     )
     fields.update(extra)
     return ModelArgs(**fields)

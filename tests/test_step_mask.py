@@ -1,0 +1,165 @@
+"""A step's attention mask as few numbers (mars.core.masks.StepMask): the host's dense mask equals
+the rule it states, a layout's groups give the mask they are meant to see, padding changes nothing
+for the real columns, and the devices build it bit for bit as the host does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny import make_model
+
+from mars.backends.torch import models
+from mars.backends.torch.forward import body_and_head, model_windows, window_cut
+from mars.core.decode.layout import Columns, Group, Layout, layout_mask, with_groups
+from mars.core.masks import StepMask, decode_mask
+
+
+def rule(m: StepMask, batch: int) -> np.ndarray:
+    """The mask StepMask's docstring states, one query and key at a time."""
+    c, q = m.cached, m.width
+    out = np.zeros((batch, q, c + q), dtype=bool)
+    for r in range(batch):
+        for j in range(q):
+            for k in range(c + q):
+                real = m.keys is None or (m.keys[r, c + j] and m.keys[r, k])
+                col = k - c
+                view = m.see is None or col <= m.see[r, j] or col >= m.start[r, j]
+                out[r, j, k] = (real and k <= c + j and view) or k == c + j
+    return out
+
+
+def as_tensor(a):
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
+
+
+def random_masks(seed: int, count: int = 30):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        b, c, q = int(rng.integers(1, 4)), int(rng.integers(0, 7)), int(rng.integers(1, 7))
+        keys = rng.random((b, c + q)) < 0.8 if rng.random() < 0.7 else None
+        see = start = None
+        if rng.random() < 0.7:
+            see = rng.integers(0, q, (b, q))
+            start = rng.integers(0, np.arange(1, q + 1), (b, q))  # start <= j: a query sees itself
+        yield b, StepMask(c, q, keys, see, start)
+
+
+def test_the_dense_mask_is_the_rule_it_states():
+    for b, m in random_masks(0):
+        assert np.array_equal(m.dense(b), rule(m, b))
+    # Without holes or groups: plain causal over the cache, as decode_mask makes it.
+    assert np.array_equal(StepMask(3, 4).dense(2), decode_mask(np.ones((2, 7), dtype=bool), 4))
+    keys = np.array([[True, False, True, True, False, True]])
+    assert np.array_equal(StepMask(3, 3, keys).dense(), decode_mask(keys, 3))
+
+
+def test_a_layouts_groups_see_the_chain_up_to_their_anchor_and_their_own_block():
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        b, w0, c = int(rng.integers(1, 4)), int(rng.integers(3, 7)), int(rng.integers(0, 5))
+        n = rng.integers(0, 3, b)
+        last = w0 - 2 - n  # one mask after each row's drafts
+        groups = tuple(
+            Group(
+                "spare", rng.integers(0, 3, b), rng.integers(4, 9, (b, int(rng.integers(0, 2)))), rng.random(b) < 0.7, 1
+            )
+            for _ in range(int(rng.integers(1, 4)))
+        )
+        groups = tuple(Group(g.source, np.minimum(g.anchor, n), g.prefix, g.live, g.masks) for g in groups)
+        columns = Columns(
+            last=last, n_drafts=n, draft_slots=int(n.max()), masks=1, width=w0, keep=w0 - 1, groups=groups
+        )
+        ids = rng.integers(4, 9, (b, w0))
+        valid = rng.random((b, w0)) < 0.9
+        positions = np.cumsum(valid, axis=1)
+        wide_ids, wide_valid, wide_pos, see, start = with_groups(ids, valid, positions, columns, 3)
+        layout = Layout(wide_ids, wide_pos, wide_valid, np.ones(b), columns, see=see, start=start)
+        keys = np.concatenate([rng.random((b, c)) < 0.8, wide_valid], axis=1)
+        # What each fed column may see among the fed ones, group by group, as the layout means it.
+        width = columns.total
+        attend = np.tril(np.ones((width, width), dtype=bool))[None].repeat(b, 0)
+        attend[:, w0:] = False
+        for k, g in enumerate(groups):
+            cols = columns.group_columns(k)
+            for r in range(b):
+                anchor = last[r] + g.anchor[r]
+                for x, col in enumerate(cols):
+                    attend[r, col, : anchor + 1] = True
+                    attend[r, col, cols[: x + 1]] = True
+        want = decode_mask(keys, width)
+        want[:, :, c:] &= attend
+        assert np.array_equal(layout_mask(keys, layout).dense(b), want)
+
+
+def test_padding_leaves_the_real_columns_their_mask_and_makes_holes():
+    for b, m in random_masks(2):
+        wide = m.padded(m.width + 3, b).dense(b)
+        c, q = m.cached, m.width
+        assert np.array_equal(wide[:, :q, : c + q], m.dense(b))
+        assert not wide[:, :q, c + q :].any()  # nobody sees a hole
+        for j in range(q, q + 3):  # a hole sees itself alone
+            assert np.array_equal(np.flatnonzero(wide[0, j]), [c + j])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@torch.inference_mode()  # the cache's buffers are inference tensors
+def test_the_torch_forward_builds_the_hosts_mask(window):
+    model = make_model("mistral" if window else "llama", 64, seed=4, window=window)
+    body, head = body_and_head(model)
+    lean = models.build(body, head, model_windows(model))
+    rng = np.random.default_rng(3)
+    for b, m in random_masks(4):
+        cache = models.KVCache(lean.args, b, 16, torch.float32, torch.device("cpu"))
+        cache.length = m.cached
+        key_positions = rng.integers(0, 12, (b, m.cached + m.width))
+        if window:
+            cache.positions[:b, : m.cached] = torch.from_numpy(key_positions[:, : m.cached])
+        positions = key_positions[:, m.cached :]
+        inputs = models.StepInputs(
+            ids=torch.zeros(b * m.width, dtype=torch.long),
+            positions=torch.from_numpy(positions),
+            reads=torch.zeros(1, dtype=torch.long),
+            batch=b,
+            width=m.width,
+            keys=as_tensor(m.keys),
+            see=as_tensor(m.see),
+            start=as_tensor(m.start),
+        )
+        full, sliding = lean.attention_masks(cache, inputs)
+        dense = m.dense(b)
+        cut = window_cut(dense, positions, key_positions, model_windows(model))
+        for built, host in zip((full, sliding), cut):
+            assert built.shape == (b, 1, m.width, m.cached + m.width)
+            assert torch.equal(built[:, 0] == 0, torch.from_numpy(host))
+            assert torch.equal(
+                built[:, 0][~torch.from_numpy(host)], torch.full((int((~host).sum()),), torch.finfo(torch.float32).min)
+            )
+
+
+def test_mlx_builds_the_hosts_mask():
+    mx = pytest.importorskip("mlx.core")
+    from mars.backends.mlx.forward import step_mask
+
+    for b, m in random_masks(5):
+        sent = [None if a is None else mx.array(a) for a in (m.keys, m.see, m.start)]
+        built = np.array(step_mask(m.cached, m.width, b, *sent))
+        assert np.array_equal(built, m.dense(b))
+
+
+@torch.inference_mode()
+def test_the_cached_keys_positions_follow_the_cache_rows_columns_and_growth():
+    model = make_model("mistral", 64, seed=4, window=3)
+    body, head = body_and_head(model)
+    lean = models.build(body, head, model_windows(model))
+    cache = models.KVCache(lean.args, 3, 8, torch.float32, torch.device("cpu"))
+    cache.positions.copy_(torch.arange(24).view(3, 8))
+    cache.length = 6
+    before = cache.positions.clone()
+    cache.keep_rows(torch.tensor([2, 0, 0, 1]))
+    assert torch.equal(cache.positions[:4, :6], before[[2, 0, 0, 1], :6])
+    cache.keep_columns(torch.tensor([0, 3, 5]))
+    assert torch.equal(cache.positions[:4, :3], before[[2, 0, 0, 1]][:, [0, 3, 5]])
+    kept = cache.positions[:4, :3].clone()
+    cache.reserve(20, 4)  # past the capacity: new buffers, the cached part copied
+    assert cache.capacity >= 23 and torch.equal(cache.positions[:4, :3], kept)
