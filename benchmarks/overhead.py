@@ -264,21 +264,22 @@ def mars_runner(name: str, session, plan, controller=None, info: dict | None = N
     return runner
 
 
-def mars_session(model_dir: Path, backend: str):
+def mars_session(model_dir: Path, backend: str, compile: bool = False):
     from mars.session import Session
 
-    kwargs = dict(dtype="float32", device="cpu") if backend == "torch" else {}
+    kwargs = dict(dtype="float32", device="cpu", compile=compile) if backend == "torch" else {}
     return Session(str(model_dir), backend=backend, announce=say, **kwargs)
 
 
 def mars_runners(session, args, prefix: str = "mars") -> list[Runner]:
-    """mars_ar and, for the torch backend, mars_lossless_w{W} per width."""
+    """{prefix}_ar and, for the torch backend (prefix mars, or mars_compiled for the steps under
+    torch.compile), {prefix}_lossless_w{W} per width."""
     from mars.core.decode.cost import CostCurve
     from mars.core.decode.feed import FeedController
 
     no_drafts = dict(ngram=0, alternatives=0, tree=0)
     runners = [mars_runner(f"{prefix}_ar", session, session.plan(threshold=1.0, max_tokens=args.max_tokens))]
-    if prefix != "mars":
+    if prefix not in ("mars", "mars_compiled"):
         return runners
     for w in args.widths:
         if w == 1:
@@ -286,7 +287,7 @@ def mars_runners(session, args, prefix: str = "mars") -> list[Runner]:
             controller = FeedController(CostCurve({1: 1e-6, 2: 1.0}, refresh=0.0), explore=10**9)
             plan = session.plan(lossless=True, feed="auto", max_tokens=args.max_tokens, **no_drafts)
             info = dict(feed="auto, on a cost curve where masks never pay", asked_width=w, expected_width=1)
-            runners.append(mars_runner(f"mars_lossless_w{w}", session, plan, controller, info))
+            runners.append(mars_runner(f"{prefix}_lossless_w{w}", session, plan, controller, info))
             continue
         b, hedge, fed = fixed_feed(w)
         plan = session.plan(
@@ -295,7 +296,7 @@ def mars_runners(session, args, prefix: str = "mars") -> list[Runner]:
         info = dict(feed="fixed", hedge=hedge, asked_width=w, expected_width=fed)
         if fed != w:
             info["note"] = f"no fixed feed steps {w} wide; the nearest, {fed}, runs"
-        runners.append(mars_runner(f"mars_lossless_w{w}", session, plan, None, info))
+        runners.append(mars_runner(f"{prefix}_lossless_w{w}", session, plan, None, info))
     return runners
 
 
@@ -604,6 +605,10 @@ def main(argv=None) -> dict:
         vocab = hf.config.vocab_size
 
         runners = mars_runners(session, args) + list(hf_runners(hf, eos, args).values())
+        compiled_session = None
+        if not args.no_compile:  # mars's steps under torch.compile (compiled during their warm-up)
+            compiled_session = mars_session(model_dir, "torch", compile=True)
+            runners += mars_runners(compiled_session, args, prefix="mars_compiled")
         # The warm-up of the AR runners first: the peers replay hf_loop's replies.
         first: dict[str, Run] = {}
         for r in runners:
@@ -612,7 +617,7 @@ def main(argv=None) -> dict:
         replies = first["hf_loop"].tokens
         by_width = {}
         for r in runners:
-            if r.name.startswith("mars_lossless_w"):
+            if r.name.startswith("mars_lossless_w"):  # (the compiled runners feed the same widths)
                 fed = r.info.get("decoding_step_widths") or {}
                 # The peer feeds the width mars's steps fed most (its steady width), not the one asked.
                 by_width[r.info["asked_width"]] = max(fed, key=fed.get) if fed else r.info["expected_width"]
@@ -626,12 +631,15 @@ def main(argv=None) -> dict:
             first[r.name] = (r.warmup or r.run)(ids)
         runners += extra
 
+        graphs = {"after_warmup": compiled_session.decoder.compiled.compiles} if compiled_session else None
         results: dict[str, list[tuple[Run, float]]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):
             order = runners if rnd % 2 == 0 else runners[::-1]
             say(f"round {rnd + 1}/{args.rounds}")
             for r in order:
                 results[r.name].append(timed(r, ids))
+        if compiled_session is not None:  # no graph compiled after the warm-up
+            graphs["after_rounds"] = compiled_session.decoder.compiled.compiles
 
     rows = {r.name: summarise(r, first[r.name], results[r.name]) for r in runners}
     loop_ms = rows["hf_loop"]["median_ms_per_token"]
@@ -649,10 +657,34 @@ def main(argv=None) -> dict:
         per_round[f"lossless_w{w}_vs_hf_forward_w{w}"] = ratio_rounds(
             rows[f"mars_lossless_w{w}"]["ms_per_step"], rows[f"hf_forward_w{w}"]["ms_per_step"]
         )
+    compiled = "mars_compiled_ar" in rows
+    if compiled:
+        ratios["mars_compiled_ar_vs_mars_ar"] = (
+            rows["mars_ar"]["median_ms_per_token"] / rows["mars_compiled_ar"]["median_ms_per_token"]
+        )
+        per_round["mars_compiled_ar_vs_mars_ar"] = ratio_rounds(
+            rows["mars_ar"]["ms_per_token"], rows["mars_compiled_ar"]["ms_per_token"]
+        )
+        static = rows["hf_static_compiled"]["median_ms_per_token"]
+        ratios["mars_compiled_ar_vs_hf_static_compiled"] = static / rows["mars_compiled_ar"]["median_ms_per_token"]
+        per_round["mars_compiled_ar_vs_hf_static_compiled"] = ratio_rounds(
+            rows["hf_static_compiled"]["ms_per_token"], rows["mars_compiled_ar"]["ms_per_token"]
+        )
+        for w in args.widths:
+            ours, peer = rows[f"mars_compiled_lossless_w{w}"], rows[f"hf_forward_w{w}"]
+            ratios[f"compiled_lossless_w{w}_vs_hf_forward_w{w}"] = (
+                ours["median_ms_per_step"] / peer["median_ms_per_step"]
+            )
     checks = {
         "ar_equal": ar == first["hf_loop"].tokens == first["hf_generate"].tokens,
         "lossless_equal_ar": {f"w{w}": first[f"mars_lossless_w{w}"].tokens == ar for w in args.widths},
     }
+    if compiled:
+        checks["compiled_equal_eager"] = {
+            name: first[f"mars_compiled_{name}"].tokens == first[f"mars_{name}"].tokens
+            for name in ["ar"] + [f"lossless_w{w}" for w in args.widths]
+        }
+        checks["compiled_graphs"] = graphs
     if "hf_static_compiled" in first:
         checks["static_compiled_equal_hf_loop"] = first["hf_static_compiled"].tokens == first["hf_loop"].tokens
     if "mars_mlx_ar" in first:

@@ -640,6 +640,7 @@ def benchmark(
     raw: bool = False,
     settings: BenchSettings | None = None,
     threads: int | None = None,
+    compile: bool | str = False,
     announce=print,
     log=None,
     progress: bool = False,
@@ -653,7 +654,7 @@ def benchmark(
         import torch
 
         torch.set_num_threads(threads)
-    session = Session(model, adapter_path, backend=name, announce=announce)
+    session = Session(model, adapter_path, backend=name, announce=announce, compile=compile)
     ids = session.encode(list(prompts) if prompts else DEFAULT_PROMPTS, chat=not raw)
     return run_benchmark(session, ids, settings or BenchSettings(), log, progress=progress)
 

@@ -72,11 +72,19 @@ class EvalSettings:
 
 
 def load_model(
-    model, backend: str = "auto", *, label: str | None = None, dtype=None, device=None, announce=lambda m: None
+    model,
+    backend: str = "auto",
+    *,
+    label: str | None = None,
+    dtype=None,
+    device=None,
+    announce=lambda m: None,
+    compile: bool | str = False,
 ) -> Session:
     """Open `model` (a path, or None for the embedded default) with the resolved backend; its
-    `label` (reports name it by) is `label`, else the model as given, else "default"."""
-    return Session(model, backend=backend, dtype=dtype, device=device, announce=announce, label=label)
+    `label` (reports name it by) is `label`, else the model as given, else "default"; `compile`:
+    Session's."""
+    return Session(model, backend=backend, dtype=dtype, device=device, announce=announce, label=label, compile=compile)
 
 
 # -- data ---------------------------------------------------------------------------------------

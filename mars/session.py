@@ -93,6 +93,22 @@ def token_logprobs(tokenizer, tokens: list[int], entries: list[TokenLogprob]) ->
     return [{**one(t, e.logprob), "top_logprobs": [one(i, v) for i, v in e.top]} for t, e in zip(tokens, entries)]
 
 
+# What Session's `compile` accepts (the command line's --compile takes the strings).
+COMPILE_SETTINGS = (True, False, "on", "off", "auto")
+
+
+def compiles(setting: bool | str, loaded) -> bool:
+    """Whether a session with `compile=setting` over `loaded` runs compiled steps: on or off as
+    asked; "auto" where compiling pays without a measurement, a torch model on CUDA (on the CPU
+    it paid for a deep, narrow model and may not for a wide one: benchmarks/overhead.py)."""
+    if setting in (True, "on"):
+        return True
+    if setting in (False, "off"):
+        return False
+    device = getattr(loaded, "device", None)
+    return loaded.backend == "torch" and getattr(device, "type", None) == "cuda"
+
+
 class Session:
     """A loaded model (`loaded`: what the backend's load returned), its decoder, and what its
     decoding keeps between calls. `label` names it in reports (`mars eval`): the model as
@@ -109,13 +125,22 @@ class Session:
         announce=print,
         remeasure_cost: bool = False,
         label: str | None = None,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
-        """`compile`: accepted and kept (`Session.compile`); every step runs eager for now."""
-        if not isinstance(compile, bool):
-            raise TypeError(f"compile={compile!r}: a bool (True or False)")
+        """`compile` (True or "on", False or "off", "auto"; `Session.compile` says what was chosen):
+        the torch backend runs its steps through `torch.compile` (mars's own forward,
+        models.CompiledStep; architectures without it, and the MLX backend, run eager); "auto"
+        compiles on CUDA. The replies are the same either way."""
+        if compile not in COMPILE_SETTINGS:
+            raise TypeError(f"compile={compile!r}: True, False, 'on', 'off' or 'auto'")
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
+        self.compile = compiles(compile, loaded)
+        if self.compile:
+            announce(
+                "compiling the decoding step (torch.compile) as it first runs: a graph per kind of step, "
+                "tens of seconds each on a CPU, kept under the cache directory for the next run"
+            )
         self._open(
             loaded,
             name,
@@ -124,7 +149,6 @@ class Session:
             remeasure_cost=remeasure_cost,
             label=label or (str(model) if model is not None else "default"),
         )
-        self.compile = compile
 
     @classmethod
     def from_loaded(
@@ -133,10 +157,10 @@ class Session:
         """A session over a model already loaded (what a backend's load returned); its decoders
         are `decoder_cls(loaded)`, by default the backend's (mars.backends.base.decoder)."""
         session = cls.__new__(cls)
+        session.compile = False
         session._open(
             loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost, label=label
         )
-        session.compile = False
         return session
 
     def _open(self, loaded, backend: str, decoder_cls, *, announce, remeasure_cost: bool, label: str) -> None:
@@ -153,7 +177,9 @@ class Session:
 
     def new_decoder(self):
         """Another decoding step (StepBackend) over the same weights, with a cache of its own."""
-        return self._decoder_cls(self.loaded) if self._decoder_cls is not None else base.decoder(self.loaded)
+        if self._decoder_cls is not None:
+            return self._decoder_cls(self.loaded)
+        return base.decoder(self.loaded, compile=self.compile)
 
     @property
     def mars(self):

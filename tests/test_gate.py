@@ -119,6 +119,11 @@ def test_a_gated_adapter_decodes_as_the_base_at_threshold_1_and_losslessly(tiny,
     lossless = generate(TorchDecoder(tm), prompts, make_plan(**settings, lossless=True))
     assert lossless.tokens == plain
     assert lossless.stats.draft_totals()["kept_per_slot"][0] > 0  # the masks drafted something that was kept
+    # Compiled steps apply the adapter's delta times the gate's column on every row: the same tokens.
+    compiled = TorchDecoder(tm, compile=True)
+    assert generate(compiled, prompts, make_plan(**settings, lossless=True)).tokens == plain
+    threshold = make_plan(**settings, threshold=0.5)
+    assert generate(compiled, prompts, threshold).tokens == generate(TorchDecoder(tm), prompts, threshold).tokens
 
 
 def test_a_gated_adapter_cannot_be_fused(tiny, data, gated, tmp_path):

@@ -71,9 +71,11 @@ def decoder_class(name: str):
     return module.MlxDecoder if name == "mlx" else module.TorchDecoder
 
 
-def decoder(loaded):
-    """A decoding step (StepBackend) over a loaded model's weights."""
-    return decoder_class(loaded.backend)(loaded)
+def decoder(loaded, *, compile: bool = False):
+    """A decoding step (StepBackend) over a loaded model's weights; `compile`: torch's steps under
+    `torch.compile` (the MLX backend's run eager)."""
+    cls = decoder_class(loaded.backend)
+    return cls(loaded, compile=True) if compile and loaded.backend == "torch" else cls(loaded)
 
 
 def loader(name: str):

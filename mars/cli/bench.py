@@ -11,6 +11,7 @@ from ..bench import BenchSettings
 from .common import (
     METRIC_CHOICE,
     backend_option,
+    compile_option,
     defaults,
     error_line,
     friendly_errors,
@@ -164,6 +165,7 @@ def int_ranges(text: str, option: str) -> tuple[int, ...]:
     help="torch CPU threads (default: torch's); fewer than the cores keeps timings steady on a shared machine.",
 )
 @click.option("--verbose", "-v", is_flag=True, help="Print every timed pass.")
+@compile_option
 @backend_option
 @friendly_errors
 def bench_command(
@@ -193,6 +195,7 @@ def bench_command(
     feeds,
     threads,
     verbose,
+    compile_steps,
     backend,
 ):
     """Time AR with KV cache, transformers/mlx_lm generation and MARS (window and block cache) side by side.
@@ -255,6 +258,7 @@ def bench_command(
             raw=raw,
             settings=settings,
             threads=threads,
+            compile=compile_steps,
             announce=say,
             log=say if verbose else None,
             progress=not verbose,

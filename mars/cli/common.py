@@ -166,14 +166,35 @@ def quiet_libraries() -> None:
         pass
 
 
-def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bool = False):
+def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bool = False, compile: str = "off"):
     """The model loaded for decoding (mars.session.Session), notes on stderr."""
     from ..session import Session
 
     quiet_libraries()
     return Session(
-        model, adapter_path, backend=backend, dtype=dtype, device=device, announce=say, remeasure_cost=remeasure_cost
+        model,
+        adapter_path,
+        backend=backend,
+        dtype=dtype,
+        device=device,
+        announce=say,
+        remeasure_cost=remeasure_cost,
+        compile=compile,
     )
+
+
+def compile_option(f):
+    """--compile auto|on|off: the decoding steps under torch.compile (mars.session.compiles)."""
+    return click.option(
+        "--compile",
+        "compile_steps",
+        type=click.Choice(["auto", "on", "off"]),
+        default="auto",
+        show_default=True,
+        help="Run the decoding steps through torch.compile (torch backend, mars's own forward): auto compiles on "
+        "CUDA; on also on the CPU (a graph per kind of step, tens of seconds each, kept under the cache "
+        "directory). Replies are the same either way.",
+    )(f)
 
 
 # -- decoding options (generate, chat) ---------------------------------------------------------------
@@ -278,6 +299,7 @@ def decode_options(f):
         help="With --ngram > 0: also draft from this draft corpus (`mars corpus`), where it is expected to keep "
         "more; 'none': no corpus drafts. Default: the checkpoint's draft_corpus.npz, if it has one.",
     )(f)
+    f = compile_option(f)
     f = click.option(
         "--remeasure-cost",
         is_flag=True,

@@ -11,6 +11,7 @@ from .common import (
     CACHE_CHOICE,
     METRIC_CHOICE,
     backend_option,
+    compile_option,
     defaults,
     device_options,
     friendly_errors,
@@ -181,6 +182,7 @@ def _hedges(ctx, param, value):
     help="The plot's x axis: exact-match rate or mean prefix fraction.",
 )
 @device_options
+@compile_option
 @backend_option
 @friendly_errors
 def evaluate_command(
@@ -215,6 +217,7 @@ def evaluate_command(
     plot_x,
     dtype,
     device,
+    compile_steps,
     backend,
 ):
     """Evaluate checkpoints: NLL per response token (vs --baseline) and a decoding threshold sweep.
@@ -291,7 +294,7 @@ def evaluate_command(
     quiet_libraries()
 
     def load(m):
-        return ev.load_model(m, backend, dtype=dtype, device=device, announce=say)
+        return ev.load_model(m, backend, dtype=dtype, device=device, announce=say, compile=compile_steps)
 
     sessions = [load(m) for m in (models or [None])]
     base = load(baseline) if baseline is not None else None

@@ -74,7 +74,9 @@ def generate_command(
     prompts = list(prompt_texts) + (read_prompts(prompt_file) if prompt_file else [])
     if not prompts:
         raise click.UsageError("give --prompt TEXT or --prompts FILE")
-    session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
+    session = open_session(
+        model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"), decode.pop("compile_steps")
+    )
     if logprobs is not None and not as_json:
         raise click.UsageError("--logprobs prints with --json")
     settings = plan_from_options(session, **decode, logprobs=logprobs)
@@ -211,7 +213,9 @@ def chat_command(model, adapter_path, dtype, device, system, backend, **decode):
     """
     from ..core.tokens import encode_prompt
 
-    session = open_session(model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"))
+    session = open_session(
+        model, adapter_path, dtype, device, backend, decode.pop("remeasure_cost"), decode.pop("compile_steps")
+    )
     settings = plan_from_options(session, **decode)
     tok = session.tokenizer
     history = [{"role": "system", "content": system}] if system else []

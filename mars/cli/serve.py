@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from ..serve.policy import DEFAULT_MODES
-from .common import Finite, backend_option, defaults, device_options, friendly_errors, open_session
+from .common import Finite, backend_option, compile_option, defaults, device_options, friendly_errors, open_session
 
 
 def _serve_defaults() -> dict:
@@ -175,6 +175,7 @@ S = _serve_defaults()
     help="Measure again what a forward costs on this device (the curves the feed is chosen "
     "from, measured once and kept under the cache directory).",
 )
+@compile_option
 @click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
@@ -211,6 +212,7 @@ def serve_command(
     temp,
     admin_from_anywhere,
     remeasure_cost,
+    compile_steps,
     log_level,
     dtype,
     device,
@@ -236,7 +238,9 @@ def serve_command(
     from ..serve import EngineLimits, ServeLimits, build
     from ..serve.policy import PolicyError
 
-    session = open_session(model, adapter_path, dtype, device, backend, remeasure_cost=remeasure_cost)
+    session = open_session(
+        model, adapter_path, dtype, device, backend, remeasure_cost=remeasure_cost, compile=compile_steps
+    )
     metric = metric_for(session.mars)
     for flag, value in (
         ("--threshold", threshold),

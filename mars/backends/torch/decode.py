@@ -131,9 +131,13 @@ class TorchDecoder:
     `lean` (default): the architectures of TORCH_OWN_FORWARD run on mars's own forward
     (models/, docs/design.md "The torch step"), the others on transformers' modules; False runs
     every architecture on transformers' modules. `buckets`: pad each step's width to
-    WIDTH_BUCKETS (mars's own forward only)."""
+    WIDTH_BUCKETS (mars's own forward only). `compile`: mars's own forward under `torch.compile`
+    (models.CompiledStep: one graph for every cached length and width; a prompt's step and
+    row-exact attention run eager; no packed copies); architectures without it run eager."""
 
-    def __init__(self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False):
+    def __init__(
+        self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False, compile: bool = False
+    ):
         from .attention import use_grouped_sdpa
         from .packed import can_pack, pack_linears
 
@@ -144,8 +148,9 @@ class TorchDecoder:
         self._seeded = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
         own = lean and models.lean_family(self.body.config) is not None
+        compile = bool(compile) and own
         if pack is None:
-            pack = can_pack(tm.device, tm.dtype)
+            pack = can_pack(tm.device, tm.dtype) and not compile  # a compiled graph runs its own products
         # The body's layers alone: mars's forward runs the head with F.linear (its reads), so a
         # packed copy of the head would be memory spent for nothing (113 MB on the default model).
         self.packed = pack_linears(self.body) if pack and own else 0
@@ -172,6 +177,9 @@ class TorchDecoder:
         # attention kernel gives the real rows other last bits with more query rows or keys
         # (tests/test_lean_forward.py measures both).
         self.buckets = bool(buckets) and self.lean is not None
+        # The forward a step calls: mars's own, compiled where asked.
+        self.compiled = models.CompiledStep(self.lean) if compile else None
+        self.forward = self.compiled if compile else self.lean
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -189,6 +197,7 @@ class TorchDecoder:
             **({"row_exact": True} if self.row_exact else {}),
             **({"own_forward": 1} if self.lean is not None else {}),  # mars's forward costs what transformers' did not
             **({"buckets": list(WIDTH_BUCKETS)} if self.buckets else {}),
+            **({"compiled": 1} if self.compiled is not None else {}),
         }
 
     def new_cache(self, batch: int):
@@ -374,7 +383,9 @@ class TorchDecoder:
         real_d = parts.pop() if real is not None else None
         allowed = buf[host.size * 8 :].view(torch.bool).view(bools[0].shape) if bools[0] is not None else None
         gate = None
-        if self.tm.gate is not None:
+        if self.tm.gate is not None and self.compiled is not None:  # one graph: the gate's column every step
+            gate = (None, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
+        elif self.tm.gate is not None:
             is_mask = ids == self.tm.gate.mask_id
             spots = np.flatnonzero(is_mask)
             if spots.size:
@@ -395,7 +406,7 @@ class TorchDecoder:
             see=see_d,
             start=start_d,
         )
-        logits = self.lean(own, inputs)
+        logits = self.forward(own, inputs)
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
         return logits, where.reshape(read.shape), where_d, extra_d
 

@@ -9,6 +9,7 @@ import importlib
 
 from ....checkpoint.architectures import TORCH_OWN_FORWARD
 from .base import KVCache, ModelArgs, StepInputs, Transformer
+from .compiled import CompiledStep
 
 # model_type -> the module (in this folder) whose model_args reads its checkpoints: the table's
 # TORCH_OWN_FORWARD, each a file named after it.
@@ -38,4 +39,4 @@ def build(body, head, windows) -> Transformer | None:
     return Transformer(body, head, module.model_args(body.config, body, windows))
 
 
-__all__ = ["FAMILIES", "KVCache", "ModelArgs", "StepInputs", "Transformer", "build", "lean_family"]
+__all__ = ["FAMILIES", "CompiledStep", "KVCache", "ModelArgs", "StepInputs", "Transformer", "build", "lean_family"]

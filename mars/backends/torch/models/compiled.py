@@ -1,0 +1,188 @@
+"""mars's forward (base.Transformer) under `torch.compile`: one graph for every cached length and
+width, the per-operation toll of an eager step gone (docs/design.md, "Compiled steps").
+
+What an eager forward does in place, a compiled graph should not: written into a preallocated
+cache inside the graph, the keys made inductor copy each layer's cache twice a step (a probe on
+the deep, narrow model: 9.3 ms a step against 6.1 eager). So the graph here is pure. It reads the
+cached keys and values (exactly the cached length of them, a dynamic dimension: no length buckets,
+no recompiles as the cache grows), attends over them and over the step's own keys in one softmax
+(two products and their concatenation, not `scaled_dot_product_attention` over a joined copy),
+and returns the step's new keys and values beside the logits; two eager copies then write them into
+the cache, for every layer at once. The attention mask is built inside the graph from the step's
+StepMask tensors, as base.Transformer.attention_masks builds it.
+
+The decoder's weights are the model's own tensors, read by the graph as inputs; dynamo's guards on
+them (a shape, stride and dtype check per tensor on every call: about 1 ms a step for 270 tensors)
+are dropped, and one guard on the model's `signature` (its shapes and dtype) stands for them.
+
+Arithmetic: the same operations as the eager forward, fused, except attention (a softmax over
+the two products, where the eager forward calls the fused kernel) and the gated adapter (its delta
+on every row, times the gate's 0/1 column): the logits are not bit for bit the eager forward's,
+and the tests compare tokens (tests/test_compiled.py)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from .base import KVCache, Linear, StepInputs, Transformer, rms_norm
+
+
+def _keep_guard(entry) -> bool:
+    """Dynamo's guards the compiled step keeps: all but the checks of the model's tensors (its
+    weights, reached through `self`), which the guard on `self.signature` stands for."""
+    return not (entry.guard_type == "TENSOR_MATCH" and entry.name.startswith("self."))
+
+
+def _guards(entries) -> list[bool]:
+    return [_keep_guard(e) for e in entries]
+
+
+# The dimensions of the graph's inputs that vary between steps (its arguments in order: ids, positions,
+# reads, keys, values, key positions, allowed, valid, see, start, gate): batch, width, cached length, reads.
+DYNAMIC = ((0,), (0, 1), (0,), (1, 3), (1, 3), (0, 1), (0, 1, 2), (0, 1), (0, 1), (0, 1), (0,))
+
+
+class CompiledStep:
+    """`self(cache, inputs)` as base.Transformer's call (the logits of the rows read, the step's keys
+    written into `cache`), through one compiled graph for every step with keys cached (a step on an
+    empty cache, a prompt's, runs the eager forward). `compiles`: the graphs compiled so far (each
+    shape class once: one-token steps, wider steps, a batch's rows; tests count them)."""
+
+    def __init__(self, model: Transformer, mode: str | None = None):
+        from ....checkpoint.default_model import cache_root
+
+        # inductor keeps what it compiled beside mars's other measurements: a second run starts warm.
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        self.model = model
+        a = model.args
+        # What the graph's shapes depend on besides the step: one guard for the weights' checks.
+        self.signature = (
+            f"{a}|{tuple(model.embed.shape)}|{model.dtype}|{model.embed.device}|"
+            f"{[(tuple(b.attn.q.base.weight.shape), b.attn.q.lora is not None) for b in model.blocks[:1]]}"
+        )
+        self.compiles = 0
+        self._graph = torch.compile(
+            self._forward, dynamic=None, mode=mode, options={"guard_filter_fn": _guards} if mode is None else None
+        )
+
+    def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        if cache.length == 0 or inp.real is not None or inp.exact is not None:
+            return self.model(cache, inp)  # a prompt's step, holes skipped, row-exact attention: eager
+        b, w, c = inp.batch, inp.width, cache.length
+        dev = inp.positions.device
+        cache.reserve(w, b)
+        keys, values = cache.keys[:, :b, :, :c], cache.values[:, :b, :, :c]
+        key_positions = cache.positions[:b, :c] if cache.positions is not None else None
+        allowed, valid, see, start = inp.allowed, inp.keys, inp.see, inp.start
+        if allowed is None:  # every part of the StepMask given, each a tensor of its own (its storage
+            # offset 0: dynamo specialises offsets 0 and 1), so that steps of one shape meet one graph
+            valid = torch.ones((b, c + w), dtype=torch.bool, device=dev) if valid is None else valid.clone()
+            see = torch.arange(w, device=dev).repeat(b, 1) if see is None else see.clone()
+            start = see.clone() if start is None else start.clone()
+        gate = None if inp.gate is None else inp.gate[1]
+        args = (inp.ids, inp.positions, inp.reads, keys, values, key_positions, allowed, valid, see, start, gate)
+        for t, dims in zip(args, DYNAMIC):
+            if t is not None:
+                for d in dims:
+                    torch._dynamo.maybe_mark_dynamic(t, d)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch.inference_mode():
+            logits, new_keys, new_values = self._graph(*args)
+            self.compiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            cache.keys[:, :b, :, c : c + w].copy_(new_keys)
+            cache.values[:, :b, :, c : c + w].copy_(new_values)
+            if cache.positions is not None:
+                cache.positions[:b, c : c + w].copy_(inp.positions)
+        return logits
+
+    def _forward(self, ids, positions, reads, keys, values, key_positions, allowed, valid, see, start, gate):
+        if not self.signature:  # a guard on the model's shapes, for the weights' dropped ones
+            raise ValueError("a compiled step without a model")
+        m = self.model
+        a = m.args
+        b, w = positions.shape
+        c = keys.shape[3]
+        masks = _masks(m, c, w, b, positions, key_positions, allowed, valid, see, start)
+        h = F.embedding(ids, m.embed)
+        if a.embedding_multiplier != 1.0:
+            h = h * a.embedding_multiplier
+        cos, sin = m.rope(positions)
+        new_keys, new_values = [], []
+        for i, block in enumerate(m.blocks):
+            at = block.attn
+            x = rms_norm(h, block.norm1, a.eps)
+            q, k, v = _linear(at.q, x, gate), _linear(at.k, x, gate), _linear(at.v, x, gate)
+            q = q.view(b, w, a.heads, a.head_dim)
+            k = k.view(b, w, a.kv_heads, a.head_dim)
+            if at.q_norm is not None:
+                q, k = rms_norm(q, at.q_norm, a.eps), rms_norm(k, at.k_norm, a.eps)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+            v = v.view(b, w, a.kv_heads, a.head_dim).transpose(1, 2)
+            if at.rope:
+                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            new_keys.append(k)
+            new_values.append(v)
+            out = _attend(q, keys[i], values[i], k, v, masks[at.mask_kind], a.scale)
+            out = _linear(at.o, out.transpose(1, 2).reshape(b * w, a.heads * a.head_dim), gate)
+            r = a.residual_multiplier
+            h = h + out * r if r != 1.0 else h + out
+            mlp = block.mlp
+            x = rms_norm(h, block.norm2, a.eps)
+            out = _linear(mlp.down, mlp.act(_linear(mlp.gate, x, gate)) * _linear(mlp.up, x, gate), gate)
+            h = h + out * r if r != 1.0 else h + out
+        h = rms_norm(h.index_select(0, reads), m.norm, a.eps)
+        return m.head(h[None])[0].float(), torch.stack(new_keys), torch.stack(new_values)
+
+
+def _linear(layer: Linear, x: torch.Tensor, gate) -> torch.Tensor:
+    """A checkpoint's linear layer, and its gated adapter's delta on every row times the gate's column."""
+    base = layer.base
+    y = F.linear(x, base.weight, base.bias)
+    if layer.lora is None or gate is None:
+        return y
+    a, b = layer.lora
+    return y + torch.mm(torch.mm(x, a) * gate, b)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+
+
+def _masks(m: Transformer, c, w, b, positions, key_positions, allowed, valid, see, start):
+    """The step's additive masks (b, 1, w, c + w), (full, sliding), as base.Transformer.attention_masks."""
+    dev = positions.device
+    if allowed is None:
+        col = torch.arange(w + c, device=dev) - c  # a key's column among the fed ones (cached: negative)
+        j = torch.arange(w, device=dev)[:, None]
+        allowed = col <= j
+        if see is not None:
+            allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
+        if valid is not None:
+            allowed = (allowed & valid[:, None, :] & valid[:, c:, None]) | (col == j)
+        allowed = allowed.expand(b, w, c + w)
+    kinds = [allowed]
+    if m.args.window:
+        every = torch.cat([key_positions, positions], dim=1)
+        kinds.append(allowed & ((positions[:, :, None] - every[:, None, :]) < m.args.window))
+    low = torch.finfo(m.dtype).min
+    out = [torch.zeros(k.shape, dtype=m.dtype, device=dev).masked_fill(~k, low)[:, None] for k in kinds]
+    return out[0], out[-1]
+
+
+def _attend(q, cached_keys, cached_values, keys, values, mask, scale: float) -> torch.Tensor:
+    """Attention of q (b, heads, w, d) over the cached keys (b, kv heads, c, d) and the step's own
+    (b, kv heads, w, d) under the additive `mask` (b, 1, w, c + w): one softmax over both products,
+    each key head shared by its query heads."""
+    b, heads, w, d = q.shape
+    kv = cached_keys.shape[1]
+    c = cached_keys.shape[2]
+    groups = heads // kv
+    qg = q.reshape(b, kv, groups * w, d)
+    scores = torch.cat([qg @ cached_keys.transpose(-1, -2), qg @ keys.transpose(-1, -2)], dim=-1) * scale
+    scores = scores.view(b, kv, groups, w, c + w) + mask[:, :, None]
+    p = torch.softmax(scores, dim=-1).view(b, kv, groups * w, c + w)
+    out = p[..., :c] @ cached_values + p[..., c:] @ values
+    return out.view(b, heads, w, d)

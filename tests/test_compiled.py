@@ -1,0 +1,112 @@
+"""Steps under torch.compile (models.CompiledStep): the tokens of the eager steps in every mode,
+batch and cache, a few graphs compiled once and not again as the cache grows, and the switch on the
+session. Tiny models: compiling one takes seconds here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny import make_model, make_plan, make_tokenizer, save_model
+
+from mars.backends.torch.decode import TorchDecoder
+from mars.backends.torch.load import TorchModel
+from mars.core.decode.loop import generate
+from mars.core.decode.plan import Sampling
+
+BASE = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=12, block_cache=8)
+MODES = {
+    "ar": dict(threshold=1.0),
+    "threshold": dict(threshold=0.5),
+    "lossless": dict(lossless=True),
+    "lossless_trees": dict(lossless=True, tree=8),
+    "verified": dict(threshold=0.5, verify=True),
+    "block": dict(threshold=0.5, cache="block"),
+    "lossless_block": dict(lossless=True, cache="block"),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def prompts_of(tok, texts=("Hello there, how are you today?", "x")):
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+
+
+def decoders(tok, arch: str, seed: int = 1, **kw):
+    tm = TorchModel(make_model(arch, len(tok), seed=seed, **kw), tok, None, "", torch.device("cpu"), torch.float32)
+    return TorchDecoder(tm), TorchDecoder(tm, compile=True)
+
+
+@pytest.fixture(scope="module")
+def llama(tok):
+    return decoders(tok, "llama")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_steps_give_the_eager_tokens_in_every_mode(llama, tok, mode):
+    eager, compiled = llama
+    plan = make_plan(**BASE, **MODES[mode])
+    both, one = prompts_of(tok), prompts_of(tok)[:1]
+    assert generate(compiled, both, plan).tokens == generate(eager, both, plan).tokens  # a batch
+    assert generate(compiled, one, plan).tokens == generate(eager, one, plan).tokens  # a row alone
+    assert compiled.compiled.compiles >= 1
+
+
+def test_compiled_sampling_draws_what_the_eager_steps_draw(llama, tok):
+    eager, compiled = llama
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked, sampling=Sampling(temperature=0.8, seed=5))
+        assert generate(compiled, prompts_of(tok), plan).tokens == generate(eager, prompts_of(tok), plan).tokens
+
+
+def test_no_graph_is_compiled_after_the_warm_up(tok):
+    # A shape no other test compiles (graphs are shared by models of one shape, each with its own
+    # weights, which another seed checks: a graph that kept the first model's would give its tokens).
+    eager, compiled = decoders(tok, "llama", hidden=48, seed=7)
+    prompts = prompts_of(tok)
+    for asked in (dict(threshold=1.0), dict(lossless=True)):  # one-token and wider steps, one and two rows
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens
+        generate(compiled, prompts[:1], plan)
+    warm = compiled.compiled.compiles
+    assert 1 <= warm <= 4  # (one row, several) x (one token, several)
+    longer = prompts_of(tok, ("a much longer prompt than before, " * 4, "and another one"))
+    for asked in (dict(threshold=1.0), dict(lossless=True)):  # other lengths, other widths
+        plan = make_plan(**dict(BASE, max_tokens=20), **asked)
+        assert generate(compiled, longer, plan).tokens == generate(eager, longer, plan).tokens
+        generate(compiled, longer[1:], plan)
+    assert compiled.compiled.compiles == warm
+    other_eager, other = decoders(tok, "llama", hidden=48, seed=8)  # the same graphs, other weights
+    plan = make_plan(**BASE, lossless=True)
+    assert generate(other, prompts, plan).tokens == generate(other_eager, prompts, plan).tokens
+    assert generate(other, prompts, plan).tokens != generate(eager, prompts, plan).tokens
+    assert other.compiled.compiles == 0
+
+
+@pytest.mark.parametrize(("arch", "kw"), [("qwen3", {}), ("granite", {}), ("mistral", {"window": 5})])
+def test_compiled_steps_of_other_families_give_the_eager_tokens(tok, arch, kw):
+    """Per-head norms (qwen3), multipliers (granite), a sliding window that cuts (mistral)."""
+    eager, compiled = decoders(tok, arch, **kw)
+    prompts = prompts_of(tok, ("Hello there, how are you today? " * 2, "x"))
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**dict(BASE, max_tokens=16), **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, (arch, asked)
+
+
+def test_the_session_switch(tmp_path):
+    from mars.session import Session
+
+    path = save_model(tmp_path / "m")
+    eager = Session(str(path), backend="torch", device="cpu", announce=lambda m: None)
+    compiled = Session(str(path), backend="torch", device="cpu", announce=lambda m: None, compile=True)
+    assert eager.decoder.compiled is None and compiled.decoder.compiled is not None
+    assert compiled.decoder.cost_key() != eager.decoder.cost_key()  # a compiled step's costs are its own
+    auto = Session(str(path), backend="torch", device="cpu", announce=lambda m: None, compile="auto")
+    assert auto.compile is False and auto.decoder.compiled is None  # auto compiles on CUDA only
+    with pytest.raises(TypeError, match="'on', 'off' or 'auto'"):
+        Session(str(path), backend="torch", compile="yes")
