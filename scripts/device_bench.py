@@ -1,7 +1,9 @@
 """Speed where MARS is meant to run: one call on an accelerator that times, interleaved,
 our AR, transformers `generate`, transformers prompt lookup, the default lossless mode,
 verified threshold mode and plain threshold mode, at batch 1 and batch 8, in float32 (where
-lossless is exact) and bfloat16, and prints and writes JSON.
+lossless is exact) and bfloat16, each with the steps eager and then compiled (`--compile both`:
+mars's steps under torch.compile, `x_eager` says what compiling bought each row), and prints and
+writes JSON.
 
     python scripts/device_bench.py --out "$OUT"                      # CUDA when present
     python scripts/device_bench.py --out /tmp/dry --device cpu --model TINY --limit 2 --max-tokens 4   # the CPU dry run
@@ -132,6 +134,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--minutes", type=float, default=4.0, help="the call's budget: parts that would not fit are skipped"
     )
+    parser.add_argument(
+        "--compile",
+        choices=("both", "off", "on"),
+        default="both",
+        help="each part eager, compiled (torch.compile, mars --compile on) or both, eager first",
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
@@ -172,6 +180,7 @@ def run(args: argparse.Namespace) -> dict:
             "threshold": args.threshold,
             "repeats": args.repeats,
             "minutes": args.minutes,
+            "compile": args.compile,
         },
         "parts": [],
         "skipped": [],
@@ -183,21 +192,24 @@ def run(args: argparse.Namespace) -> dict:
 
     took: dict[int, float] = {}  # seconds a part of each batch size took (bfloat16 takes about what float32 took)
     ks = args.forward_ks
-    for dtype in args.dtypes:
+    kinds = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
+    for dtype, compiled in [(d, c) for d in args.dtypes for c in kinds]:
         session = None
         for batch in args.batches:
             left = budget - (time.monotonic() - start)
             expected = took.get(batch, max(took.values(), default=0.0))
             if report["parts"] and expected > left:
                 why = f"about {expected:.0f} s expected, {max(left, 0):.0f} s left of --minutes {args.minutes:g}"
-                report["skipped"].append({"dtype": dtype, "batch": batch, "why": why})
-                log(f"{dtype} batch {batch}: skipped ({why})")
+                report["skipped"].append({"dtype": dtype, "batch": batch, "compiled": compiled, "why": why})
+                log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: skipped ({why})")
                 save()
                 continue
             t0 = time.monotonic()
             if session is None:
-                log(f"loading the model in {dtype} on {device}")
-                session = Session(args.model, backend="torch", dtype=dtype, device=device, announce=log)
+                log(f"loading the model in {dtype} on {device}{', steps compiled' if compiled else ''}")
+                session = Session(
+                    args.model, backend="torch", dtype=dtype, device=device, announce=log, compile=compiled
+                )
                 ids = session.encode(prompts)
             settings = BenchSettings(
                 batch_sizes=(batch,),
@@ -221,16 +233,31 @@ def run(args: argparse.Namespace) -> dict:
             part = {
                 "dtype": dtype,
                 "batch": batch,
+                "compiled": compiled,
                 "seconds": round(time.monotonic() - t0, 1),
                 "rows": rows,
                 "reference": reference,
                 "ar_matches_transformers_generate": bench["ar_matches_reference"],
                 "forward_cost": bench["forward_cost"],
             }
-            took[batch] = time.monotonic() - t0
+            if compiled:  # what compiling buys: tokens/s against the same part eager, row by row
+                eager = next(
+                    (p for p in report["parts"] if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)),
+                    None,
+                )
+                if eager is not None:
+                    before = {r["name"]: r["tokens_per_s"] for r in eager["rows"]}
+                    part["x_eager"] = {
+                        r["name"]: round(r["tokens_per_s"] / before[r["name"]], 4)
+                        for r in rows
+                        if before.get(r["name"])
+                    }
+            took[batch] = max(took.get(batch, 0.0), time.monotonic() - t0)
             report["parts"].append(part)
-            if dtype == "float32" and batch == 1:
+            if dtype == "float32" and batch == 1 and not compiled:
                 report["verdict"] = verdict(part)
+            elif dtype == "float32" and batch == 1 and report["verdict"] is not None and "x_eager" in part:
+                report["verdict"]["compiled_x_eager"] = part["x_eager"]
             save()
             print(table(part), flush=True)
     report["seconds"] = round(time.monotonic() - start, 1)
@@ -240,7 +267,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(part: dict) -> str:
     head = (
-        f"{part['dtype']}, batch {part['batch']} ({part['seconds']} s; our AR equals transformers generate: "
+        f"{part['dtype']}, batch {part['batch']}{', compiled' if part.get('compiled') else ''} ({part['seconds']} s; "
+        "our AR equals transformers generate: "
         f"{part['ar_matches_transformers_generate']})"
     )
     lines = [
