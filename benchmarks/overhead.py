@@ -44,6 +44,13 @@ stopping at the model's EOS ids, on `--threads` torch threads (float32, CPU):
   and argmax) under `torch.compile`, by hand as gpt-fast does (`generate` compiles only on CUDA); the prompt's
   forward runs eagerly; its ids must equal `hf_loop`'s; the first compiled call (compile time) is reported
   apart, from the warm-up;
+- `mars_compiled_ar`, `mars_compiled_lossless_w{W}` (unless `--no-compile`): mars's runners on a session
+  with `compile=True` (models.CompiledStep), compiled during their warm-up; their ids must equal the eager
+  runners' (`compiled_equal_eager`), and the graphs compiled after the warm-up are counted
+  (`compiled_graphs`);
+- `hf_static_forward_w{W}` (unless `--no-compile`, widths above 1): `hf_forward_w{W}`'s steps on a
+  `StaticCache` with the W-token forward under `torch.compile`: the compiled peer of mars's compiled
+  lossless step;
 - with `--mlx` (where mlx and mlx_lm import): the same weights converted by `mars convert --to mlx`,
   `mars_mlx_ar` (mars's MLX backend, AR) and `mlx_lm_stream_generate` (mlx_lm's greedy default sampler).
 
@@ -375,6 +382,60 @@ def hf_forward_runner(name: str, model, width: int, replies: list[list[int]], as
     return Runner(name, run, width=width, peer=True, info=dict(asked_width=asked, width=width))
 
 
+def static_forward_runner(
+    name: str, model, width: int, replies: list[list[int]], asked: int, longest_prompt: int
+) -> Runner:
+    """hf_forward_w's steps on transformers' own compiled path: the model on a `StaticCache`, the prompt's
+    forward eager, then at each cached length of the AR `replies` a forward of `width` tokens (the next AR
+    token, then masks) under `torch.compile` (one graph: the width is fixed, the positions are a tensor);
+    the next step writes over the masks' keys, which the static cache's causal mask hides meanwhile."""
+    import torch
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=longest_prompt + max(map(len, replies)) + width + 1)
+
+    def forward(fed, position):
+        return model(
+            input_ids=fed, position_ids=position.unsqueeze(0), cache_position=position, past_key_values=cache
+        ).logits
+
+    step = torch.compile(forward, dynamic=False)
+    info: dict = dict(asked_width=asked, width=width)
+
+    @torch.inference_mode()
+    def run(ids, first=None):
+        forwards = 0
+        for p, reply in zip(ids, replies):
+            cache.reset()
+            model(
+                input_ids=torch.tensor([p]),
+                cache_position=torch.arange(len(p)),
+                past_key_values=cache,
+                logits_to_keep=1,
+            )
+            forwards += 1
+            for i in range(len(reply) - 1):
+                fed = torch.full((1, width), MASK_ID, dtype=torch.long)
+                fed[0, 0] = reply[i]
+                t0 = time.perf_counter()
+                step(fed, len(p) + i + torch.arange(width))
+                if first is not None and not first:
+                    first.append(time.perf_counter() - t0)
+                forwards += 1
+        return Run(None, forwards)
+
+    runner = Runner(name, run, width=width, peer=True, info=info)
+
+    def warmup(ids):
+        first: list[float] = []
+        out = run(ids, first)
+        info.update(compile_s=round(first[0], 3) if first else None)
+        return out
+
+    runner.warmup = warmup
+    return runner
+
+
 def static_compiled_runner(model, eos: set[int], args, longest_prompt: int) -> Runner:
     """gpt-fast's loop on transformers: a StaticCache, the prompt's forward eager, then a compiled one-token
     step (forward and argmax) per token."""
@@ -623,7 +684,13 @@ def main(argv=None) -> dict:
                 by_width[r.info["asked_width"]] = max(fed, key=fed.get) if fed else r.info["expected_width"]
         extra = [hf_forward_runner(f"hf_forward_w{w}", hf, fed, replies, w) for w, fed in by_width.items()]
         if not args.no_compile:
-            extra.append(static_compiled_runner(hf, eos, args, max(len(p) for p in ids)))
+            longest = max(len(p) for p in ids)
+            extra.append(static_compiled_runner(hf, eos, args, longest))
+            extra += [  # the compiled peer of mars's compiled lossless steps
+                static_forward_runner(f"hf_static_forward_w{w}", hf, fed, replies, w, longest)
+                for w, fed in by_width.items()
+                if fed > 1
+            ]
         if mlx:
             extra += mlx_runners(model_dir, work, args, eos)
         for r in extra:
@@ -675,6 +742,11 @@ def main(argv=None) -> dict:
             ratios[f"compiled_lossless_w{w}_vs_hf_forward_w{w}"] = (
                 ours["median_ms_per_step"] / peer["median_ms_per_step"]
             )
+            static = rows.get(f"hf_static_forward_w{w}")
+            if static is not None:  # against transformers' compiled forward of the same width
+                key = f"compiled_lossless_w{w}_vs_hf_static_forward_w{w}"
+                ratios[key] = ours["median_ms_per_step"] / static["median_ms_per_step"]
+                per_round[key] = ratio_rounds(ours["ms_per_step"], static["ms_per_step"])
     checks = {
         "ar_equal": ar == first["hf_loop"].tokens == first["hf_generate"].tokens,
         "lossless_equal_ar": {f"w{w}": first[f"mars_lossless_w{w}"].tokens == ar for w in args.widths},

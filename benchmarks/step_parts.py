@@ -338,8 +338,10 @@ class Profiler:
                 sync()
                 c.leave("forward")
 
-        lean = getattr(d, "lean", None)
-        if lean is not None:  # mars's own forward: its call begins the forward, the head's hook ends it
+        # mars's own forward (compiled or not), as the decoder calls it: its call begins the forward,
+        # the head's hook ends it
+        lean = getattr(d, "forward", None) if getattr(d, "lean", None) is not None else None
+        if lean is not None:
 
             class TimedForward:
                 def __getattr__(self, name):
@@ -352,7 +354,7 @@ class Profiler:
                     return out
 
             P.set(d, "_lean_logits", c.timed("step inputs", d._lean_logits))
-            P.set(d, "lean", TimedForward())
+            P.set(d, "forward", TimedForward())
         else:
             P.set(d, "_read_logits", c.timed("step inputs", d._read_logits))
             self.handles.append(d.body.register_forward_pre_hook(forward_begins))
@@ -674,7 +676,7 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
     from mars.core.decode import cost
 
     decoder = session.decoder
-    lean = getattr(decoder, "lean", None) if session.backend == "torch" else None
+    lean = getattr(decoder, "forward", None) if getattr(decoder, "lean", None) is not None else None
     if lean is None:
         return {name: None for name in plans}
     frozen = Patches()
@@ -684,7 +686,7 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
         for name, plan in plans.items():
             start = copy.deepcopy(session.controller, {id(session): session})
             replayer = Replayer(lean, 1 + plan.alternative_groups)
-            decoder.lean = replayer
+            decoder.forward = replayer
             want = session.decode(ids, plan, batch).tokens
             profiler = Profiler(session)
             profiler.install()
@@ -702,7 +704,7 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
                     same = same and decoded.tokens == want
             finally:
                 profiler.remove()
-                decoder.lean = lean
+                decoder.forward = lean
                 session.controller = start
             if not same:
                 out[name] = None
