@@ -824,5 +824,22 @@ def test_calibration_keeps_each_widths_fastest_round_and_times_more_when_noisy()
         assert curve.points == pytest.approx({k: k * 1e-3 for k in widths})  # the fastest rounds, not the slow ones
         assert len(heard) == 1  # said before the rounds: 4 rounds of 15 ms, more when busy
         assert heard[0] == pytest.approx(4 * sum(widths) * 1e-3) if not busy else heard[0] >= 4 * sum(widths) * 1e-3
-        # per pass: a prefill and a warm-up round before the 3 timed rounds; the first pass's estimate, 3 forwards
-        assert backend.calls == passes * (1 + 4 * len(widths)) + 3, (busy, backend.calls)
+        # per pass: a prefill and a warm-up round before the 3 timed rounds; the first pass's estimate, 4
+        # forwards (both ends warmed, then timed)
+        assert backend.calls == passes * (1 + 4 * len(widths)) + 4, (busy, backend.calls)
+
+    class FirstSlow(Clocked):
+        """A first forward of each width that pays 10 s more (a graph compiled, a kernel made)."""
+
+        def step(self, cache, ids, positions, mask, read, **kw):
+            if ids.shape[1] not in self.seen:
+                self.seen.add(ids.shape[1])
+                self.now += 10.0
+            return super().step(cache, ids, positions, mask, read, **kw)
+
+    backend, heard = FirstSlow(False), []
+    backend.seen = set()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cost.time, "perf_counter", lambda: backend.now)
+        cost.calibrate(backend, [1, 2, 3], widths=widths, repeats=3, before=heard.append)
+    assert heard[0] < 1.0  # the estimate leaves out what a first forward of a shape pays

@@ -187,7 +187,10 @@ def time_forwards(
         return seconds
 
     if before is not None:  # a forward's cost taken as linear in its width, between the two ends, once warm
+        # Both ends warmed first: a first forward of a shape may pay for more than the forward (a
+        # compiled graph, a new kernel), and an estimate made from it said thousands of seconds.
         forward(widths[0])
+        forward(widths[-1])
         narrow, wide = forward(widths[0]), forward(widths[-1])
         span = max(widths[-1] - widths[0], 1)
         before((repeats + 1) * sum(narrow + (wide - narrow) * (k - widths[0]) / span for k in widths))
