@@ -10,6 +10,7 @@ from tiny import make_model, make_plan, make_tokenizer, save_model
 
 from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.load import TorchModel
+from mars.core.decode import cost
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
 
@@ -80,6 +81,13 @@ def test_no_graph_is_compiled_after_the_warm_up(tok):
         plan = make_plan(**dict(BASE, max_tokens=20), **asked)
         assert generate(compiled, longer, plan).tokens == generate(eager, longer, plan).tokens
         generate(compiled, longer[1:], plan)
+    # The cache grows past its first room (256 positions).
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**dict(BASE, eos_ids=(), max_tokens=300), **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens
+    # Forwards of 1, 2 and 4 rows at the widths a cost curve is measured at.
+    for batch in (1, 2, 4):
+        cost.calibrate(compiled, [3] * 32, widths=cost.PROBE_WIDTHS, repeats=1, filler=3, ar_filler=2, batch=batch)
     assert compiled.compiled.compiles == warm
     other_eager, other = decoders(tok, "llama", hidden=48, seed=8)  # the same graphs, other weights
     plan = make_plan(**BASE, lossless=True)

@@ -160,7 +160,7 @@ def costs(loaded, decoder, *, announce=None, remeasure: bool = False):
     )
 
 
-REMEASURE_HINT = "--remeasure-cost measures it again"
+REMEASURE_HINT = "--remeasure-cost measures it again, thoroughly"
 
 
 def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: bool = False):
@@ -168,10 +168,12 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     measured once per model, device, dtype, thread count, backend version and batch size
     and kept under the cache directory (`MARS_HOME`, default ~/.cache/mars/cost), then
     loaded; measured again where the kept one is not non-decreasing, or with `remeasure`.
+    The first measurement is a short probe (cost.PROBE_WIDTHS, a few seconds on the default
+    model); `remeasure` times the thorough one (cost.CALIBRATION_WIDTHS, more rounds).
     `announce` hears, before a measurement, what it is, about how long it takes and where
     its result is kept. The decoding loop refreshes its copy from the forwards it times."""
     from ..checkpoint.default_model import keyed_cache_file
-    from ..core.decode.cost import BATCH_CALIBRATION_WIDTHS, CALIBRATION_WIDTHS, CostCurve, calibrate
+    from ..core.decode import cost
 
     gate = loaded.mars.gate if loaded.mars is not None else "none"
     # "calibration" versions the measurement method, so stored curves measured another way are not reused.
@@ -184,26 +186,41 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     if batch > 1:
         key["batch"] = batch
     path = keyed_cache_file("cost", key)
-    curve = None if remeasure else CostCurve.load(path)
+    curve = None if remeasure else cost.CostCurve.load(path)
     if curve is not None:
         return curve
     rows = f" of {batch} rows" if batch > 1 else ""
     why = " again (the kept curve was not non-decreasing)" if path.exists() and not remeasure else ""
 
+    how = "thoroughly, " if remeasure else "a short probe, "
+
     def before(seconds: float) -> None:
         if announce:
             announce(
-                f"measuring what a forward{rows} costs on this device{why} (once, about {max(1, round(seconds))} s, "
-                f"more on a busy machine; "
+                f"measuring what a forward{rows} costs on this device{why} ({how}once, about "
+                f"{max(1, round(seconds))} s, more on a busy machine; refined as it decodes; "
                 f"kept in {path}; {REMEASURE_HINT})"
             )
 
     mask_id = mask_id_for(loaded)
     # Wide forwards feed masks (a gated adapter works there), a one-token forward is AR.
     # A batch's widths are per row; its curve is in total fed tokens.
-    widths = CALIBRATION_WIDTHS if batch == 1 else BATCH_CALIBRATION_WIDTHS
-    curve = calibrate(
-        decoder, [mask_id] * 64, widths=widths, filler=mask_id, ar_filler=loaded.eos_ids[0], batch=batch, before=before
+    if remeasure:
+        widths, rounds = (
+            (cost.CALIBRATION_WIDTHS if batch == 1 else cost.BATCH_CALIBRATION_WIDTHS),
+            cost.CALIBRATION_ROUNDS,
+        )
+    else:
+        widths, rounds = (cost.PROBE_WIDTHS if batch == 1 else cost.BATCH_PROBE_WIDTHS), cost.PROBE_ROUNDS
+    curve = cost.calibrate(
+        decoder,
+        [mask_id] * 64,
+        widths=widths,
+        repeats=rounds,
+        filler=mask_id,
+        ar_filler=loaded.eos_ids[0],
+        batch=batch,
+        before=before,
     )
     try:
         curve.save(path, key=key)

@@ -15,6 +15,12 @@ from .plan import Sampling
 
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
 BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's curve
+# A first run's curve: a short probe (the widths a feed mostly chooses between, few rounds), so that
+# a newcomer's first reply does not wait on the thorough measurement (--remeasure-cost runs that); the
+# decoding loop refines the curve from the forwards it times (`observe`).
+PROBE_WIDTHS = (1, 2, 4, 8, 16, 32)
+BATCH_PROBE_WIDTHS = (1, 2, 4, 8, 16)
+PROBE_ROUNDS = 3
 
 
 def non_decreasing(values: np.ndarray) -> np.ndarray:

@@ -109,6 +109,17 @@ class KVCache:
         self.batch = n
 
     @torch.inference_mode()
+    def fit_rows(self) -> None:
+        """Buffers of exactly `batch` rows (a copy, where rows were dropped since they were made): a
+        compiled step's graph meets the same layout whatever rows came and went."""
+        if self.keys.shape[1] == self.batch:
+            return
+        self.keys = self.keys[:, : self.batch].clone()
+        self.values = self.values[:, : self.batch].clone()
+        if self.positions is not None:
+            self.positions = self.positions[: self.batch].clone()
+
+    @torch.inference_mode()
     def keep_columns(self, columns) -> None:
         """Keep these cached positions (indices, in order), gathered in place."""
         index = torch.as_tensor(columns, dtype=torch.long, device=self.keys.device)

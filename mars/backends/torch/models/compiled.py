@@ -43,6 +43,8 @@ def _guards(entries) -> list[bool]:
 # The dimensions of the graph's inputs that vary between steps (its arguments in order: ids, positions,
 # reads, keys, values, key positions, allowed, valid, see, start, gate): batch, width, cached length, reads.
 DYNAMIC = ((0,), (0, 1), (0,), (1, 3), (1, 3), (0, 1), (0, 1, 2), (0, 1), (0, 1), (0, 1), (0,))
+# (keys and values: the cache's whole buffers, (layers, rows allocated, kv heads, room, head dim); key
+# positions: (rows allocated, room). The graph reads the cached length off the mask's keys.)
 
 
 class CompiledStep:
@@ -74,8 +76,9 @@ class CompiledStep:
         b, w, c = inp.batch, inp.width, cache.length
         dev = inp.positions.device
         cache.reserve(w, b)
-        keys, values = cache.keys[:, :b, :, :c], cache.values[:, :b, :, :c]
-        key_positions = cache.positions[:b, :c] if cache.positions is not None else None
+        cache.fit_rows()
+        # The whole buffers: a slice's strides would tie the graph to the rows and room allocated.
+        keys, values, key_positions = cache.keys, cache.values, cache.positions
         allowed, valid, see, start = inp.allowed, inp.keys, inp.see, inp.start
         if allowed is None:  # every part of the StepMask given, each a tensor of its own (its storage
             # offset 0: dynamo specialises offsets 0 and 1), so that steps of one shape meet one graph
@@ -104,7 +107,10 @@ class CompiledStep:
         m = self.model
         a = m.args
         b, w = positions.shape
-        c = keys.shape[3]
+        c = (valid.shape[1] if valid is not None else allowed.shape[2]) - w  # the cached length
+        keys, values = keys[:, :b, :, :c], values[:, :b, :, :c]
+        if key_positions is not None:
+            key_positions = key_positions[:b, :c]
         masks = _masks(m, c, w, b, positions, key_positions, allowed, valid, see, start)
         h = F.embedding(ids, m.embed)
         if a.embedding_multiplier != 1.0:
