@@ -19,8 +19,8 @@ BATCH_CALIBRATION_WIDTHS = (1, 2, 3, 5, 9, 13, 17)  # per row, for a batch's cur
 # a newcomer's first reply does not wait on the thorough measurement (--remeasure-cost runs that); the
 # decoding loop refines the curve from the forwards it times (`observe`).
 PROBE_WIDTHS = (1, 2, 4, 8, 16, 32)
-BATCH_PROBE_WIDTHS = (1, 2, 4, 8, 16)
-PROBE_ROUNDS = 3
+BATCH_PROBE_WIDTHS = (1, 2, 4, 8)
+PROBE_ROUNDS = 2
 
 
 def non_decreasing(values: np.ndarray) -> np.ndarray:
