@@ -210,12 +210,10 @@ class Attention:
         self.rope = args.rope_layers[index]
         self.mask_kind = args.mask_kinds[index]
 
-    def __call__(self, x: torch.Tensor, rope, masks, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+    def heads(self, q, k, v, b: int, w: int, rope):
+        """The projections (b x w, heads x head dim) as (b, heads, w, head dim), each head's norm and
+        RoPE applied where the layer has them."""
         a = self.args
-        b, w = inp.batch, inp.width
-        q, k, v = self.q(x, inp.gate), self.k(x, inp.gate), self.v(x, inp.gate)
-        if inp.real is not None:  # holes: zeros, never attended nor read
-            q, k, v = (_scatter(t, inp.real, b * w) for t in (q, k, v))
         q = q.view(b, w, a.heads, a.head_dim)
         k = k.view(b, w, a.kv_heads, a.head_dim)
         if self.q_norm is not None:
@@ -224,6 +222,15 @@ class Attention:
         v = v.view(b, w, a.kv_heads, a.head_dim).transpose(1, 2)
         if self.rope:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return q, k, v
+
+    def __call__(self, x: torch.Tensor, rope, masks, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        a = self.args
+        b, w = inp.batch, inp.width
+        q, k, v = self.q(x, inp.gate), self.k(x, inp.gate), self.v(x, inp.gate)
+        if inp.real is not None:  # holes: zeros, never attended nor read
+            q, k, v = (_scatter(t, inp.real, b * w) for t in (q, k, v))
+        q, k, v = self.heads(q, k, v, b, w, rope)
         start, end = cache.length, cache.length + w
         keys, values = cache.keys[self.index, :b], cache.values[self.index, :b]
         keys[:, :, start:end].copy_(k)

@@ -115,20 +115,12 @@ class CompiledStep:
         h = F.embedding(ids, m.embed)
         if a.embedding_multiplier != 1.0:
             h = h * a.embedding_multiplier
-        cos, sin = m.rope(positions)
+        rope = m.rope(positions)
         new_keys, new_values = [], []
         for i, block in enumerate(m.blocks):
             at = block.attn
             x = rms_norm(h, block.norm1, a.eps)
-            q, k, v = _linear(at.q, x, gate), _linear(at.k, x, gate), _linear(at.v, x, gate)
-            q = q.view(b, w, a.heads, a.head_dim)
-            k = k.view(b, w, a.kv_heads, a.head_dim)
-            if at.q_norm is not None:
-                q, k = rms_norm(q, at.q_norm, a.eps), rms_norm(k, at.k_norm, a.eps)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = v.view(b, w, a.kv_heads, a.head_dim).transpose(1, 2)
-            if at.rope:
-                q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k, v = at.heads(_linear(at.q, x, gate), _linear(at.k, x, gate), _linear(at.v, x, gate), b, w, rope)
             new_keys.append(k)
             new_values.append(v)
             out = _attend(q, keys[i], values[i], k, v, masks[at.mask_kind], a.scale)
@@ -151,10 +143,6 @@ def _linear(layer: Linear, x: torch.Tensor, gate) -> torch.Tensor:
         return y
     a, b = layer.lora
     return y + torch.mm(torch.mm(x, a) * gate, b)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 def _masks(m: Transformer, c, w, b, positions, key_positions, allowed, valid, see, start):
