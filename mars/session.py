@@ -98,15 +98,15 @@ COMPILE_SETTINGS = (True, False, "on", "off", "auto")
 
 
 def compiles(setting: bool | str, loaded) -> bool:
-    """Whether a session with `compile=setting` over `loaded` runs compiled steps: on or off as
-    asked; "auto" where compiling pays without a measurement, a torch model on CUDA (on the CPU
-    it paid for a deep, narrow model and may not for a wide one: benchmarks/overhead.py)."""
+    """Whether a session with `compile=setting` over `loaded` runs compiled steps: on the torch
+    backend, on or off as asked, and "auto" where compiling pays without a measurement, on CUDA (on
+    the CPU it paid for a deep, narrow model and not for the default one: benchmarks/README.md,
+    "Per-step overhead"); never on MLX, whose steps run eager."""
+    if loaded.backend != "torch" or setting in (False, "off"):
+        return False  # the MLX backend's steps run eager
     if setting in (True, "on"):
         return True
-    if setting in (False, "off"):
-        return False
-    device = getattr(loaded, "device", None)
-    return loaded.backend == "torch" and getattr(device, "type", None) == "cuda"
+    return getattr(getattr(loaded, "device", None), "type", None) == "cuda"
 
 
 class Session:
@@ -136,6 +136,8 @@ class Session:
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.compile = compiles(compile, loaded)
+        if compile in (True, "on") and not self.compile:
+            announce("--compile on: the MLX backend's steps run eager (only torch's are compiled)")
         if self.compile:
             announce(
                 "compiling the decoding step (torch.compile) as it first runs: a graph per kind of step (one "

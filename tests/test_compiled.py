@@ -116,5 +116,8 @@ def test_the_session_switch(tmp_path):
     assert compiled.decoder.cost_key() != eager.decoder.cost_key()  # a compiled step's costs are its own
     auto = Session(str(path), backend="torch", device="cpu", announce=lambda m: None, compile="auto")
     assert auto.compile is False and auto.decoder.compiled is None  # auto compiles on CUDA only
+    heard = []
+    mlx = Session(str(path), backend="mlx", announce=heard.append, compile="on")
+    assert mlx.compile is False and any("MLX backend's steps run eager" in h for h in heard)
     with pytest.raises(TypeError, match="'on', 'off' or 'auto'"):
         Session(str(path), backend="torch", compile="yes")
