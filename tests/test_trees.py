@@ -102,6 +102,36 @@ def test_the_feed_sizes_the_tree_from_the_cost_curve():
     assert Drafting(s, None)._tree_nodes([row], 4, 0, 0, 1) == 6  # no curve: the plan's budget
 
 
+@pytest.mark.parametrize("arch", ["llama"])
+def test_auto_trees_are_sized_by_the_feed_and_keep_the_output_of_ar(tok, arch):
+    """--tree auto (the default): lossless with a cost-aware feed feeds up to AUTO_TREE nodes where the
+    curve says they pay (a flat curve: nodes taken, the replies AR's), none on a steep curve or with a
+    fixed feed; other modes feed none."""
+    from tiny import feed_of
+
+    from mars.core.decode.cost import CostCurve
+    from mars.core.decode.execution import execution
+    from mars.core.decode.plan import AUTO_TREE
+
+    dec = TorchDecoder(
+        TorchModel(make_model(arch, len(tok), seed=3), tok, None, "", torch.device("cpu"), torch.float32)
+    )
+    prompts = prompts_of(tok, ["Hello there, how are you today?", "Count: 1 2 3 4 5 6 7 8"])
+    ar = generate(dec, prompts, plan(threshold=1.0)).tokens
+    auto = plan(lossless=True)
+    assert auto.drafts.tree == "auto" and auto.tree_nodes == 0  # decided per run
+    flat, steep = feed_of(CostCurve({1: 1.0, 64: 1.0})), feed_of(CostCurve({1: 1.0, 64: 64.0}))
+    assert execution(auto, flat, 1).plan.tree_nodes == AUTO_TREE
+    assert execution(auto, None, 1).plan.tree_nodes == 0  # no measured feed: the chain alone
+    assert execution(plan(lossless=True, feed="fixed"), flat, 1).plan.tree_nodes == 0
+    assert execution(plan(threshold=0.5, verify=True, force=True), flat, 1).plan.tree_nodes == 0
+    wide = generate(dec, prompts, auto, controller=flat)
+    assert wide.tokens == ar
+    assert wide.stats.by_source().get("tree", 0) > 0, "no tree node was taken on a flat curve"
+    narrow = generate(dec, prompts, auto, controller=steep)
+    assert narrow.tokens == ar and narrow.stats.by_source().get("tree", 0) == 0
+
+
 def test_the_trees_benchmark_reports_each_size_and_the_speed(tiny, tmp_path):
     import json
 

@@ -317,14 +317,31 @@ def decode_options(f):
     )(f)
     f = click.option(
         "--tree",
-        type=click.IntRange(min=0),
-        default=0,
+        default="auto",
         show_default=True,
+        callback=tree_nodes,
+        metavar="N|auto",
         help="Lossless (greedy or sampled), any cache: also feed up to N tree nodes a step, the masks' "
         "runners-up off the chain of drafts by path probability, each with B masks (each costs 1 + B fed tokens; "
-        "with --feed auto as many as pay); 0: the chain alone.",
+        "with --feed auto as many as pay); 0: the chain alone; auto: up to 16 where --feed auto sizes them "
+        "from this device's forward cost, none with a fixed feed.",
     )(f)
     return f
+
+
+def tree_nodes(ctx, param, value):
+    """--tree: a count of nodes (>= 0) or auto."""
+    if isinstance(value, int) or value is None:
+        return value
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise click.BadParameter(f"{value!r}: a number of tree nodes (0 or more) or auto")
+    return n
 
 
 def plan_from_options(
@@ -348,7 +365,7 @@ def plan_from_options(
     alternatives=0,
     corpus=None,
     logprobs=None,
-    tree=0,
+    tree="auto",
 ):
     """The plan the decoding options ask for on the session's model (mars.core.decode.plan), with a
     note for each option that has no effect."""

@@ -10,7 +10,7 @@ from ..acceptance import ar_mode_rows
 from .drafting import Drafting
 from .drafts import SPARE
 from .feed import FeedController, LosslessFeed, ThresholdFeed, block_cache_pays
-from .plan import Mode, Plan
+from .plan import AUTO_TREE, Mode, Plan
 from .types import DecodeStats, Row
 
 
@@ -83,6 +83,9 @@ def execution(plan: Plan, controller: FeedController | None, batch: int, *, serv
             # Lossless: the measured feed on the window cache, unless the block cache pays.
             cache, lossless, learn = "window" if cache == "block" else cache, controller.feed_for(plan), True
     run = plan if cache == plan.cache else replace(plan, cache=cache)
+    if run.drafts.tree == "auto":  # lossless: trees where a measured feed sizes them per step (Drafting._tree_nodes)
+        nodes = AUTO_TREE if lossless is not None and run.mode is Mode.LOSSLESS else 0
+        run = replace(run, drafts=replace(run.drafts, tree=nodes))
     drafting = None
     if run.verifies and cache != "block" and (run.sampling.greedy or (lossless is not None and not served)):
         # Sampled lossless decoding drafts with a measured feed only; its output distribution stays AR's.

@@ -47,6 +47,10 @@ class Sampling:
         return max(self.temperature, 1e-30)
 
 
+# The most tree nodes a step of `tree="auto"` may feed, where a cost-aware feed sizes them per step.
+AUTO_TREE = 16
+
+
 @dataclass(frozen=True)
 class DraftSources:
     """The draft sources a plan may feed beside the masks (docs/method.md §9), each a proposer in
@@ -60,8 +64,9 @@ class DraftSources:
     ngram: int = 0
     # With `ngram` > 0, a draft corpus (drafts/corpus.py) to draft up to `ngram` tokens a step from.
     corpus: Any = field(default=None, repr=False, compare=False)
-    # The most tree nodes (drafts/tree.py: the masks' runners-up off the chain of drafts) a step feeds; 0: off.
-    tree: int = 0
+    # The most tree nodes (drafts/tree.py: the masks' runners-up off the chain of drafts) a step feeds; 0: off;
+    # "auto": up to AUTO_TREE where a cost-aware feed sizes them per step (Drafting), none elsewhere.
+    tree: int | str = "auto"
 
     def __post_init__(self):
         if self.hedge is not None and self.hedge < 0:
@@ -70,8 +75,8 @@ class DraftSources:
             raise ValueError(f"alternatives must be >= 0 runner-up drafts, got {self.alternatives}")
         if self.ngram < 0:
             raise ValueError(f"n-gram drafts must be >= 0, got {self.ngram}")
-        if self.tree < 0:
-            raise ValueError(f"tree nodes must be >= 0, got {self.tree}")
+        if self.tree != "auto" and (isinstance(self.tree, str) or self.tree < 0):
+            raise ValueError(f"tree nodes must be >= 0 or 'auto', got {self.tree!r}")
 
 
 @dataclass(frozen=True)
@@ -163,8 +168,9 @@ class Plan:
 
     @property
     def tree_nodes(self) -> int:
-        """Tree nodes a step may feed: `tree` where drafts are verified (greedy or sampled, any cache)."""
-        return self.drafts.tree if self.verifies else 0
+        """Tree nodes a step may feed: `tree` where drafts are verified (greedy or sampled, any cache);
+        "auto" is decided per run (mars.core.decode.execution), none until then."""
+        return self.drafts.tree if self.verifies and self.drafts.tree != "auto" else 0
 
     @property
     def lookup_drafts(self) -> int:
@@ -237,7 +243,7 @@ def make_plan(
     default_threshold: float | None = None,
     hedge: int | None = None,
     alternatives: int = 0,
-    tree: int = 0,
+    tree: int | str = "auto",
     ngram: int = 0,
     corpus: Any = None,
     drafts: DraftSources | None = None,
