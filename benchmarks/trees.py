@@ -10,10 +10,16 @@ embedded default with the shipped weights (or --model), torch on the CPU, batch 
    prompt set (the first --limit held-out test prompts; with --humaneval N, HumanEval problems
    1..N too): tokens per forward and replies identical to AR's (they must all be). With --sampled T,
    the same sampled at temperature T (seed 0): tokens per forward.
-2. Speed (--speed-tree N > 0): AR, the default mode (the draft sources `mars generate` feeds with no
-   options, the cost-aware feed) and the default mode with trees of up to N nodes, interleaved over
-   --repeats rounds (every other round reversed) on the test prompts: tokens/s medians, and each
-   mode's ratio to AR within a round (median, min-max).
+2. Speed (--speed, or --speed-tree N > 0): AR, the default mode (the draft sources `mars generate`
+   feeds with no options, the cost-aware feed, trees "auto": up to 16 nodes where this device's curve
+   says they pay), the default mode without trees (`--tree 0`, the default before trees were) and,
+   with --speed-tree N, with trees of up to N nodes, interleaved over --repeats rounds (every other
+   round reversed) on the test prompts: tokens/s medians, and each mode's ratio to AR within a round
+   (median, min-max).
+3. A flat cost curve (--flat; what an overhead-bound device measures, where a wider forward costs
+   what a narrower one does): the feed decides on `CostCurve({1: 1.0, 256: 1.0})` given as a
+   measurement is (FeedController), and the default mode, with and without trees, reports its
+   tokens per forward on the test prompts, every reply compared with AR's.
 """
 
 from __future__ import annotations
@@ -70,8 +76,10 @@ def speed(session, ids, tree: int, max_tokens: int, repeats: int) -> dict:
     plans = {
         "ar": session.plan(threshold=1.0, max_tokens=max_tokens),
         "default": session.plan(max_tokens=max_tokens),
-        f"default, tree {tree}": session.plan(max_tokens=max_tokens, tree=tree),
+        "default, tree 0": session.plan(max_tokens=max_tokens, tree=0),
     }
+    if tree > 0:
+        plans[f"default, tree {tree}"] = session.plan(max_tokens=max_tokens, tree=tree)
     for plan in plans.values():
         session.prepare_feed(plan)
         session.decode(ids[:1], plan, 1)  # warm-up
@@ -101,6 +109,37 @@ def speed(session, ids, tree: int, max_tokens: int, repeats: int) -> dict:
     return {"rows": rows, "repeats": repeats}
 
 
+def flat(session, ids, ar, max_tokens: int) -> list[dict]:
+    """The default mode (trees auto) and without trees on a flat cost curve: tokens per forward."""
+    from mars.core.decode.cost import CostCurve
+    from mars.core.decode.feed import FeedController
+
+    kept = session.controller
+    rows = []
+    try:
+        for label, ask in (("default (trees auto)", {}), ("default, tree 0", {"tree": 0})):
+            session.controller = FeedController(CostCurve({1: 1.0, 256: 1.0}, refresh=0.0))
+            plan = session.plan(max_tokens=max_tokens, **ask)
+            t0 = time.perf_counter()
+            out = session.decode(ids, plan, 1)
+            total = out.total
+            rows.append(
+                {
+                    "mode": label,
+                    "name": plan.name,
+                    "tokens_per_forward": round(total.tokens_per_forward, 3),
+                    "identical_to_ar": sum(a == b for a, b in zip(out.tokens, ar)),
+                    "prompts": len(ids),
+                    "tokens_by_source": total.by_source(),
+                    "seconds": round(time.perf_counter() - t0, 1),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        session.controller = kept
+    return rows
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -110,7 +149,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--trees", default="4,8,16,32")
     ap.add_argument("--humaneval", type=int, default=0)
     ap.add_argument("--sampled", type=float, default=0.0, help="also masks-only lossless sampled at this temperature")
+    ap.add_argument("--speed", action="store_true", help="time AR and the default mode with and without trees")
     ap.add_argument("--speed-tree", type=int, default=0)
+    ap.add_argument("--flat", action="store_true", help="the default mode's tokens per forward on a flat cost curve")
     ap.add_argument("--speed-only", action="store_true", help="skip the masks-only sizes")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
@@ -138,7 +179,11 @@ def main(argv=None) -> dict:
             sampling = Sampling(temperature=args.sampled, seed=0)
             rows = masks_only(session, ids, None, sizes, args.max_tokens, sampling)
             report["masks_only"][f"{name}, sampled (temperature {args.sampled:g})"] = rows
-    if args.speed_tree:
+    if args.flat:
+        ids = sets["test"]
+        ar = session.decode(ids, session.plan(threshold=1.0, max_tokens=args.max_tokens), 1).tokens
+        report["flat_curve"] = flat(session, ids, ar, args.max_tokens)
+    if args.speed or args.speed_tree:
         report["speed"] = speed(session, sets["test"], args.speed_tree, args.max_tokens, args.repeats)
     print(json.dumps(report, indent=1))
     if report["masks_only"]:

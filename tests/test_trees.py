@@ -141,15 +141,18 @@ def test_the_trees_benchmark_reports_each_size_and_the_speed(tiny, tmp_path):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:2]))
     report = load_script("benchmarks/trees.py").main(
         ["--model", str(tiny), "--prompts", str(prompts), "--limit", "2", "--max-tokens", "6", "--trees", "2,4"]
-        + ["--speed-tree", "4", "--repeats", "1", "--sampled", "0.7"]
+        + ["--speed-tree", "4", "--repeats", "1", "--sampled", "0.7", "--flat"]
     )
     rows = report["masks_only"]["test"]
     assert [r["tree"] for r in rows] == [0, 2, 4] and all(r["identical_to_ar"] == 2 for r in rows)
     sampled = report["masks_only"]["test, sampled (temperature 0.7)"]
     assert [r["tree"] for r in sampled] == [0, 2, 4] and all(r["tokens_per_forward"] >= 1 for r in sampled)
     speed = report["speed"]["rows"]
-    assert [r["mode"] for r in speed] == ["ar", "default", "default, tree 4"]
+    assert [r["mode"] for r in speed] == ["ar", "default", "default, tree 0", "default, tree 4"]
     assert all(r["identical_to_ar"] == 2 and r["tok_s"] > 0 for r in speed)
+    on_flat = report["flat_curve"]
+    assert [r["mode"] for r in on_flat] == ["default (trees auto)", "default, tree 0"]
+    assert all(r["identical_to_ar"] == 2 and r["tokens_per_forward"] >= 1 for r in on_flat)
 
 
 # -- sampling over a tree: exact in distribution ------------------------------------------------
