@@ -86,7 +86,7 @@ def dry_run(checkpoint, out, *extra):
 
 
 def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
-    report, done = dry_run(checkpoint, tmp_path / "out", "--batches", "1,2", "--minutes", "600")
+    report, done = dry_run(checkpoint, tmp_path / "out", "--batches", "1,2", "--minutes", "600", "--compile", "off")
     assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [
         ("float32", 1),
         ("float32", 2),
@@ -124,11 +124,27 @@ def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
 
 def test_a_spent_budget_runs_the_first_part_and_says_what_it_skipped(checkpoint, tmp_path):
     report, _ = dry_run(
-        checkpoint, tmp_path / "out", "--batches", "1,8", "--dtypes", "float32,bfloat16", "--minutes", "0"
-    )
+        checkpoint, tmp_path / "out", "--batches", "1,8", "--dtypes", "float32,bfloat16", "--minutes", "0",
+        "--compile", "off",
+    )  # fmt: skip
     assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [("float32", 1)]
     assert [(s["dtype"], s["batch"]) for s in report["skipped"]] == [("float32", 8), ("bfloat16", 1), ("bfloat16", 8)]
     assert all("left of --minutes 0" in s["why"] for s in report["skipped"])
+
+
+def test_each_part_runs_eager_then_compiled_and_says_what_compiling_bought(checkpoint, tmp_path):
+    report, done = dry_run(checkpoint, tmp_path / "out", "--batches", "1", "--dtypes", "float32", "--minutes", "600")
+    assert [(p["dtype"], p["batch"], p["compiled"]) for p in report["parts"]] == [
+        ("float32", 1, False),
+        ("float32", 1, True),
+    ]
+    eager, compiled = report["parts"]
+    assert set(compiled["x_eager"]) == {r["name"] for r in eager["rows"]}
+    assert all(x > 0 for x in compiled["x_eager"].values())
+    rows = {r["name"]: r for r in compiled["rows"]}
+    assert rows["lossless (default)"]["replies_equal_to_ar"] == 1.0  # compiled, still AR's
+    assert report["verdict"]["compiled_x_eager"] == compiled["x_eager"]
+    assert "float32, batch 1, compiled" in done.stdout
 
 
 def test_bad_options_stop_before_any_work(tmp_path):

@@ -104,9 +104,9 @@ def test_the_feed_sizes_the_tree_from_the_cost_curve():
 
 @pytest.mark.parametrize("arch", ["llama"])
 def test_auto_trees_are_sized_by_the_feed_and_keep_the_output_of_ar(tok, arch):
-    """--tree auto (the default): lossless with a cost-aware feed feeds up to AUTO_TREE nodes where the
-    curve says they pay (a flat curve: nodes taken, the replies AR's), none on a steep curve or with a
-    fixed feed; other modes feed none."""
+    """--tree auto (the default): lossless with a cost-aware feed feeds up to AUTO_TREE nodes, sized per
+    step, where a node's group costs little on the curve (a flat curve: nodes taken, the replies AR's),
+    none on a steep curve or with a fixed feed; other modes feed none."""
     from tiny import feed_of
 
     from mars.core.decode.cost import CostCurve
@@ -123,6 +123,7 @@ def test_auto_trees_are_sized_by_the_feed_and_keep_the_output_of_ar(tok, arch):
     flat, steep = feed_of(CostCurve({1: 1.0, 64: 1.0})), feed_of(CostCurve({1: 1.0, 64: 64.0}))
     assert execution(auto, flat, 1).plan.tree_nodes == AUTO_TREE
     assert execution(auto, None, 1).plan.tree_nodes == 0  # no measured feed: the chain alone
+    assert execution(auto, steep, 1).plan.tree_nodes == 0  # a node's group costs more than TREE_STEP_COST
     assert execution(plan(lossless=True, feed="fixed"), flat, 1).plan.tree_nodes == 0
     assert execution(plan(threshold=0.5, verify=True, force=True), flat, 1).plan.tree_nodes == 0
     wide = generate(dec, prompts, auto, controller=flat)

@@ -84,10 +84,24 @@ def execution(plan: Plan, controller: FeedController | None, batch: int, *, serv
             cache, lossless, learn = "window" if cache == "block" else cache, controller.feed_for(plan), True
     run = plan if cache == plan.cache else replace(plan, cache=cache)
     if run.drafts.tree == "auto":  # lossless: trees where a measured feed sizes them per step (Drafting._tree_nodes)
-        nodes = AUTO_TREE if lossless is not None and run.mode is Mode.LOSSLESS else 0
-        run = replace(run, drafts=replace(run.drafts, tree=nodes))
+        pays = lossless is not None and run.mode is Mode.LOSSLESS and trees_pay(lossless.costs, run.block_size, batch)
+        run = replace(run, drafts=replace(run.drafts, tree=AUTO_TREE if pays else 0))
     drafting = None
     if run.verifies and cache != "block" and (run.sampling.greedy or (lossless is not None and not served)):
         # Sampled lossless decoding drafts with a measured feed only; its output distribution stays AR's.
         drafting = Drafting(run, lossless, learn=learn)
     return Execution(run, drafting, lossless if drafting is not None else None, threshold, served)
+
+
+# A tree node's group (its id and B masks) may cost at most this much more than the step it joins
+# for "auto" to feed trees at all: on the CPU measured here a group cost 8-12% of a step and the
+# default mode with trees ran 0.95x the default mode without them (benchmarks/README.md, "Token
+# trees"), where a flat curve (an overhead-bound device) took 2.65 tokens per forward against 2.30.
+TREE_STEP_COST = 1.05
+
+
+def trees_pay(costs, block_size: int, batch: int = 1) -> bool:
+    """Whether "auto" trees may pay on this cost curve: a node's group (1 + B fed tokens) added to a
+    lossless step of B masks and a spare group (1 + 2B) costs at most TREE_STEP_COST times the step."""
+    step = 1 + 2 * block_size
+    return costs.seconds(batch, step + 1 + block_size) <= TREE_STEP_COST * costs.seconds(batch, step)
