@@ -121,3 +121,24 @@ def test_the_session_switch(tmp_path):
     assert mlx.compile is False and any("MLX backend's steps run eager" in h for h in heard)
     with pytest.raises(TypeError, match="'on', 'off' or 'auto'"):
         Session(str(path), backend="torch", compile="yes")
+
+
+def test_models_whose_weights_differ_in_shape_get_their_own_graphs(tok):
+    """Graphs are shared by models whose every weight has the same shape (the signature guard): one
+    whose MLP alone is wider must not run another's graph."""
+    import transformers
+
+    from mars.backends.torch import models
+
+    first = make_model("llama", len(tok), seed=1)
+    config = first.config.to_dict()
+    config["intermediate_size"] *= 3
+    torch.manual_seed(2)
+    wider = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    tms = [TorchModel(m, tok, None, "", torch.device("cpu"), torch.float32) for m in (first, wider)]
+    steps = [models.CompiledStep(TorchDecoder(tm).lean) for tm in tms]
+    assert steps[0].signature != steps[1].signature
+    eager, compiled = TorchDecoder(tms[1]), TorchDecoder(tms[1], compile=True)
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts_of(tok), plan).tokens == generate(eager, prompts_of(tok), plan).tokens

@@ -61,10 +61,7 @@ class CompiledStep:
         self.model = model
         a = model.args
         # What the graph's shapes depend on besides the step: one guard for the weights' checks.
-        self.signature = (
-            f"{a}|{tuple(model.embed.shape)}|{model.dtype}|{model.embed.device}|"
-            f"{[(tuple(b.attn.q.base.weight.shape), b.attn.q.lora is not None) for b in model.blocks[:1]]}"
-        )
+        self.signature = f"{a}|{model.dtype}|{model.embed.device}|{weight_shapes(model)}"
         self.compiles = 0
         self._graph = torch.compile(
             self._forward, dynamic=None, mode=mode, options={"guard_filter_fn": _guards} if mode is None else None
@@ -133,6 +130,33 @@ class CompiledStep:
             h = h + out * r if r != 1.0 else h + out
         h = rms_norm(h.index_select(0, reads), m.norm, a.eps)
         return m.head(h[None])[0].float(), torch.stack(new_keys), torch.stack(new_values)
+
+
+def weight_shapes(model: Transformer) -> str:
+    """The shape of every tensor the compiled forward reads (the guard that stands for the weights'
+    dropped checks: models whose shapes agree share graphs, each with its own weights)."""
+
+    def shape(t) -> tuple:
+        return () if t is None else tuple(t.shape)
+
+    def linear(layer: Linear) -> tuple:
+        lora = () if layer.lora is None else tuple(shape(t) for t in layer.lora)
+        return shape(layer.base.weight), shape(layer.base.bias), lora
+
+    parts = [shape(model.embed), shape(model.norm), shape(model.inv_freq), type(model.head).__name__]
+    parts += [tuple(shape(p) for p in model.head.parameters())]
+    for b in model.blocks:
+        at, mlp = b.attn, b.mlp
+        parts.append(
+            (
+                shape(b.norm1),
+                shape(b.norm2),
+                shape(at.q_norm),
+                shape(at.k_norm),
+                *(linear(x) for x in (at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down)),
+            )
+        )
+    return str(parts)
 
 
 def _linear(layer: Linear, x: torch.Tensor, gate) -> torch.Tensor:
