@@ -123,7 +123,7 @@ def test_auto_trees_are_sized_by_the_feed_and_keep_the_output_of_ar(tok, arch):
     flat, steep = feed_of(CostCurve({1: 1.0, 64: 1.0})), feed_of(CostCurve({1: 1.0, 64: 64.0}))
     assert execution(auto, flat, 1).plan.tree_nodes == AUTO_TREE
     assert execution(auto, None, 1).plan.tree_nodes == 0  # no measured feed: the chain alone
-    assert execution(auto, steep, 1).plan.tree_nodes == 0  # a node's group costs more than TREE_STEP_COST
+    assert execution(auto, steep, 1).plan.tree_nodes == 0  # nodes' groups cost more than TREE_GROUP_COST each
     assert execution(plan(lossless=True, feed="fixed"), flat, 1).plan.tree_nodes == 0
     assert execution(plan(threshold=0.5, verify=True, force=True), flat, 1).plan.tree_nodes == 0
     wide = generate(dec, prompts, auto, controller=flat)

@@ -93,15 +93,20 @@ def execution(plan: Plan, controller: FeedController | None, batch: int, *, serv
     return Execution(run, drafting, lossless if drafting is not None else None, threshold, served)
 
 
-# A tree node's group (its id and B masks) may cost at most this much more than the step it joins
-# for "auto" to feed trees at all: on the CPU measured here a group cost 8-12% of a step and the
-# default mode with trees ran 0.95x the default mode without them (benchmarks/README.md, "Token
-# trees"), where a flat curve (an overhead-bound device) took 2.65 tokens per forward against 2.30.
-TREE_STEP_COST = 1.05
+# "auto" feeds trees where a node's group (its id and B masks) costs at most TREE_GROUP_COST of the
+# step it joins, averaged over TREE_GROUPS groups: one group's cost falls between a probed curve's few
+# widths and read alone it came out 1.03 to 1.15x a step on the default model's curves kept on this
+# CPU. Four groups cost 1.48-1.86x a 9-token step there (12-21% each), and the default mode with
+# trees ran 0.95x the default mode without them; on a flat curve (an overhead-bound device) it took
+# 2.65 tokens per forward against 2.30 (benchmarks/README.md, "Token trees").
+TREE_GROUP_COST = 0.05
+TREE_GROUPS = 4
 
 
 def trees_pay(costs, block_size: int, batch: int = 1) -> bool:
-    """Whether "auto" trees may pay on this cost curve: a node's group (1 + B fed tokens) added to a
-    lossless step of B masks and a spare group (1 + 2B) costs at most TREE_STEP_COST times the step."""
+    """Whether "auto" trees may pay on this cost curve: TREE_GROUPS nodes' groups (1 + B fed tokens
+    each) added to a lossless step of B masks and a spare group (1 + 2B) cost at most TREE_GROUP_COST
+    of the step each."""
     step = 1 + 2 * block_size
-    return costs.seconds(batch, step + 1 + block_size) <= TREE_STEP_COST * costs.seconds(batch, step)
+    wider = costs.seconds(batch, step + TREE_GROUPS * (1 + block_size))
+    return wider <= (1 + TREE_GROUPS * TREE_GROUP_COST) * costs.seconds(batch, step)

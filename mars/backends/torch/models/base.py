@@ -324,36 +324,17 @@ class Transformer:
     def attention_masks(self, cache: KVCache, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's additive masks (batch, 1, width, cached + width), (full, sliding), built on the
         device from `inp` (StepInputs: the bool mask, or the StepMask's tensors) and, for sliding
-        layers, the cached keys' positions (written here, at the cache's length): 0 where a query
-        may see a key, the dtype's minimum elsewhere. As masks.StepMask.dense and
-        forward.window_cut build them on the host, bit for bit."""
+        layers, the cached keys' positions (written here, at the cache's length): as
+        masks.StepMask.dense and forward.window_cut build them on the host, bit for bit."""
         b, w, c = inp.batch, inp.width, cache.length
-        dev = inp.positions.device
         allowed = inp.allowed
         if allowed is None:
-            col = torch.arange(-c, w, device=dev)  # a key's column among the fed ones (cached: negative)
-            j = torch.arange(w, device=dev)[:, None]
-            allowed = col <= j  # (width, cached + width): causal
-            if inp.see is not None:
-                allowed = allowed & ((col <= inp.see[:, :, None]) | (col >= inp.start[:, :, None]))
-            if inp.keys is not None:
-                keys = inp.keys
-                allowed = (allowed & keys[:, None, :] & keys[:, c:, None]) | (col == j)
-            if allowed.dim() == 2:
-                allowed = allowed.expand(b, w, c + w)
-        kinds = [allowed]
+            allowed = step_allowed(c, w, b, inp.keys, inp.see, inp.start, inp.positions.device)
+        key_positions = None
         if self.args.window:
             cache.positions[:b, c : c + w] = inp.positions
-            gap = inp.positions[:, :, None] - cache.positions[:b, None, : c + w]
-            kinds.append(allowed & (gap < self.args.window))
-        out = []
-        for m in kinds:
-            out.append(
-                torch.full(m.shape, torch.finfo(self.dtype).min, dtype=self.dtype, device=dev).masked_fill_(m, 0.0)[
-                    :, None
-                ]
-            )
-        return out[0], out[-1]
+            key_positions = cache.positions[:b, : c + w]
+        return additive_masks(allowed, inp.positions, key_positions, self.args.window, self.dtype)
 
     @torch.inference_mode()
     def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
@@ -367,6 +348,31 @@ class Transformer:
             h = block(h, rope, masks, cache, inp)
         h = rms_norm(h.index_select(0, inp.reads), self.norm, self.args.eps)
         return self.head(h[None])[0].float()  # the head sees (1, reads, hidden), as a body's output
+
+
+def step_allowed(cached, width: int, batch: int, keys, see, start, device) -> torch.Tensor:
+    """A StepMask's bool mask (batch, width, cached + width) from its tensors (`keys`, `see`, `start`,
+    each None where it has none), as masks.StepMask.dense builds it on the host."""
+    col = torch.arange(-cached, width, device=device)  # a key's column among the fed ones (cached: negative)
+    j = torch.arange(width, device=device)[:, None]
+    allowed = col <= j  # causal
+    if see is not None:
+        allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
+    if keys is not None:
+        allowed = (allowed & keys[:, None, :] & keys[:, cached:, None]) | (col == j)
+    return allowed.expand(batch, width, cached + width)
+
+
+def additive_masks(allowed: torch.Tensor, positions, key_positions, window: int | None, dtype):
+    """(full, sliding) additive masks (batch, 1, width, keys) from the bool mask: 0 where a query may
+    see a key, the dtype's minimum elsewhere; the sliding one also cut where a key's position
+    (`key_positions`, (batch, keys)) lies `window` or more behind the query's (None: no window)."""
+    kinds = [allowed]
+    if window:
+        kinds.append(allowed & ((positions[:, :, None] - key_positions[:, None, :]) < window))
+    low = torch.finfo(dtype).min
+    out = [torch.full(m.shape, low, dtype=dtype, device=m.device).masked_fill_(m, 0.0)[:, None] for m in kinds]
+    return out[0], out[-1]
 
 
 def common_args(config, body, windows, **extra) -> ModelArgs:

@@ -27,7 +27,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from .base import KVCache, Linear, StepInputs, Transformer, rms_norm
+from .base import KVCache, Linear, StepInputs, Transformer, additive_masks, rms_norm, step_allowed
 
 
 def _keep_guard(entry) -> bool:
@@ -108,7 +108,10 @@ class CompiledStep:
         keys, values = keys[:, :b, :, :c], values[:, :b, :, :c]
         if key_positions is not None:
             key_positions = key_positions[:b, :c]
-        masks = _masks(m, c, w, b, positions, key_positions, allowed, valid, see, start)
+        if allowed is None:
+            allowed = step_allowed(c, w, b, valid, see, start, positions.device)
+        every = torch.cat([key_positions, positions], dim=1) if a.window else None
+        masks = additive_masks(allowed, positions, every, a.window, m.dtype)
         h = F.embedding(ids, m.embed)
         if a.embedding_multiplier != 1.0:
             h = h * a.embedding_multiplier
@@ -167,27 +170,6 @@ def _linear(layer: Linear, x: torch.Tensor, gate) -> torch.Tensor:
         return y
     a, b = layer.lora
     return y + torch.mm(torch.mm(x, a) * gate, b)
-
-
-def _masks(m: Transformer, c, w, b, positions, key_positions, allowed, valid, see, start):
-    """The step's additive masks (b, 1, w, c + w), (full, sliding), as base.Transformer.attention_masks."""
-    dev = positions.device
-    if allowed is None:
-        col = torch.arange(w + c, device=dev) - c  # a key's column among the fed ones (cached: negative)
-        j = torch.arange(w, device=dev)[:, None]
-        allowed = col <= j
-        if see is not None:
-            allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
-        if valid is not None:
-            allowed = (allowed & valid[:, None, :] & valid[:, c:, None]) | (col == j)
-        allowed = allowed.expand(b, w, c + w)
-    kinds = [allowed]
-    if m.args.window:
-        every = torch.cat([key_positions, positions], dim=1)
-        kinds.append(allowed & ((positions[:, :, None] - every[:, None, :]) < m.args.window))
-    low = torch.finfo(m.dtype).min
-    out = [torch.zeros(k.shape, dtype=m.dtype, device=dev).masked_fill(~k, low)[:, None] for k in kinds]
-    return out[0], out[-1]
 
 
 def _attend(q, cached_keys, cached_values, keys, values, mask, scale: float) -> torch.Tensor:
