@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
@@ -140,6 +141,11 @@ class Clock:
             self.stack[-1][2] += spent
         return spent
 
+    def unwind(self, label: str) -> None:
+        """Close `label` and every region left open inside it, timing none (an exception passes)."""
+        while self.stack and self.stack.pop()[0] != label:
+            pass
+
     def timed(self, label: str, fn):
         clock = self
 
@@ -148,9 +154,12 @@ class Clock:
                 return fn(*args, **kwargs)
             clock.enter(label)
             try:
-                return fn(*args, **kwargs)
-            finally:
-                clock.leave(label)
+                out = fn(*args, **kwargs)
+            except BaseException:
+                clock.unwind(label)
+                raise
+            clock.leave(label)
+            return out
 
         wrapper.__wrapped__ = fn
         wrapper.__name__ = getattr(fn, "__name__", label)
@@ -283,11 +292,14 @@ class Profiler:
             profiler.from_host.clear()
             c.enter("loop")
             try:
-                return advance(*args, **kwargs)
-            finally:
-                c.leave("loop")
-                transfers.per_step.append(transfers.count - before)
-                h2d.per_step.append(h2d.count - before_h2d)
+                out = advance(*args, **kwargs)
+            except BaseException:
+                c.unwind("loop")
+                raise
+            c.leave("loop")
+            transfers.per_step.append(transfers.count - before)
+            h2d.per_step.append(h2d.count - before_h2d)
+            return out
 
         P.set(decoding, "_advance", loop_step)
         for name in ("verify", "accept_by_threshold", "take_confident"):
@@ -623,8 +635,12 @@ class Profiler:
             c.enter("loop")
             try:
                 out = fn()
-            finally:
+            except BaseException:
+                c.unwind("loop")
+                raise
+            else:
                 seconds = c.leave("loop")
+            finally:
                 c.active = t.active = h.active = False
                 if self.cuda and self.count:
                     torch.cuda.set_sync_debug_mode(0)
@@ -634,15 +650,22 @@ class Profiler:
         return out, seconds
 
 
+class ReplayDiverged(Exception):
+    """A replayed decode asked for a forward the recorded one never made."""
+
+
 class Replayer:
-    """mars's own torch forward stood in for by what it answered before: `record` keeps each call's
-    `top` most likely ids (per row read); `replay` hands back, call by call, logits of the same shape
-    whose argmax and top-k are those ids (all else 0), so a greedy step without confidences or
-    log-probabilities decides as it did, while the forward computes nothing and evicts nothing."""
+    """mars's own torch forward stood in for by what it answered before: recording keeps each call's
+    `top` most likely ids and their logits (per row read) and the logsumexp of the row; replaying
+    hands back, call by call, logits of the same shape with those ids and values and every other
+    entry at one value that keeps the logsumexp (below the last kept value), so a greedy step
+    decides as it did: its argmax, runners-up, a tree's ranked guesses (RANKS) and their
+    log-probabilities are what the forward gave, while the forward computes nothing and evicts
+    nothing."""
 
     def __init__(self, lean, top: int):
         self.lean, self.top = lean, top
-        self.calls: list = []  # (top ids (k, top), vocabulary)
+        self.calls: list = []  # (top ids (k, top), their logits, the other entries' logit, vocabulary)
         self.at = 0
         self.replaying = False
 
@@ -654,13 +677,23 @@ class Replayer:
 
         if not self.replaying:
             logits = self.lean(cache, inputs)
-            self.calls.append((logits.topk(self.top, dim=-1).indices, logits.shape[-1]))
+            vocab = logits.shape[-1]
+            top = logits.float().topk(min(self.top, vocab), dim=-1)
+            rest = torch.full((logits.shape[0], 1), -1e4, dtype=torch.float32)
+            if vocab > top.indices.shape[-1]:
+                lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+                kept = torch.logsumexp(top.values, dim=-1, keepdim=True)
+                share = torch.log(-torch.expm1(kept - lse)) + lse - math.log(vocab - top.indices.shape[-1])
+                floor = top.values[:, -1:] - 1e-3 * top.values[:, -1:].abs() - 1e-6
+                rest = torch.minimum(torch.nan_to_num(share, nan=-1e4, neginf=-1e4), floor)
+            self.calls.append((top.indices, top.values, rest, vocab))
             return logits
         cache.reserve(inputs.width, inputs.batch)  # as the forward does: the cache's room grows alike
-        ids, vocab = self.calls[self.at]
+        if self.at >= len(self.calls):
+            raise ReplayDiverged(f"the replay asked for forward {self.at + 1}; the forward made {len(self.calls)}")
+        ids, values, rest, vocab = self.calls[self.at]
         self.at += 1
-        values = torch.arange(self.top, 0, -1, dtype=torch.float32).expand(ids.shape[0], -1)
-        return torch.zeros((ids.shape[0], vocab), dtype=torch.float32).scatter_(1, ids, values)
+        return rest.expand(ids.shape[0], vocab).clone().scatter_(1, ids, values)
 
 
 def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
@@ -674,6 +707,7 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
     import copy
 
     from mars.core.decode import cost
+    from mars.core.decode.drafts.tree import RANKS
 
     decoder = session.decoder
     lean = getattr(decoder, "forward", None) if getattr(decoder, "lean", None) is not None else None
@@ -685,7 +719,7 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
     try:
         for name, plan in plans.items():
             start = copy.deepcopy(session.controller, {id(session): session})
-            replayer = Replayer(lean, 1 + plan.alternative_groups)
+            replayer = Replayer(lean, max(1 + plan.alternative_groups, RANKS))
             decoder.forward = replayer
             want = session.decode(ids, plan, batch).tokens
             profiler = Profiler(session)
@@ -697,11 +731,15 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
                     session.controller = copy.deepcopy(start, {id(session): session})
                     replayer.at = 0
                     profiler.clock.reset()
-                    decoded, spent = profiler.measure(lambda: session.decode(ids, plan, batch))
+                    try:
+                        decoded, spent = profiler.measure(lambda: session.decode(ids, plan, batch))
+                    except ReplayDiverged:
+                        same = False
+                        break
                     merge(clock, profiler.clock)
                     seconds += spent
                     steps += decoded.total.forwards
-                    same = same and decoded.tokens == want
+                    same = same and decoded.tokens == want and replayer.at == len(replayer.calls)
             finally:
                 profiler.remove()
                 decoder.forward = lean

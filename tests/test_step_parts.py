@@ -143,3 +143,34 @@ def plain_replies(checkpoint, prompts, backend, batch):
     session = Session(str(checkpoint), backend=backend, announce=lambda m: None, **kw)
     ids = session.encode(read_prompts(prompts))
     return session.decode(ids, session.plan(threshold=1.0, max_tokens=10), batch).tokens
+
+
+def test_replayed_logits_keep_ranks_and_log_probabilities():
+    """The replay hands back the recorded forward's top ids, in order, with their log-probabilities
+    (a tree's ranked guesses read them), and says so when a decode asks for more forwards than the
+    recorded one made, instead of inventing an answer."""
+    import torch
+
+    script = load_script("benchmarks/step_parts.py")
+    torch.manual_seed(0)
+    answers = [torch.randn(3, 50) * 4, torch.randn(5, 50)]
+
+    class Cache:
+        def reserve(self, width, batch):
+            pass
+
+    calls = iter(answers)
+    replayer = script.Replayer(lambda cache, inputs: next(calls), top=8)
+    inputs = types.SimpleNamespace(width=1, batch=1)
+    for _ in answers:
+        replayer(Cache(), inputs)
+    replayer.replaying = True
+    for real in answers:
+        fake = replayer(Cache(), inputs)
+        assert fake.shape == real.shape
+        top_real, top_fake = real.log_softmax(-1).topk(8, dim=-1), fake.log_softmax(-1).topk(8, dim=-1)
+        assert torch.equal(top_real.indices, top_fake.indices)
+        assert torch.allclose(top_real.values, top_fake.values, atol=1e-4)
+        assert torch.equal(real.argmax(-1), fake.argmax(-1))
+    with pytest.raises(script.ReplayDiverged):
+        replayer(Cache(), inputs)
