@@ -66,6 +66,9 @@ to --output (default benchmarks/results/overhead_<backend>_<UTC time>.json): the
 runner's per-round and median timings, and the ratios `mars_ar_vs_hf_loop` (tokens/s) and, per W,
 `lossless_w{W}_vs_hf_forward_w{W}` (ms per step of mars over ms per forward of the peer), of the medians and
 (`ratios_per_round`) within each round.
+`projection`: what the default model's tokens per forward on a flat cost curve (a kept `benchmarks/trees.py
+--flat` run, `--projection-from`) would give at this run's measured step costs (mars's compiled lossless steps
+by fed width, interpolated): printed and kept labelled as a projection, never a measurement.
 `tests/test_overhead.py` runs `--quick`.
 """
 
@@ -86,6 +89,9 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parent.parent
 MASK_ID = 3  # the shipped weights' mask token (weights/mars.json): "<repo_name>"
 BLOCK_SIZE = 4
+# The default model's tokens per forward on a flat cost curve (benchmarks/trees.py --flat), projected at the
+# step costs measured here (`projection`).
+KEPT_FLAT = ROOT / "benchmarks" / "results" / "trees_flat_cpu_20261206.json"
 
 
 def parse(argv):
@@ -112,6 +118,11 @@ def parse(argv):
     p.add_argument("--no-compile", action="store_true", help="skip hf_static_compiled (torch.compile)")
     p.add_argument("--mlx", action="store_true", help="also mars's MLX backend and mlx_lm (where they import)")
     p.add_argument("--quick", action="store_true", help="2 layers, 1 prompt, 4 tokens, widths 1,5, 1 round, no compile")
+    p.add_argument(
+        "--projection-from",
+        default=str(KEPT_FLAT),
+        help="a kept `benchmarks/trees.py --flat` run: its tokens per forward, projected at this run's step costs",
+    )
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
     if args.quick:
@@ -612,6 +623,58 @@ def machine(args) -> dict:
     return info
 
 
+def projection(rows: dict, path: Path) -> dict | None:
+    """What the default model's tokens per forward on a flat curve (a kept `trees.py --flat` run: each
+    mode's tokens per forward and mean fed tokens per forward) would give at this run's measured step
+    costs (mars's compiled lossless steps, else its eager ones, ms per step by fed width, interpolated,
+    linear past the widest): a projection, never a measurement. None without a kept run."""
+    try:
+        kept = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    modes = [r for r in kept.get("flat_curve", []) if r.get("fed_tokens_per_forward")]
+    prefix = "mars_compiled" if "mars_compiled_ar" in rows else "mars"
+    points = sorted(
+        (r["width"], r["median_ms_per_step"])
+        for name, r in rows.items()
+        if (name == f"{prefix}_ar" or name.startswith(f"{prefix}_lossless_w")) and r["width"]
+    )
+    if not modes or len(points) < 2:
+        return None
+    ws, ms = [w for w, _ in points], [m for _, m in points]
+
+    def step_ms(width: float) -> float:
+        if width <= ws[-1]:
+            return ms[0] if width <= ws[0] else _interp(width, ws, ms)
+        return ms[-1] + (ms[-1] - ms[-2]) / (ws[-1] - ws[-2]) * (width - ws[-1])
+
+    ar = rows[f"{prefix}_ar"]["median_ms_per_token"]
+    out = {
+        "label": "projection, not a measurement: kept tokens per forward at this run's step costs",
+        "from": str(Path(path).resolve().relative_to(ROOT)) if Path(path).resolve().is_relative_to(ROOT) else str(path),
+        "step_costs": f"{prefix} (ms per step by fed width)",
+        "modes": {},
+    }
+    for r in modes:
+        width, tpf = r["fed_tokens_per_forward"], r["tokens_per_forward"]
+        ms_token = step_ms(width) / tpf
+        out["modes"][r["mode"]] = {
+            "tokens_per_forward": tpf,
+            "fed_tokens_per_forward": width,
+            "extrapolated": width > ws[-1],
+            "projected_ms_per_token": round(ms_token, 4),
+            f"projected_vs_{prefix}_ar": round(ar / ms_token, 4),
+        }
+    return out
+
+
+def _interp(x: float, xs: list[float], ys: list[float]) -> float:
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x0 <= x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y0
+    return ys[-1]
+
+
 def table(report: dict) -> str:
     runners = report["runners"]
     lines = [f"{'runner':<24} {'width':>6} {'ms/step':>8} {'ms/token':>9} {'tok/fwd':>7} {'x hf_loop':>9}"]
@@ -627,6 +690,16 @@ def table(report: dict) -> str:
     lines.append(f"ar_equal: {report['ar_equal']}")
     for key, value in report["ratios"].items():
         lines.append(f"{key}: {value:.3f}")
+    proj = report.get("projection")
+    if proj:
+        lines.append(f"{proj['label']} ({proj['from']}; {proj['step_costs']}):")
+        for mode, m in proj["modes"].items():
+            ratio = next(v for k, v in m.items() if k.startswith("projected_vs_"))
+            lines.append(
+                f"  {mode:<22} {m['tokens_per_forward']:.3f} tok/fwd, {m['fed_tokens_per_forward']:g} fed: "
+                f"{m['projected_ms_per_token']:.3f} ms/token, {ratio:.2f}x AR"
+                + (" (width extrapolated)" if m["extrapolated"] else "")
+            )
     return "\n".join(lines)
 
 
@@ -811,6 +884,7 @@ def main(argv=None) -> dict:
         "ratios": {k: round(v, 4) for k, v in ratios.items()},
         "ratios_per_round": per_round,
         "runners": rows,
+        "projection": projection(rows, Path(args.projection_from)),
     }
     if args.output:
         out = Path(args.output)

@@ -128,6 +128,7 @@ def flat(session, ids, ar, max_tokens: int) -> list[dict]:
                     "mode": label,
                     "name": plan.name,
                     "tokens_per_forward": round(total.tokens_per_forward, 3),
+                    "fed_tokens_per_forward": round(total.fed_tokens / max(total.forwards, 1), 2),
                     "identical_to_ar": sum(a == b for a, b in zip(out.tokens, ar)),
                     "prompts": len(ids),
                     "tokens_by_source": total.by_source(),

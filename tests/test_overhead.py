@@ -63,3 +63,33 @@ def test_quick_run_reports_every_runner_and_ar_equal(script, tmp_path):
         "lossless_w1_vs_hf_forward_w1",
         "lossless_w5_vs_hf_forward_w5",
     }
+
+
+def test_projection_reads_kept_tokens_per_forward_at_measured_step_costs(script, tmp_path):
+    """The projection divides the step cost at each mode's fed width (interpolated between the measured
+    widths, linear past the widest) by its kept tokens per forward, and says it is a projection."""
+    kept = tmp_path / "flat.json"
+    kept.write_text(
+        json.dumps(
+            {
+                "flat_curve": [
+                    {"mode": "inside", "tokens_per_forward": 2.0, "fed_tokens_per_forward": 3.0},
+                    {"mode": "beyond", "tokens_per_forward": 4.0, "fed_tokens_per_forward": 9.0},
+                    {"mode": "old run", "tokens_per_forward": 2.0},  # no fed width kept: left out
+                ]
+            }
+        )
+    )
+    rows = {
+        "mars_compiled_ar": {"width": 1.0, "median_ms_per_step": 1.0, "median_ms_per_token": 1.0},
+        "mars_compiled_lossless_w5": {"width": 5.0, "median_ms_per_step": 2.0, "median_ms_per_token": 1.5},
+        "mars_ar": {"width": 1.0, "median_ms_per_step": 9.0, "median_ms_per_token": 9.0},
+    }
+    got = script.projection(rows, kept)
+    assert "projection" in got["label"] and "not a measurement" in got["label"]
+    inside, beyond = got["modes"]["inside"], got["modes"]["beyond"]
+    assert inside["projected_ms_per_token"] == 0.75 and not inside["extrapolated"]  # 1.5 ms / 2 tokens
+    assert inside["projected_vs_mars_compiled_ar"] == round(1.0 / 0.75, 4)
+    assert beyond["projected_ms_per_token"] == 0.75 and beyond["extrapolated"]  # 3.0 ms at width 9 / 4 tokens
+    assert set(got["modes"]) == {"inside", "beyond"}
+    assert script.projection(rows, tmp_path / "missing.json") is None

@@ -16,7 +16,7 @@ from mars.backends.torch.load import TorchModel
 from mars.core.decode.cost import CostCurve
 from mars.core.decode.drafting import Drafting
 from mars.core.decode.drafts import TREE
-from mars.core.decode.drafts.tree import branches
+from mars.core.decode.drafts.tree import TreeDrafts, branches, paths
 from mars.core.decode.feed import LosslessFeed
 from mars.core.decode.loop import generate
 from mars.core.decode.types import Row
@@ -48,6 +48,94 @@ def test_nodes_are_chosen_by_path_probability():
     assert [(a, path) for a, path, _ in got] == [(0, [11]), (0, [12]), (2, [31]), (2, [32])]
     assert [round(q, 4) for _, _, q in got] == [0.3, 0.2, 0.135, 0.045]
     assert branches(ids, p, 0) == [] and len(branches(ids, p, 100)) == 6
+
+
+def test_paths_join_the_tree_off_the_chain_fed():
+    """Paths become groups off the chain fed: anchored where they leave it, their tokens from there (at
+    most `longest`), most weight first; a path the chain holds, or one met before, is left out.
+    Sampled trees take single nodes alone."""
+    chain = [7, 8, 9]
+    candidates = [
+        ([7, 11], 0.4),  # a node at the chain's second slot
+        ([7, 8, 5, 6, 4, 3, 2], 0.3),  # a path that leaves the chain after two drafts
+        ([7, 8], 0.9),  # held by the chain
+        ([7, 11], 0.1),  # met before, with less weight
+        ([12, 13], 0.2),  # a node after a draft the chain does not share (the masks' chain, a lookup's fed)
+    ]
+    assert paths(chain, candidates, longest=4) == [(1, [11], 0.4), (2, [5, 6, 4, 3], 0.3), (0, [12, 13], 0.2)]
+    assert paths(chain, candidates, longest=4, single=True) == [(1, [11], 0.4)]
+    assert paths([], [([5], 0.5)], longest=4) == [(0, [5], 0.5)]
+
+
+def test_the_drafting_tree_leaves_the_chain_fed_and_the_runner_up_groups_out():
+    """On the window cache the tree is laid off the chain a row feeds: a node the runner-up groups feed
+    already is left out, and where a lookup's chain leaves the masks' chain before a node's slot the
+    node joins as a path of the masks' drafts from there (greedy) or not at all (sampled)."""
+    row = Row([5, 6], 5, threshold=1.0, max_tokens=20)
+    row.drafts = row.tree_chain = [7, 8, 9]
+    row.branches = [(0, [11], 0.4), (0, [12], 0.3), (1, [13], 0.2)]
+    Drafting(plan(lossless=True, tree=6, alternatives=2), None)._tree(row, [11])
+    assert row.paths == [(0, [12], 0.3), (1, [13], 0.2)]
+    row.drafts, row.branches = [7, 20], [(2, [14], 0.1), (1, [15], 0.05)]  # a lookup's chain fed
+    Drafting(plan(lossless=True, tree=6), None)._tree(row, [])
+    assert row.paths == [(1, [8, 14], 0.1), (1, [15], 0.05)]
+    from mars.core.decode.plan import Sampling
+
+    Drafting(plan(lossless=True, tree=6, sampling=Sampling(temperature=0.7, seed=0)), None)._tree(row, [])
+    assert row.paths == [(1, [15], 0.05)]
+
+
+def test_tree_groups_put_paths_of_one_length_side_by_side():
+    """A group per path, rows' paths of one length together (a shorter path is never padded with
+    masks), only paths that leave the chain among the drafts a row feeds."""
+    a, b = (Row([1], 4, threshold=1.0, max_tokens=9) for _ in range(2))
+    a.paths = [(0, [11], 0.5), (1, [12, 13], 0.4), (2, [14], 0.3)]
+    b.paths = [(1, [21, 22], 0.6), (0, [23], 0.2), (3, [24], 0.1)]
+    groups = TreeDrafts().groups([a, b], np.array([3, 3]), 3, 2, MASK)
+    assert [g.prefix.shape[1] for g in groups] == [1, 1, 2]
+    assert [g.masks for g in groups] == [2, 2, 2]
+    one, two, pair = groups
+    assert one.live.tolist() == [True, True] and one.anchor.tolist() == [0, 0]
+    assert one.prefix.tolist() == [[11], [23]]
+    assert two.live.tolist() == [True, False] and two.anchor[0] == 2 and two.prefix[0].tolist() == [14]
+    assert pair.live.tolist() == [True, True] and pair.anchor.tolist() == [1, 1]
+    assert pair.prefix.tolist() == [[12, 13], [21, 22]]  # b's anchor-3 node lies past its 3 drafts
+    assert TreeDrafts().groups([a, b], np.array([3, 3]), 1, 2, MASK)[0].prefix.tolist() == [[11], [MASK]]
+    assert TreeDrafts().groups([a, b], np.array([3, 3]), 2, 0, MASK) == []  # no masks: no groups
+    # Near its max_tokens a row's path is cut to what it may still take: its drafts, AR's token, the path.
+    c = Row([1], 4, threshold=1.0, max_tokens=3)
+    c.paths = [(0, [31, 32, 33], 0.5), (2, [34], 0.4), (1, [35, 36], 0.3)]
+    cut = TreeDrafts().groups([c], np.array([2]), 3, 2, MASK)
+    assert [(g.anchor[0], g.prefix[0].tolist()) for g in cut] == [(1, [35]), (0, [31, 32])]
+
+
+def test_branches_off_a_lookup_chain_keep_the_output_of_ar(tok, monkeypatch):
+    """The default mode's sources with trees (n-gram drafts, runner-up groups, the masks' branches): on
+    a flat curve the replies are AR's, and where a lookup's chain left the masks' chain before a
+    branch's node, the branch joined as a path of several tokens, and one was confirmed whole."""
+    from tiny import feed_of
+
+    from mars.core.decode import verify
+
+    dec = TorchDecoder(
+        TorchModel(make_model("llama", len(tok), seed=1), tok, None, "", torch.device("cpu"), torch.float32)
+    )
+    prompts = prompts_of(tok, PROMPTS)
+    ar = generate(dec, prompts, plan(threshold=1.0, max_tokens=64)).tokens
+    confirmed = []
+    real = verify.matched
+
+    def watched(group, i, kept, token, ar):
+        m = real(group, i, kept, token, ar)
+        if group.source == TREE and m >= 2 and m == group.prefix.shape[1]:
+            confirmed.append(m)
+        return m
+
+    monkeypatch.setattr(verify, "matched", watched)
+    flat = feed_of(CostCurve({1: 1.0, 256: 1.0}, refresh=0.0))
+    got = generate(dec, prompts, plan(lossless=True, max_tokens=64, ngram=8, alternatives=2), controller=flat)
+    assert got.tokens == ar
+    assert confirmed, "no path of several tokens off the chain was confirmed: such paths went untested"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -89,7 +177,7 @@ def test_the_feed_sizes_the_tree_from_the_cost_curve():
     s = plan(lossless=True, tree=6)
     row = Row([5, 6], 5, threshold=1.0, max_tokens=20)
     row.drafts, row.source = [7, 8, 9], "masks"
-    row.branches = [(0, [11], 0.4), (1, [12], 0.05), (2, [13], 0.01)]
+    row.paths = [(0, [11], 0.4), (1, [12], 0.05), (2, [13], 0.01)]
 
     def nodes(points):
         drafting = Drafting(s, LosslessFeed(CostCurve(points, refresh=0.0), 4, 0))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .drafts import ALT, IN_FORWARD, MASKS, SPARE, TREE, lookup_sources
+from .drafts.tree import paths
 from .feed import DraftStats, LosslessFeed
 from .layout import Layout, lossless_width
 from .plan import Plan
@@ -59,7 +60,21 @@ class Drafting:
         if self.s.alternative_groups:
             strategy.group_counts[ALT] = self._alternatives(rows, m, g, batch)
         if self.s.tree_nodes:
+            alt_fed = strategy.group_counts.get(ALT, 0)
+            for i in live:
+                self._tree(rows[i], rows[i].alts[:alt_fed])
             strategy.group_counts[TREE] = self._tree_nodes(rows, m, g, strategy.group_counts.get(ALT, 0), batch)
+
+    def _tree(self, r: Row, alts: list[int]) -> None:
+        """Row r's tree for the step (drafts/tree.paths) off the chain it feeds: the masks' branches,
+        weighted by their path probability under the masks. Where a lookup's chain is fed and leaves
+        the masks' chain before a branch's node, the branch joins as a path of the masks' drafts from
+        there and its node (greedy; a sampled tree takes single nodes)."""
+        fed = {(t,) for t in alts}  # the runner-up groups fed: a node the same is fed already
+        candidates = [
+            (r.tree_chain[:a] + node, p) for a, node, p in r.branches if tuple(r.tree_chain[:a] + node) not in fed
+        ]
+        r.paths = paths(r.drafts, candidates, longest=self.s.block_size, single=not self.s.sampling.greedy)
 
     def _tree_nodes(self, rows: list[Row], masks: int, spare_groups: int, alt_groups: int, batch: int) -> int:
         """How many tree nodes the step feeds (drafts/tree.py): all allowed without a cost curve; with
@@ -68,20 +83,23 @@ class Drafting:
         most = self.s.tree_nodes
         if self.feed is None:
             return most
-        live = [(r, key) for r, key in zip(rows, self._keys) if not r.done and r.drafts and r.branches]
+        live = [(r, key) for r, key in zip(rows, self._keys) if not r.done and r.drafts and r.paths]
         if not live or not masks:
             return 0
         st = self.stats
         base = batch + sum(float(st.expected_kept(key, len(r.drafts))) for r, key in live)
         widest = max(len(r.drafts) for r, _ in live)
-        gains = np.zeros(most + 1)
+        gains, extra = np.zeros(most + 1), np.zeros(most + 1, dtype=np.int64)
         for r, _ in live:
-            p = [prob for _, _, prob in r.branches[:most]]
+            p = [w for _, _, w in r.paths[:most]]
             gains[1 : len(p) + 1] += np.cumsum(p)
             gains[len(p) + 1 :] += sum(p)
+            cols = np.cumsum([len(prefix) + masks for _, prefix, _ in r.paths[:most]])
+            row_extra = np.concatenate([[0], cols, np.full(most - len(cols), cols[-1] if len(cols) else 0)])
+            extra = np.maximum(extra, row_extra)  # a step is as wide as its widest row
         costs = self.feed.costs
-        width = [lossless_width(widest, masks, spare_groups, alt_groups + n) for n in range(most + 1)]
-        scores = [(base + gains[n]) / costs.seconds(batch, width[n]) for n in range(most + 1)]
+        plain = lossless_width(widest, masks, spare_groups, alt_groups)
+        scores = [(base + gains[n]) / costs.seconds(batch, plain + int(extra[n])) for n in range(most + 1)]
         return int(np.argmax(scores))
 
     def _alternatives(self, rows: list[Row], masks: int, spare_groups: int, batch: int) -> int:

@@ -98,7 +98,7 @@ def execution(plan: Plan, controller: FeedController | None, batch: int, *, serv
 # widths and read alone it came out 1.03 to 1.15x a step on the default model's curves kept on this
 # CPU. Four groups cost 1.48-1.86x a 9-token step there (12-21% each), and the default mode with
 # trees ran 0.95x the default mode without them; on a flat curve (an overhead-bound device) it took
-# 2.65 tokens per forward against 2.30 (benchmarks/README.md, "Token trees").
+# 2.74 tokens per forward against 2.30 (benchmarks/README.md, "Token trees").
 TREE_GROUP_COST = 0.05
 TREE_GROUPS = 4
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafts.tree import RANKS, branches
+from .drafts.tree import RANKS, branches, paths
 from .execution import Execution
 from .layout import Layout, layout_mask
 from .plan import Mode
@@ -139,8 +139,13 @@ def _apply_verdict(r: Row, i: int, verdict: Verdict, taken: int, layout: Layout,
             r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + m
     if verdict.next_top is not None:  # the tree's branches off the next drafts
         top_ids, top_logp, own = verdict.next_top[i]
-        r.branches = branches(top_ids[taken:], top_logp[taken:], s.tree_nodes, r.drafts, own[taken:])
+        # As many as the tree may feed beside the runner-up groups, which the same nodes would repeat.
+        most = s.tree_nodes + s.alternative_groups
+        r.branches = branches(top_ids[taken:], top_logp[taken:], most, r.drafts, own[taken:])
         r.tree_chain = list(r.drafts)
+        # The tree off these drafts; on the window cache the drafting widens it with the other sources'.
+        candidates = [(r.tree_chain[:a] + node, p) for a, node, p in r.branches]
+        r.paths = paths(r.drafts, candidates, longest=s.block_size, single=not s.sampling.greedy)
     if taken:
         r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken
 

@@ -285,6 +285,8 @@ class Row:
         # Lossless: the tree's branches (drafts/tree.py) and the chain of drafts they leave.
         self.branches: list[tuple[int, list[int], float]] = []
         self.tree_chain: list[int] = []
+        # Lossless: the step's tree off the chain it feeds, (anchor, prefix, weight) (drafts/tree.paths).
+        self.paths: list[tuple[int, list[int], float]] = []
         self.logprobs: list[TokenLogprob] = []  # per token of `out`, where the plan asks for them
         self.stats = RowStats(accepted_per_slot=[0] * slots)
 

@@ -110,8 +110,9 @@ def verify(
     """A step that verifies drafts: per row, the tokens it takes (kept drafts, then one AR token; none
     for a waiting row) and its next drafts, (source, ids).
 
-    Greedy: where every draft was kept the masks after them propose; otherwise the `confirmed` group
-    with the longest prefix does, a confirmed prefix also adding AR's token after it (read at the
+    Greedy: where every draft was kept the masks after them propose; otherwise the `matched` group
+    that takes the most does (a whole prefix counting a token more, since its masks propose next; a
+    part of one proposes nothing), a confirmed prefix also adding AR's token after it (read at the
     prefix, where the group was AR's own window); else there are no next drafts. Sampling: the
     backend's `speculate` verifies (the chain, then any tree nodes where it failed), and the masks after
     every draft kept, or those of the node taken, propose. Greedy, `runners_up` n adds each next
@@ -142,11 +143,12 @@ def verify(
             for k, g in enumerate(columns.groups):
                 start = columns.group_reads(k).start
                 m = matched(g, i, int(kept[i]), int(token[i]), ar=ids[i, start : start + g.prefix.shape[1]])
-                if m >= 0:
-                    fits.append((m, m == g.prefix.shape[1], -k))
+                if m >= 0:  # a whole prefix also has its masks propose: worth about a token more
+                    full = m == g.prefix.shape[1]
+                    fits.append((m + full, full, m, -k))
             if fits:
                 best = max(fits)
-                chosen[i], matches[i] = -best[2], best[0]
+                chosen[i], matches[i] = -best[3], best[2]
     else:
         tree = sampled_tree(layout)
         asked = {"logprobs": logprobs} if logprobs is not None else {}

@@ -22,7 +22,7 @@ RANKS = 8  # the ranked guesses per slot a tree draws on (the first is the chain
 
 
 class TreeDrafts:
-    """The tree source: per row, the nodes `branches` chose, one group each."""
+    """The tree source: per row, the paths off its chain (`paths`: the nodes `branches` chose), one group each."""
 
     name = "tree"
     label = "tree drafts"
@@ -35,26 +35,55 @@ class TreeDrafts:
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
         if not count or not masks:
             return []
-        # A branch applies where the drafts fed before its anchor are the chain it leaves.
-        live_rows = [
-            [(a, p) for a, p, _ in r.branches[:count] if a < n_drafts[i] and r.drafts[:a] == r.tree_chain[:a]]
+        # A path applies where it leaves the chain among the drafts fed (`paths`: off the chain fed), cut
+        # to the row's room: its `a` drafts, AR's token and the path's tokens at most what it may still take.
+        chosen = [
+            [
+                (a, prefix[: r.max_tokens - r.produced - 1 - a])
+                for a, prefix, _ in r.paths[:count]
+                if a < n_drafts[i] and a + 1 < r.max_tokens - r.produced
+            ]
             if not r.done and n_drafts[i]
             else []
             for i, r in enumerate(rows)
         ]
+        # One group per path, paths of one length side by side across rows (a shorter path padded with
+        # masks would stop its match there and propose nothing).
+        lengths = sorted({len(prefix) for row_paths in chosen for _, prefix in row_paths})
         out = []
-        for k in range(max((len(b) for b in live_rows), default=0)):
-            width = max(len(b[k][1]) for b in live_rows if len(b) > k)
-            anchor = np.zeros(len(rows), dtype=np.int64)
-            prefix = np.full((len(rows), width), mask_id, dtype=np.int64)
-            live = np.zeros(len(rows), dtype=bool)
-            for i, b in enumerate(live_rows):
-                if len(b) > k:
-                    anchor[i], path = b[k]
-                    prefix[i, : len(path)] = path
-                    live[i] = True
-            out.append(Group(self.name, anchor, prefix, live, masks))
+        for length in lengths:
+            of_length = [[(a, p) for a, p in row_paths if len(p) == length] for row_paths in chosen]
+            for k in range(max(len(row_paths) for row_paths in of_length)):
+                anchor = np.zeros(len(rows), dtype=np.int64)
+                prefix = np.full((len(rows), length), mask_id, dtype=np.int64)
+                live = np.zeros(len(rows), dtype=bool)
+                for i, row_paths in enumerate(of_length):
+                    if len(row_paths) > k:
+                        anchor[i], prefix[i], live[i] = row_paths[k][0], row_paths[k][1], True
+                out.append(Group(self.name, anchor, prefix, live, masks))
         return out
+
+
+def paths(chain: list[int], candidates, *, longest: int, single: bool = False) -> list[tuple[int, list[int], float]]:
+    """A row's tree as groups off the chain it feeds: `candidates` are paths from the row's last token
+    with a weight (what each is expected to add; the masks' branches: their path probability). Each
+    becomes (anchor, prefix, weight): anchored where it leaves `chain`, its tokens from there (at most
+    `longest`), most weight first (ties: first given); a path the chain holds, or one met before, is
+    left out. With `single` (sampled trees), only paths that leave the chain at their last token."""
+    out: dict[tuple[int, tuple[int, ...]], tuple[float, int]] = {}
+    for order, (path, weight) in enumerate(candidates):
+        common = 0
+        for x, y in zip(path, chain):
+            if x != y:
+                break
+            common += 1
+        if common >= len(path) or (single and common != len(path) - 1):
+            continue
+        key = (common, tuple(path[common : common + longest]))
+        if key not in out or out[key][0] < weight:
+            out[key] = (float(weight), out[key][1] if key in out else order)
+    ranked = sorted(out.items(), key=lambda kv: (-kv[1][0], kv[1][1]))
+    return [(a, list(prefix), w) for (a, prefix), (w, _) in ranked]
 
 
 def branches(top_ids: np.ndarray, top_logp: np.ndarray, budget: int, chain=None, chain_logp=None) -> list:
