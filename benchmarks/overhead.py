@@ -399,7 +399,10 @@ def static_forward_runner(
     """hf_forward_w's steps on transformers' own compiled path: the model on a `StaticCache`, the prompt's
     forward eager, then at each cached length of the AR `replies` a forward of `width` tokens (the next AR
     token, then masks) under `torch.compile` (one graph: the width is fixed, the positions are a tensor);
-    the next step writes over the masks' keys, which the static cache's causal mask hides meanwhile."""
+    each step's layers are then set back to one token more (transformers 5's static layers write at their
+    own `cumulative_length`, not at `cache_position`: left to run on, they wrote past the cache's end), so
+    the next step writes over the masks' keys, which the causal mask hides meanwhile. In the warm-up each
+    step's first output must be the AR reply's next token (`ar_agreement`: the share that was)."""
     import torch
     from transformers import StaticCache
 
@@ -415,7 +418,7 @@ def static_forward_runner(
 
     @torch.inference_mode()
     def run(ids, first=None):
-        forwards = 0
+        forwards, agree, steps = 0, 0, 0
         for p, reply in zip(ids, replies):
             cache.reset()
             model(
@@ -429,10 +432,21 @@ def static_forward_runner(
                 fed = torch.full((1, width), MASK_ID, dtype=torch.long)
                 fed[0, 0] = reply[i]
                 t0 = time.perf_counter()
-                step(fed, len(p) + i + torch.arange(width))
+                logits = step(fed, len(p) + i + torch.arange(width))
                 if first is not None and not first:
                     first.append(time.perf_counter() - t0)
+                for layer in getattr(cache, "layers", ()):  # back to the cached length and the AR token
+                    count = getattr(layer, "cumulative_length", None)
+                    if isinstance(count, torch.Tensor):
+                        count.fill_(len(p) + i + 1)
+                    elif count is not None:
+                        layer.cumulative_length = len(p) + i + 1
+                if first is not None:
+                    agree += int(logits[0, 0].argmax()) == reply[i + 1]
+                    steps += 1
                 forwards += 1
+        if first is not None:
+            info.update(ar_agreement=round(agree / max(steps, 1), 4))
         return Run(None, forwards)
 
     runner = Runner(name, run, width=width, peer=True, info=info)
