@@ -168,6 +168,9 @@ def finetune(
         built = corpus.from_data(data, tokenizer, announce=announce, max_tokens=CORPUS_TOKENS)
         built.save(output / corpus.FILE)
         announce(f"draft corpus: {len(built):,} tokens -> {output / corpus.FILE}")
+    close = getattr(trainer, "close", None)  # the torch trainer ends its process group under a launcher
+    if close is not None:
+        close()
     return {**result, "output": output, "main": main}
 
 

@@ -214,6 +214,14 @@ class TorchTrainer:
         )
 
     # -- output ------------------------------------------------------------
+    def close(self) -> None:
+        """Under a launcher, wait for every process and end the process group: a process that exits
+        with it open while another still works (the main one writing the draft corpus) may abort in
+        the group's threads ("terminate called without an active exception")."""
+        if self.acc.num_processes > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.acc.wait_for_everyone()
+            torch.distributed.destroy_process_group()
+
     def save(self, tokenizer, base_ref: str, *, fuse: bool = False) -> Path:
         """Write the MARS checkpoint into the output directory (atomically) and drop the resume checkpoint.
 
