@@ -141,7 +141,7 @@ class Session:
         if self.compile:
             announce(
                 "compiling the decoding step (torch.compile) as it first runs: a graph per kind of step (one "
-                "row or several, one token or more), seconds each for a small model, 7-15 minutes for the "
+                "row or several, one token or more), seconds each for a small model, 6-15 minutes for the "
                 "default model on a 2-core CPU the first time; inductor keeps its work under the cache directory"
             )
         self._open(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .drafts import ALT, IN_FORWARD, MASKS, SPARE, TREE, lookup_sources
-from .drafts.tree import paths
+from .drafts.tree import row_paths
 from .feed import DraftStats, LosslessFeed
 from .layout import Layout, lossless_width
 from .plan import Plan
@@ -70,11 +70,7 @@ class Drafting:
         weighted by their path probability under the masks. Where a lookup's chain is fed and leaves
         the masks' chain before a branch's node, the branch joins as a path of the masks' drafts from
         there and its node (greedy; a sampled tree takes single nodes)."""
-        fed = {(t,) for t in alts}  # the runner-up groups fed: a node the same is fed already
-        candidates = [
-            (r.tree_chain[:a] + node, p) for a, node, p in r.branches if tuple(r.tree_chain[:a] + node) not in fed
-        ]
-        r.paths = paths(r.drafts, candidates, longest=self.s.block_size, single=not self.s.sampling.greedy)
+        r.paths = row_paths(r, longest=self.s.block_size, single=not self.s.sampling.greedy, fed=alts)
 
     def _tree_nodes(self, rows: list[Row], masks: int, spare_groups: int, alt_groups: int, batch: int) -> int:
         """How many tree nodes the step feeds (drafts/tree.py): all allowed without a cost curve; with

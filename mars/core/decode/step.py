@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .drafts.tree import RANKS, branches, paths
+from .drafts.tree import RANKS, branches, row_paths
 from .execution import Execution
 from .layout import Layout, layout_mask
 from .plan import Mode
@@ -144,8 +144,7 @@ def _apply_verdict(r: Row, i: int, verdict: Verdict, taken: int, layout: Layout,
         r.branches = branches(top_ids[taken:], top_logp[taken:], most, r.drafts, own[taken:])
         r.tree_chain = list(r.drafts)
         # The tree off these drafts; on the window cache the drafting widens it with the other sources'.
-        candidates = [(r.tree_chain[:a] + node, p) for a, node, p in r.branches]
-        r.paths = paths(r.drafts, candidates, longest=s.block_size, single=not s.sampling.greedy)
+        r.paths = row_paths(r, longest=s.block_size, single=not s.sampling.greedy)
     if taken:
         r.stats.by_source["threshold"] = r.stats.by_source.get("threshold", 0) + taken
 

@@ -64,6 +64,15 @@ class TreeDrafts:
         return out
 
 
+def row_paths(r, *, longest: int, single: bool, fed=()) -> list[tuple[int, list[int], float]]:
+    """Row r's tree off the drafts it feeds (`paths`): its branches as paths from its last token (the
+    chain they leave up to their anchor, then the node), less the single nodes in `fed` (ids the
+    runner-up groups feed already)."""
+    fed = {(t,) for t in fed}
+    candidates = [(r.tree_chain[:a] + node, p) for a, node, p in r.branches]
+    return paths(r.drafts, [c for c in candidates if tuple(c[0]) not in fed], longest=longest, single=single)
+
+
 def paths(chain: list[int], candidates, *, longest: int, single: bool = False) -> list[tuple[int, list[int], float]]:
     """A row's tree as groups off the chain it feeds: `candidates` are paths from the row's last token
     with a weight (what each is expected to add; the masks' branches: their path probability). Each
