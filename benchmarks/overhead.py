@@ -285,7 +285,7 @@ def mars_runner(name: str, session, plan, controller=None, info: dict | None = N
 def mars_session(model_dir: Path, backend: str, compile: bool = False):
     from mars.session import Session
 
-    kwargs = dict(dtype="float32", device="cpu", compile=compile) if backend == "torch" else {}
+    kwargs = dict(dtype="float32", device="cpu", compile=compile) if backend == "torch" else dict(compile=compile)
     return Session(str(model_dir), backend=backend, announce=say, **kwargs)
 
 
@@ -533,6 +533,9 @@ def mlx_runners(model_dir: Path, work: Path, args, eos: set[int]) -> list[Runner
     mlx_dir = convert_model(model_dir, work / "mlx", "mlx", announce=say)
     session = mars_session(mlx_dir, "mlx")
     runners = mars_runners(session, args, prefix="mars_mlx")
+    compiled = mars_session(mlx_dir, "mlx", compile=True)  # mx.compile (mlx.compiled.CompiledMlxStep)
+    runners += mars_runners(compiled, args, prefix="mars_mlx_compiled")
+    runners[-1].info["session"] = compiled
     model, _ = mlx_load(str(mlx_dir))
     tokenizer = TokenizerWrapper(session.tokenizer, eos_token_ids=sorted(eos))
 
@@ -653,9 +656,10 @@ def projection(rows: dict, path: Path) -> dict | None:
         for name, r in rows.items()
         if (name == f"{prefix}_ar" or name.startswith(f"{prefix}_lossless_w")) and r["width"]
     )
-    if not modes or len(points) < 2:
-        return None
-    ws, ms = [w for w, _ in points], [m for _, m in points]
+    by_width = dict(points)  # one cost per fed width (AR and a width-1 lossless step share one)
+    if not modes or len(by_width) < 2:
+        return None  # a line needs two widths
+    ws, ms = list(by_width), list(by_width.values())
 
     def step_ms(width: float) -> float:
         if width <= ws[-1]:
@@ -793,6 +797,8 @@ def main(argv=None) -> dict:
         runners += [r for r in extra if r.name not in failed]
 
         graphs = {"after_warmup": compiled_session.decoder.compiled.compiles} if compiled_session else None
+        mlx_step = next((r.info.pop("session").decoder.compiled for r in runners if "session" in r.info), None)
+        mlx_graphs = {"after_warmup": mlx_step.traces, "ahead_taken": mlx_step.ahead} if mlx_step else None
         results: dict[str, list[tuple[Run, float]]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):
             order = runners if rnd % 2 == 0 else runners[::-1]
@@ -801,6 +807,8 @@ def main(argv=None) -> dict:
                 results[r.name].append(timed(r, ids))
         if compiled_session is not None:  # no graph compiled after the warm-up
             graphs["after_rounds"] = compiled_session.decoder.compiled.compiles
+        if mlx_step is not None:
+            mlx_graphs["after_rounds"] = mlx_step.traces
 
     rows = {r.name: summarise(r, first[r.name], results[r.name]) for r in runners}
     loop_ms = rows["hf_loop"]["median_ms_per_token"]
@@ -857,6 +865,16 @@ def main(argv=None) -> dict:
     if "mars_mlx_ar" in first:
         checks["mars_mlx_ar_equal_mars_ar"] = first["mars_mlx_ar"].tokens == ar
         checks["mlx_lm_equal_mars_mlx_ar"] = first["mlx_lm_stream_generate"].tokens == first["mars_mlx_ar"].tokens
+        checks["mlx_compiled_equal_eager"] = first["mars_mlx_compiled_ar"].tokens == first["mars_mlx_ar"].tokens
+        checks["mlx_compiled_graphs"] = mlx_graphs
+        peer = rows["mlx_lm_stream_generate"]["ms_per_token"]
+        for name in ("mars_mlx_ar", "mars_mlx_compiled_ar"):
+            key = f"{name}_vs_mlx_lm_stream_generate"
+            ratios[key] = rows["mlx_lm_stream_generate"]["median_ms_per_token"] / rows[name]["median_ms_per_token"]
+            per_round[key] = ratio_rounds(peer, rows[name]["ms_per_token"])
+        key = "mars_mlx_compiled_ar_vs_mars_mlx_ar"
+        ratios[key] = rows["mars_mlx_ar"]["median_ms_per_token"] / rows["mars_mlx_compiled_ar"]["median_ms_per_token"]
+        per_round[key] = ratio_rounds(rows["mars_mlx_ar"]["ms_per_token"], rows["mars_mlx_compiled_ar"]["ms_per_token"])
     info = dict(machine(args), load_average_before=load_before, load_average_after=load_average())
     report = {
         "benchmark": "overhead",

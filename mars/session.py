@@ -98,14 +98,18 @@ COMPILE_SETTINGS = (True, False, "on", "off", "auto")
 
 
 def compiles(setting: bool | str, loaded) -> bool:
-    """Whether a session with `compile=setting` over `loaded` runs compiled steps: on the torch
-    backend, on or off as asked, and "auto" where compiling pays without a measurement, on CUDA (on
-    the CPU it paid for a deep, narrow model and not for the default one: benchmarks/README.md,
-    "Per-step overhead"); never on MLX, whose steps run eager."""
-    if loaded.backend != "torch" or setting in (False, "off"):
-        return False  # the MLX backend's steps run eager
+    """Whether a session with `compile=setting` over `loaded` runs compiled steps: on or off as
+    asked, and "auto" where compiling pays without a measurement: CUDA (torch) and Apple silicon's
+    GPU (MLX). On a CPU it paid for a deep, narrow model and not for the default one
+    (benchmarks/README.md, "Per-step overhead"), so "auto" leaves a CPU's steps eager."""
+    if setting in (False, "off"):
+        return False
     if setting in (True, "on"):
         return True
+    if loaded.backend == "mlx":
+        import mlx.core as mx
+
+        return mx.default_device() == mx.gpu
     return getattr(getattr(loaded, "device", None), "type", None) == "cuda"
 
 
@@ -129,16 +133,17 @@ class Session:
     ):
         """`compile` (True or "on", False or "off", "auto"; `Session.compile` says what was chosen):
         the torch backend runs its steps through `torch.compile` (mars's own forward,
-        models.CompiledStep; architectures without it, and the MLX backend, run eager); "auto"
-        compiles on CUDA. The replies are the same either way."""
+        models.CompiledStep), the MLX backend through `mx.compile` (mlx.compiled.CompiledMlxStep);
+        architectures without that path run eager. "auto" compiles on CUDA and on Apple silicon's
+        GPU. The replies are the same either way."""
         if compile not in COMPILE_SETTINGS:
             raise TypeError(f"compile={compile!r}: True, False, 'on', 'off' or 'auto'")
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.compile = compiles(compile, loaded)
-        if compile in (True, "on") and not self.compile:
-            announce("--compile on: the MLX backend's steps run eager (only torch's are compiled)")
-        if self.compile:
+        if self.compile and name == "mlx":
+            announce("compiling the decoding step (mx.compile) as it first runs: a graph per kind of step, in seconds")
+        elif self.compile:
             announce(
                 "compiling the decoding step (torch.compile) as it first runs: a graph per kind of step (one "
                 "row or several, one token or more), seconds each for a small model, 6-15 minutes for the "

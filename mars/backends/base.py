@@ -72,10 +72,10 @@ def decoder_class(name: str):
 
 
 def decoder(loaded, *, compile: bool = False):
-    """A decoding step (StepBackend) over a loaded model's weights; `compile`: torch's steps under
-    `torch.compile` (the MLX backend's run eager)."""
+    """A decoding step (StepBackend) over a loaded model's weights; `compile`: its steps under
+    `torch.compile` (torch) or `mx.compile` (MLX)."""
     cls = decoder_class(loaded.backend)
-    return cls(loaded, compile=True) if compile and loaded.backend == "torch" else cls(loaded)
+    return cls(loaded, compile=True) if compile else cls(loaded)
 
 
 def loader(name: str):

@@ -184,16 +184,17 @@ def open_session(model, adapter_path, dtype, device, backend, remeasure_cost: bo
 
 
 def compile_option(f):
-    """--compile auto|on|off: the decoding steps under torch.compile (mars.session.compiles)."""
+    """--compile auto|on|off: the decoding steps under torch.compile or mx.compile (mars.session.compiles)."""
     return click.option(
         "--compile",
         "compile_steps",
         type=click.Choice(["auto", "on", "off"]),
         default="auto",
         show_default=True,
-        help="Run the decoding steps through torch.compile (torch backend, mars's own forward): auto compiles on "
-        "CUDA; on also on the CPU (a graph per kind of step, tens of seconds each, kept under the cache "
-        "directory). Replies are the same either way.",
+        help="Run the decoding steps compiled: torch.compile (torch backend, mars's own forward; a graph per "
+        "kind of step, tens of seconds each on a CPU, kept under the cache directory) or mx.compile (MLX; "
+        "seconds). auto compiles on CUDA and Apple silicon's GPU; on also on a CPU. Replies are the same "
+        "either way.",
     )(f)
 
 

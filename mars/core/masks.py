@@ -152,3 +152,41 @@ class StepMask:
 def dense_mask(mask, batch: int = 1) -> np.ndarray | None:
     """A step's mask as a bool array (b, q, kv) or None: a StepMask built on the host, an array as it is."""
     return mask.dense(batch) if isinstance(mask, StepMask) else mask
+
+
+# The widths a padding decoder feeds (the torch backend's TorchDecoder(buckets=True), the MLX
+# backend's compiled steps): a step's width rounded up to the next of these (past the last, to a
+# multiple of it), so that a compiled or captured step meets a few shapes only. The padding is
+# holes at the end of each row: never attended, never read.
+WIDTH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(width: int) -> int:
+    """The width a step of `width` tokens is padded to (WIDTH_BUCKETS)."""
+    for b in WIDTH_BUCKETS:
+        if width <= b:
+            return b
+    last = WIDTH_BUCKETS[-1]
+    return -(-width // last) * last
+
+
+def pad_width(input_ids, positions, mask, valid, cached: int, width: int):
+    """A step's host inputs padded from q to `width` columns with holes at the end of every row:
+    ids 0, the row's last position, invalid, attending to themselves alone (as decode_mask makes a
+    hole attend) and attended by nobody; the real positions' mask is unchanged."""
+    b, q = input_ids.shape
+    if width == q:
+        return input_ids, positions, mask, valid
+    pad = width - q
+    ids = np.concatenate([input_ids, np.zeros((b, pad), dtype=input_ids.dtype)], axis=1)
+    pos = np.concatenate([positions, np.repeat(positions[:, -1:], pad, axis=1)], axis=1)
+    real = np.ones((b, q), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    valid = np.concatenate([real, np.zeros((b, pad), dtype=bool)], axis=1)
+    if isinstance(mask, StepMask):
+        return ids, pos, mask.padded(width, b), valid
+    if mask is None:
+        mask = decode_mask(np.ones((b, cached + q), dtype=bool), q)
+    full = np.zeros((b, width, cached + width), dtype=bool)
+    full[:, :q, : cached + q] = mask
+    full[:, np.arange(q, width), cached + np.arange(q, width)] = True
+    return ids, pos, full, valid

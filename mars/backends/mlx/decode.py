@@ -12,6 +12,7 @@ from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
 from ...core.masks import StepMask
+from .compiled import CompiledMlxStep, StaticCache, compilable
 from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, step_mask, to_device, to_host
 from .load import MlxModel
 
@@ -81,14 +82,17 @@ def sampling_logits(logits: mx.array, sampling: Sampling) -> mx.array:
 
 
 class MlxDecoder:
-    """The decoding step of docs/method.md §5 for the core loop, on mlx-lm KV caches (trim, never copy)."""
+    """The decoding step of docs/method.md §5 for the core loop, on mlx-lm KV caches (trim, never copy).
+    `compile`: the step under `mx.compile` on a cache of fixed room (compiled.CompiledMlxStep), for a
+    model with no sliding window (one with one runs eager; `compiled` is None then)."""
 
-    def __init__(self, loaded: MlxModel):
+    def __init__(self, loaded: MlxModel, compile: bool = False):
         self.loaded = loaded
         self.model = loaded.model
         self._key = None
         self._seed = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
+        self.compiled = CompiledMlxStep(self.model, loaded.gate) if compile and compilable(self.model) else None
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -100,20 +104,34 @@ class MlxDecoder:
             "device": str(mx.default_device()),
             "mlx": getattr(mx, "__version__", ""),
             "format": self.loaded.number_format,
+            **({"compiled": 1} if self.compiled is not None else {}),
         }
 
     def new_cache(self, batch: int):
         from mlx_lm.models.cache import KVCache
 
         self._drafted = None
+        if self.compiled is not None:
+            return self.compiled.new_cache()
         return Caches(KVCache() for _ in body(self.model).layers)
 
     def crop(self, cache, length: int) -> None:
+        if isinstance(cache, StaticCache):
+            if length < cache.length:
+                self.compiled.pending = None
+            cache.crop(length)
+            return
         for c in cache:
             if c.offset > length:
                 c.trim(c.offset - length)
 
     def keep_rows(self, cache, rows: list[int]) -> None:
+        if isinstance(cache, StaticCache):
+            self.compiled.pending = None
+            cache.keep_rows(rows)
+            if self._drafted is not None:
+                self._drafted = self._drafted[mx.array(rows, dtype=mx.int32)]
+            return
         if getattr(cache, "key_positions", None) is not None:
             cache.key_positions = cache.key_positions[rows]
         idx = mx.array(rows, dtype=mx.int32)
@@ -125,6 +143,10 @@ class MlxDecoder:
 
     def keep_keys(self, cache, columns) -> None:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        if isinstance(cache, StaticCache):
+            self.compiled.pending = None
+            cache.keep_keys(columns)
+            return
         if getattr(cache, "key_positions", None) is not None:
             cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]
         idx = mx.array(np.asarray(columns, dtype=np.int32))
@@ -146,6 +168,9 @@ class MlxDecoder:
         inputs reach the device in one copy (to_device), the mask as bool bytes; `more`: named host
         arrays the caller needs there too (speculate's drafts and tree), which travel in that copy,
         and then it returns (the logits, their device arrays by name)."""
+        if isinstance(cache, StaticCache):
+            logits, sent = self.compiled.logits(cache, input_ids, positions, mask, read, more)
+            return (logits, sent) if more else logits
         positions = np.asarray(positions)
         keys, cuts = sliding_keys(self.model, positions, cache)
         compact = isinstance(mask, StepMask)  # the mask's few numbers travel; the device builds it
@@ -193,7 +218,20 @@ class MlxDecoder:
         wants_top = runners_up and sampling.greedy and runners_up_from < logits.shape[1]
         top = [most_likely(logits[:, runners_up_from:], runners_up + 1)] if wants_top else []
         lp = read_logprobs(logits, chosen, logprobs) if logprobs is not None else []
+        # A one-token greedy step that reads its own column: the next one starts on the device now.
+        ahead = (
+            isinstance(cache, StaticCache)
+            and metric is None
+            and sampling.greedy
+            and not (wants_top or lp)
+            and mask is None
+            and np.shape(input_ids)[1] == 1
+        )
+        if ahead:
+            self.compiled.start_next(cache, chosen, positions)
         ids, conf, *rest = to_host(chosen, conf, *top, *lp)
+        if ahead:
+            self.compiled.taken(ids)
         second = None
         if runners_up and sampling.greedy:  # the reads before `runners_up_from` have none (-1)
             every = np.full(ids.shape + (runners_up + 1,), -1, dtype=np.int64)

@@ -1,0 +1,178 @@
+"""MLX steps under mx.compile (mars.backends.mlx.compiled): the eager steps' tokens in every mode,
+batch and cache, sampled too; few graphs, traced once and not again as the cache grows; the AR step
+started ahead taken when the loop asks for it and dropped when it does not. Tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tiny import make_plan, save_model
+
+mx = pytest.importorskip("mlx.core")
+
+from mars.backends.mlx.compiled import ROOM, StaticCache, room_mask  # noqa: E402
+from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
+from mars.backends.mlx.forward import step_mask  # noqa: E402
+from mars.backends.mlx.load import load  # noqa: E402
+from mars.core.decode import cost  # noqa: E402
+from mars.core.decode.loop import generate  # noqa: E402
+from mars.core.decode.plan import Sampling  # noqa: E402
+from mars.core.masks import StepMask  # noqa: E402
+
+BASE = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=12, block_cache=8)
+MODES = {
+    "ar": dict(threshold=1.0),
+    "threshold": dict(threshold=0.5),
+    "lossless": dict(lossless=True),
+    "lossless_trees": dict(lossless=True, tree=8),
+    "lossless_groups_logprobs": dict(lossless=True, alternatives=2, hedge=1, logprobs=2),
+    "verified": dict(threshold=0.5, verify=True),
+    "block": dict(threshold=0.5, cache="block"),
+    "lossless_block": dict(lossless=True, cache="block"),
+}
+
+
+def prompts_of(tok, texts=("Hello there, how are you today?", "x")):
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+
+
+def loaded(tmp_path_factory, arch="llama", seed=1, **kw):
+    path = save_model(tmp_path_factory.mktemp(arch) / "m", arch, seed=seed, **kw)
+    return load(str(path), announce=lambda m: None)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    m = loaded(tmp_path_factory)
+    return m, MlxDecoder(m), MlxDecoder(m, compile=True)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_compiled_steps_give_the_eager_tokens_in_every_mode(llama, mode):
+    m, eager, compiled = llama
+    before = compiled.compiled.traces
+    plan = make_plan(**BASE, **MODES[mode])
+    both, one = prompts_of(m.tokenizer), prompts_of(m.tokenizer)[:1]
+    assert generate(compiled, both, plan).tokens == generate(eager, both, plan).tokens  # a batch
+    assert generate(compiled, one, plan).tokens == generate(eager, one, plan).tokens  # a row alone
+    assert compiled.compiled.traces >= before  # (traced by this mode or an earlier one)
+
+
+def test_compiled_sampling_draws_what_the_eager_steps_draw(llama):
+    m, eager, compiled = llama
+    for asked in (dict(threshold=1.0), dict(lossless=True), dict(lossless=True, tree=8)):
+        plan = make_plan(**BASE, **asked, sampling=Sampling(temperature=0.8, seed=5))
+        prompts = prompts_of(m.tokenizer)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, asked
+
+
+def test_few_graphs_and_none_after_the_warm_up(tmp_path_factory):
+    m = loaded(tmp_path_factory, seed=7)
+    eager, compiled = MlxDecoder(m), MlxDecoder(m, compile=True)
+    prompts = prompts_of(m.tokenizer)
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens
+        generate(compiled, prompts[:1], plan)
+    warm = compiled.compiled.traces
+    assert 1 <= warm <= 10  # (one row, two) x (a few width buckets)
+    longer = prompts_of(m.tokenizer, ("a much longer prompt than before, " * 4, "and another one"))
+    for asked in (dict(threshold=1.0), dict(lossless=True)):  # other lengths, the same buckets
+        plan = make_plan(**dict(BASE, max_tokens=20), **asked)
+        assert generate(compiled, longer, plan).tokens == generate(eager, longer, plan).tokens
+        generate(compiled, longer[1:], plan)
+    assert compiled.compiled.traces == warm
+    # Past the first room the cache grows: one more graph per shape, the tokens unchanged.
+    plan = make_plan(**dict(BASE, eos_ids=(), max_tokens=ROOM + 20), threshold=1.0)
+    assert generate(compiled, prompts[:1], plan).tokens == generate(eager, prompts[:1], plan).tokens
+    # The cost curve's probes: 1, 2 and 4 rows at its widths (buckets), each shape traced once.
+    for batch in (1, 2):
+        cost.calibrate(compiled, [3] * 32, widths=cost.PROBE_WIDTHS, repeats=1, filler=3, ar_filler=2, batch=batch)
+    traced = compiled.compiled.traces
+    for batch in (1, 2):
+        cost.calibrate(compiled, [3] * 32, widths=cost.PROBE_WIDTHS, repeats=1, filler=3, ar_filler=2, batch=batch)
+    assert compiled.compiled.traces == traced
+
+
+def test_the_step_started_ahead_is_taken_in_ar_and_dropped_otherwise(llama):
+    m, eager, compiled = llama
+    step = compiled.compiled
+    plan = make_plan(**BASE, threshold=1.0)
+    one = prompts_of(m.tokenizer)[:1]
+    step.ahead = 0
+    out = generate(compiled, one, plan)
+    assert out.tokens == generate(eager, one, plan).tokens
+    assert len(out.tokens[0]) - 2 <= step.ahead < len(out.tokens[0])  # every AR step after the first two
+    # A step started ahead and then not asked for (the loop fed another token) leaves nothing behind.
+    ids = np.array(one)
+    at = ids.shape[1]
+
+    def steps(decoder, tokens):
+        cache, outs = decoder.new_cache(1), []
+        read = np.array([[at - 1]])
+        outs.append(decoder.step(cache, ids, np.arange(at)[None], None, read, metric=None, sampling=Sampling()))
+        for i, token in enumerate(tokens):
+            fed, pos = np.array([[token]]), np.array([[at + i]])
+            outs.append(decoder.step(cache, fed, pos, None, np.array([[0]]), metric=None, sampling=Sampling()))
+        return [int(o.ids[0, 0]) for o in outs]
+
+    chosen = steps(eager, [5])
+    other = (chosen[1] + 1) % 50  # not the argmax: the step started from the argmax is dropped
+    step.ahead = 0
+    assert steps(compiled, [5, other, 7]) == steps(eager, [5, other, 7])
+    assert step.ahead == 0
+
+
+@pytest.mark.parametrize(("arch", "kw"), [("qwen3", {}), ("granite", {}), ("smollm3", {}), ("mistral", {"window": 5})])
+def test_compiled_steps_of_other_families_give_the_eager_tokens(tmp_path_factory, arch, kw):
+    """Per-head norms (qwen3), multipliers (granite), layers without RoPE (smollm3), a sliding
+    window that cuts (mistral: its steps run eager, compiled is None)."""
+    m = loaded(tmp_path_factory, arch, **kw)
+    eager, compiled = MlxDecoder(m), MlxDecoder(m, compile=True)
+    assert (compiled.compiled is None) == ("window" in kw)
+    prompts = prompts_of(m.tokenizer, ("Hello there, how are you today? " * 2, "x"))
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**dict(BASE, max_tokens=16), **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, (arch, asked)
+
+
+def test_the_room_mask_is_the_step_mask_where_the_room_is_filled():
+    rng = np.random.default_rng(0)
+    cached, width, b, room = 5, 4, 2, 16
+    keys = rng.random((b, cached + width)) > 0.3
+    see = np.array([[0, 1, 0, 3], [0, 0, 2, 3]])
+    start = np.array([[0, 1, 2, 3], [0, 1, 2, 2]])
+    for mask in (StepMask(cached, width), StepMask(cached, width, keys, see, start)):
+        want = mask.dense(b)
+        k = None if mask.keys is None else mx.array(np.pad(mask.keys, ((0, 0), (0, room - cached - width))))
+        valid = None if mask.keys is None else mx.array(mask.keys[:, cached:])
+        s = None if mask.see is None else mx.array(mask.see)
+        st = None if mask.start is None else mx.array(mask.start)
+        got = np.array(room_mask(mx.array(np.array([cached])), width, room, b, k, valid, s, st))
+        assert np.array_equal(got[:, :, : cached + width], want)
+        assert not got[:, :, cached + width :].any()  # nothing past the fed keys
+        eager = np.array(step_mask(cached, width, b, k[:, : cached + width] if k is not None else None, s, st))
+        assert np.array_equal(eager, want)
+
+
+def test_the_cache_grows_keeps_rows_and_keys():
+    cache = StaticCache(2)
+    assert cache.reserve(10) == ROOM and cache.keys is None
+    cache.keys = [mx.arange(2 * 1 * ROOM * 2).reshape(2, 1, ROOM, 2).astype(mx.float32)] * 2
+    cache.values = list(cache.keys)
+    cache.length = 7
+    first = np.array(cache.keys[0])
+    assert cache.reserve(ROOM + 1) == 2 * ROOM and cache.room == 2 * ROOM
+    assert np.array_equal(np.array(cache.keys[1])[:, :, :ROOM], first)
+    cache.keep_rows([1])
+    assert np.array_equal(np.array(cache.keys[0])[0, :, :ROOM], first[1])
+    cache.keep_keys([0, 2, 5])
+    assert cache.length == 3 and cache.room == 2 * ROOM
+    assert np.array_equal(np.array(cache.values[0])[0, :, :3], first[1][:, [0, 2, 5]])
+    cache.crop(2)
+    assert cache.length == 2
+    cache.crop(9)
+    assert cache.length == 2
