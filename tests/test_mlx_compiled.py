@@ -10,10 +10,11 @@ from tiny import make_plan, save_model
 
 mx = pytest.importorskip("mlx.core")
 
-from mars.backends.mlx.compiled import ROOM, StaticCache, room_mask  # noqa: E402
+from mars.backends.mlx.compiled import room_mask  # noqa: E402
 from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
 from mars.backends.mlx.forward import step_mask  # noqa: E402
 from mars.backends.mlx.load import load  # noqa: E402
+from mars.backends.mlx.static_cache import ROOM, StaticCache  # noqa: E402
 from mars.core.decode import cost  # noqa: E402
 from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.decode.plan import Sampling  # noqa: E402
@@ -100,6 +101,7 @@ def test_few_graphs_and_none_after_the_warm_up(tmp_path_factory):
 def test_the_step_started_ahead_is_taken_in_ar_and_dropped_otherwise(llama):
     m, eager, compiled = llama
     step = compiled.compiled
+    step.start_ahead = True  # (on a GPU by default; on this CPU only where asked)
     plan = make_plan(**BASE, threshold=1.0)
     one = prompts_of(m.tokenizer)[:1]
     step.ahead = 0
@@ -162,16 +164,17 @@ def test_the_cache_grows_keeps_rows_and_keys():
     cache = StaticCache(2)
     assert cache.reserve(10) == ROOM and cache.keys is None
     cache.keys = [mx.arange(2 * 1 * ROOM * 2).reshape(2, 1, ROOM, 2).astype(mx.float32)] * 2
-    cache.values = list(cache.keys)
+    cache.values = [-x for x in cache.keys]
     cache.length = 7
     first = np.array(cache.keys[0])
     assert cache.reserve(ROOM + 1) == 2 * ROOM and cache.room == 2 * ROOM
     assert np.array_equal(np.array(cache.keys[1])[:, :, :ROOM], first)
+    assert not np.array(cache.keys[1])[:, :, ROOM:].any()
     cache.keep_rows([1])
     assert np.array_equal(np.array(cache.keys[0])[0, :, :ROOM], first[1])
     cache.keep_keys([0, 2, 5])
     assert cache.length == 3 and cache.room == 2 * ROOM
-    assert np.array_equal(np.array(cache.values[0])[0, :, :3], first[1][:, [0, 2, 5]])
+    assert np.array_equal(np.array(cache.values[0])[0, :, :3], -first[1][:, [0, 2, 5]])
     cache.crop(2)
     assert cache.length == 2
     cache.crop(9)

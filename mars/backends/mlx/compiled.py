@@ -33,83 +33,8 @@ import numpy as np
 
 from ...core.masks import StepMask, bucket, pad_width
 from .forward import Positions, body, head, hidden_states, layer_windows, to_device
-
-# A new cache's room, and the step its room grows by.
-ROOM = 256
-
-
-class StaticLayer:
-    """One layer's buffers as an attention layer sees its cache inside a step: the step's keys and
-    values written at `at` (the cached length, an array), the whole room returned. A cache's first
-    step (eager) allocates them, `room` positions, from its keys' shape."""
-
-    def __init__(self, keys: mx.array | None, values: mx.array | None, at: mx.array, room: int):
-        self.keys, self.values, self.at, self.room = keys, values, at, room
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if self.keys is None:
-            b, heads, _, dim = keys.shape
-            self.keys = mx.zeros((b, heads, self.room, dim), dtype=keys.dtype)
-            self.values = mx.zeros((b, values.shape[1], self.room, values.shape[3]), dtype=values.dtype)
-        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.at, axes=(2,))
-        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.at, axes=(2,))
-        return self.keys, self.values
-
-
-class StaticCache:
-    """A batch's KV cache of fixed room: per layer keys and values (rows, kv heads, room, head dim),
-    allocated by the first step, and `length`, the positions cached (the host's count)."""
-
-    key_positions = None  # no sliding window: forward.sliding_keys has nothing to keep
-
-    def __init__(self, layers: int):
-        self.layers = layers
-        self.keys: list[mx.array] | None = None
-        self.values: list[mx.array] | None = None
-        self.length = 0
-
-    @property
-    def room(self) -> int:
-        return 0 if self.keys is None else self.keys[0].shape[2]
-
-    def reserve(self, needed: int) -> int:
-        """Room for `needed` positions (grown by ROOM at a time, the cached keys kept); the room."""
-        room = -(-needed // ROOM) * ROOM
-        if self.keys is None or self.room >= needed:
-            return max(room, self.room)
-        more = room - self.room
-
-        def grown(x):
-            return mx.concatenate([x, mx.zeros(x.shape[:2] + (more, x.shape[3]), dtype=x.dtype)], axis=2)
-
-        self.keys = [grown(k) for k in self.keys]
-        self.values = [grown(v) for v in self.values]
-        return room
-
-    def crop(self, length: int) -> None:
-        self.length = min(self.length, length)
-
-    def keep_rows(self, rows: list[int]) -> None:
-        if self.keys is None:
-            return
-        idx = mx.array(rows, dtype=mx.int32)
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
-
-    def keep_keys(self, columns) -> None:
-        """Keep only these cached positions, in this order, at the front of the room."""
-        if self.keys is None:
-            return
-        idx = mx.array(np.asarray(columns, dtype=np.int32))
-        pad = self.room - len(columns)
-
-        def kept(x):
-            x = mx.take(x, idx, axis=2)
-            return mx.concatenate([x, mx.zeros(x.shape[:2] + (pad, x.shape[3]), dtype=x.dtype)], axis=2)
-
-        self.keys = [kept(k) for k in self.keys]
-        self.values = [kept(v) for v in self.values]
-        self.length = len(columns)
+from .lean import LeanForward, supports
+from .static_cache import StaticCache, StaticLayer
 
 
 def room_mask(at: mx.array, width: int, room: int, batch: int, keys, valid, see, start) -> mx.array:
@@ -141,6 +66,11 @@ class Pending:
     host_ids: np.ndarray | None = None
 
 
+def consecutive(positions: np.ndarray) -> bool:
+    """Whether each row's positions follow one another (a step's rotation then runs per row)."""
+    return positions.shape[1] == 1 or bool((np.diff(positions, axis=1) == 1).all())
+
+
 def compilable(model: nn.Module) -> bool:
     """Whether the compiled step serves this model: mlx-lm's layers and no sliding window."""
     return hasattr(body(model), "layers") and not any(layer_windows(model))
@@ -151,14 +81,20 @@ class CompiledMlxStep:
     per shape by `mx.compile` (the prompt's step, on an empty cache, runs the same forward eager).
     `traces`: the graphs traced so far (tests count them); `ahead`: steps started ahead and taken."""
 
-    def __init__(self, model: nn.Module, gate=None):
+    def __init__(self, model: nn.Module, gate=None, ahead: bool | None = None):
         self.model = model
         self.gate = gate
+        # Start AR steps ahead where the device runs beside the host: a GPU. (MLX's CPU stream ran a
+        # compiled step's evaluation mostly inline: started ahead, AR steps were no faster there.)
+        self.start_ahead = mx.default_device() == mx.gpu if ahead is None else ahead
+        # mars's own forward where it runs the model (not gated: a gate adapts its projections).
+        self.lean = LeanForward(model) if gate is None and supports(model) is None else None
         self.traces = 0
         self.ahead = 0
         self.pending: Pending | None = None
         # The weights are the graph's inputs, read at every call (mlx-lm's convention for model state).
-        self._graph = mx.compile(self._traced, inputs=model.state)
+        state = [model.state] + ([self.lean.state] if self.lean is not None else [])
+        self._graph = mx.compile(self._traced, inputs=state)
 
     def new_cache(self) -> StaticCache:
         self.pending = None
@@ -168,7 +104,7 @@ class CompiledMlxStep:
         self.traces += 1  # Python runs this once per trace
         return self._forward(*args)
 
-    def _forward(self, ids, positions, at, masks: dict, keys, values, room: int):
+    def _forward(self, ids, positions, at, masks: dict, keys, values, room: int, consecutive: bool = False):
         """The step: hidden states over the static cache; returns them and the layers' buffers with
         the step's keys written. (The head, on the rows read, runs after it: their number varies.)"""
         if self.gate is not None:
@@ -178,6 +114,8 @@ class CompiledMlxStep:
         if allowed is None:
             get = masks.get
             allowed = room_mask(at, w, room, b, get("keys"), get("valid"), get("see"), get("start"))
+        if self.lean is not None:
+            return self.lean(ids, positions, allowed, at, keys, values, room, consecutive)
         n = len(body(self.model).layers)
         layers = [StaticLayer(k, v, at, room) for k, v in zip(keys or [None] * n, values or [None] * n)]
         h = hidden_states(self.model, ids, Positions(positions), allowed[:, None], layers)
@@ -235,7 +173,7 @@ class CompiledMlxStep:
         sent = to_device(ids=ids, positions=pos, read=read, at=np.array([cached]), **masks, **more)
         args = (sent["ids"], sent["positions"], sent["at"], {k: sent[k] for k in masks})
         forward = self._forward if eager else self._graph
-        h, cache.keys, cache.values = forward(*args, cache.keys, cache.values, room)
+        h, cache.keys, cache.values = forward(*args, cache.keys, cache.values, room, consecutive(positions))
         cache.length = cached + q
         return self._head(h, sent["read"]), {name: sent[name] for name in more}
 
@@ -252,8 +190,10 @@ class CompiledMlxStep:
         masks = self._masks(None, b, cached, 1, cache.room)
         sent = to_device(positions=positions, read=np.zeros((b, 1), dtype=np.int64), at=np.array([cached]), **masks)
         ids = chosen.reshape(b, 1).astype(mx.int32)
-        args = (ids, sent["positions"], sent["at"], {k: sent[k] for k in masks}, cache.keys, cache.values, cache.room)
-        h, keys, values = self._graph(*args)
+        graph_masks = {k: sent[k] for k in masks}
+        h, keys, values = self._graph(
+            ids, sent["positions"], sent["at"], graph_masks, cache.keys, cache.values, cache.room, True
+        )
         logits = self._head(h, sent["read"])
         mx.async_eval(logits, keys, values)
         self.pending = Pending(positions, cached, logits, keys, values)

@@ -221,6 +221,7 @@ class MlxDecoder:
         # A one-token greedy step that reads its own column: the next one starts on the device now.
         ahead = (
             isinstance(cache, StaticCache)
+            and self.compiled.start_ahead
             and metric is None
             and sampling.greedy
             and not (wants_top or lp)
