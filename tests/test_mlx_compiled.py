@@ -10,6 +10,7 @@ from tiny import make_plan, save_model
 
 mx = pytest.importorskip("mlx.core")
 
+from mars.backends.mlx import lean  # noqa: E402
 from mars.backends.mlx.compiled import room_mask  # noqa: E402
 from mars.backends.mlx.decode import MlxDecoder  # noqa: E402
 from mars.backends.mlx.forward import step_mask  # noqa: E402
@@ -128,17 +129,56 @@ def test_the_step_started_ahead_is_taken_in_ar_and_dropped_otherwise(llama):
     assert step.ahead == 0
 
 
-@pytest.mark.parametrize(("arch", "kw"), [("qwen3", {}), ("granite", {}), ("smollm3", {}), ("mistral", {"window": 5})])
+FAMILIES = [("qwen2", {}), ("qwen3", {}), ("granite", {}), ("smollm3", {}), ("olmo2", {}), ("phi3", {})]
+
+
+@pytest.mark.parametrize(("arch", "kw"), FAMILIES + [("mistral", {"window": 5})])
 def test_compiled_steps_of_other_families_give_the_eager_tokens(tmp_path_factory, arch, kw):
-    """Per-head norms (qwen3), multipliers (granite), layers without RoPE (smollm3), a sliding
-    window that cuts (mistral: its steps run eager, compiled is None)."""
+    """Biases (qwen2), per-head norms (qwen3), multipliers (granite), layers without RoPE (smollm3):
+    mars's own forward (lean.py); olmo2 and phi3: mlx-lm's modules, compiled; a sliding window
+    that cuts (mistral): the eager step (compiled is None)."""
     m = loaded(tmp_path_factory, arch, **kw)
     eager, compiled = MlxDecoder(m), MlxDecoder(m, compile=True)
     assert (compiled.compiled is None) == ("window" in kw)
+    if compiled.compiled is not None:
+        assert (compiled.compiled.lean is not None) == (arch in lean.FAMILIES)
     prompts = prompts_of(m.tokenizer, ("Hello there, how are you today? " * 2, "x"))
-    for asked in (dict(threshold=1.0), dict(lossless=True)):
+    for asked in (dict(threshold=1.0), dict(lossless=True), dict(lossless=True, tree=8)):
         plan = make_plan(**dict(BASE, max_tokens=16), **asked)
         assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, (arch, asked)
+
+
+def test_joining_the_projections_changes_no_weight(tmp_path_factory):
+    """The lean forward's joined weights are views the modules read: every parameter keeps its
+    value bit for bit, and the eager step its tokens."""
+    from mlx.utils import tree_flatten
+
+    m = loaded(tmp_path_factory, "qwen2", seed=3)  # with biases
+    prompts = prompts_of(m.tokenizer)
+    plan = make_plan(**BASE, lossless=True)
+    before = {k: np.array(v) for k, v in tree_flatten(m.model.parameters())}
+    tokens = generate(MlxDecoder(m), prompts, plan).tokens
+    compiled = MlxDecoder(m, compile=True)
+    assert compiled.compiled.lean is not None
+    after = dict(tree_flatten(m.model.parameters()))
+    assert before.keys() == after.keys()
+    assert all(np.array_equal(before[k], np.array(after[k])) for k in before)
+    assert generate(MlxDecoder(m), prompts, plan).tokens == tokens
+    assert generate(compiled, prompts, plan).tokens == tokens
+
+
+def test_quantized_projections_run_the_modules_compiled(tmp_path_factory):
+    import mlx.nn as nn
+
+    m = loaded(tmp_path_factory, "llama", seed=4)
+    nn.quantize(m.model, group_size=32, bits=4)
+    assert "quantized" in lean.supports(m.model)
+    eager, compiled = MlxDecoder(m), MlxDecoder(m, compile=True)
+    assert compiled.compiled.lean is None
+    prompts = prompts_of(m.tokenizer)
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, asked
 
 
 def test_the_room_mask_is_the_step_mask_where_the_room_is_filled():
@@ -179,3 +219,31 @@ def test_the_cache_grows_keeps_rows_and_keys():
     assert cache.length == 2
     cache.crop(9)
     assert cache.length == 2
+
+
+def test_a_gated_adapter_runs_the_modules_compiled(tmp_path_factory):
+    """A gated adapter's deltas act at mask tokens only: the compiled step sets the gate from its
+    own ids inside the graph, as the eager step does before its forward."""
+    import dataclasses
+
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from mars.backends.mlx.gate import MlxMaskGate
+
+    m = loaded(tmp_path_factory, "llama", seed=5)
+    prompts = prompts_of(m.tokenizer)
+    plan = make_plan(**BASE, threshold=0.5)
+    base = generate(MlxDecoder(m), prompts, plan).tokens
+    linear_to_lora_layers(m.model, len(m.model.model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    for _, layer in m.model.named_modules():  # deltas that change the tokens
+        if hasattr(layer, "lora_b"):
+            layer.lora_b = mx.random.normal(layer.lora_b.shape, key=mx.random.key(1)) * 0.5
+    m.model.eval()
+    gated = dataclasses.replace(m, gate=MlxMaskGate(m.model, 3))
+    eager, compiled = MlxDecoder(gated), MlxDecoder(gated, compile=True)
+    assert compiled.compiled.lean is None and "adapted" in lean.supports(m.model)
+    for asked in (dict(threshold=0.5), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, asked
+    plan = make_plan(**BASE, threshold=0.5)
+    assert generate(compiled, prompts, plan).tokens != base  # the masks' deltas changed what they propose
