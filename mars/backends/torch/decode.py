@@ -95,8 +95,9 @@ class TorchDecoder:
     (models/, docs/design.md "The torch step"), the others on transformers' modules; False runs
     every architecture on transformers' modules. `buckets`: pad each step's width to
     WIDTH_BUCKETS (mars's own forward only). `compile`: mars's own forward under `torch.compile`
-    (models.CompiledStep: one graph for every cached length and width; a prompt's step and
-    row-exact attention run eager; no packed copies); architectures without it run eager."""
+    (models.CompiledStep: one graph for every cached length and width, its wide products packed
+    where the eager step's are; a prompt's step and row-exact attention run eager); architectures
+    without it run eager."""
 
     def __init__(
         self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False, compile: bool = False
@@ -113,7 +114,7 @@ class TorchDecoder:
         own = lean and models.lean_family(self.body.config) is not None
         compile = bool(compile) and own
         if pack is None:
-            pack = can_pack(tm.device, tm.dtype) and not compile  # a compiled graph runs its own products
+            pack = can_pack(tm.device, tm.dtype)
         # The body's layers alone: mars's forward runs the head with F.linear (its reads), so a
         # packed copy of the head would be memory spent for nothing (113 MB on the default model).
         self.packed = pack_linears(self.body) if pack and own else 0
@@ -122,7 +123,7 @@ class TorchDecoder:
         if self.packed:
             packed.use_linear_rows(tm.model, self.linear_rows)
         # A batch's step computes its real positions alone, not its holes (models.StepInputs.real).
-        self.skips_holes = bool(self.packed)
+        self.skips_holes = bool(self.packed) and not compile  # (a compiled graph runs the holes too)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
         self.grouped = tm.device.type == "cpu" and use_grouped_sdpa(tm.model)
         # CPU, bfloat16 or float16: each attention row computes what a one-token forward computes

@@ -90,6 +90,29 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return y[:rows] if pad else y
 
 
+def _packed_product(x: torch.Tensor, pack: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """The packed product as one operation a compiled graph calls as it is (inductor has no lowering
+    of oneDNN's own for a pack given as an input): `out_features` gives its output's shape."""
+    return torch.ops.mkldnn._linear_pointwise(x, pack, bias, "none", [None], "")
+
+
+# mars.backends.torch.models.CompiledStep's wide graphs call it (torch.library.custom_op: torch >= 2.4).
+packed_product = torch.library.custom_op("mars::packed_product", _packed_product, mutates_args=())
+
+
+@packed_product.register_fake
+def _(x, pack, bias, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+def graph_packs(layers: list[torch.nn.Linear]) -> bool:
+    """Whether a compiled graph of products of 2 rows or more should run these layers' packs: they
+    have them, and most row counts run packed on this CPU (`use_linear_rows`; one graph serves
+    every count, so one path serves them all)."""
+    packed = [layer for layer in layers if "_mars_packed" in layer.__dict__]
+    return bool(packed) and 2 * len(packed[0]._mars_linear_rows) < CHOSEN_ROWS - MIN_ROWS + 1
+
+
 def pack_linears(module: torch.nn.Module) -> int:
     """Pack every `nn.Linear` inside `module` (in place, beside its weight); returns how many were
     packed. Layers already packed are re-packed (their weights may have changed)."""
