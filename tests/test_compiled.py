@@ -145,3 +145,22 @@ def test_models_whose_weights_differ_in_shape_get_their_own_graphs(tok):
     for asked in (dict(threshold=1.0), dict(lossless=True)):
         plan = make_plan(**BASE, **asked)
         assert generate(compiled, prompts_of(tok), plan).tokens == generate(eager, prompts_of(tok), plan).tokens
+
+
+def test_wide_graphs_run_the_packed_products_the_eager_step_runs(llama):
+    """On the CPU the eager step's products of 2 rows or more are packed (packed.py); a compiled wide
+    graph calls the same packs through one custom op, which gives the eager packed product bit for
+    bit at every row count."""
+    from mars.backends.torch import packed
+
+    eager, compiled = llama
+    assert eager.packed and compiled.packed and compiled.compiled.packs
+    layer = compiled.compiled.model.blocks[0].mlp.up.base
+    assert "_mars_packed" in layer.__dict__
+    with torch.no_grad():  # (as decoding runs: a weight that wants a gradient runs F.linear)
+        for rows in (2, 3, 5, 9, 17):
+            x = torch.randn(rows, layer.in_features)
+            want = torch.ops.mkldnn._linear_pointwise(x, layer._mars_packed, layer.bias, "none", [None], "")
+            got = packed.packed_product(x, layer._mars_packed, layer.bias, layer.out_features)
+            assert torch.equal(got, want)
+            assert torch.equal(packed.linear(layer, x), want)  # the eager step's path
