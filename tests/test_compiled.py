@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import make_model, make_plan, make_tokenizer, save_model
+from tiny import COMPILED_BASE, COMPILED_MODES, make_model, make_plan, make_tokenizer, save_model
 
 from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.load import TorchModel
@@ -14,16 +14,7 @@ from mars.core.decode import cost
 from mars.core.decode.loop import generate
 from mars.core.decode.plan import Sampling
 
-BASE = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=12, block_cache=8)
-MODES = {
-    "ar": dict(threshold=1.0),
-    "threshold": dict(threshold=0.5),
-    "lossless": dict(lossless=True),
-    "lossless_trees": dict(lossless=True, tree=8),
-    "verified": dict(threshold=0.5, verify=True),
-    "block": dict(threshold=0.5, cache="block"),
-    "lossless_block": dict(lossless=True, cache="block"),
-}
+BASE, MODES = COMPILED_BASE, COMPILED_MODES
 
 
 @pytest.fixture(scope="module")

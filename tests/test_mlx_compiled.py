@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny import make_plan, save_model
+from tiny import COMPILED_BASE, COMPILED_MODES, make_plan, save_model
 
 mx = pytest.importorskip("mlx.core")
 
@@ -21,17 +21,7 @@ from mars.core.decode.loop import generate  # noqa: E402
 from mars.core.decode.plan import Sampling  # noqa: E402
 from mars.core.masks import StepMask  # noqa: E402
 
-BASE = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=12, block_cache=8)
-MODES = {
-    "ar": dict(threshold=1.0),
-    "threshold": dict(threshold=0.5),
-    "lossless": dict(lossless=True),
-    "lossless_trees": dict(lossless=True, tree=8),
-    "lossless_groups_logprobs": dict(lossless=True, alternatives=2, hedge=1, logprobs=2),
-    "verified": dict(threshold=0.5, verify=True),
-    "block": dict(threshold=0.5, cache="block"),
-    "lossless_block": dict(lossless=True, cache="block"),
-}
+BASE, MODES = COMPILED_BASE, COMPILED_MODES
 
 
 def prompts_of(tok, texts=("Hello there, how are you today?", "x")):

@@ -220,3 +220,18 @@ def feed_of(cost, **options):
     from mars.core.decode.feed import FeedController
 
     return None if cost is None else FeedController(cost, **options)
+
+
+# What a compiled step is checked in against the eager one (tests/test_compiled.py, test_mlx_compiled.py):
+# the plan's base and every mode, a batch and both caches.
+COMPILED_BASE = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=12, block_cache=8)
+COMPILED_MODES = {
+    "ar": dict(threshold=1.0),
+    "threshold": dict(threshold=0.5),
+    "lossless": dict(lossless=True),
+    "lossless_trees": dict(lossless=True, tree=8),
+    "lossless_groups_logprobs": dict(lossless=True, alternatives=2, hedge=1, logprobs=2),
+    "verified": dict(threshold=0.5, verify=True),
+    "block": dict(threshold=0.5, cache="block"),
+    "lossless_block": dict(lossless=True, cache="block"),
+}
