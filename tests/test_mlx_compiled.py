@@ -237,3 +237,27 @@ def test_a_gated_adapter_runs_the_modules_compiled(tmp_path_factory):
         assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, asked
     plan = make_plan(**BASE, threshold=0.5)
     assert generate(compiled, prompts, plan).tokens != base  # the masks' deltas changed what they propose
+
+
+@pytest.mark.parametrize("cache", ["window", "block"])
+def test_a_served_batch_compiled_gives_the_eager_tokens(llama, cache):
+    """Rows join a served batch (the cache gains rows) and leave it (rows and keys dropped) on the
+    way: the compiled step's static cache gives every row the eager step's tokens."""
+    from mars.core.decode.loop import ContinuousBatch
+
+    m, eager, compiled = llama
+    prompts = prompts_of(m.tokenizer, ("Hello there, how are you today?", "x", "Tell me about the sea, please."))
+    plan = make_plan(**dict(BASE, max_tokens=10, eos_ids=()), lossless=True, cache=cache)
+
+    def served(decoder):
+        batch = ContinuousBatch(decoder, plan, keep_keys=decoder.keep_keys)
+        pending, rows, step = list(enumerate(prompts)), {}, 0
+        while pending or batch.rows:
+            if pending and pending[0][0] * 3 <= step and batch.can_join:
+                i, p = pending.pop(0)
+                rows[i] = batch.join(p, max_tokens=10 - 2 * i)
+            batch.step()
+            step += 1
+        return {i: r.out for i, r in rows.items()}
+
+    assert served(compiled) == served(eager)
