@@ -10,6 +10,8 @@ import json
 import pytest
 from tiny import PROMPTS, load_script
 
+from mars.core.decode.rules import DEFAULT_ALTERNATIVES, DEFAULT_NGRAM
+
 FORMATS = ("torch:float32", "torch:bfloat16", "mlx:float32", "mlx:4")
 
 
@@ -60,9 +62,9 @@ def test_every_format_reports_both_modes_over_every_round(report):
         assert r["ar"]["plan"] == "AR greedy" and r["default"]["plan"].startswith("lossless greedy")
         # The draft sources `mars generate` feeds by default (the tiny model has no draft corpus).
         assert r["default"]["drafts"] == {
-            "ngram": 16,
+            "ngram": DEFAULT_NGRAM,
             "corpus": False,
-            "alternatives": 2,
+            "alternatives": DEFAULT_ALTERNATIVES,
             "spare_groups_cap": None,
             "feed": "fixed",
         }
