@@ -3,25 +3,30 @@ fixed room, steps padded to a few widths, and one traced graph per shape.
 
 An eager step on mlx-lm's KV caches pays MLX's graph building for every operation of every layer
 on every step, and its cache grows by a concatenation of each layer's keys each step. Here:
-- `StaticCache` holds each layer's keys and values in buffers of fixed room (grown by ROOM
-  positions when a step would pass the end); a step writes its keys at the cached length, which
-  reaches the graph as an array, not a number frozen into the trace; cropping sets the length.
+- `StaticCache` (static_cache.py) holds each layer's keys and values in buffers of fixed room
+  (grown by ROOM positions when a step would pass the end); a step writes its keys at the cached
+  length, which reaches the graph as an array, not a number frozen into the trace; cropping sets
+  the length.
 - A step's width is padded to mars.core.masks.WIDTH_BUCKETS by holes (never attended, never read),
-  so the graph meets few shapes: one per (rows, width bucket, room).
+  so the graph meets few shapes: one per (rows, width bucket, room). The head runs after the graph,
+  on the rows read, whose number varies.
 - The attention mask (rows, width, room) is built inside the graph from the cached length and the
-  step's StepMask arrays, as forward.step_mask builds it for the eager step; keys past the fed
-  ones are never seen.
-- A one-token greedy step that reads its own column (AR, a batch of rows that fed one token each)
-  starts the next such step before its ids are read back: its argmax is that step's input, on the
-  device, and `mx.async_eval` has the device run it while the host takes the step's verdict. When
-  the loop then asks for exactly that step (the same ids, positions and length), its result is
-  already there; otherwise it is dropped and nothing it wrote is kept.
+  step's StepMask arrays (every part, made where a step has none), as forward.step_mask builds it
+  for the eager step; keys past the fed ones are never seen.
+- For the llama family the graph runs mars's own forward (lean.py: fewer operations a layer);
+  otherwise mlx-lm's modules (forward.hidden_states), so any architecture of the MLX table whose
+  layers have no sliding window compiles; one with a sliding window runs the eager step.
+- On a GPU a one-token greedy step that reads its own column (AR, a batch of rows that fed one token
+  each) starts the next such step before its ids are read back: its argmax is that step's input, on
+  the device, and `mx.async_eval` has the device run it while the host takes the step's verdict.
+  When the loop then asks for exactly that step (the same ids, positions and length), its result is
+  already there; otherwise it is dropped and nothing it wrote is kept. (On a CPU MLX evaluated the
+  step mostly inline, and starting it ahead gained nothing: benchmarks/README.md.)
 
-The graph runs mlx-lm's own modules (forward.hidden_states), so any architecture of the MLX table
-whose layers have no sliding window compiles; one with a sliding window runs the eager step.
 Arithmetic: the same operations as the eager step except attention, which spans the cache's whole
-room with a mask (the eager step attends over the cached keys alone), so the logits may differ in
-their last bits and the tests compare tokens (tests/test_mlx_compiled.py)."""
+room with a mask (the eager step attends over the cached keys alone), and the lean forward's joined
+products, so the logits may differ in their last bits and the tests compare tokens
+(tests/test_mlx_compiled.py)."""
 
 from __future__ import annotations
 
