@@ -18,7 +18,9 @@ import numpy as np
 
 from ..layout import Group
 
-RANKS = 8  # the ranked guesses per slot a tree draws on (the first is the chain's)
+# The ranked guesses per slot a tree draws on (the first is the chain's). 12 against 8 took the flat
+# curve's default mode from 2.781 to 2.853 tokens per forward (benchmarks/README.md, "Token trees").
+RANKS = 12
 
 
 class TreeDrafts:
