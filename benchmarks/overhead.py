@@ -91,7 +91,7 @@ MASK_ID = 3  # the shipped weights' mask token (weights/mars.json): "<repo_name>
 BLOCK_SIZE = 4
 # The default model's tokens per forward on a flat cost curve (benchmarks/trees.py --flat), projected at the
 # step costs measured here (`projection`).
-KEPT_FLAT = ROOT / "benchmarks" / "results" / "trees_flat_cpu_20261207.json"
+KEPT_FLAT = ROOT / "benchmarks" / "results" / "trees_flat_cpu_20261207b.json"
 
 
 def parse(argv):
