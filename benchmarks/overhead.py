@@ -522,8 +522,9 @@ def static_compiled_runner(model, eos: set[int], args, longest_prompt: int) -> R
     return runner
 
 
-def mlx_runners(model_dir: Path, work: Path, args, eos: set[int]) -> list[Runner]:
-    """mars_mlx_ar and mlx_lm_stream_generate on the weights converted by `mars convert --to mlx`."""
+def mlx_runners(model_dir: Path, work: Path, args, eos: set[int]):
+    """mars_mlx_ar, mars_mlx_compiled_ar and mlx_lm_stream_generate on the weights converted by `mars
+    convert --to mlx`, and the compiled session's step (its traces are counted)."""
     from mlx_lm import load as mlx_load
     from mlx_lm import stream_generate
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -535,7 +536,6 @@ def mlx_runners(model_dir: Path, work: Path, args, eos: set[int]) -> list[Runner
     runners = mars_runners(session, args, prefix="mars_mlx")
     compiled = mars_session(mlx_dir, "mlx", compile=True)  # mx.compile (mlx.compiled.CompiledMlxStep)
     runners += mars_runners(compiled, args, prefix="mars_mlx_compiled")
-    runners[-1].info["session"] = compiled
     model, _ = mlx_load(str(mlx_dir))
     tokenizer = TokenizerWrapper(session.tokenizer, eos_token_ids=sorted(eos))
 
@@ -551,7 +551,7 @@ def mlx_runners(model_dir: Path, work: Path, args, eos: set[int]) -> list[Runner
         return Run(out, sum(len(r) for r in out))
 
     runners.append(Runner("mlx_lm_stream_generate", run))
-    return runners
+    return runners, compiled.decoder.compiled
 
 
 # -- measuring -------------------------------------------------------------------------------------
@@ -782,8 +782,10 @@ def main(argv=None) -> dict:
                 for w, fed in by_width.items()
                 if fed > 1
             ]
+        mlx_step = None
         if mlx:
-            extra += mlx_runners(model_dir, work, args, eos)
+            mlx_extra, mlx_step = mlx_runners(model_dir, work, args, eos)
+            extra += mlx_extra
         failed: dict[str, str] = {}
         for r in extra:
             say(f"warm-up: {r.name}")
@@ -797,7 +799,6 @@ def main(argv=None) -> dict:
         runners += [r for r in extra if r.name not in failed]
 
         graphs = {"after_warmup": compiled_session.decoder.compiled.compiles} if compiled_session else None
-        mlx_step = next((r.info.pop("session").decoder.compiled for r in runners if "session" in r.info), None)
         mlx_graphs = {"after_warmup": mlx_step.traces, "ahead_taken": mlx_step.ahead} if mlx_step else None
         results: dict[str, list[tuple[Run, float]]] = {r.name: [] for r in runners}
         for rnd in range(args.rounds):

@@ -37,25 +37,17 @@ import mlx.nn as nn
 import numpy as np
 
 from ...core.masks import StepMask, bucket, pad_width
-from .forward import Positions, body, head, hidden_states, layer_windows, to_device
+from .forward import Positions, body, columns_mask, head, hidden_states, layer_windows, to_device
 from .lean import LeanForward, supports
 from .static_cache import StaticCache, StaticLayer
 
 
 def room_mask(at: mx.array, width: int, room: int, batch: int, keys, valid, see, start) -> mx.array:
-    """A step's bool attention mask (batch, width, room) over the cache's whole room, built on the
-    device as forward.step_mask builds (batch, width, cached + width): `at` the cached length (an
-    array), `keys` (batch, room) the real keys among the cached and fed ones (False past them),
-    `valid` (batch, width) the real fed columns, `see` and `start` the StepMask's (each None where
-    the StepMask has none). A key past the fed ones is never seen."""
-    col = mx.arange(room) - at  # a key's column among the fed ones (cached: negative)
-    j = mx.arange(width)[:, None]
-    allowed = col <= j
-    if see is not None:
-        allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
-    if keys is not None:
-        allowed = (allowed & keys[:, None, :] & valid[:, :, None]) | (col == j)
-    return mx.broadcast_to(allowed, (batch, width, room))
+    """A step's bool attention mask (batch, width, room) over the cache's whole room: `at` the cached
+    length (an array), `keys` (batch, room) the real keys among the cached and fed ones (False past
+    them), `valid` (batch, width) the real fed columns, `see` and `start` the StepMask's
+    (forward.columns_mask, the eager step's rule). A key past the fed ones is never seen."""
+    return columns_mask(mx.arange(room) - at, width, batch, keys, valid, see, start)
 
 
 @dataclass
@@ -93,7 +85,7 @@ class CompiledMlxStep:
         # compiled step's evaluation mostly inline: started ahead, AR steps were no faster there.)
         self.start_ahead = mx.default_device() == mx.gpu if ahead is None else ahead
         # mars's own forward where it runs the model (not gated: a gate adapts its projections).
-        self.lean = LeanForward(model) if gate is None and supports(model) is None else None
+        self.lean = LeanForward.of(model) if gate is None and supports(model) is None else None
         self.traces = 0
         self.ahead = 0
         self.pending: Pending | None = None
@@ -103,13 +95,28 @@ class CompiledMlxStep:
 
     def new_cache(self) -> StaticCache:
         self.pending = None
-        return StaticCache(len(body(self.model).layers))
+        return StaticCache()
+
+    # The cache's changes between steps (MlxDecoder's crop, keep_rows, keep_keys): a step started
+    # ahead was fed the cache as it was, so any change that touches what it saw drops it.
+    def crop(self, cache: StaticCache, length: int) -> None:
+        if length < cache.length:
+            self.pending = None
+        cache.crop(length)
+
+    def keep_rows(self, cache: StaticCache, rows: list[int]) -> None:
+        self.pending = None
+        cache.keep_rows(rows)
+
+    def keep_keys(self, cache: StaticCache, columns) -> None:
+        self.pending = None
+        cache.keep_keys(columns)
 
     def _traced(self, *args):
         self.traces += 1  # Python runs this once per trace
         return self._forward(*args)
 
-    def _forward(self, ids, positions, at, masks: dict, keys, values, room: int, consecutive: bool = False):
+    def _forward(self, ids, positions, at, masks: dict, keys, values, room: int, consecutive: bool):
         """The step: hidden states over the static cache; returns them and the layers' buffers with
         the step's keys written. (The head, on the rows read, runs after it: their number varies.)"""
         if self.gate is not None:

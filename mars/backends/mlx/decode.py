@@ -117,35 +117,29 @@ class MlxDecoder:
 
     def crop(self, cache, length: int) -> None:
         if isinstance(cache, StaticCache):
-            if length < cache.length:
-                self.compiled.pending = None
-            cache.crop(length)
+            self.compiled.crop(cache, length)
             return
         for c in cache:
             if c.offset > length:
                 c.trim(c.offset - length)
 
     def keep_rows(self, cache, rows: list[int]) -> None:
-        if isinstance(cache, StaticCache):
-            self.compiled.pending = None
-            cache.keep_rows(rows)
-            if self._drafted is not None:
-                self._drafted = self._drafted[mx.array(rows, dtype=mx.int32)]
-            return
-        if getattr(cache, "key_positions", None) is not None:
-            cache.key_positions = cache.key_positions[rows]
         idx = mx.array(rows, dtype=mx.int32)
-        for c in cache if cache is not None else ():
-            if c.keys is not None:
-                c.keys, c.values = c.keys[idx], c.values[idx]
+        if isinstance(cache, StaticCache):
+            self.compiled.keep_rows(cache, rows)
+        else:
+            if getattr(cache, "key_positions", None) is not None:
+                cache.key_positions = cache.key_positions[rows]
+            for c in cache if cache is not None else ():
+                if c.keys is not None:
+                    c.keys, c.values = c.keys[idx], c.values[idx]
         if self._drafted is not None:
             self._drafted = self._drafted[idx]
 
     def keep_keys(self, cache, columns) -> None:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
         if isinstance(cache, StaticCache):
-            self.compiled.pending = None
-            cache.keep_keys(columns)
+            self.compiled.keep_keys(cache, columns)
             return
         if getattr(cache, "key_positions", None) is not None:
             cache.key_positions = cache.key_positions[:, np.asarray(columns, dtype=np.int64)]

@@ -26,6 +26,11 @@ def embed_tokens(model: nn.Module) -> nn.Module:
     return model.model.embed_tokens
 
 
+def model_type(model: nn.Module) -> str:
+    """The model's `model_type` as mlx-lm keeps it (on the model or its arguments), "?" where neither says."""
+    return getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
+
+
 def tied(model: nn.Module) -> bool:
     """Whether the output head is the embedding matrix (mlx-lm builds no `lm_head` then, or
     drops it on loading, as Gemma 3 does)."""
@@ -171,13 +176,21 @@ def step_mask(cached: int, width: int, batch: int, keys, see, start) -> mx.array
     mars.core.masks.StepMask's arrays there (`keys`, `see`, `start`, each None where the StepMask
     has none), as StepMask.dense builds it on the host."""
     col = mx.arange(-cached, width)  # a key's column among the fed ones (cached: negative)
+    return columns_mask(col, width, batch, keys, None if keys is None else keys[:, cached:], see, start)
+
+
+def columns_mask(col: mx.array, width: int, batch: int, keys, valid, see, start) -> mx.array:
+    """StepMask.dense's rule on the device, (batch, width, len(col)): `col` each key's column among
+    the fed ones (cached keys negative), `keys` (batch, len(col)) the real keys and `valid` (batch,
+    width) the real fed ones (None: every key is), `see` and `start` the StepMask's (None: plain
+    causal). A query sees a key at or before its own column in its view, both real; a hole itself."""
     j = mx.arange(width)[:, None]
     allowed = col <= j
     if see is not None:
         allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
     if keys is not None:
-        allowed = (allowed & keys[:, None, :] & keys[:, cached:, None]) | (col == j)
-    return mx.broadcast_to(allowed, (batch, width, cached + width))
+        allowed = (allowed & keys[:, None, :] & valid[:, :, None]) | (col == j)
+    return mx.broadcast_to(allowed, (batch, width, col.shape[0]))
 
 
 def to_device(**arrays) -> dict[str, mx.array]:

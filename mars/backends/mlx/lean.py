@@ -19,14 +19,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .forward import PositionedRope, body
+from .forward import PositionedRope, body, model_type
 from .static_cache import write
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "granite")
-
-
-def model_type(model: nn.Module) -> str:
-    return getattr(model, "model_type", None) or getattr(getattr(model, "args", None), "model_type", "?")
 
 
 def supports(model: nn.Module) -> str | None:
@@ -39,6 +35,9 @@ def supports(model: nn.Module) -> str | None:
         parts = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(p) is not nn.Linear for p in parts):
             return f"layer {i}: a quantized or adapted projection"
+        for joined in (parts[:3], parts[4:6]):
+            if len({"bias" in p for p in joined}) > 1:
+                return f"layer {i}: projections to join with a bias and without"
     return None
 
 
@@ -46,10 +45,7 @@ def _join(modules: list[nn.Linear]) -> tuple[mx.array, mx.array | None]:
     """One weight (and bias) for these projections, their outputs side by side; each module's own
     weight (and bias) becomes a view of it."""
     weight = mx.concatenate([m.weight for m in modules], axis=0)
-    biases = [m.get("bias") for m in modules]
-    bias = mx.concatenate(biases) if all(b is not None for b in biases) else None
-    if any(b is not None for b in biases) and bias is None:
-        raise ValueError("some projections have a bias and some not")
+    bias = mx.concatenate([m.bias for m in modules]) if "bias" in modules[0] else None  # all or none (`supports`)
     at = 0
     for m in modules:
         rows = m.weight.shape[0]
@@ -83,18 +79,36 @@ class LeanLayer:
         self.head_dim = qkv.shape[0] // (self.heads + 2 * self.kv_heads)
         # The modules' views too: a graph reads every weight it is given as an evaluated array.
         mx.eval(self.joined, attn.parameters(), mlp.parameters())
+        # The views the modules hold: while they do, the joined weights are the model's weights.
+        joined = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj]
+        self._views = [(m, m.weight, m.get("bias")) for m in joined]
+
+    def fresh(self) -> bool:
+        """Whether the modules still hold the views made of the joined weights (training, or a
+        loaded adapter fused in, sets new ones)."""
+        return all(m.weight is w and m.get("bias") is b for m, w, b in self._views)
 
 
 class LeanForward:
     """The decoder body of an mlx-lm model of the llama family (`supports`), over a cache of fixed
-    room (static_cache.StaticCache's buffers)."""
+    room (static_cache.StaticCache's buffers). `of(model)` gives the model's one instance, so that
+    the decoders a server makes over one model share its joined weights."""
+
+    @classmethod
+    def of(cls, model: nn.Module) -> LeanForward:
+        """The model's lean forward: the one made before while its weights are the same, else a new one
+        (kept on the model)."""
+        kept = getattr(model, "_mars_lean", None)
+        if kept is None or not all(layer.fresh() for layer in kept.layers):
+            kept = cls(model)
+            object.__setattr__(model, "_mars_lean", kept)  # a plain attribute, not a module parameter
+        return kept
 
     def __init__(self, model: nn.Module):
         why = supports(model)
         if why is not None:
             raise ValueError(f"the lean MLX forward does not run this model: {why}")
         inner = body(model)
-        self.model = model
         self.inner = inner
         self.layers = [LeanLayer(layer) for layer in inner.layers]
         # The arrays the forward reads beside the model's own, where it reads them (a compiled

@@ -24,7 +24,7 @@ from ...checkpoint.paths import (
 )
 from ...core.config import MarsConfig, has_config, read_config
 from ...core.tokens import eos_ids, mask_config, new_row_init
-from .forward import body, embed_tokens, position_ropes, tied
+from .forward import body, embed_tokens, model_type, position_ropes, tied
 
 SUPPORTED = MLX  # mars.checkpoint.architectures: the table, as tests/test_architectures.py checks it
 
@@ -78,8 +78,7 @@ def number_format(model: nn.Module) -> str:
 
 
 def check_architecture(model: nn.Module, where: str = "model") -> None:
-    model_type = getattr(model, "model_type", None) or getattr(model.args, "model_type", "?")
-    refused = refusal(model_type, f"{where}/config.json", "mlx")
+    refused = refusal(model_type(model), f"{where}/config.json", "mlx")
     if refused:
         raise MlxModelError(refused)
 

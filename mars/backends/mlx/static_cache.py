@@ -42,8 +42,7 @@ class StaticCache:
 
     key_positions = None  # no sliding window: forward.sliding_keys has nothing to keep
 
-    def __init__(self, layers: int):
-        self.layers = layers
+    def __init__(self):
         self.keys: list[mx.array] | None = None
         self.values: list[mx.array] | None = None
         self.length = 0

@@ -47,9 +47,9 @@ class Sampling:
         return max(self.temperature, 1e-30)
 
 
-# The most tree nodes a step of `tree="auto"` may feed, where a cost-aware feed sizes them per step. (The
-# masks' ranked guesses give about 28 nodes a step; 32 took the flat curve's default mode from 2.735 to
-# 2.765 tokens per forward against 16, benchmarks/README.md "Token trees".)
+# The most tree nodes a step of `tree="auto"` may feed, where a cost-aware feed sizes them per step. (32
+# took the flat curve's default mode from 2.735 to 2.765 tokens per forward against 16, when the masks'
+# 8 ranked guesses gave about 28 candidates a step; benchmarks/README.md "Token trees".)
 AUTO_TREE = 32
 
 
