@@ -240,6 +240,9 @@ def run(args: argparse.Namespace) -> dict:
                 "ar_matches_transformers_generate": bench["ar_matches_reference"],
                 "forward_cost": bench["forward_cost"],
             }
+            step = getattr(session.decoder, "compiled", None)
+            if step is not None:  # fixed shapes (CUDA graphs) or a graph over the cached length; graphs made
+                part["fixed_shapes"], part["graphs"] = bool(step.fixed), step.compiles
             if compiled:  # what compiling buys: tokens/s against the same part eager, row by row
                 eager = next(
                     (p for p in report["parts"] if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)),

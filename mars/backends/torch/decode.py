@@ -100,7 +100,13 @@ class TorchDecoder:
     without it run eager."""
 
     def __init__(
-        self, tm: TorchModel, pack: bool | None = None, lean: bool = True, buckets: bool = False, compile: bool = False
+        self,
+        tm: TorchModel,
+        pack: bool | None = None,
+        lean: bool = True,
+        buckets: bool = False,
+        compile: bool = False,
+        fixed: bool | None = None,
     ):
         from .attention import use_grouped_sdpa
         from .packed import can_pack, pack_linears
@@ -140,9 +146,11 @@ class TorchDecoder:
         # step. Off in an eager step, where it buys nothing: padding changes no token, but torch's
         # attention kernel gives the real rows other last bits with more query rows or keys
         # (tests/test_lean_forward.py measures both).
-        self.buckets = bool(buckets) and self.lean is not None
-        # The forward a step calls: mars's own, compiled where asked.
-        self.compiled = models.CompiledStep(self.lean) if compile else None
+        # The forward a step calls: mars's own, compiled where asked; at fixed shapes (`fixed`: on
+        # CUDA unless told, where its graphs are captured) every step is padded to the buckets.
+        self.compiled = models.CompiledStep(self.lean, fixed=fixed) if compile else None
+        self.fixed = self.compiled is not None and self.compiled.fixed
+        self.buckets = (bool(buckets) or self.fixed) and self.lean is not None
         self.forward = self.compiled if compile else self.lean
 
     def cost_key(self) -> dict:
@@ -162,6 +170,7 @@ class TorchDecoder:
             **({"own_forward": 1} if self.lean is not None else {}),  # mars's forward costs what transformers' did not
             **({"buckets": list(WIDTH_BUCKETS)} if self.buckets else {}),
             **({"compiled": 1} if self.compiled is not None else {}),
+            **({"fixed": 1} if self.fixed else {}),
         }
 
     def new_cache(self, batch: int):
@@ -299,7 +308,8 @@ class TorchDecoder:
                 f"a mask of {mask.cached} cached keys and {mask.width} columns for a step of {cached} and {fed}"
             )
         if self.buckets:
-            input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, bucket(fed))
+            width = models.graph_width(fed) if self.fixed else bucket(fed)
+            input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, width)
         q = input_ids.shape[1]
         real = None
         if valid is not None:
@@ -317,6 +327,10 @@ class TorchDecoder:
             distinct, where = np.unique(flat, return_inverse=True)
         ids = input_ids.reshape(-1)
         reads = distinct
+        length = []
+        if self.fixed:  # the mask over the cache's room, the reads padded to a bucket, the length
+            mask, reads = self._room_inputs(own, mask, distinct, b, q)
+            length = [np.asarray([cached], dtype=np.int64)]
         if real is not None:
             # A read of a row that is all holes is never used: any real row's output will do.
             ids, reads = ids[real], np.minimum(np.searchsorted(real, distinct), real.size - 1)
@@ -325,7 +339,7 @@ class TorchDecoder:
         bools = (mask.keys if compact else mask,)
         extra = [np.asarray(e) for e in extra]
         numbers = [ids, positions, reads, where.reshape(read.shape)] + ([mask.see, mask.start] if views else []) + extra
-        numbers += [real] if real is not None else []
+        numbers += ([real] if real is not None else []) + length
         host = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in numbers])
         data = [host.view(np.uint8)] + [
             np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in bools if a is not None
@@ -345,6 +359,7 @@ class TorchDecoder:
         see_d, start_d = (parts.pop(), parts.pop()) if views else (None, None)
         extra_d = [parts.pop().bool() if e.dtype == bool else parts.pop() for e in extra]
         real_d = parts.pop() if real is not None else None
+        length_d = parts.pop() if length else None
         allowed = buf[host.size * 8 :].view(torch.bool).view(bools[0].shape) if bools[0] is not None else None
         gate = None
         if self.tm.gate is not None and self.compiled is not None:  # one graph: the gate's column every step
@@ -369,10 +384,33 @@ class TorchDecoder:
             keys=allowed if compact else None,
             see=see_d,
             start=start_d,
+            length=length_d,
         )
         logits = self.forward(own, inputs)
+        if self.fixed:
+            logits = logits[: distinct.size]  # the padded reads' rows dropped
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
         return logits, where.reshape(read.shape), where_d, extra_d
+
+    def _room_inputs(self, cache, mask, distinct: np.ndarray, b: int, q: int):
+        """A fixed-shape step's mask and reads (models.CompiledStep with `fixed`): the mask's keys
+        laid out over the cache's room (its room made first, for q more columns of b rows), every
+        part of a StepMask given so that every kind of step meets one graph of its shape; the reads
+        padded to a bucket by repeating the last."""
+        cached = cache.length
+        cache.reserve(q, b)
+        cache.fit_rows()
+        room = cache.capacity
+        if isinstance(mask, StepMask):
+            keys = np.ones((b, cached + q), dtype=bool) if mask.keys is None else np.asarray(mask.keys, dtype=bool)
+            see = np.broadcast_to(np.arange(q, dtype=np.int64), (b, q)) if mask.see is None else mask.see
+            start = see if mask.start is None else mask.start
+            mask = StepMask(cached, q, models.room_layout(keys, cached, room), see, start)
+        else:
+            mask = models.room_layout(np.asarray(mask, dtype=bool), cached, room)
+        n = distinct.size
+        reads = np.concatenate([distinct, np.repeat(distinct[-1:], models.graph_width(n) - n)])
+        return mask, reads
 
     def _exact_rows(self, input_ids, valid) -> np.ndarray | None:
         """The rows row-exact attention computes as a one-token forward would (None where the decoder

@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 
 from ....checkpoint.architectures import TORCH_OWN_FORWARD
-from .base import KVCache, ModelArgs, StepInputs, Transformer
-from .compiled import CompiledStep
+from .base import KVCache, ModelArgs, StepInputs, Transformer, room_layout
+from .compiled import CompiledStep, graph_width
 
 # model_type -> the module (in this folder) whose model_args reads its checkpoints: the table's
 # TORCH_OWN_FORWARD, each a file named after it.
@@ -39,4 +39,15 @@ def build(body, head, windows) -> Transformer | None:
     return Transformer(body, head, module.model_args(body.config, body, windows))
 
 
-__all__ = ["FAMILIES", "CompiledStep", "KVCache", "ModelArgs", "StepInputs", "Transformer", "build", "lean_family"]
+__all__ = [
+    "FAMILIES",
+    "CompiledStep",
+    "KVCache",
+    "ModelArgs",
+    "StepInputs",
+    "Transformer",
+    "build",
+    "graph_width",
+    "lean_family",
+    "room_layout",
+]

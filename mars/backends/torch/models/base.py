@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -145,7 +146,12 @@ class StepInputs:
     The attention mask (the forward builds it on the device, `attention_masks`): `allowed`, the
     bool mask (batch, width, cached + width) where the caller has one; otherwise the step's
     mars.core.masks.StepMask as tensors: `keys` (batch, cached + width) bool or None (every key
-    real), `see` and `start` (batch, width) or None (plain causal)."""
+    real), `see` and `start` (batch, width) or None (plain causal).
+
+    A fixed-shape step (compiled.CompiledStep with `fixed`) takes its mask over the cache's whole
+    room instead: `length` (1,), the cached length on the device, and `keys` (batch, room + width)
+    or `allowed` (batch, width, room + width) with the room's columns past the cached length False
+    (the host lays them out so, `room_layout`)."""
 
     ids: torch.Tensor
     positions: torch.Tensor
@@ -159,6 +165,7 @@ class StepInputs:
     keys: torch.Tensor | None = None
     see: torch.Tensor | None = None
     start: torch.Tensor | None = None
+    length: torch.Tensor | None = None
     plans: dict = field(default_factory=dict)
 
 
@@ -361,6 +368,34 @@ def step_allowed(cached, width: int, batch: int, keys, see, start, device) -> to
     if keys is not None:
         allowed = (allowed & keys[:, None, :] & keys[:, cached:, None]) | (col == j)
     return allowed.expand(batch, width, cached + width)
+
+
+def room_allowed(length: torch.Tensor, room: int, width: int, batch: int, keys, see, start) -> torch.Tensor:
+    """`step_allowed` over a cache's whole room: (batch, width, room + width), the room's columns
+    first (those at or past `length`, a (1,) tensor, never seen), then the fed ones; at the live
+    columns the same bits as step_allowed's. `keys` (batch, room + width) in that layout (the
+    room's part False past the length) or None; `see`, `start` as step_allowed's."""
+    device = length.device
+    index = torch.arange(room + width, device=device)
+    fed = index >= room
+    col = torch.where(fed, index - room, index - length)  # as step_allowed's column: the cached negative
+    j = torch.arange(width, device=device)[:, None]
+    allowed = (col <= j) & (fed | (index < length))
+    if see is not None:
+        allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
+    if keys is not None:
+        allowed = (allowed & keys[:, None, :] & keys[:, room:, None]) | (fed & (col == j))
+    return allowed.expand(batch, width, room + width)
+
+
+def room_layout(mask: np.ndarray, cached: int, room: int) -> np.ndarray:
+    """A host mask whose last axis is a step's keys (cached + width) laid out over a cache's room as
+    a fixed-shape step reads it: the cached columns, False up to the room, then the fed ones."""
+    width = mask.shape[-1] - cached
+    out = np.zeros(mask.shape[:-1] + (room + width,), dtype=bool)
+    out[..., :cached] = mask[..., :cached]
+    out[..., room:] = mask[..., cached:]
+    return out
 
 
 def additive_masks(allowed: torch.Tensor, positions, key_positions, window: int | None, dtype):

@@ -27,8 +27,9 @@ import os
 import torch
 import torch.nn.functional as F
 
+from ....core.masks import WIDTH_BUCKETS, bucket
 from .. import packed
-from .base import KVCache, Linear, StepInputs, Transformer, additive_masks, rms_norm, step_allowed
+from .base import KVCache, Linear, StepInputs, Transformer, additive_masks, rms_norm, room_allowed, step_allowed
 
 
 def _keep_guard(entry) -> bool:
@@ -54,7 +55,7 @@ class CompiledStep:
     empty cache, a prompt's, runs the eager forward). `compiles`: the graphs compiled so far (each
     shape class once: one-token steps, wider steps, a batch's rows; tests count them)."""
 
-    def __init__(self, model: Transformer, mode: str | None = None):
+    def __init__(self, model: Transformer, mode: str | None = None, fixed: bool | None = None):
         from ....checkpoint.default_model import cache_root
 
         # inductor keeps what it compiled beside mars's other measurements: a second run starts warm.
@@ -68,16 +69,36 @@ class CompiledStep:
         # step runs them: on the default model a wide step's products ran 2.5x slower without.
         parts = [(b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down) for b in model.blocks]
         self.packs = packed.graph_packs([x.base for block in parts for x in block])
+        cuda = model.embed.device.type == "cuda"
+        # Fixed shapes (a graph per batch, width bucket, reads bucket and room; the decoder pads to
+        # them): what CUDA graphs capture. On a CPU the graph over exactly the cached length was
+        # faster (the module's docstring); `fixed` there serves the tests.
+        self.fixed = cuda if fixed is None else bool(fixed)
         options = None
         if mode is None:
             options = {"guard_filter_fn": _guards}
-            if model.embed.device.type == "cpu":
+            if cuda and self.fixed:
+                options["triton.cudagraphs"] = True  # what mode="reduce-overhead" sets
+            if model.embed.device.type == "cpu" and not self.fixed:
                 # The graph's Python wrapper (a view and a size check per weight, every call) in C++:
                 # compiled AR 1.18x faster on the deep, narrow model (benchmarks/README.md).
                 options["cpp_wrapper"] = True
-        self._graph = torch.compile(self._forward, dynamic=None, mode=mode, options=options)
+        if self.fixed:
+            # A graph per shape class; dynamo's default of 8 per function would send the rest eager.
+            cfg = torch._dynamo.config
+            for name, least in (("recompile_limit", FIXED_GRAPHS), ("accumulated_recompile_limit", 4 * FIXED_GRAPHS)):
+                if hasattr(cfg, name):
+                    setattr(cfg, name, max(getattr(cfg, name), least))
+            if cuda:  # the weights stay where they are: a captured graph reads them in place
+                for t in weight_tensors(model):
+                    torch._dynamo.mark_static_address(t, guard=False)
+            self._graph = torch.compile(self._room_forward, dynamic=False, mode=mode, options=options)
+        else:
+            self._graph = torch.compile(self._forward, dynamic=None, mode=mode, options=options)
 
     def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        if self.fixed:
+            return self._room_step(cache, inp)
         if cache.length == 0 or inp.real is not None or inp.exact is not None:
             return self.model(cache, inp)  # a prompt's step, holes skipped, row-exact attention: eager
         b, w, c = inp.batch, inp.width, cache.length
@@ -108,6 +129,28 @@ class CompiledStep:
                 cache.positions[:b, c : c + w].copy_(inp.positions)
         return logits
 
+    def _room_step(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
+        """A step through the fixed-shape graph: every step, the prompt's too, at its padded width,
+        attending over the cache's whole room (the host gave the mask in that layout and the cached
+        length as `inp.length`); the logits of the padded reads."""
+        if inp.real is not None or inp.exact is not None or inp.length is None:
+            return self.model(cache, inp)  # holes skipped, row-exact attention, no room layout: eager
+        b, w, c = inp.batch, inp.width, cache.length
+        cache.reserve(w, b)
+        cache.fit_rows()
+        gate = None if inp.gate is None else inp.gate[1]
+        args = (inp.ids, inp.positions, inp.reads, cache.keys, cache.values, cache.positions, inp.length)
+        args += (inp.allowed, inp.keys, inp.see, inp.start, gate)
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        with torch.inference_mode():
+            logits, new_keys, new_values = self._graph(*args)
+            self.compiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+            cache.keys[:, :b, :, c : c + w].copy_(new_keys)
+            cache.values[:, :b, :, c : c + w].copy_(new_values)
+            if cache.positions is not None:
+                cache.positions[:b, c : c + w].copy_(inp.positions)
+        return logits
+
     def _forward(self, ids, positions, reads, keys, values, key_positions, allowed, valid, see, start, gate):
         if not self.signature:  # a guard on the model's shapes, for the weights' dropped ones
             raise ValueError("a compiled step without a model")
@@ -122,6 +165,30 @@ class CompiledStep:
             allowed = step_allowed(c, w, b, valid, see, start, positions.device)
         every = torch.cat([key_positions, positions], dim=1) if a.window else None
         masks = additive_masks(allowed, positions, every, a.window, m.dtype)
+        return self._body(ids, positions, reads, keys, values, masks, gate)
+
+    def _room_forward(
+        self, ids, positions, reads, keys, values, key_positions, length, allowed, valid, see, start, gate
+    ):
+        """`_forward` at fixed shapes: the cache's whole room (keys (layers, batch, kv heads, room,
+        head dim)) under a mask that hides the room past `length`."""
+        if not self.signature:
+            raise ValueError("a compiled step without a model")
+        m = self.model
+        a = m.args
+        b, w = positions.shape
+        room = keys.shape[3]
+        if allowed is None:
+            allowed = room_allowed(length, room, w, b, valid, see, start)
+        every = torch.cat([key_positions, positions], dim=1) if a.window else None
+        masks = additive_masks(allowed, positions, every, a.window, m.dtype)
+        return self._body(ids, positions, reads, keys, values, masks, gate)
+
+    def _body(self, ids, positions, reads, keys, values, masks, gate):
+        """The layers and the head over the cached `keys` and `values` the masks' columns name."""
+        m = self.model
+        a = m.args
+        b, w = positions.shape
         h = F.embedding(ids, m.embed)
         if a.embedding_multiplier != 1.0:
             h = h * a.embedding_multiplier
@@ -148,6 +215,29 @@ class CompiledStep:
             h = h + out * r if r != 1.0 else h + out
         h = rms_norm(h.index_select(0, reads), m.norm, a.eps)
         return m.head(h[None])[0].float(), torch.stack(new_keys), torch.stack(new_values)
+
+
+def graph_width(width: int) -> int:
+    """The width a fixed-shape step of `width` tokens (or reads) is padded to: the width buckets
+    (mars.core.masks.WIDTH_BUCKETS), then powers of two (a prompt's step: a graph per length bucket)."""
+    if width <= WIDTH_BUCKETS[-1]:
+        return bucket(width)
+    return 1 << (width - 1).bit_length()
+
+
+# Graphs a fixed-shape step may make (batch, width and reads buckets, rooms): dynamo's limit per function.
+FIXED_GRAPHS = 64
+
+
+def weight_tensors(model: Transformer) -> list[torch.Tensor]:
+    """Every tensor of the model the compiled forward reads."""
+    out = [model.embed, model.norm, model.inv_freq, *model.head.parameters()]
+    for b in model.blocks:
+        at, mlp = b.attn, b.mlp
+        out += [b.norm1, b.norm2, at.q_norm, at.k_norm]
+        for layer in (at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down):
+            out += [layer.base.weight, layer.base.bias, *(layer.lora or ())]
+    return [t for t in out if t is not None]
 
 
 def weight_shapes(model: Transformer) -> str:
