@@ -101,7 +101,8 @@ def compiles(setting: bool | str, loaded) -> bool:
     """Whether a session with `compile=setting` over `loaded` runs compiled steps: on or off as
     asked, and "auto" where compiling pays without a measurement: CUDA (torch) and Apple silicon's
     GPU (MLX). On a CPU it paid for a deep, narrow model and not for the default one
-    (benchmarks/README.md, "Per-step overhead"), so "auto" leaves a CPU's steps eager."""
+    (benchmarks/README.md, "Per-step overhead"): there "auto" asks the kept cost curves once the
+    decoder is built (Session, base.compiled_pays)."""
     if setting in (False, "off"):
         return False
     if setting in (True, "on"):
@@ -141,6 +142,7 @@ class Session:
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.compile = compiles(compile, loaded)
+        auto = compile == "auto" and not self.compile and name == "torch"
         if self.compile and name == "mlx":
             announce("compiling the decoding step (mx.compile) as it first runs: a graph per kind of step, in seconds")
         elif self.compile:
@@ -157,6 +159,11 @@ class Session:
             remeasure_cost=remeasure_cost,
             label=label or (str(model) if model is not None else "default"),
         )
+        verdict = base.compiled_pays(loaded, self.decoder) if auto else None
+        if verdict is not None and verdict[0]:  # a CPU where kept measurements say compiling pays
+            announce(f"compiling the decoding step (torch.compile): the kept cost curves say it pays ({verdict[1]})")
+            self.compile = True
+            self.decoder = self.new_decoder()
 
     @classmethod
     def from_loaded(

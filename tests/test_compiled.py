@@ -155,3 +155,36 @@ def test_wide_graphs_run_the_packed_products_the_eager_step_runs(llama):
             got = packed.packed_product(x, layer._mars_packed, layer.bias, layer.out_features)
             assert torch.equal(got, want)
             assert torch.equal(packed.linear(layer, x), want)  # the eager step's path
+
+
+def test_auto_compiles_a_cpu_step_where_the_kept_curves_say_it_pays(tmp_path, monkeypatch):
+    from mars.backends import base
+    from mars.checkpoint.default_model import keyed_cache_file
+    from mars.session import Session
+
+    monkeypatch.setenv("MARS_HOME", str(tmp_path / "home"))
+    path = str(save_model(tmp_path / "m"))
+
+    def session(heard=None, setting="auto"):
+        heard = [] if heard is None else heard
+        return Session(path, backend="torch", device="cpu", announce=heard.append, compile=setting)
+
+    first = session()
+    assert first.compile is False and first.decoder.compiled is None  # nothing measured yet: eager
+    key = first.decoder.cost_key()
+
+    def keep(decoder_key, one, wide):
+        cost.CostCurve({1: one, 8: wide}).save(keyed_cache_file("cost", base.curve_key(first.loaded, decoder_key)))
+
+    keep(key, 0.010, 0.020)  # an eager run's kept curve
+    assert session().compile is False  # no compiled curve: eager
+    keep({**key, "compiled": 1}, 0.0095, 0.019)  # a run with --compile on kept 0.95x: too little
+    assert session().compile is False
+    keep({**key, "compiled": 1}, 0.006, 0.018)
+    heard = []
+    chosen = session(heard)
+    assert chosen.compile is True and chosen.decoder.compiled is not None
+    assert any("kept cost curves say it pays" in h and "0.60x" in h for h in heard)
+    assert session(setting="off").compile is False
+    keep({**key, "compiled": 1}, 0.006, 0.025)  # dearer at the widest width both measured
+    assert session().compile is False

@@ -162,6 +162,44 @@ def costs(loaded, decoder, *, announce=None, remeasure: bool = False):
 
 REMEASURE_HINT = "--remeasure-cost measures it again, thoroughly"
 
+# "auto" compiles a CPU's steps where the kept curves say a compiled forward costs at most this
+# share of an eager one at one token (every mode's step) and no more at the widest both measured.
+COMPILED_PAYS = 0.9
+
+
+def curve_key(loaded, decoder_key: dict, batch: int = 1) -> dict:
+    """What a kept cost curve of this model under a decoder of `decoder_key` (its cost_key) is kept by."""
+    gate = loaded.mars.gate if loaded.mars is not None else "none"
+    # "calibration" versions the measurement method, so stored curves measured another way are not reused.
+    key = {"model": str(getattr(loaded, "path", "")), "gate": gate, "calibration": 4, **decoder_key}
+    if batch > 1:
+        key["batch"] = batch
+    return key
+
+
+def compiled_pays(loaded, decoder) -> tuple[bool, str] | None:
+    """Whether the kept one-row cost curves of this model, eager (`decoder`, an eager torch
+    decoder) and compiled (measured by a run with --compile on), say compiled steps pay here:
+    (verdict, the figures), or None where either was never measured or the model has no
+    compiled step."""
+    from ..checkpoint.default_model import keyed_cache_file
+    from ..core.decode import cost
+
+    if getattr(decoder, "lean", None) is None or getattr(decoder, "compiled", None) is not None:
+        return None
+    eager_key = decoder.cost_key()
+    curves = [
+        cost.CostCurve.load(keyed_cache_file("cost", curve_key(loaded, k)))
+        for k in (eager_key, {**eager_key, "compiled": 1})
+    ]
+    if None in curves:
+        return None
+    eager, compiled = curves
+    widest = min(max(eager.points), max(compiled.points))
+    one, wide = compiled.seconds(1) / eager.seconds(1), compiled.seconds(widest) / eager.seconds(widest)
+    pays = one <= COMPILED_PAYS and wide <= 1.0
+    return pays, f"a compiled step costs {one:.2f}x an eager one at 1 token and {wide:.2f}x at {widest}"
+
 
 def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: bool = False):
     """The decoder's per-forward cost curve (mars.core.decode.cost) for forwards of `batch` rows:
@@ -175,16 +213,7 @@ def cost_curve(loaded, decoder, *, announce=None, batch: int = 1, remeasure: boo
     from ..checkpoint.default_model import keyed_cache_file
     from ..core.decode import cost
 
-    gate = loaded.mars.gate if loaded.mars is not None else "none"
-    # "calibration" versions the measurement method, so stored curves measured another way are not reused.
-    key = {
-        "model": str(getattr(loaded, "path", "")),
-        "gate": gate,
-        "calibration": 4,
-        **(decoder.cost_key() if hasattr(decoder, "cost_key") else {}),
-    }
-    if batch > 1:
-        key["batch"] = batch
+    key = curve_key(loaded, decoder.cost_key() if hasattr(decoder, "cost_key") else {}, batch)
     path = keyed_cache_file("cost", key)
     curve = None if remeasure else cost.CostCurve.load(path)
     if curve is not None:
