@@ -148,6 +148,8 @@ class TorchDecoder:
         # (tests/test_lean_forward.py measures both).
         # The forward a step calls: mars's own, compiled where asked; at fixed shapes (`fixed`: on
         # CUDA unless told, where its graphs are captured) every step is padded to the buckets.
+        # (Row-exact attention, bfloat16 on the CPU, runs eager: its steps keep the cached length's shapes.)
+        fixed = False if self.row_exact else fixed
         self.compiled = models.CompiledStep(self.lean, fixed=fixed) if compile else None
         self.fixed = self.compiled is not None and self.compiled.fixed
         self.buckets = (bool(buckets) or self.fixed) and self.lean is not None

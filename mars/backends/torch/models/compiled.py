@@ -89,9 +89,8 @@ class CompiledStep:
             for name, least in (("recompile_limit", FIXED_GRAPHS), ("accumulated_recompile_limit", 4 * FIXED_GRAPHS)):
                 if hasattr(cfg, name):
                     setattr(cfg, name, max(getattr(cfg, name), least))
-            if cuda:  # the weights stay where they are: a captured graph reads them in place
-                for t in weight_tensors(model):
-                    torch._dynamo.mark_static_address(t, guard=False)
+            for t in weight_tensors(model):  # the weights stay where they are: a captured graph reads them there
+                torch._dynamo.mark_static_address(t, guard=False)
             self._graph = torch.compile(self._room_forward, dynamic=False, mode=mode, options=options)
         else:
             self._graph = torch.compile(self._forward, dynamic=None, mode=mode, options=options)
