@@ -47,7 +47,9 @@ stopping at the model's EOS ids, on `--threads` torch threads (float32, CPU):
 - `mars_compiled_ar`, `mars_compiled_lossless_w{W}` (unless `--no-compile`): mars's runners on a session
   with `compile=True` (models.CompiledStep), compiled during their warm-up; their ids must equal the eager
   runners' (`compiled_equal_eager`), and the graphs compiled after the warm-up are counted
-  (`compiled_graphs`);
+  (`compiled_graphs`); with `--fixed`, `mars_fixed_ar`: the AR step through the fixed-shape graph CUDA
+  captures (models.CompiledStep(fixed=True): padded widths, attention over the cache's whole room), on
+  this CPU;
 - `hf_static_forward_w{W}` (unless `--no-compile`, widths above 1): `hf_forward_w{W}`'s steps on a
   `StaticCache` with the W-token forward under `torch.compile`: the compiled peer of mars's compiled
   lossless step;
@@ -116,6 +118,11 @@ def parse(argv):
         "random layers give one token whatever the input)",
     )
     p.add_argument("--no-compile", action="store_true", help="skip hf_static_compiled (torch.compile)")
+    p.add_argument(
+        "--fixed",
+        action="store_true",
+        help="also mars_fixed_ar: the compiled AR step at fixed shapes, as CUDA graphs take them (fixed=True)",
+    )
     p.add_argument("--mlx", action="store_true", help="also mars's MLX backend and mlx_lm (where they import)")
     p.add_argument("--quick", action="store_true", help="2 layers, 1 prompt, 4 tokens, widths 1,5, 1 round, no compile")
     p.add_argument(
@@ -761,6 +768,12 @@ def main(argv=None) -> dict:
         if not args.no_compile:  # mars's steps under torch.compile (compiled during their warm-up)
             compiled_session = mars_session(model_dir, "torch", compile=True)
             runners += mars_runners(compiled_session, args, prefix="mars_compiled")
+        if args.fixed and not args.no_compile:  # the fixed-shape graph (CUDA's) on this CPU, AR
+            from mars.backends.torch.decode import TorchDecoder
+
+            fixed_session = mars_session(model_dir, "torch")
+            fixed_session.decoder = TorchDecoder(fixed_session.loaded, compile=True, fixed=True)
+            runners += mars_runners(fixed_session, args, prefix="mars_fixed")
         # The warm-up of the AR runners first: the peers replay hf_loop's replies.
         first: dict[str, Run] = {}
         for r in runners:
@@ -861,6 +874,14 @@ def main(argv=None) -> dict:
         }
         checks["compiled_graphs"] = graphs
         checks["peers_failed"] = failed
+    if "mars_fixed_ar" in rows:
+        ratios["mars_fixed_ar_vs_mars_compiled_ar"] = (
+            rows["mars_compiled_ar"]["median_ms_per_token"] / rows["mars_fixed_ar"]["median_ms_per_token"]
+        )
+        per_round["mars_fixed_ar_vs_mars_compiled_ar"] = ratio_rounds(
+            rows["mars_compiled_ar"]["ms_per_token"], rows["mars_fixed_ar"]["ms_per_token"]
+        )
+        checks["fixed_equal_eager"] = first["mars_fixed_ar"].tokens == ar
     if "hf_static_compiled" in first:
         checks["static_compiled_equal_hf_loop"] = first["hf_static_compiled"].tokens == first["hf_loop"].tokens
     if "mars_mlx_ar" in first:

@@ -21,13 +21,20 @@ from tiny import save_model  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def mars_home(tmp_path_factory):
     """The tests' own cache directory: the cost curves and path choices they measure never
-    land in the user's. The default model converted there before is reused (read, not written)."""
+    land in the user's. The default model converted there before is reused (read, not written),
+    and what inductor compiled is shared with the user's cache (content-keyed code, no measurement)."""
     from mars.checkpoint.default_model import cache_root
 
     real = cache_root()
     home = tmp_path_factory.mktemp("mars_home")
     if (real / "models").is_dir():
         (home / "models").symlink_to(real / "models", target_is_directory=True)
+    # What inductor compiled (keyed by the graphs' contents): shared, so a second run starts warm.
+    try:
+        (real / "inductor").mkdir(parents=True, exist_ok=True)
+        (home / "inductor").symlink_to(real / "inductor", target_is_directory=True)
+    except OSError:
+        pass
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MARS_HOME", str(home))
         yield home

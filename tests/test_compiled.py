@@ -188,3 +188,20 @@ def test_auto_compiles_a_cpu_step_where_the_kept_curves_say_it_pays(tmp_path, mo
     assert session(setting="off").compile is False
     keep({**key, "compiled": 1}, 0.006, 0.025)  # dearer at the widest width both measured
     assert session().compile is False
+
+
+def test_inductor_keeps_its_work_under_the_cache_directory(llama):
+    """Building a transformers model makes inductor name its default (a temporary directory) in the
+    environment before any step is compiled; a compiled step puts mars's back (the user's own
+    TORCHINDUCTOR_CACHE_DIR, where set before mars was imported, wins)."""
+    import os
+
+    from mars.backends.torch import models
+    from mars.backends.torch.models import compiled
+    from mars.checkpoint.default_model import cache_root
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/elsewhere"
+    models.CompiledStep(llama[0].lean)
+    want = compiled.USER_INDUCTOR_DIR or str(cache_root() / "inductor")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want
+    assert compiled.USER_INDUCTOR_DIR is None or compiled.USER_INDUCTOR_DIR != "/tmp/elsewhere"

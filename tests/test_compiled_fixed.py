@@ -1,6 +1,6 @@
 """The fixed-shape compiled step (models.CompiledStep with `fixed`: what CUDA captures as graphs,
-asked for here on the CPU): every step, the prompt's too, padded to a width bucket, its reads to a
-bucket, attending over the cache's whole room under a mask that hides the room past the cached
+asked for here on the CPU): every step, the prompt's too, padded to a width bucket, its reads to the
+width, attending over the cache's whole room under a mask that hides the room past the cached
 length. The tokens of the eager steps in every kind of step, a graph per shape and none after the
 warm-up, the room mask against the StepMask's. Tiny models: a graph compiles in seconds here; the
 tests that make many graphs are `slow`."""

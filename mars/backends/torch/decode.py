@@ -398,7 +398,7 @@ class TorchDecoder:
         """A fixed-shape step's mask and reads (models.CompiledStep with `fixed`): the mask's keys
         laid out over the cache's room (its room made first, for q more columns of b rows), every
         part of a StepMask given so that every kind of step meets one graph of its shape; the reads
-        padded to a bucket by repeating the last."""
+        padded by repeating the last (to the width, or a bucket of them past the widest)."""
         cached = cache.length
         cache.reserve(q, b)
         cache.fit_rows()
@@ -411,7 +411,12 @@ class TorchDecoder:
         else:
             mask = models.room_layout(np.asarray(mask, dtype=bool), cached, room)
         n = distinct.size
-        reads = np.concatenate([distinct, np.repeat(distinct[-1:], models.graph_width(n) - n)])
+        # A step of the width buckets reads its width's rows (a row's, or the batch's where it reads
+        # more): the head over a few more rows costs a device little, and a graph per read count would
+        # multiply the graphs. A prompt's wider step reads a bucket of what it reads (its last rows).
+        wide = q > WIDTH_BUCKETS[-1]
+        target = models.graph_width(n) if wide else (q if n <= q else b * q)
+        reads = np.concatenate([distinct, np.repeat(distinct[-1:], target - n)])
         return mask, reads
 
     def _exact_rows(self, input_ids, valid) -> np.ndarray | None:
@@ -601,9 +606,9 @@ class TorchOps:
 def slot_predictions(logits: torch.Tensor, metric: str, sampling: Sampling, generator=None):
     """(ids, confidence) per slot, on the device. Confidence is measured on the untempered
     distribution: of the drawn token for `probability`, of the slot for entropy and margin.
-    No metric (greedy AR): the argmax alone, as `generate` takes it."""
+    No metric (greedy AR): the argmax alone, as `generate` takes it, and no confidence (None)."""
     if metric is None and sampling.greedy:
-        return logits.argmax(-1), torch.zeros(logits.shape[:-1], device=logits.device)
+        return logits.argmax(-1), None
     logp = torch.log_softmax(logits, dim=-1)
     probs = logp.exp()
     if sampling.greedy:

@@ -31,6 +31,17 @@ from ....core.masks import WIDTH_BUCKETS, bucket
 from .. import packed
 from .base import KVCache, Linear, StepInputs, Transformer, additive_masks, rms_norm, room_allowed, step_allowed
 
+# The inductor cache directory the user set, read before anything of torch's asks for one: inductor
+# writes its default (a temporary directory) into the environment the first time it is asked, which
+# building a transformers model can do before a compiled step is made.
+USER_INDUCTOR_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
+def inductor_dir(root) -> str:
+    """Where inductor keeps what it compiles: the user's TORCHINDUCTOR_CACHE_DIR, else under mars's
+    cache directory (`root`)."""
+    return USER_INDUCTOR_DIR or str(root / "inductor")
+
 
 def _keep_guard(entry) -> bool:
     """Dynamo's guards the compiled step keeps: all but the checks of the model's tensors (its
@@ -59,7 +70,7 @@ class CompiledStep:
         from ....checkpoint.default_model import cache_root
 
         # inductor keeps what it compiled beside mars's other measurements: a second run starts warm.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(cache_root())
         self.model = model
         a = model.args
         # What the graph's shapes depend on besides the step: one guard for the weights' checks.
@@ -70,7 +81,7 @@ class CompiledStep:
         parts = [(b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down) for b in model.blocks]
         self.packs = packed.graph_packs([x.base for block in parts for x in block])
         cuda = model.embed.device.type == "cuda"
-        # Fixed shapes (a graph per batch, width bucket, reads bucket and room; the decoder pads to
+        # Fixed shapes (a graph per batch, width bucket and room; the decoder pads to
         # them): what CUDA graphs capture. On a CPU the graph over exactly the cached length was
         # faster (the module's docstring); `fixed` there serves the tests.
         self.fixed = cuda if fixed is None else bool(fixed)
@@ -224,7 +235,7 @@ def graph_width(width: int) -> int:
     return 1 << (width - 1).bit_length()
 
 
-# Graphs a fixed-shape step may make (batch, width and reads buckets, rooms): dynamo's limit per function.
+# Graphs a fixed-shape step may make (batch, width buckets, rooms, prompts' reads): dynamo's limit per function.
 FIXED_GRAPHS = 64
 
 
