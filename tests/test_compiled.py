@@ -205,3 +205,25 @@ def test_inductor_keeps_its_work_under_the_cache_directory(llama):
     want = compiled.USER_INDUCTOR_DIR or str(cache_root() / "inductor")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == want
     assert compiled.USER_INDUCTOR_DIR is None or compiled.USER_INDUCTOR_DIR != "/tmp/elsewhere"
+
+
+def test_models_alike_in_shape_but_not_in_activation_get_their_own_graphs(tok):
+    """The signature stands for dynamo's dropped checks of the model's objects: a model whose every
+    weight has another's shape but whose MLP activates otherwise must not run the other's graph."""
+    import transformers
+
+    silu_eager, silu = decoders(tok, "llama", seed=1)
+    plan = make_plan(**BASE, threshold=1.0)
+    assert generate(silu, prompts_of(tok), plan).tokens == generate(silu_eager, prompts_of(tok), plan).tokens
+    config = silu.tm.model.config.to_dict()
+    config["hidden_act"] = "gelu"
+    torch.manual_seed(3)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    tm = TorchModel(other, tok, None, "", torch.device("cpu"), torch.float32)
+    eager, compiled = TorchDecoder(tm), TorchDecoder(tm, compile=True)
+    from mars.backends.torch.models.compiled import signature
+
+    assert "GELU" in compiled.compiled.signature and compiled.compiled.signature != signature(silu.lean, False)
+    for asked in (dict(threshold=1.0), dict(lossless=True)):
+        plan = make_plan(**BASE, **asked)
+        assert generate(compiled, prompts_of(tok), plan).tokens == generate(eager, prompts_of(tok), plan).tokens

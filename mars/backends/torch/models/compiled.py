@@ -13,7 +13,8 @@ StepMask tensors, as base.Transformer.attention_masks builds it.
 
 The decoder's weights are the model's own tensors, read by the graph as inputs; dynamo's guards on
 them (a shape, stride and dtype check per tensor on every call: about 1 ms a step for 270 tensors)
-are dropped, and one guard on the model's `signature` (its shapes and dtype) stands for them.
+and on the model's objects and constants (their types, its arguments: another 0.5 ms) are dropped,
+and one guard on the model's `signature` (all of that in a string) stands for them.
 
 Arithmetic: the same operations as the eager forward, fused, except attention (a softmax over
 the two products, where the eager forward calls the fused kernel) and the gated adapter (its delta
@@ -43,10 +44,21 @@ def inductor_dir(root) -> str:
     return USER_INDUCTOR_DIR or str(root / "inductor")
 
 
+# Dynamo's checks of what the graph reads through `self` that the one check of `self.signature`
+# stands for: the model's tensors (shape, stride, dtype), its objects' types and its Python constants
+# (arguments, which layers have a bias, an adapter, a pack). About 1,500 of them on a 30-layer model:
+# a compiled AR call of the deep, narrow model took 1.5-1.8 ms with them on this CPU, 1.0-1.1 without
+# (by hand, the same call 300 times, medians of 7).
+DROPPED_GUARDS = ("TENSOR_MATCH", "TYPE_MATCH", "CONSTANT_MATCH")
+
+
 def _keep_guard(entry) -> bool:
-    """Dynamo's guards the compiled step keeps: all but the checks of the model's tensors (its
-    weights, reached through `self`), which the guard on `self.signature` stands for."""
-    return not (entry.guard_type == "TENSOR_MATCH" and entry.name.startswith("self."))
+    """Dynamo's guards the compiled step keeps: all but DROPPED_GUARDS on what it reads through
+    `self`, save the one on `self.signature` (`signature`), which stands for them."""
+    name = entry.name
+    return not (
+        name.startswith("self.") and entry.guard_type in DROPPED_GUARDS and not name.startswith("self.signature")
+    )
 
 
 def _guards(entries) -> list[bool]:
@@ -72,14 +84,14 @@ class CompiledStep:
         # inductor keeps what it compiled beside mars's other measurements: a second run starts warm.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor_dir(cache_root())
         self.model = model
-        a = model.args
-        # What the graph's shapes depend on besides the step: one guard for the weights' checks.
-        self.signature = f"{a}|{model.dtype}|{model.embed.device}|{weight_shapes(model)}"
         self.compiles = 0
         # Products of 2 rows or more through the CPU decoder's packs (packed.py), where the eager
         # step runs them: on the default model a wide step's products ran 2.5x slower without.
         parts = [(b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down) for b in model.blocks]
         self.packs = packed.graph_packs([x.base for block in parts for x in block])
+        # Everything the graph was traced from besides the step's inputs: one guard stands for dynamo's
+        # checks of the model's objects (`_guards`).
+        self.signature = signature(model, self.packs)
         cuda = model.embed.device.type == "cuda"
         # Fixed shapes (a graph per batch, width bucket and room; the decoder pads to
         # them): what CUDA graphs capture. On a CPU the graph over exactly the cached length was
@@ -248,6 +260,24 @@ def weight_tensors(model: Transformer) -> list[torch.Tensor]:
         for layer in (at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down):
             out += [layer.base.weight, layer.base.bias, *(layer.lora or ())]
     return [t for t in out if t is not None]
+
+
+def signature(model: Transformer, packs: bool) -> str:
+    """What a graph traced over `model` depends on besides the step's inputs: its arguments, dtype and
+    device, its rotary scaling, the types of its layers and activations, which layers carry a pack
+    and whether the graph uses them, and every weight's shape (which layers have a bias or an
+    adapter). Models alike in all of it share graphs, each with its own weights."""
+    linears = [
+        x for b in model.blocks for x in (b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down)
+    ]
+    kinds = sorted({type(x.base).__qualname__ for x in linears})
+    acts = sorted({type(getattr(b.mlp.act, "__self__", b.mlp.act)).__qualname__ for b in model.blocks})
+    acts += sorted({getattr(b.mlp.act, "__qualname__", "") for b in model.blocks})
+    packed_layers = "".join("1" if "_mars_packed" in x.base.__dict__ else "0" for x in linears)
+    return (
+        f"{model.args}|{model.dtype}|{model.embed.device}|rope {model.rope_scaling}|{kinds}|{acts}|"
+        f"packs {bool(packs)} {packed_layers}|{weight_shapes(model)}"
+    )
 
 
 def weight_shapes(model: Transformer) -> str:
