@@ -6,7 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import COMPILED_BASE, COMPILED_MODES, make_model, make_plan, make_tokenizer, save_model
+from tiny import (
+    COMPILED_BASE,
+    COMPILED_MODES,
+    chat_prompts,
+    eager_and_compiled,
+    make_model,
+    make_plan,
+    make_tokenizer,
+    save_model,
+)
 
 from mars.backends.torch.decode import TorchDecoder
 from mars.backends.torch.load import TorchModel
@@ -22,16 +31,10 @@ def tok():
     return make_tokenizer()
 
 
-def prompts_of(tok, texts=("Hello there, how are you today?", "x")):
-    return [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
-        for t in texts
-    ]
+prompts_of = chat_prompts
 
 
-def decoders(tok, arch: str, seed: int = 1, **kw):
-    tm = TorchModel(make_model(arch, len(tok), seed=seed, **kw), tok, None, "", torch.device("cpu"), torch.float32)
-    return TorchDecoder(tm), TorchDecoder(tm, compile=True)
+decoders = eager_and_compiled
 
 
 @pytest.fixture(scope="module")

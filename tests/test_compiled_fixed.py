@@ -10,11 +10,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny import COMPILED_BASE, COMPILED_MODES, make_model, make_plan, make_tokenizer
+from tiny import COMPILED_BASE, COMPILED_MODES, chat_prompts, eager_and_compiled, make_plan, make_tokenizer
 
 from mars.backends.torch import models
 from mars.backends.torch.decode import TorchDecoder
-from mars.backends.torch.load import TorchModel
 from mars.backends.torch.models.base import room_allowed, step_allowed
 from mars.core.decode.loop import generate
 from mars.core.masks import StepMask
@@ -27,16 +26,11 @@ def tok():
     return make_tokenizer()
 
 
-def prompts_of(tok, texts=("Hello there, how are you today?", "x")):
-    return [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
-        for t in texts
-    ]
+prompts_of = chat_prompts
 
 
 def decoders(tok, arch: str, seed: int = 1, **kw):
-    tm = TorchModel(make_model(arch, len(tok), seed=seed, **kw), tok, None, "", torch.device("cpu"), torch.float32)
-    return TorchDecoder(tm), TorchDecoder(tm, compile=True, fixed=True)
+    return eager_and_compiled(tok, arch, seed, fixed=True, **kw)
 
 
 @pytest.fixture(scope="module")

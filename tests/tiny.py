@@ -235,3 +235,23 @@ COMPILED_MODES = {
     "block": dict(threshold=0.5, cache="block"),
     "lossless_block": dict(lossless=True, cache="block"),
 }
+
+
+def chat_prompts(tok, texts=("Hello there, how are you today?", "x")) -> list[list[int]]:
+    """Each text as a user's chat turn, through the tokenizer's template, ready for a reply."""
+    return [
+        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
+        for t in texts
+    ]
+
+
+def eager_and_compiled(tok, arch: str, seed: int = 1, fixed: bool | None = None, **kw):
+    """An eager TorchDecoder and a compiled one (`fixed`: at fixed shapes) over one tiny model,
+    float32 on the CPU."""
+    import torch
+
+    from mars.backends.torch.decode import TorchDecoder
+    from mars.backends.torch.load import TorchModel
+
+    tm = TorchModel(make_model(arch, len(tok), seed=seed, **kw), tok, None, "", torch.device("cpu"), torch.float32)
+    return TorchDecoder(tm), TorchDecoder(tm, compile=True, fixed=fixed)

@@ -141,15 +141,7 @@ class CompiledStep:
             if t is not None:
                 for d in dims:
                     torch._dynamo.maybe_mark_dynamic(t, d)
-        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        with torch.inference_mode():
-            logits, new_keys, new_values = self._graph(*args)
-            self.compiles += torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
-            cache.keys[:, :b, :, c : c + w].copy_(new_keys)
-            cache.values[:, :b, :, c : c + w].copy_(new_values)
-            if cache.positions is not None:
-                cache.positions[:b, c : c + w].copy_(inp.positions)
-        return logits
+        return self._run(cache, inp, args)
 
     def _room_step(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         """A step through the fixed-shape graph: every step, the prompt's too, at its padded width,
@@ -157,12 +149,17 @@ class CompiledStep:
         length as `inp.length`); the logits of the padded reads."""
         if inp.real is not None or inp.exact is not None or inp.length is None:
             return self.model(cache, inp)  # holes skipped, row-exact attention, no room layout: eager
-        b, w, c = inp.batch, inp.width, cache.length
-        cache.reserve(w, b)
+        cache.reserve(inp.width, inp.batch)
         cache.fit_rows()
         gate = None if inp.gate is None else inp.gate[1]
         args = (inp.ids, inp.positions, inp.reads, cache.keys, cache.values, cache.positions, inp.length)
         args += (inp.allowed, inp.keys, inp.see, inp.start, gate)
+        return self._run(cache, inp, args)
+
+    def _run(self, cache: KVCache, inp: StepInputs, args: tuple) -> torch.Tensor:
+        """The graph over `args`, its graphs counted; the step's keys and values (and positions) then
+        written into the cache at its length, for every layer at once."""
+        b, w, c = inp.batch, inp.width, cache.length
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         with torch.inference_mode():
             logits, new_keys, new_values = self._graph(*args)
