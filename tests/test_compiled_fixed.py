@@ -50,7 +50,13 @@ def watch(monkeypatch, decoder) -> list[int]:
     return lengths
 
 
-@pytest.mark.parametrize("mode", ["ar", "threshold", "lossless_trees", "lossless_groups_logprobs", "lossless_block"])
+# AR and trees in the fast suite; the other kinds of step (a graph or two each) with the slow tests.
+SLOW_MODES = ("threshold", "lossless_groups_logprobs", "lossless_block")
+
+
+@pytest.mark.parametrize(
+    "mode", ["ar", "lossless_trees"] + [pytest.param(m, marks=pytest.mark.slow) for m in SLOW_MODES]
+)
 def test_fixed_steps_give_the_eager_tokens(llama, tok, mode, monkeypatch):
     eager, fixed = llama
     lengths = watch(monkeypatch, fixed)
