@@ -92,10 +92,13 @@ def test_no_graph_is_compiled_after_the_warm_up(tok):
     assert other.compiled.compiles == 0
 
 
+@pytest.mark.parametrize("fixed", [None, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize(("arch", "kw"), [("qwen3", {}), ("granite", {}), ("mistral", {"window": 5})])
-def test_compiled_steps_of_other_families_give_the_eager_tokens(tok, arch, kw):
-    """Per-head norms (qwen3), multipliers (granite), a sliding window that cuts (mistral)."""
-    eager, compiled = decoders(tok, arch, **kw)
+def test_compiled_steps_of_other_families_give_the_eager_tokens(tok, arch, kw, fixed):
+    """Per-head norms (qwen3), multipliers (granite), a sliding window that cuts (mistral); the graph
+    over the cached length and the fixed-shape one (tests/test_compiled_fixed.py), whose window cuts
+    over the room's key positions."""
+    eager, compiled = decoders(tok, arch, fixed=fixed, **kw)
     prompts = prompts_of(tok, ("Hello there, how are you today? " * 2, "x"))
     for asked in (dict(threshold=1.0), dict(lossless=True)):
         plan = make_plan(**dict(BASE, max_tokens=16), **asked)

@@ -2,8 +2,8 @@
 asked for here on the CPU): every step, the prompt's too, padded to a width bucket, its reads to the
 width, attending over the cache's whole room under a mask that hides the room past the cached
 length. The tokens of the eager steps in every kind of step, a graph per shape and none after the
-warm-up, the room mask against the StepMask's. Tiny models: a graph compiles in seconds here; the
-tests that make many graphs are `slow`."""
+warm-up, the room mask against the StepMask's (other families: tests/test_compiled.py). Tiny
+models: a graph compiles in seconds here; the tests that make many graphs are `slow`."""
 
 from __future__ import annotations
 
@@ -120,17 +120,6 @@ def test_a_graph_per_shape_and_none_after_the_warm_up(tok, monkeypatch):
     plan = make_plan(**dict(BASE, eos_ids=(), max_tokens=300), threshold=1.0)
     assert generate(fixed, prompts[:1], plan).tokens == generate(eager, prompts[:1], plan).tokens
     assert fixed.compiled.compiles <= warm + 4
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("arch", "kw"), [("qwen3", {}), ("mistral", {"window": 5})])
-def test_fixed_steps_of_other_families_give_the_eager_tokens(tok, arch, kw):
-    """Per-head norms (qwen3), a sliding window that cuts over the room's key positions (mistral)."""
-    eager, fixed = decoders(tok, arch, **kw)
-    prompts = prompts_of(tok, ("Hello there, how are you today? " * 2, "x"))
-    for asked in (dict(threshold=1.0), dict(lossless=True)):
-        plan = make_plan(**dict(BASE, max_tokens=16), **asked)
-        assert generate(fixed, prompts, plan).tokens == generate(eager, prompts, plan).tokens, (arch, asked)
 
 
 def test_fixed_shapes_are_for_cuda_unless_asked(llama):
