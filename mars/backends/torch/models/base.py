@@ -361,13 +361,7 @@ def step_allowed(cached, width: int, batch: int, keys, see, start, device) -> to
     """A StepMask's bool mask (batch, width, cached + width) from its tensors (`keys`, `see`, `start`,
     each None where it has none), as masks.StepMask.dense builds it on the host."""
     col = torch.arange(-cached, width, device=device)  # a key's column among the fed ones (cached: negative)
-    j = torch.arange(width, device=device)[:, None]
-    allowed = col <= j  # causal
-    if see is not None:
-        allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
-    if keys is not None:
-        allowed = (allowed & keys[:, None, :] & keys[:, cached:, None]) | (col == j)
-    return allowed.expand(batch, width, cached + width)
+    return _view_rule(col, width, keys, see, start, cached).expand(batch, width, cached + width)
 
 
 def room_allowed(length: torch.Tensor, room: int, width: int, batch: int, keys, see, start) -> torch.Tensor:
@@ -375,17 +369,26 @@ def room_allowed(length: torch.Tensor, room: int, width: int, batch: int, keys, 
     first (those at or past `length`, a (1,) tensor, never seen), then the fed ones; at the live
     columns the same bits as step_allowed's. `keys` (batch, room + width) in that layout (the
     room's part False past the length) or None; `see`, `start` as step_allowed's."""
-    device = length.device
-    index = torch.arange(room + width, device=device)
+    index = torch.arange(room + width, device=length.device)
     fed = index >= room
     col = torch.where(fed, index - room, index - length)  # as step_allowed's column: the cached negative
-    j = torch.arange(width, device=device)[:, None]
-    allowed = (col <= j) & (fed | (index < length))
+    allowed = _view_rule(col, width, keys, see, start, room, fed) & (fed | (index < length))
+    return allowed.expand(batch, width, room + width)
+
+
+def _view_rule(col, width: int, keys, see, start, first_fed: int, fed=None) -> torch.Tensor:
+    """The StepMask's rule over keys at columns `col` (fed ones 0.., cached ones negative; the fed
+    keys from index `first_fed` on, `fed` marking them where other columns follow the cached ones):
+    causal, narrowed by `see` and `start`, real queries and keys only (`keys`), a query always seeing
+    itself."""
+    j = torch.arange(width, device=col.device)[:, None]
+    allowed = col <= j  # causal
     if see is not None:
         allowed = allowed & ((col <= see[:, :, None]) | (col >= start[:, :, None]))
     if keys is not None:
-        allowed = (allowed & keys[:, None, :] & keys[:, room:, None]) | (fed & (col == j))
-    return allowed.expand(batch, width, room + width)
+        itself = col == j if fed is None else fed & (col == j)
+        allowed = (allowed & keys[:, None, :] & keys[:, first_fed:, None]) | itself
+    return allowed
 
 
 def room_layout(mask: np.ndarray, cached: int, room: int) -> np.ndarray:

@@ -87,8 +87,7 @@ class CompiledStep:
         self.compiles = 0
         # Products of 2 rows or more through the CPU decoder's packs (packed.py), where the eager
         # step runs them: on the default model a wide step's products ran 2.5x slower without.
-        parts = [(b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down) for b in model.blocks]
-        self.packs = packed.graph_packs([x.base for block in parts for x in block])
+        self.packs = packed.graph_packs([x.base for x in linears(model)])
         # Everything the graph was traced from besides the step's inputs: one guard stands for dynamo's
         # checks of the model's objects (`_guards`).
         self.signature = signature(model, self.packs)
@@ -248,14 +247,23 @@ def graph_width(width: int) -> int:
 FIXED_GRAPHS = 64
 
 
+def block_linears(block) -> tuple[Linear, ...]:
+    """A block's linear layers, in the order the graph's checks list them."""
+    at, mlp = block.attn, block.mlp
+    return at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down
+
+
+def linears(model: Transformer) -> list[Linear]:
+    return [x for b in model.blocks for x in block_linears(b)]
+
+
 def weight_tensors(model: Transformer) -> list[torch.Tensor]:
     """Every tensor of the model the compiled forward reads."""
     out = [model.embed, model.norm, model.inv_freq, *model.head.parameters()]
     for b in model.blocks:
-        at, mlp = b.attn, b.mlp
-        out += [b.norm1, b.norm2, at.q_norm, at.k_norm]
-        for layer in (at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down):
-            out += [layer.base.weight, layer.base.bias, *(layer.lora or ())]
+        out += [b.norm1, b.norm2, b.attn.q_norm, b.attn.k_norm]
+    for layer in linears(model):
+        out += [layer.base.weight, layer.base.bias, *(layer.lora or ())]
     return [t for t in out if t is not None]
 
 
@@ -264,13 +272,11 @@ def signature(model: Transformer, packs: bool) -> str:
     device, its rotary scaling, the types of its layers and activations, which layers carry a pack
     and whether the graph uses them, and every weight's shape (which layers have a bias or an
     adapter). Models alike in all of it share graphs, each with its own weights."""
-    linears = [
-        x for b in model.blocks for x in (b.attn.q, b.attn.k, b.attn.v, b.attn.o, b.mlp.gate, b.mlp.up, b.mlp.down)
-    ]
-    kinds = sorted({type(x.base).__qualname__ for x in linears})
+    layers = linears(model)
+    kinds = sorted({type(x.base).__qualname__ for x in layers})
     acts = sorted({type(getattr(b.mlp.act, "__self__", b.mlp.act)).__qualname__ for b in model.blocks})
     acts += sorted({getattr(b.mlp.act, "__qualname__", "") for b in model.blocks})
-    packed_layers = "".join("1" if "_mars_packed" in x.base.__dict__ else "0" for x in linears)
+    packed_layers = "".join("1" if "_mars_packed" in x.base.__dict__ else "0" for x in layers)
     return (
         f"{model.args}|{model.dtype}|{model.embed.device}|rope {model.rope_scaling}|{kinds}|{acts}|"
         f"packs {bool(packs)} {packed_layers}|{weight_shapes(model)}"
@@ -291,16 +297,8 @@ def weight_shapes(model: Transformer) -> str:
     parts = [shape(model.embed), shape(model.norm), shape(model.inv_freq), type(model.head).__name__]
     parts += [tuple(shape(p) for p in model.head.parameters())]
     for b in model.blocks:
-        at, mlp = b.attn, b.mlp
-        parts.append(
-            (
-                shape(b.norm1),
-                shape(b.norm2),
-                shape(at.q_norm),
-                shape(at.k_norm),
-                *(linear(x) for x in (at.q, at.k, at.v, at.o, mlp.gate, mlp.up, mlp.down)),
-            )
-        )
+        norms = (b.norm1, b.norm2, b.attn.q_norm, b.attn.k_norm)
+        parts.append((*(shape(t) for t in norms), *(linear(x) for x in block_linears(b))))
     return str(parts)
 
 
