@@ -242,8 +242,9 @@ def test_the_decoder_measures_the_row_paths_once_per_cpu_and_shape(monkeypatch, 
     )
     dec = new()
     assert dec.linear_rows == [2] and dec.cost_key()["linear_rows"] == [2]
-    layers = packed.packed_layers(dec.tm.model)
+    layers = packed.packed_layers(dec.tm.body)
     assert layers and all(layer._mars_linear_rows == frozenset({2}) for layer in layers)
+    assert dec.head._mars_linear_rows == frozenset()  # the head keeps its own path (packed.pack_head)
     assert new().linear_rows == [2] and calls == [1]  # the second decoder read the kept choice
     assert list((tmp_path / "paths").glob("*.json"))
 
@@ -366,3 +367,24 @@ def test_decoding_on_the_preallocated_and_growing_caches_equals_decoding_on_tran
                     out[kind, cache, mode, len(batch)] = generate(decoders[kind], batch, s).tokens
     for key in [k for k in out if k[0] == "growing"]:
         assert out[key] == out[("dynamic",) + key[1:]] == out[("preallocated",) + key[1:]], key
+
+
+def test_the_head_reads_two_rows_or_more_through_its_pack():
+    """packed.pack_head: a float32 decoder packs its LM head; one read runs the head as the model
+    does (bit for bit), more reads run the pack (the same logits up to the last bits); a bfloat16
+    head is not packed."""
+    from mars.backends.torch.models.base import head_logits
+
+    dec, _ = _decoder()
+    head = dec.head
+    assert "_mars_packed" in head.__dict__
+    h = torch.randn(5, head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = head(h[None])[0]
+        assert torch.equal(head_logits(head, h[:1]), head(h[:1][None])[0])
+        for rows in (2, 3, 5):
+            got = head_logits(head, h[:rows])
+            assert got.shape == (rows, head.out_features)
+            assert torch.allclose(got, plain[:rows], atol=1e-5, rtol=1e-5)
+    assert not packed.pack_head(torch.nn.Linear(8, 16, dtype=torch.bfloat16))
+    assert packed.pack_head(torch.nn.Linear(8, 16))

@@ -241,7 +241,8 @@ def test_block_cache_counts_waiting_apart(tm, tok):
 
 def test_eos_stops_and_drops_what_follows(tok):
     model = make_model("llama", len(tok), seed=3)
-    dec = TorchDecoder(TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32))
+    # Unpacked: a packed head's product (packed.pack_head) does not run the module's forward hooks.
+    dec = TorchDecoder(TorchModel(model, tok, None, "", torch.device("cpu"), torch.float32), pack=False)
 
     # Every slot after the first predicts EOS, confidently; slot 0 predicts its usual token.
     def favour_eos(module, args, out):

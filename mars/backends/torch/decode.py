@@ -49,7 +49,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
     from ...checkpoint.default_model import keyed_cache_file
     from ...core.files import atomic_write_text
 
-    layers = packed.packed_layers(tm.model)
+    layers = packed.packed_layers(tm.body)  # the body's: the head keeps its own path (packed.pack_head)
     size = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
     if size < ROW_PATHS_MIN_BYTES:
         return []
@@ -67,7 +67,7 @@ def linear_rows_for(tm: TorchModel) -> list[int]:
         return [int(r) for r in json.loads(path.read_text())["linear_rows"]]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    timings = packed.time_row_paths(tm.model)
+    timings = packed.time_row_paths(tm.body)
     rows = packed.row_choices(timings)
     report = {
         "key": key,
@@ -121,13 +121,14 @@ class TorchDecoder:
         compile = bool(compile) and own
         if pack is None:
             pack = can_pack(tm.device, tm.dtype)
-        # The body's layers alone: mars's forward runs the head with F.linear (its reads), so a
-        # packed copy of the head would be memory spent for nothing (113 MB on the default model).
         self.packed = pack_linears(self.body) if pack and own else 0
         # Row counts whose products run F.linear, where this CPU computes them faster (packed.py).
         self.linear_rows = linear_rows_for(tm) if self.packed else []
         if self.packed:
-            packed.use_linear_rows(tm.model, self.linear_rows)
+            packed.use_linear_rows(self.body, self.linear_rows)
+            # The head too, in float32 (its reads of 2 rows or more; 113 MB more on the default
+            # model): packed.pack_head. Packed after the body's row paths are chosen, which it keeps out of.
+            packed.pack_head(self.head)
         # A batch's step computes its real positions alone, not its holes (models.StepInputs.real).
         self.skips_holes = bool(self.packed) and not compile  # (a compiled graph runs the holes too)
         # CPU: masked multi-token forwards share key heads instead of copying them (same results).
@@ -166,6 +167,7 @@ class TorchDecoder:
             "packed_min_rows": packed.MIN_ROWS if self.packed else None,
             "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
             "linear_rows": self.linear_rows if self.packed else None,
+            **({"packed_head": 1} if "_mars_packed" in getattr(self.head, "head", self.head).__dict__ else {}),
             "grouped": self.grouped,
             "torch": torch.__version__,
             **({"row_exact": True} if self.row_exact else {}),

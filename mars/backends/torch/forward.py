@@ -91,7 +91,10 @@ class FinalLogits(torch.nn.Module):
         return self.head.weight
 
     def forward(self, hidden):
-        logits = self.head(hidden)
+        return self.finish(self.head(hidden))
+
+    def finish(self, logits):
+        """What the model does to the head's output."""
         if self.scaling != 1.0:
             logits = logits / self.scaling
         if self.softcap:

@@ -354,7 +354,23 @@ class Transformer:
         for block in self.blocks:
             h = block(h, rope, masks, cache, inp)
         h = rms_norm(h.index_select(0, inp.reads), self.norm, self.args.eps)
-        return self.head(h[None])[0].float()  # the head sees (1, reads, hidden), as a body's output
+        return head_logits(self.head, h)
+
+
+def head_logits(head, h: torch.Tensor, product=None) -> torch.Tensor:
+    """The float32 logits of the rows read, `h` (k, hidden): 2 rows or more through the head's pack
+    where the decoder made one (packed.pack_head), through `product(x, pack, bias, out_features)` if
+    given (a compiled graph's), else `packed.linear`; else the head as the model calls it, on
+    (1, k, hidden) as a body's output."""
+    inner = getattr(head, "head", head)  # forward.FinalLogits wraps the model's own head
+    pack = inner.__dict__.get("_mars_packed")
+    if pack is None or h.shape[0] < packed.MIN_ROWS:
+        return head(h[None])[0].float()
+    if product is None:
+        logits = packed.linear(inner, h)
+    else:
+        logits = product(h, pack, inner.bias, inner.out_features)
+    return (logits if inner is head else head.finish(logits)).float()
 
 
 def step_allowed(cached, width: int, batch: int, keys, see, start, device) -> torch.Tensor:

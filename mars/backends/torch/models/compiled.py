@@ -30,7 +30,17 @@ import torch.nn.functional as F
 
 from ....core.masks import WIDTH_BUCKETS, bucket
 from .. import packed
-from .base import KVCache, Linear, StepInputs, Transformer, additive_masks, rms_norm, room_allowed, step_allowed
+from .base import (
+    KVCache,
+    Linear,
+    StepInputs,
+    Transformer,
+    additive_masks,
+    head_logits,
+    rms_norm,
+    room_allowed,
+    step_allowed,
+)
 
 # The inductor cache directory the user set, read before anything of torch's asks for one: inductor
 # writes its default (a temporary directory) into the environment the first time it is asked, which
@@ -232,7 +242,7 @@ class CompiledStep:
             out = lin(mlp.down, mlp.act(lin(mlp.gate, x, gate)) * lin(mlp.up, x, gate), gate)
             h = h + out * r if r != 1.0 else h + out
         h = rms_norm(h.index_select(0, reads), m.norm, a.eps)
-        return m.head(h[None])[0].float(), torch.stack(new_keys), torch.stack(new_values)
+        return head_logits(m.head, h, packed.packed_product), torch.stack(new_keys), torch.stack(new_values)
 
 
 def graph_width(width: int) -> int:
@@ -277,6 +287,7 @@ def signature(model: Transformer, packs: bool) -> str:
     acts = sorted({type(getattr(b.mlp.act, "__self__", b.mlp.act)).__qualname__ for b in model.blocks})
     acts += sorted({getattr(b.mlp.act, "__qualname__", "") for b in model.blocks})
     packed_layers = "".join("1" if "_mars_packed" in x.base.__dict__ else "0" for x in layers)
+    packed_layers += " head " + str("_mars_packed" in getattr(model.head, "head", model.head).__dict__)
     return (
         f"{model.args}|{model.dtype}|{model.embed.device}|rope {model.rope_scaling}|{kinds}|{acts}|"
         f"packs {bool(packs)} {packed_layers}|{weight_shapes(model)}"
