@@ -87,7 +87,8 @@ class TorchDecoder:
     `pack` (default: on the CPU where oneDNN is available, for mars's own forward): the linear
     layers also keep their weights packed for multi-token forwards (mars.backends.torch.packed),
     which makes a forward of 2-16 tokens cost much less than with `F.linear`; one-token forwards
-    are unchanged. The packed copies double the weights' memory. With packed layers a batch's
+    are unchanged. A float32 LM head is packed too, for reads of 2 rows or more
+    (packed.pack_head). The packed copies double the weights' memory. With packed layers a batch's
     step computes its real positions alone, not its holes (`skips_holes`). transformers' modules
     run as transformers wrote them: no packs, every position computed.
 
