@@ -108,9 +108,7 @@ def main(argv=None) -> dict:
                 "plan": first[mode, "packed"][0],
                 "tokens_per_s": {kind: [round(r, 3) for r in rates[mode, kind]] for kind in sessions},
                 "forwards": {kind: forwards[mode, kind] for kind in sessions},
-                "packed_x_unpacked": [
-                    round(a / b, 4) for a, b in zip(rates[mode, "packed"], rates[mode, "unpacked"])
-                ],
+                "packed_x_unpacked": [round(a / b, 4) for a, b in zip(rates[mode, "packed"], rates[mode, "unpacked"])],
                 "replies_equal": first[mode, "packed"][1] == first[mode, "unpacked"][1],
             }
             for mode in asks
