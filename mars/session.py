@@ -136,12 +136,16 @@ class Session:
         the torch backend runs its steps through `torch.compile` (mars's own forward,
         models.CompiledStep), the MLX backend through `mx.compile` (mlx.compiled.CompiledMlxStep);
         architectures without that path run eager. "auto" compiles on CUDA and on Apple silicon's
-        GPU. The replies are the same either way."""
+        GPU, and a torch step that fails to compile or run there gives way to eager steps, saying
+        why. The replies are the same either way."""
         if compile not in COMPILE_SETTINGS:
             raise TypeError(f"compile={compile!r}: True, False, 'on', 'off' or 'auto'")
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.compile = compiles(compile, loaded)
+        # Under "auto" a compiled torch step that fails gives way to eager ones, saying why; asked
+        # for ("on"), its error stops the call.
+        self.compile_fallback = announce if compile == "auto" else None
         auto = compile == "auto" and not self.compile and name == "torch"
         if self.compile and name == "mlx":
             announce("compiling the decoding step (mx.compile) as it first runs: a graph per kind of step, in seconds")
@@ -173,6 +177,7 @@ class Session:
         are `decoder_cls(loaded)`, by default the backend's (mars.backends.base.decoder)."""
         session = cls.__new__(cls)
         session.compile = False
+        session.compile_fallback = None
         session._open(
             loaded, loaded.backend, decoder_cls, announce=announce, remeasure_cost=remeasure_cost, label=label
         )
@@ -194,7 +199,7 @@ class Session:
         """Another decoding step (StepBackend) over the same weights, with a cache of its own."""
         if self._decoder_cls is not None:
             return self._decoder_cls(self.loaded)
-        return base.decoder(self.loaded, compile=self.compile)
+        return base.decoder(self.loaded, compile=self.compile, on_compile_error=self.compile_fallback)
 
     @property
     def mars(self):

@@ -194,6 +194,34 @@ def test_auto_compiles_a_cpu_step_where_the_kept_curves_say_it_pays(tmp_path, mo
     assert session(setting="off").compile is False
     keep({**key, "compiled": 1}, 0.006, 0.025)  # dearer at the widest width both measured
     assert session().compile is False
+    keep({**key, "compiled": 1}, 0.006, 0.018)
+    assert chosen.decoder.on_compile_error is not None  # "auto": a failing compiled step gives way
+    assert session(setting="on").decoder.on_compile_error is None  # asked for: its error stops the call
+
+
+@pytest.mark.parametrize("fixed", [None, True])
+def test_a_failing_compiled_step_gives_way_to_eager_steps_where_told(llama, tok, fixed):
+    """`on_compile_error` (what --compile auto gives): a compiled step that raises is dropped, the
+    message says why, and that step and the rest run eager on the same cache, with the eager tokens
+    (the graph over the cached length fails at the step after the prompt's, the fixed-shape one at
+    the prompt's). Without it (--compile on) the error stops the call."""
+    eager, _ = llama
+
+    def broken(*args):
+        raise RuntimeError("no working compiler here\nthe rest of the trace")
+
+    plan = make_plan(**BASE, lossless=True)
+    prompts = prompts_of(tok)
+    heard = []
+    dec = TorchDecoder(eager.tm, compile=True, fixed=fixed, on_compile_error=heard.append)
+    dec.compiled._graph = broken
+    assert generate(dec, prompts, plan).tokens == generate(eager, prompts, plan).tokens
+    assert dec.compiled is None and dec.forward is dec.lean and "compiled" not in dec.cost_key()
+    assert len(heard) == 1 and "RuntimeError: no working compiler here)" in heard[0]
+    strict = TorchDecoder(eager.tm, compile=True, fixed=fixed)
+    strict.compiled._graph = broken
+    with pytest.raises(RuntimeError, match="no working compiler"):
+        generate(strict, prompts, plan)
 
 
 def test_inductor_keeps_its_work_under_the_cache_directory(llama):

@@ -71,11 +71,16 @@ def decoder_class(name: str):
     return module.MlxDecoder if name == "mlx" else module.TorchDecoder
 
 
-def decoder(loaded, *, compile: bool = False):
+def decoder(loaded, *, compile: bool = False, on_compile_error=None):
     """A decoding step (StepBackend) over a loaded model's weights; `compile`: its steps under
-    `torch.compile` (torch) or `mx.compile` (MLX)."""
+    `torch.compile` (torch) or `mx.compile` (MLX); `on_compile_error` (torch): a compiled step
+    that fails is dropped for eager ones, and this is called with a message saying why."""
     cls = decoder_class(loaded.backend)
-    return cls(loaded, compile=True) if compile else cls(loaded)
+    if not compile:
+        return cls(loaded)
+    if on_compile_error is not None and loaded.backend == "torch":
+        return cls(loaded, compile=True, on_compile_error=on_compile_error)
+    return cls(loaded, compile=True)
 
 
 def loader(name: str):

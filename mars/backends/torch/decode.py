@@ -98,7 +98,9 @@ class TorchDecoder:
     WIDTH_BUCKETS (mars's own forward only). `compile`: mars's own forward under `torch.compile`
     (models.CompiledStep: one graph for every cached length and width, its wide products packed
     where the eager step's are; a prompt's step and row-exact attention run eager); architectures
-    without it run eager."""
+    without it run eager. `on_compile_error` (what `--compile auto` gives: a function taking a
+    message): a compiled step that raises is dropped, the message says why, and that step and the
+    ones after it run eager on the same cache; without it the error propagates (`--compile on`)."""
 
     def __init__(
         self,
@@ -108,6 +110,7 @@ class TorchDecoder:
         buckets: bool = False,
         compile: bool = False,
         fixed: bool | None = None,
+        on_compile_error=None,
     ):
         from .attention import use_grouped_sdpa
         from .packed import can_pack, pack_linears
@@ -154,8 +157,21 @@ class TorchDecoder:
         fixed = False if self.row_exact else fixed
         self.compiled = models.CompiledStep(self.lean, fixed=fixed) if compile else None
         self.fixed = self.compiled is not None and self.compiled.fixed
-        self.buckets = (bool(buckets) or self.fixed) and self.lean is not None
+        self._asked_buckets = bool(buckets)
+        self.buckets = (self._asked_buckets or self.fixed) and self.lean is not None
         self.forward = self.compiled if compile else self.lean
+        self.on_compile_error = on_compile_error
+
+    def _drop_compiled(self, error: Exception) -> None:
+        """Run eager from now on: the compiled step raised `error` (`on_compile_error`)."""
+        first = (str(error).strip().splitlines() or [""])[0][:200]
+        self.on_compile_error(
+            f"the compiled decoding step failed ({type(error).__name__}: {first}); decoding eager instead "
+            "(--compile on shows the whole error)"
+        )
+        self.compiled, self.fixed, self.forward = None, False, self.lean
+        self.buckets = self._asked_buckets and self.lean is not None
+        self.skips_holes = bool(self.packed)
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -299,6 +315,7 @@ class TorchDecoder:
         or bool arrays a caller needs beside: speculate's drafts and tree), and the attention mask:
         a StepMask's `see` and `start` and its keys as bytes (the forward builds the mask on the
         device), or a bool mask given as an array, as bytes."""
+        asked = (cache, input_ids, positions, mask, read, valid, extra)
         dev = self.tm.device
         input_ids = np.asarray(input_ids)
         positions = np.asarray(positions, dtype=np.int64)
@@ -391,7 +408,13 @@ class TorchDecoder:
             start=start_d,
             length=length_d,
         )
-        logits = self.forward(own, inputs)
+        try:
+            logits = self.forward(own, inputs)
+        except Exception as error:
+            if self.forward is not self.compiled or self.on_compile_error is None:
+                raise
+            self._drop_compiled(error)  # nothing was written into the cache: the step again, eager
+            return self._lean_logits(*asked)
         if self.fixed:
             logits = logits[: distinct.size]  # the padded reads' rows dropped
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
