@@ -184,7 +184,7 @@ class TorchDecoder:
             "packed_min_rows": packed.MIN_ROWS if self.packed else None,
             "packed_pad_rows": sorted(packed.PAD_ROWS.items()) if self.packed else None,
             "linear_rows": self.linear_rows if self.packed else None,
-            **({"packed_head": 1} if "_mars_packed" in getattr(self.head, "head", self.head).__dict__ else {}),
+            **({"packed_head": 1} if packed.head_packed(self.head) else {}),
             "grouped": self.grouped,
             "torch": torch.__version__,
             **({"row_exact": True} if self.row_exact else {}),

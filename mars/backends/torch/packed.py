@@ -142,10 +142,19 @@ def pack_head(head: torch.nn.Module) -> bool:
     (2 rows run as 4: 6.0)/7.1/6.0/8.1/12.0/19.8 ms; one row, 9.9 ms, stays on `F.linear` (AR's own
     logits). bfloat16 keeps `F.linear`: its logits are rounded to 8 bits, where another summation
     order turns near-ties into other tokens more often (not measured)."""
-    inner = getattr(head, "head", head)
+    inner = head_layer(head)
     if type(inner) is not torch.nn.Linear or inner.weight.dtype != torch.float32:
         return False
     return pack_linears(inner) == 1
+
+
+def head_layer(head: torch.nn.Module) -> torch.nn.Module:
+    """The model's own LM head layer (forward.FinalLogits wraps it), where pack_head keeps its pack."""
+    return getattr(head, "head", head)
+
+
+def head_packed(head: torch.nn.Module) -> bool:
+    return "_mars_packed" in head_layer(head).__dict__
 
 
 def unpack_linears(module: torch.nn.Module) -> None:

@@ -362,7 +362,7 @@ def head_logits(head, h: torch.Tensor, product=None) -> torch.Tensor:
     where the decoder made one (packed.pack_head), through `product(x, pack, bias, out_features)` if
     given (a compiled graph's), else `packed.linear`; else the head as the model calls it, on
     (1, k, hidden) as a body's output."""
-    inner = getattr(head, "head", head)  # forward.FinalLogits wraps the model's own head
+    inner = packed.head_layer(head)
     pack = inner.__dict__.get("_mars_packed")
     if pack is None or h.shape[0] < packed.MIN_ROWS:
         return head(h[None])[0].float()

@@ -287,7 +287,7 @@ def signature(model: Transformer, packs: bool) -> str:
     acts = sorted({type(getattr(b.mlp.act, "__self__", b.mlp.act)).__qualname__ for b in model.blocks})
     acts += sorted({getattr(b.mlp.act, "__qualname__", "") for b in model.blocks})
     packed_layers = "".join("1" if "_mars_packed" in x.base.__dict__ else "0" for x in layers)
-    packed_layers += " head " + str("_mars_packed" in getattr(model.head, "head", model.head).__dict__)
+    packed_layers += f" head {packed.head_packed(model.head)}"
     return (
         f"{model.args}|{model.dtype}|{model.embed.device}|rope {model.rope_scaling}|{kinds}|{acts}|"
         f"packs {bool(packs)} {packed_layers}|{weight_shapes(model)}"
