@@ -229,10 +229,9 @@ class MlxDecoder:
             self.compiled.taken(ids)
         second = None
         if runners_up and sampling.greedy:  # the reads before `runners_up_from` have none (-1)
-            every = np.full(ids.shape + (runners_up + 1,), -1, dtype=np.int64)
+            second = np.full(ids.shape + (runners_up,), -1, dtype=np.int64)
             if top:
-                every[:, runners_up_from:] = rest.pop(0)
-            second = runners_up_of(every, ids, runners_up)
+                second[:, runners_up_from:] = runners_up_of(rest.pop(0), ids[:, runners_up_from:], runners_up)
         return StepOutput(ids, conf, second, ReadLogprobs(*rest) if logprobs is not None else None)
 
     def speculate(

@@ -372,10 +372,10 @@ class TorchDecoder:
         elif dev.type != "cpu":
             buf = buf.to(dev)
         numbers_dev = buf[: host.size * 8].view(torch.int64)
-        parts, start = [], 0
-        for a in numbers:
-            parts.append(numbers_dev[start : start + a.size].view(a.shape))
-            start += a.size
+        parts = [
+            part if a.ndim == 1 else part.view(a.shape)
+            for a, part in zip(numbers, numbers_dev.split([a.size for a in numbers]))
+        ]
         parts.reverse()  # taken in order from the end
         ids_d, pos_d, reads_d, where_d = parts.pop(), parts.pop(), parts.pop(), parts.pop()
         see_d, start_d = (parts.pop(), parts.pop()) if views else (None, None)
@@ -390,8 +390,10 @@ class TorchDecoder:
             is_mask = ids == self.tm.gate.mask_id
             spots = np.flatnonzero(is_mask)
             if spots.size:
-                rows = slice(spots[0], spots[-1] + 1) if spots[-1] - spots[0] + 1 == spots.size else None
-                gate = (rows, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
+                if spots[-1] - spots[0] + 1 == spots.size:  # one run of rows: the delta on them, no column
+                    gate = (slice(int(spots[0]), int(spots[-1]) + 1), None)
+                else:
+                    gate = (None, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
         exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,
@@ -503,14 +505,15 @@ class TorchDecoder:
             lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.size else (0, 0)
             top = [unique[lo:hi].topk(runners_up + 1, dim=-1).indices] if hi > lo else []
         host = to_host(*([chosen] + ([conf] if metric is not None else []) + top + lp))
-        ids = host.pop(0)[where]
+        chosen = host.pop(0)
+        ids = chosen[where]
         conf = host.pop(0)[where] if metric is not None else np.zeros(ids.shape, np.float32)
         second = None
         if runners_up:  # the rows outside the range have none (-1)
-            every = np.full((unique.shape[0], runners_up + 1), -1, dtype=np.int64)
+            every = np.full((unique.shape[0], runners_up), -1, dtype=np.int64)
             if top:
-                every[lo:hi] = host.pop(0)
-            second = runners_up_of(every[where], ids, runners_up)
+                every[lo:hi] = runners_up_of(host.pop(0), chosen[lo:hi], runners_up)
+            second = every[where]
         return StepOutput(ids, conf, second, ReadLogprobs(*(a[where] for a in host)) if logprobs is not None else None)
 
     @torch.inference_mode()

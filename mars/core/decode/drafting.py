@@ -145,16 +145,34 @@ class Drafting:
                     top = (j, n, kept)
             return top
 
-        longest = max((len(drafts) for row_options in options for _, _, drafts in row_options), default=0)
+        lengths = [[len(drafts) for _, _, drafts in row_options] for row_options in options]
+        longest = max((n for row in lengths for n in row), default=0)
         best_d = longest  # without a cost curve: each row's whole best option
         if self.feed is not None:
-            best_d, best_score = 0, batch / self.feed.costs.seconds(batch, lossless_width(0, masks, spare_groups))
+            seconds, asked = self.feed.costs.seconds, {}  # asked: a step's cost per width, looked up once
+
+            def cost(width: int) -> float:
+                found = asked.get(width)
+                if found is None:
+                    found = asked[width] = seconds(batch, width)
+                return found
+
+            best_d, best_score = 0, batch / cost(lossless_width(0, masks, spare_groups))
+            rows = [list(zip(n, k)) for n, k in zip(lengths, kept_each) if n]
             for d in range(1, longest + 1):
-                chosen = [c for c in (best(o, k, d) for o, k in zip(options, kept_each)) if c is not None]
-                widest = max((n for _, n, _ in chosen), default=0)
-                score = (batch + sum(kept for _, _, kept in chosen)) / self.feed.costs.seconds(
-                    batch, lossless_width(widest, masks, spare_groups)
-                )
+                # best() of every row with options, inline: the widest pick and the picks' kept drafts summed in order
+                widest, total = 0, 0
+                for row in rows:
+                    top_n, top_kept = 0, None
+                    for length, kept in row:
+                        n = d if d < length else length
+                        k = kept[n - 1]
+                        if top_kept is None or k > top_kept:
+                            top_n, top_kept = n, k
+                    total += top_kept
+                    if top_n > widest:
+                        widest = top_n
+                score = (batch + total) / cost(lossless_width(widest, masks, spare_groups))
                 if score > best_score:
                     best_d, best_score = d, score
         picks = []

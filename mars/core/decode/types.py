@@ -304,6 +304,8 @@ def runners_up_of(top: np.ndarray, chosen: np.ndarray, n: int) -> np.ndarray:
     """(b, k, n) the n most likely ids of each read other than its chosen one, from `top`
     (b, k, n + 1), the n + 1 most likely ids, most likely first. The chosen id (the argmax)
     is usually top's first; where a tie put it elsewhere, it is left out all the same."""
+    if (top[..., 0] == chosen).all():  # the argmax first everywhere (top's ids are distinct): the rest follow it
+        return top[..., 1 : n + 1]
     other = top != chosen[..., None]
     order = np.argsort(~other, axis=-1, kind="stable")  # the others first, in their order
     return np.take_along_axis(top, order, axis=-1)[..., :n]

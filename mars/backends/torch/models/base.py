@@ -139,9 +139,9 @@ class StepInputs:
     `ids` (n,): the real positions' ids, flattened row by row; `real` (n,): where they sit among
     the batch x width positions (None: every position is real, n = batch x width); `positions`
     (batch, width); `reads` (k,): the rows of the n whose logits are wanted; `gate`: a gated
-    adapter's gate over the n rows ((rows slice or None, column (n, 1)) or None: no mask fed, the
-    base weights alone); `exact`: row-exact attention's rows (batch, width) bool and its plans, or
-    None.
+    adapter's gate over the n rows ((rows slice, None) where the masks are one run of rows,
+    (None, a 0/1 column (n, 1)) elsewhere, or None: no mask fed, the base weights alone);
+    `exact`: row-exact attention's rows (batch, width) bool and its plans, or None.
 
     The attention mask (the forward builds it on the device, `attention_masks`): `allowed`, the
     bool mask (batch, width, cached + width) where the caller has one; otherwise the step's

@@ -11,6 +11,7 @@ a few binary searches and a vote.
 from __future__ import annotations
 
 import io
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -139,22 +140,33 @@ class DraftCorpus:
         # never past its separator (reads past the corpus's end stop at its last separator).
         table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
         drafts: list[int] = []
-        for j in range(max_drafts):
-            nxt = table[:, j]
-            if (nxt == nxt[0]).all():  # every place agrees
-                token, agree = int(nxt[0]), nxt.size
-            elif j:  # past the first draft only a majority counts: if there is one, it is the median
+        j = 0
+        while j < max_drafts:
+            # The columns from j on where every place still in the vote agrees, taken at once up to the
+            # first where they do not (or a separator): the vote there is unanimous.
+            same = (table[:, j:] == table[:1, j:]).all(axis=0)
+            run = int(same.argmin()) if not same.all() else same.size
+            if run:
+                agreed = table[0, j : j + run].tolist()
+                if -1 in agreed:
+                    return drafts + agreed[: agreed.index(-1)]
+                drafts += agreed
+                j += run
+                if j == max_drafts:
+                    break
+            nxt = table[:, j]  # the places disagree here
+            if j:  # past the first draft only a majority counts: if there is one, it is the median
                 token = int(np.partition(nxt, nxt.size // 2)[nxt.size // 2])
                 agree = int((nxt == token).sum())
-            else:  # the first draft: the plurality, ties to the smallest id
-                ids, counts = np.unique(nxt, return_counts=True)
-                best = int(np.argmax(counts))
-                token, agree = int(ids[best]), int(counts[best])
+            else:  # the first draft: the plurality, ties to the smallest id (a few places: counted here)
+                votes = Counter(nxt.tolist())
+                token = min(votes, key=lambda v: (-votes[v], v))
+                agree = votes[token]
             if token < 0 or (j and 2 * agree <= nxt.size):
                 break
             drafts.append(token)
-            if agree != nxt.size:
-                table = table[nxt == token]
+            table = table[nxt == token]
+            j += 1
         return drafts
 
     def save(self, path: Path) -> None:
