@@ -136,14 +136,14 @@ class Session:
         the torch backend runs its steps through `torch.compile` (mars's own forward,
         models.CompiledStep), the MLX backend through `mx.compile` (mlx.compiled.CompiledMlxStep);
         architectures without that path run eager. "auto" compiles on CUDA and on Apple silicon's
-        GPU, and a torch step that fails to compile or run there gives way to eager steps, saying
-        why. The replies are the same either way."""
+        GPU, and a step that fails to compile or run there gives way to eager steps, saying why.
+        The replies are the same either way."""
         if compile not in COMPILE_SETTINGS:
             raise TypeError(f"compile={compile!r}: True, False, 'on', 'off' or 'auto'")
         name = base.resolve(backend)
         loaded = base.load(name, model, adapter_path=adapter_path, dtype=dtype, device=device, announce=announce)
         self.compile = compiles(compile, loaded)
-        # Under "auto" a compiled torch step that fails gives way to eager ones, saying why; asked
+        # Under "auto" a compiled step that fails gives way to eager ones, saying why; asked
         # for ("on"), its error stops the call.
         self.compile_fallback = announce if compile == "auto" else None
         auto = compile == "auto" and not self.compile and name == "torch"

@@ -62,6 +62,54 @@ def test_compiled_sampling_draws_what_the_eager_steps_draw(llama):
         assert generate(compiled, prompts, plan).tokens == generate(eager, prompts, plan).tokens, asked
 
 
+@pytest.mark.parametrize("fails", ["called", "read"])
+def test_a_failing_compiled_step_gives_way_to_eager_steps_where_told(llama, fails, monkeypatch):
+    """`on_compile_error` (what --compile auto gives): a compiled step that raises, when its graph is
+    called or only when its results are read back (MLX evaluates lazily, so the cache already holds
+    the step's lazy buffers then), is dropped, the message says why, and that step and the rest run
+    eager on mlx-lm caches holding the cached keys: the eager tokens, greedy and sampled. Without it
+    (--compile on) the error stops the call."""
+    from mars.backends.mlx import decode as mlx_decode
+
+    m = llama[0]
+    prompts = prompts_of(m.tokenizer)
+
+    def broken(dec):
+        graph = dec.compiled._graph
+        if fails == "called":
+
+            def fail(*args):
+                raise RuntimeError("no Metal here\nthe rest of the trace")
+
+            dec.compiled._graph = fail
+            return
+        ran = []
+        dec.compiled._graph = lambda *args: ran.append(1) or graph(*args)
+        read = mlx_decode.to_host
+
+        def to_host(*arrays):
+            if ran and dec.compiled is not None:
+                raise RuntimeError("no Metal here\nthe rest of the trace")
+            return read(*arrays)
+
+        monkeypatch.setattr(mlx_decode, "to_host", to_host)
+
+    for asked in (dict(lossless=True), dict(lossless=True, sampling=Sampling(temperature=0.8, seed=5))):
+        plan = make_plan(**BASE, **asked)
+        heard = []
+        dec = MlxDecoder(m, compile=True, on_compile_error=heard.append)
+        broken(dec)
+        # A fresh eager decoder: a sampled decoder's random stream goes on across calls.
+        assert generate(dec, prompts, plan).tokens == generate(MlxDecoder(m), prompts, plan).tokens
+        assert dec.compiled is None and "compiled" not in dec.cost_key()
+        assert len(heard) == 1 and "RuntimeError: no Metal here)" in heard[0]
+        monkeypatch.undo()
+    strict = MlxDecoder(m, compile=True)
+    broken(strict)
+    with pytest.raises(RuntimeError, match="no Metal here"):
+        generate(strict, prompts, make_plan(**BASE, lossless=True))
+
+
 def test_few_graphs_and_none_after_the_warm_up(tmp_path_factory):
     m = loaded(tmp_path_factory, seed=7)
     eager, compiled = MlxDecoder(m), MlxDecoder(m, compile=True)

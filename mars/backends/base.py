@@ -73,14 +73,12 @@ def decoder_class(name: str):
 
 def decoder(loaded, *, compile: bool = False, on_compile_error=None):
     """A decoding step (StepBackend) over a loaded model's weights; `compile`: its steps under
-    `torch.compile` (torch) or `mx.compile` (MLX); `on_compile_error` (torch): a compiled step
-    that fails is dropped for eager ones, and this is called with a message saying why."""
+    `torch.compile` (torch) or `mx.compile` (MLX); `on_compile_error`: a compiled step that fails
+    is dropped for eager ones, and this is called with a message saying why."""
     cls = decoder_class(loaded.backend)
     if not compile:
         return cls(loaded)
-    if on_compile_error is not None and loaded.backend == "torch":
-        return cls(loaded, compile=True, on_compile_error=on_compile_error)
-    return cls(loaded, compile=True)
+    return cls(loaded, compile=True, on_compile_error=on_compile_error)
 
 
 def loader(name: str):

@@ -84,15 +84,56 @@ def sampling_logits(logits: mx.array, sampling: Sampling) -> mx.array:
 class MlxDecoder:
     """The decoding step of docs/method.md §5 for the core loop, on mlx-lm KV caches (trim, never copy).
     `compile`: the step under `mx.compile` on a cache of fixed room (compiled.CompiledMlxStep), for a
-    model with no sliding window (one with one runs eager; `compiled` is None then)."""
+    model with no sliding window (one with one runs eager; `compiled` is None then).
+    `on_compile_error` (what `--compile auto` gives: a function taking a message): a compiled step
+    that raises, when it is called or when its results are read, is dropped, the message says why,
+    and that step and the ones after it run eager, every cache of fixed room turned into mlx-lm's
+    caches with the keys it held (the failed step's own taken back); without it the error
+    propagates (`--compile on`)."""
 
-    def __init__(self, loaded: MlxModel, compile: bool = False):
+    def __init__(self, loaded: MlxModel, compile: bool = False, on_compile_error=None):
         self.loaded = loaded
         self.model = loaded.model
         self._key = None
         self._seed = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
         self.compiled = CompiledMlxStep(self.model, loaded.gate) if compile and compilable(self.model) else None
+        self.on_compile_error = on_compile_error
+
+    def _eager(self, cache):
+        """The cache a step runs on: a cache of fixed room once the compiled step is dropped is
+        served by the mlx-lm caches it was turned into (made at its first step after that)."""
+        if self.compiled is not None or not isinstance(cache, StaticCache):
+            return cache
+        if cache.eager is None:
+            from mlx_lm.models.cache import KVCache
+
+            cache.eager = Caches(KVCache() for _ in body(self.model).layers)
+            if cache.keys is not None and cache.length:
+                for c, k, v in zip(cache.eager, cache.keys, cache.values):
+                    c.keys, c.values, c.offset = k[..., : cache.length, :], v[..., : cache.length, :], cache.length
+        return cache.eager
+
+    def _guarded(self, run, cache, *args, **kwargs):
+        """`run` (a step) on `cache`; with `on_compile_error`, a compiled step that fails gives way to
+        eager ones: what the step changed (the cache's buffers and length, the drafts' distributions,
+        the random key) is put back, and it runs again eager. MLX evaluates lazily, so a failure may
+        surface only when the step reads its results back."""
+        cache = self._eager(cache)
+        if self.on_compile_error is None or not isinstance(cache, StaticCache):
+            return run(cache, *args, **kwargs)
+        before = (cache.keys, cache.values, cache.length, self._drafted, self._key, self._seed)
+        try:
+            return run(cache, *args, **kwargs)
+        except Exception as error:
+            cache.keys, cache.values, cache.length, self._drafted, self._key, self._seed = before
+            first = (str(error).strip().splitlines() or [""])[0][:200]
+            self.on_compile_error(
+                f"the compiled decoding step failed ({type(error).__name__}: {first}); decoding eager instead "
+                "(--compile on shows the whole error)"
+            )
+            self.compiled = None
+            return run(self._eager(cache), *args, **kwargs)
 
     def cost_key(self) -> dict:
         """What a forward's cost depends on besides the model: the cost curve's cache key."""
@@ -116,6 +157,7 @@ class MlxDecoder:
         return Caches(KVCache() for _ in body(self.model).layers)
 
     def crop(self, cache, length: int) -> None:
+        cache = self._eager(cache)
         if isinstance(cache, StaticCache):
             self.compiled.crop(cache, length)
             return
@@ -124,6 +166,7 @@ class MlxDecoder:
                 c.trim(c.offset - length)
 
     def keep_rows(self, cache, rows: list[int]) -> None:
+        cache = self._eager(cache)
         idx = mx.array(rows, dtype=mx.int32)
         if isinstance(cache, StaticCache):
             self.compiled.keep_rows(cache, rows)
@@ -138,6 +181,7 @@ class MlxDecoder:
 
     def keep_keys(self, cache, columns) -> None:
         """Keep only these cache positions of every layer (a served batch drops the keys of rows that left)."""
+        cache = self._eager(cache)
         if isinstance(cache, StaticCache):
             self.compiled.keep_keys(cache, columns)
             return
@@ -162,6 +206,7 @@ class MlxDecoder:
         inputs reach the device in one copy (to_device), the mask as bool bytes; `more`: named host
         arrays the caller needs there too (speculate's drafts and tree), which travel in that copy,
         and then it returns (the logits, their device arrays by name)."""
+        cache = self._eager(cache)
         if isinstance(cache, StaticCache):
             logits, sent = self.compiled.logits(cache, input_ids, positions, mask, read, more)
             return (logits, sent) if more else logits
@@ -191,7 +236,14 @@ class MlxDecoder:
         logits = head(self.model, mx.take_along_axis(h, sent["read"][..., None], axis=1))
         return (logits, {name: sent[name] for name in more}) if more else logits
 
-    def step(
+    def step(self, cache, *args, **kwargs):
+        return self._guarded(self._step, cache, *args, **kwargs)
+
+    def speculate(self, cache, *args, **kwargs):
+        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
+        return self._guarded(self._speculate, cache, *args, **kwargs)
+
+    def _step(
         self,
         cache,
         input_ids,
@@ -234,10 +286,9 @@ class MlxDecoder:
                 second[:, runners_up_from:] = runners_up_of(rest.pop(0), ids[:, runners_up_from:], runners_up)
         return StepOutput(ids, conf, second, ReadLogprobs(*rest) if logprobs is not None else None)
 
-    def speculate(
+    def _speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
     ):
-        """Lossless sampling (mars.core.decode.loop.StepBackend.speculate), on the device."""
         chain = dict(drafts=drafts, n_drafts=n_drafts)
         nodes = {} if tree is None else dict(nodes=tree.nodes, anchors=tree.anchors, live=tree.live)
         logits, sent = self.logits(cache, input_ids, positions, mask, read, **chain, **nodes)

@@ -41,6 +41,7 @@ class StaticCache:
     dim), allocated by the first step, and `length`, the positions cached (the host's count)."""
 
     key_positions = None  # no sliding window: forward.sliding_keys has nothing to keep
+    eager = None  # the mlx-lm caches that serve it once the compiled step is dropped (MlxDecoder._eager)
 
     def __init__(self):
         self.keys: list[mx.array] | None = None
