@@ -15,8 +15,10 @@ the masks' share of the extra tokens (mask drafts, spare groups and unverified t
 tokens over every token not computed as AR's own: what the masks, not n-gram lookup or the
 draft corpus, bring). The parts run in order of what matters most, float32 batch 1 first, and
 the call keeps to `--minutes`: a part that would not fit in what is left is skipped and said
-so (the first always runs). The JSON (`OUT/device_bench.json`) is rewritten after every part,
-so a call cut off early still returns what it measured.
+so (the first always runs). A part that raises (a compiled step this device cannot run, say) is
+kept under "failed" with its error and the end of its traceback, the rest of its kind is not
+run, the other kinds are, and the call exits 1. The JSON (`OUT/device_bench.json`) is rewritten
+after every part, so a call cut off early still returns what it measured.
 
 It needs mars's own dependencies (torch, transformers 5.17 or later: the stock CUDA images'
 transformers runs it as it is; peft and gguf) and the model: with no `--model`, the embedded
@@ -40,6 +42,7 @@ import json
 import platform
 import sys
 import time
+import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -184,6 +187,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "parts": [],
         "skipped": [],
+        "failed": [],
         "verdict": None,
     }
 
@@ -204,65 +208,85 @@ def run(args: argparse.Namespace) -> dict:
                 log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: skipped ({why})")
                 save()
                 continue
-            t0 = time.monotonic()
-            if session is None:
-                log(f"loading the model in {dtype} on {device}{', steps compiled' if compiled else ''}")
-                session = Session(
-                    args.model, backend="torch", dtype=dtype, device=device, announce=log, compile=compiled
+            try:
+                t0 = time.monotonic()
+                if session is None:
+                    log(f"loading the model in {dtype} on {device}{', steps compiled' if compiled else ''}")
+                    session = Session(
+                        args.model, backend="torch", dtype=dtype, device=device, announce=log, compile=compiled
+                    )
+                    ids = session.encode(prompts)
+                settings = BenchSettings(
+                    batch_sizes=(batch,),
+                    thresholds=(args.threshold,),
+                    block_caches=(),
+                    max_tokens=args.max_tokens,
+                    repeats=args.repeats,
+                    forward_ks=ks,
+                    forward_repeats=3,
+                    lossless=True,
+                    verify=True,
+                    prompt_lookup=args.prompt_lookup,
+                    llama_cpp=False,
+                    lossless_variants=False,
                 )
-                ids = session.encode(prompts)
-            settings = BenchSettings(
-                batch_sizes=(batch,),
-                thresholds=(args.threshold,),
-                block_caches=(),
-                max_tokens=args.max_tokens,
-                repeats=args.repeats,
-                forward_ks=ks,
-                forward_repeats=3,
-                lossless=True,
-                verify=True,
-                prompt_lookup=args.prompt_lookup,
-                llama_cpp=False,
-                lossless_variants=False,
-            )
-            log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
-            bench = run_benchmark(session, ids, settings)
-            ks = ()  # the cost curve once
-            rows = [summarize(r) for r in bench["runs"]]
-            reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)
-            part = {
-                "dtype": dtype,
-                "batch": batch,
-                "compiled": compiled,
-                "seconds": round(time.monotonic() - t0, 1),
-                "rows": rows,
-                "reference": reference,
-                "ar_matches_transformers_generate": bench["ar_matches_reference"],
-                "forward_cost": bench["forward_cost"],
-            }
-            step = getattr(session.decoder, "compiled", None)
-            if step is not None:  # fixed shapes (CUDA graphs) or a graph over the cached length; graphs made
-                part["fixed_shapes"], part["graphs"] = bool(step.fixed), step.compiles
-            if compiled:  # what compiling buys: tokens/s against the same part eager, row by row
-                eager = next(
-                    (p for p in report["parts"] if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)),
-                    None,
-                )
-                if eager is not None:
-                    before = {r["name"]: r["tokens_per_s"] for r in eager["rows"]}
-                    part["x_eager"] = {
-                        r["name"]: round(r["tokens_per_s"] / before[r["name"]], 4)
-                        for r in rows
-                        if before.get(r["name"])
-                    }
-            took[batch] = max(took.get(batch, 0.0), time.monotonic() - t0)
-            report["parts"].append(part)
-            if dtype == "float32" and batch == 1 and not compiled:
-                report["verdict"] = verdict(part)
-            elif dtype == "float32" and batch == 1 and report["verdict"] is not None and "x_eager" in part:
-                report["verdict"]["compiled_x_eager"] = part["x_eager"]
-            save()
-            print(table(part), flush=True)
+                log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
+                bench = run_benchmark(session, ids, settings)
+                ks = ()  # the cost curve once
+                rows = [summarize(r) for r in bench["runs"]]
+                reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)
+                part = {
+                    "dtype": dtype,
+                    "batch": batch,
+                    "compiled": compiled,
+                    "seconds": round(time.monotonic() - t0, 1),
+                    "rows": rows,
+                    "reference": reference,
+                    "ar_matches_transformers_generate": bench["ar_matches_reference"],
+                    "forward_cost": bench["forward_cost"],
+                }
+                step = getattr(session.decoder, "compiled", None)
+                if step is not None:  # fixed shapes (CUDA graphs) or a graph over the cached length; graphs made
+                    part["fixed_shapes"], part["graphs"] = bool(step.fixed), step.compiles
+                if compiled:  # what compiling buys: tokens/s against the same part eager, row by row
+                    eager = next(
+                        (
+                            p
+                            for p in report["parts"]
+                            if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)
+                        ),
+                        None,
+                    )
+                    if eager is not None:
+                        before = {r["name"]: r["tokens_per_s"] for r in eager["rows"]}
+                        part["x_eager"] = {
+                            r["name"]: round(r["tokens_per_s"] / before[r["name"]], 4)
+                            for r in rows
+                            if before.get(r["name"])
+                        }
+                took[batch] = max(took.get(batch, 0.0), time.monotonic() - t0)
+                report["parts"].append(part)
+                if dtype == "float32" and batch == 1 and not compiled:
+                    report["verdict"] = verdict(part)
+                elif dtype == "float32" and batch == 1 and report["verdict"] is not None and "x_eager" in part:
+                    report["verdict"]["compiled_x_eager"] = part["x_eager"]
+                save()
+                print(table(part), flush=True)
+            except Exception as error:  # a part that fails is recorded, and the call goes on
+                # What failed (a compiled step on this device, say) is kept, and the parts of other
+                # kinds still run: the rest of this kind would meet the same session.
+                lines = traceback.format_exception(error)
+                first = (str(error).strip().splitlines() or [""])[0][:300]
+                failed = {
+                    "dtype": dtype,
+                    "batch": batch,
+                    "compiled": compiled,
+                    "error": f"{type(error).__name__}: {first}",
+                }
+                report["failed"].append({**failed, "traceback": "".join(lines[-12:])[-4000:]})
+                log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: failed ({failed['error']})")
+                save()
+                break
     report["seconds"] = round(time.monotonic() - start, 1)
     save()
     return report
@@ -293,8 +317,11 @@ def main(argv=None) -> int:
     report = run(args)
     if report["verdict"]:
         print(json.dumps({"verdict": report["verdict"]}))
+    for failed in report["failed"]:
+        print(f"failed: {failed['dtype']}, batch {failed['batch']}{', compiled' if failed['compiled'] else ''}: "
+              f"{failed['error']}", file=sys.stderr)  # fmt: skip
     print(f"wrote {args.out / RESULT}", file=sys.stderr)
-    return 0
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

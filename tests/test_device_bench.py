@@ -147,6 +147,47 @@ def test_each_part_runs_eager_then_compiled_and_says_what_compiling_bought(check
     assert "float32, batch 1, compiled" in done.stdout
 
 
+def test_a_part_that_fails_is_recorded_and_the_other_kinds_still_run(checkpoint, tmp_path, monkeypatch, capsys):
+    """A compiled step this device cannot run must not cost the call the parts after it: the part's
+    error is kept under "failed", the rest of its kind (the same session) is not run, the other kinds
+    are, and the call exits 1 with the JSON written."""
+    import importlib.util
+
+    import mars.bench
+
+    spec = importlib.util.spec_from_file_location("device_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real = mars.bench.run_benchmark
+
+    def run_benchmark(session, ids, settings):
+        if session.compile:
+            raise RuntimeError("no working compiler on this device\nthe rest of the trace")
+        return real(session, ids, settings)
+
+    monkeypatch.setattr(mars.bench, "run_benchmark", run_benchmark)
+    adapter, prompts = checkpoint
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--model", str(adapter), "--device", "cpu", "--prompts", str(prompts), "--limit", "2",
+            "--max-tokens", "4", "--threshold", "0.5", "--prompt-lookup", "3", "--forward-ks", "1,2", "--repeats", "1",
+            "--batches", "1,2", "--dtypes", "float32,bfloat16", "--minutes", "600", "--compile", "both"]  # fmt: skip
+    assert bench.main(argv) == 1
+    report = json.loads((out / "device_bench.json").read_text())
+    assert [(p["dtype"], p["batch"], p["compiled"]) for p in report["parts"]] == [
+        ("float32", 1, False),
+        ("float32", 2, False),
+        ("bfloat16", 1, False),
+        ("bfloat16", 2, False),
+    ]
+    assert [(f["dtype"], f["batch"], f["compiled"]) for f in report["failed"]] == [
+        ("float32", 1, True),
+        ("bfloat16", 1, True),
+    ]
+    assert all(f["error"] == "RuntimeError: no working compiler on this device" for f in report["failed"])
+    assert "run_benchmark" in report["failed"][0]["traceback"]
+    assert "failed: float32, batch 1, compiled: RuntimeError" in capsys.readouterr().err
+
+
 def test_bad_options_stop_before_any_work(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--out", str(tmp_path / "o"), "--dtypes", "float64"],
