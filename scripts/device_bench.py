@@ -18,7 +18,10 @@ the call keeps to `--minutes`: a part that would not fit in what is left is skip
 so (the first always runs). A part that raises (a compiled step this device cannot run, say) is
 kept under "failed" with its error and the end of its traceback, the rest of its kind is not
 run, the other kinds are, and the call exits 1. The JSON (`OUT/device_bench.json`) is rewritten
-after every part, so a call cut off early still returns what it measured.
+after every part, so a call cut off early still returns what it measured. Then, in the last
+minute of the budget, kept for it (`--step-parts on`, the default): benchmarks/step_parts.py on
+the device (float32, batch 1, eager, 4 prompts), where a step's time goes with the device running
+the forward beside the host (`OUT/step_parts.json`, summed up under "step_parts").
 
 It needs mars's own dependencies (torch, transformers 5.17 or later: the stock CUDA images'
 transformers runs it as it is; peft and gguf) and the model: with no `--model`, the embedded
@@ -143,6 +146,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="both",
         help="each part eager, compiled (torch.compile, mars --compile on) or both, eager first",
     )
+    parser.add_argument(
+        "--step-parts",
+        choices=("on", "off"),
+        default="on",
+        help="after the parts, where time is left: benchmarks/step_parts.py here (float32, batch 1, eager), "
+        "where a step's time goes, the host's work beside the device's forward included",
+    )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.dtypes = [d for d in args.dtypes.split(",") if d]
@@ -197,10 +207,11 @@ def run(args: argparse.Namespace) -> dict:
     took: dict[int, float] = {}  # seconds a part of each batch size took (bfloat16 takes about what float32 took)
     ks = args.forward_ks
     kinds = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
+    reserved = STEP_PARTS_SECONDS if args.step_parts == "on" else 0.0  # kept for step_parts, after the parts
     for dtype, compiled in [(d, c) for d in args.dtypes for c in kinds]:
         session = None
         for batch in args.batches:
-            left = budget - (time.monotonic() - start)
+            left = budget - reserved - (time.monotonic() - start)
             expected = took.get(batch, max(took.values(), default=0.0))
             if report["parts"] and expected > left:
                 why = f"about {expected:.0f} s expected, {max(left, 0):.0f} s left of --minutes {args.minutes:g}"
@@ -275,21 +286,59 @@ def run(args: argparse.Namespace) -> dict:
             except Exception as error:  # a part that fails is recorded, and the call goes on
                 # What failed (a compiled step on this device, say) is kept, and the parts of other
                 # kinds still run: the rest of this kind would meet the same session.
-                lines = traceback.format_exception(error)
-                first = (str(error).strip().splitlines() or [""])[0][:300]
-                failed = {
-                    "dtype": dtype,
-                    "batch": batch,
-                    "compiled": compiled,
-                    "error": f"{type(error).__name__}: {first}",
-                }
-                report["failed"].append({**failed, "traceback": "".join(lines[-12:])[-4000:]})
-                log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: failed ({failed['error']})")
+                report["failed"].append({"dtype": dtype, "batch": batch, "compiled": compiled, **failure(error)})
+                log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: failed ({report['failed'][-1]['error']})")
                 save()
                 break
+    if args.step_parts == "on":
+        left = budget - (time.monotonic() - start)
+        if left < STEP_PARTS_SECONDS:
+            report["skipped"].append(
+                {"part": "step_parts", "why": f"about {STEP_PARTS_SECONDS:.0f} s needed, {max(left, 0):.0f} s left"}
+            )
+            log(f"step_parts: skipped ({report['skipped'][-1]['why']})")
+        else:
+            try:
+                report["step_parts"] = step_parts(args, device)
+            except Exception as error:  # as a part's: kept, and the call goes on
+                report["failed"].append({"part": "step_parts", **failure(error)})
+                log(f"step_parts: failed ({report['failed'][-1]['error']})")
     report["seconds"] = round(time.monotonic() - start, 1)
     save()
     return report
+
+
+# Seconds of the budget kept for benchmarks/step_parts.py after the parts (its own probe of the forward's
+# cost, a counted, a timed and a replayed pass of each mode over 4 prompts).
+STEP_PARTS_SECONDS = 60.0
+
+
+def failure(error: Exception) -> dict:
+    """What failed: the error's type and first line, and the end of its traceback."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    trace = "".join(traceback.format_exception(error)[-12:])[-4000:]
+    return {"error": f"{type(error).__name__}: {first}", "traceback": trace}
+
+
+def step_parts(args: argparse.Namespace, device: str) -> dict:
+    """benchmarks/step_parts.py on this device (float32, batch 1, eager, up to 4 prompts): its JSON
+    beside device_bench.json, and per mode what a step costs and where it goes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("step_parts", ROOT / "benchmarks" / "step_parts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    argv = ["--device", device, "--dtype", "float32", "--prompts", str(args.prompts),
+            "--limit", str(min(4, args.limit)), "--max-tokens", str(args.max_tokens), "--rounds", "1",
+            "--warmup-tokens", "4", "--output", str(args.out / "step_parts.json")]  # fmt: skip
+    if args.model:
+        argv += ["--model", str(args.model)]
+    log("step_parts: where a step's time goes (float32, batch 1, eager)")
+    out = module.main(argv)
+    keep = ("ms_per_step", "tokens_per_forward", "parts_ms_per_step", "host_ms_per_step", "d2h_per_step",
+            "h2d_per_step", "cuda_syncs_per_step")  # fmt: skip
+    modes = {name: {**{k: m.get(k) for k in keep}, "replayed": m.get("replayed")} for name, m in out["modes"].items()}
+    return {"file": "step_parts.json", "replies_equal_to_ar": out["replies_equal_to_ar"], "modes": modes}
 
 
 def table(part: dict) -> str:
@@ -318,8 +367,11 @@ def main(argv=None) -> int:
     if report["verdict"]:
         print(json.dumps({"verdict": report["verdict"]}))
     for failed in report["failed"]:
-        print(f"failed: {failed['dtype']}, batch {failed['batch']}{', compiled' if failed['compiled'] else ''}: "
-              f"{failed['error']}", file=sys.stderr)  # fmt: skip
+        what = (
+            failed.get("part")
+            or f"{failed['dtype']}, batch {failed['batch']}{', compiled' if failed['compiled'] else ''}"
+        )
+        print(f"failed: {what}: {failed['error']}", file=sys.stderr)
     print(f"wrote {args.out / RESULT}", file=sys.stderr)
     return 1 if report["failed"] else 0
 

@@ -120,6 +120,13 @@ def test_the_device_benchmark_dry_runs_on_the_cpu(checkpoint, tmp_path):
     assert verdict["lossless_target_met"] == (verdict["lossless_x_ar"] >= 1.6)
     assert json.loads(done.stdout.strip().splitlines()[-1])["verdict"] == verdict
     assert "float32, batch 1" in done.stdout and "lossless (default)" in done.stdout
+    # After the parts, where a step's time goes on this device, beside device_bench.json.
+    parts = report["step_parts"]
+    assert parts["replies_equal_to_ar"] == 3 and (tmp_path / "out" / parts["file"]).is_file()
+    for mode in ("AR", "lossless"):
+        m = parts["modes"][mode]
+        assert m["ms_per_step"] > 0 and set(m["parts_ms_per_step"]) == {"forward", "reduce + D2H", "host"}
+        assert m["d2h_per_step"] == 1.0 and m["h2d_per_step"] == 1.0
 
 
 def test_a_spent_budget_runs_the_first_part_and_says_what_it_skipped(checkpoint, tmp_path):
@@ -128,12 +135,20 @@ def test_a_spent_budget_runs_the_first_part_and_says_what_it_skipped(checkpoint,
         "--compile", "off",
     )  # fmt: skip
     assert [(p["dtype"], p["batch"]) for p in report["parts"]] == [("float32", 1)]
-    assert [(s["dtype"], s["batch"]) for s in report["skipped"]] == [("float32", 8), ("bfloat16", 1), ("bfloat16", 8)]
-    assert all("left of --minutes 0" in s["why"] for s in report["skipped"])
+    assert [(s.get("dtype"), s.get("batch")) for s in report["skipped"]] == [
+        ("float32", 8),
+        ("bfloat16", 1),
+        ("bfloat16", 8),
+        (None, None),
+    ]
+    assert all("left of --minutes 0" in s["why"] for s in report["skipped"][:3])
+    assert report["skipped"][3]["part"] == "step_parts" and "step_parts" not in report
 
 
 def test_each_part_runs_eager_then_compiled_and_says_what_compiling_bought(checkpoint, tmp_path):
-    report, done = dry_run(checkpoint, tmp_path / "out", "--batches", "1", "--dtypes", "float32", "--minutes", "600")
+    report, done = dry_run(
+        checkpoint, tmp_path / "out", "--batches", "1", "--dtypes", "float32", "--minutes", "600", "--step-parts", "off"
+    )
     assert [(p["dtype"], p["batch"], p["compiled"]) for p in report["parts"]] == [
         ("float32", 1, False),
         ("float32", 1, True),
@@ -170,7 +185,8 @@ def test_a_part_that_fails_is_recorded_and_the_other_kinds_still_run(checkpoint,
     out = tmp_path / "out"
     argv = ["--out", str(out), "--model", str(adapter), "--device", "cpu", "--prompts", str(prompts), "--limit", "2",
             "--max-tokens", "4", "--threshold", "0.5", "--prompt-lookup", "3", "--forward-ks", "1,2", "--repeats", "1",
-            "--batches", "1,2", "--dtypes", "float32,bfloat16", "--minutes", "600", "--compile", "both"]  # fmt: skip
+            "--batches", "1,2", "--dtypes", "float32,bfloat16", "--minutes", "600", "--compile", "both",
+            "--step-parts", "off"]  # fmt: skip
     assert bench.main(argv) == 1
     report = json.loads((out / "device_bench.json").read_text())
     assert [(p["dtype"], p["batch"], p["compiled"]) for p in report["parts"]] == [
