@@ -18,10 +18,11 @@ the call keeps to `--minutes`: a part that would not fit in what is left is skip
 so (the first always runs). A part that raises (a compiled step this device cannot run, say) is
 kept under "failed" with its error and the end of its traceback, the rest of its kind is not
 run, the other kinds are, and the call exits 1. The JSON (`OUT/device_bench.json`) is rewritten
-after every part, so a call cut off early still returns what it measured. Then, in the last
-minute of the budget, kept for it (`--step-parts on`, the default): benchmarks/step_parts.py on
-the device (float32, batch 1, eager, 4 prompts), where a step's time goes with the device running
-the forward beside the host (`OUT/step_parts.json`, summed up under "step_parts").
+after every part, so a call cut off early still returns what it measured. Right after the first
+part, where 30 s of the budget are left (`--step-parts on`, the default): benchmarks/step_parts.py
+on the device (float32, batch 1, eager, 4 prompts of up to 64 tokens), where a step's time goes
+with the device running the forward beside the host (`OUT/step_parts.json`, summed up under
+"step_parts").
 
 It needs mars's own dependencies (torch, transformers 5.17 or later: the stock CUDA images'
 transformers runs it as it is; peft and gguf) and the model: with no `--model`, the embedded
@@ -207,11 +208,15 @@ def run(args: argparse.Namespace) -> dict:
     took: dict[int, float] = {}  # seconds a part of each batch size took (bfloat16 takes about what float32 took)
     ks = args.forward_ks
     kinds = {"both": (False, True), "off": (False,), "on": (True,)}[args.compile]
-    reserved = STEP_PARTS_SECONDS if args.step_parts == "on" else 0.0  # kept for step_parts, after the parts
+    pending = args.step_parts == "on"  # step_parts, run once the first part has
     for dtype, compiled in [(d, c) for d in args.dtypes for c in kinds]:
         session = None
         for batch in args.batches:
-            left = budget - reserved - (time.monotonic() - start)
+            if pending and (report["parts"] or report["failed"]):
+                pending = False
+                run_step_parts(args, device, report, budget - (time.monotonic() - start))
+                save()
+            left = budget - (time.monotonic() - start)
             expected = took.get(batch, max(took.values(), default=0.0))
             if report["parts"] and expected > left:
                 why = f"about {expected:.0f} s expected, {max(left, 0):.0f} s left of --minutes {args.minutes:g}"
@@ -290,27 +295,33 @@ def run(args: argparse.Namespace) -> dict:
                 log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: failed ({report['failed'][-1]['error']})")
                 save()
                 break
-    if args.step_parts == "on":
-        left = budget - (time.monotonic() - start)
-        if left < STEP_PARTS_SECONDS:
-            report["skipped"].append(
-                {"part": "step_parts", "why": f"about {STEP_PARTS_SECONDS:.0f} s needed, {max(left, 0):.0f} s left"}
-            )
-            log(f"step_parts: skipped ({report['skipped'][-1]['why']})")
-        else:
-            try:
-                report["step_parts"] = step_parts(args, device)
-            except Exception as error:  # as a part's: kept, and the call goes on
-                report["failed"].append({"part": "step_parts", **failure(error)})
-                log(f"step_parts: failed ({report['failed'][-1]['error']})")
+    if pending:  # the only part there was
+        run_step_parts(args, device, report, budget - (time.monotonic() - start))
     report["seconds"] = round(time.monotonic() - start, 1)
     save()
     return report
 
 
-# Seconds of the budget kept for benchmarks/step_parts.py after the parts (its own probe of the forward's
-# cost, a counted, a timed and a replayed pass of each mode over 4 prompts).
-STEP_PARTS_SECONDS = 60.0
+# Seconds benchmarks/step_parts.py needs here at least: a counted, a timed and a replayed pass of AR and
+# of lossless over 4 prompts of at most STEP_PARTS_TOKENS tokens (the forward's cost curve is kept
+# from the first part's session).
+STEP_PARTS_SECONDS = 30.0
+STEP_PARTS_TOKENS = 64
+
+
+def run_step_parts(args: argparse.Namespace, device: str, report: dict, left: float) -> None:
+    """step_parts where `left` seconds of the budget allow it; its summary, its skip or its failure
+    into `report`."""
+    if left < STEP_PARTS_SECONDS:
+        why = f"about {STEP_PARTS_SECONDS:.0f} s needed, {max(left, 0):.0f} s left of --minutes {args.minutes:g}"
+        report["skipped"].append({"part": "step_parts", "why": why})
+        log(f"step_parts: skipped ({why})")
+        return
+    try:
+        report["step_parts"] = step_parts(args, device)
+    except Exception as error:  # as a part's: kept, and the call goes on
+        report["failed"].append({"part": "step_parts", **failure(error)})
+        log(f"step_parts: failed ({report['failed'][-1]['error']})")
 
 
 def failure(error: Exception) -> dict:
@@ -321,15 +332,17 @@ def failure(error: Exception) -> dict:
 
 
 def step_parts(args: argparse.Namespace, device: str) -> dict:
-    """benchmarks/step_parts.py on this device (float32, batch 1, eager, up to 4 prompts): its JSON
-    beside device_bench.json, and per mode what a step costs and where it goes."""
+    """benchmarks/step_parts.py on this device (float32, batch 1, eager, up to 4 prompts of up to
+    STEP_PARTS_TOKENS tokens): its JSON beside device_bench.json, and per mode what a step costs and
+    where it goes."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("step_parts", ROOT / "benchmarks" / "step_parts.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    tokens = min(STEP_PARTS_TOKENS, args.max_tokens)
     argv = ["--device", device, "--dtype", "float32", "--prompts", str(args.prompts),
-            "--limit", str(min(4, args.limit)), "--max-tokens", str(args.max_tokens), "--rounds", "1",
+            "--limit", str(min(4, args.limit)), "--max-tokens", str(tokens), "--rounds", "1",
             "--warmup-tokens", "4", "--output", str(args.out / "step_parts.json")]  # fmt: skip
     if args.model:
         argv += ["--model", str(args.model)]
