@@ -151,8 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--step-parts",
         choices=("on", "off"),
         default="on",
-        help="after the parts, where time is left: benchmarks/step_parts.py here (float32, batch 1, eager), "
-        "where a step's time goes, the host's work beside the device's forward included",
+        help="right after the first part, where 30 s are left: benchmarks/step_parts.py here (float32, batch 1, "
+        "eager), where a step's time goes, the host's work beside the device's forward included",
     )
     args = parser.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -171,7 +171,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> dict:
     import torch
 
-    from mars.bench import BenchSettings, run_benchmark
     from mars.core.files import atomic_write_text
     from mars.prompts import read_prompts
     from mars.session import Session
@@ -232,62 +231,7 @@ def run(args: argparse.Namespace) -> dict:
                         args.model, backend="torch", dtype=dtype, device=device, announce=log, compile=compiled
                     )
                     ids = session.encode(prompts)
-                settings = BenchSettings(
-                    batch_sizes=(batch,),
-                    thresholds=(args.threshold,),
-                    block_caches=(),
-                    max_tokens=args.max_tokens,
-                    repeats=args.repeats,
-                    forward_ks=ks,
-                    forward_repeats=3,
-                    lossless=True,
-                    verify=True,
-                    prompt_lookup=args.prompt_lookup,
-                    llama_cpp=False,
-                    lossless_variants=False,
-                )
-                log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
-                bench = run_benchmark(session, ids, settings)
-                ks = ()  # the cost curve once
-                rows = [summarize(r) for r in bench["runs"]]
-                reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)
-                part = {
-                    "dtype": dtype,
-                    "batch": batch,
-                    "compiled": compiled,
-                    "seconds": round(time.monotonic() - t0, 1),
-                    "rows": rows,
-                    "reference": reference,
-                    "ar_matches_transformers_generate": bench["ar_matches_reference"],
-                    "forward_cost": bench["forward_cost"],
-                }
-                step = getattr(session.decoder, "compiled", None)
-                if step is not None:  # fixed shapes (CUDA graphs) or a graph over the cached length; graphs made
-                    part["fixed_shapes"], part["graphs"] = bool(step.fixed), step.compiles
-                if compiled:  # what compiling buys: tokens/s against the same part eager, row by row
-                    eager = next(
-                        (
-                            p
-                            for p in report["parts"]
-                            if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)
-                        ),
-                        None,
-                    )
-                    if eager is not None:
-                        before = {r["name"]: r["tokens_per_s"] for r in eager["rows"]}
-                        part["x_eager"] = {
-                            r["name"]: round(r["tokens_per_s"] / before[r["name"]], 4)
-                            for r in rows
-                            if before.get(r["name"])
-                        }
-                took[batch] = max(took.get(batch, 0.0), time.monotonic() - t0)
-                report["parts"].append(part)
-                if dtype == "float32" and batch == 1 and not compiled:
-                    report["verdict"] = verdict(part)
-                elif dtype == "float32" and batch == 1 and report["verdict"] is not None and "x_eager" in part:
-                    report["verdict"]["compiled_x_eager"] = part["x_eager"]
-                save()
-                print(table(part), flush=True)
+                part = measure_part(args, session, ids, dtype, batch, compiled, ks, report["parts"], t0)
             except Exception as error:  # a part that fails is recorded, and the call goes on
                 # What failed (a compiled step on this device, say) is kept, and the parts of other
                 # kinds still run: the rest of this kind would meet the same session.
@@ -295,11 +239,66 @@ def run(args: argparse.Namespace) -> dict:
                 log(f"{dtype} batch {batch}{' compiled' if compiled else ''}: failed ({report['failed'][-1]['error']})")
                 save()
                 break
+            ks = ()  # the cost curve once
+            took[batch] = max(took.get(batch, 0.0), time.monotonic() - t0)
+            report["parts"].append(part)
+            if dtype == "float32" and batch == 1 and not compiled:
+                report["verdict"] = verdict(part)
+            elif dtype == "float32" and batch == 1 and report["verdict"] is not None and "x_eager" in part:
+                report["verdict"]["compiled_x_eager"] = part["x_eager"]
+            save()
+            print(table(part), flush=True)
     if pending:  # the only part there was
         run_step_parts(args, device, report, budget - (time.monotonic() - start))
     report["seconds"] = round(time.monotonic() - start, 1)
     save()
     return report
+
+
+def measure_part(args, session, ids, dtype: str, batch: int, compiled: bool, ks, parts: list, t0: float) -> dict:
+    """One part: mars bench's loop over every configuration at this batch size on `session` (the cost
+    curve at widths `ks`, none where empty), and where compiled, what compiling bought against the
+    same part eager among `parts`."""
+    from mars.bench import BenchSettings, run_benchmark
+
+    settings = BenchSettings(
+        batch_sizes=(batch,),
+        thresholds=(args.threshold,),
+        block_caches=(),
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
+        forward_ks=ks,
+        forward_repeats=3,
+        lossless=True,
+        verify=True,
+        prompt_lookup=args.prompt_lookup,
+        llama_cpp=False,
+        lossless_variants=False,
+    )
+    log(f"{dtype} batch {batch}: {len(ids)} prompts, {args.max_tokens} tokens, {args.repeats} rounds")
+    bench = run_benchmark(session, ids, settings)
+    rows = [summarize(r) for r in bench["runs"]]
+    reference = next((r for r in rows if r["name"] == bench["reference_check"][0]["reference"]), None)
+    part = {
+        "dtype": dtype,
+        "batch": batch,
+        "compiled": compiled,
+        "seconds": round(time.monotonic() - t0, 1),
+        "rows": rows,
+        "reference": reference,
+        "ar_matches_transformers_generate": bench["ar_matches_reference"],
+        "forward_cost": bench["forward_cost"],
+    }
+    step = getattr(session.decoder, "compiled", None)
+    if step is not None:  # fixed shapes (CUDA graphs) or a graph over the cached length; graphs made
+        part["fixed_shapes"], part["graphs"] = bool(step.fixed), step.compiles
+    eager = next((p for p in parts if (p["dtype"], p["batch"], p["compiled"]) == (dtype, batch, False)), None)
+    if compiled and eager is not None:  # what compiling buys: tokens/s against the same part eager, row by row
+        before = {r["name"]: r["tokens_per_s"] for r in eager["rows"]}
+        part["x_eager"] = {
+            r["name"]: round(r["tokens_per_s"] / before[r["name"]], 4) for r in rows if before.get(r["name"])
+        }
+    return part
 
 
 # Seconds benchmarks/step_parts.py needs here at least: a counted, a timed and a replayed pass of AR and
@@ -326,9 +325,10 @@ def run_step_parts(args: argparse.Namespace, device: str, report: dict, left: fl
 
 def failure(error: Exception) -> dict:
     """What failed: the error's type and first line, and the end of its traceback."""
-    first = (str(error).strip().splitlines() or [""])[0][:300]
+    from mars.core.decode.types import error_line
+
     trace = "".join(traceback.format_exception(error)[-12:])[-4000:]
-    return {"error": f"{type(error).__name__}: {first}", "traceback": trace}
+    return {"error": error_line(error, 300), "traceback": trace}
 
 
 def step_parts(args: argparse.Namespace, device: str) -> dict:

@@ -10,7 +10,7 @@ import numpy as np
 
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
+from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, compile_failed, runners_up_of
 from ...core.masks import StepMask
 from .compiled import CompiledMlxStep, StaticCache, compilable
 from .forward import Caches, Positions, body, head, hidden_states, sliding_keys, step_mask, to_device, to_host
@@ -127,11 +127,7 @@ class MlxDecoder:
             return run(cache, *args, **kwargs)
         except Exception as error:
             cache.keys, cache.values, cache.length, self._drafted, self._key, self._seed = before
-            first = (str(error).strip().splitlines() or [""])[0][:200]
-            self.on_compile_error(
-                f"the compiled decoding step failed ({type(error).__name__}: {first}); decoding eager instead "
-                "(--compile on shows the whole error)"
-            )
+            self.on_compile_error(compile_failed(error))
             self.compiled = None
             return run(self._eager(cache), *args, **kwargs)
 

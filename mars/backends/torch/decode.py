@@ -9,7 +9,7 @@ import torch
 
 from ...core.acceptance import speculative_sampling, tree_sampling
 from ...core.decode.plan import Sampling
-from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, runners_up_of
+from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, compile_failed, runners_up_of
 from ...core.masks import WIDTH_BUCKETS, StepMask, bucket, decode_mask, dense_mask, pad_width
 from . import models, packed
 from .attention import REDUCED, ROW_EXACT
@@ -164,11 +164,7 @@ class TorchDecoder:
 
     def _drop_compiled(self, error: Exception) -> None:
         """Run eager from now on: the compiled step raised `error` (`on_compile_error`)."""
-        first = (str(error).strip().splitlines() or [""])[0][:200]
-        self.on_compile_error(
-            f"the compiled decoding step failed ({type(error).__name__}: {first}); decoding eager instead "
-            "(--compile on shows the whole error)"
-        )
+        self.on_compile_error(compile_failed(error))
         self.compiled, self.fixed, self.forward = None, False, self.lean
         self.buckets = self._asked_buckets and self.lean is not None
         self.skips_holes = bool(self.packed)

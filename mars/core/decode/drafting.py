@@ -134,19 +134,19 @@ class Drafting:
             for row_options in options
         ]
 
-        def best(row_options, row_kept, d):
-            """A row's option with the most expected kept drafts among its first d (ties: the
-            first option), as (option index, drafts fed, expected kept); None without options."""
+        def best(row, d):
+            """A row's option with the most expected kept drafts among its first d (ties: the first
+            option), as (option index, drafts fed, expected kept); None without options. `row`:
+            per option, (its drafts' count, its expected kept drafts out of the first n at [n - 1])."""
             top = None
-            for j, option in enumerate(row_options):
-                n = min(d, len(option[2]))
-                kept = row_kept[j][n - 1]
-                if top is None or kept > top[2]:  # ties: the first option
-                    top = (j, n, kept)
+            for j, (length, kept) in enumerate(row):
+                n = d if d < length else length
+                if top is None or kept[n - 1] > top[2]:  # ties: the first option
+                    top = (j, n, kept[n - 1])
             return top
 
-        lengths = [[len(drafts) for _, _, drafts in row_options] for row_options in options]
-        longest = max((n for row in lengths for n in row), default=0)
+        rows = [[(len(drafts), k) for (_, _, drafts), k in zip(o, kept)] for o, kept in zip(options, kept_each)]
+        longest = max((length for row in rows for length, _ in row), default=0)
         best_d = longest  # without a cost curve: each row's whole best option
         if self.feed is not None:
             seconds, asked = self.feed.costs.seconds, {}  # asked: a step's cost per width, looked up once
@@ -158,26 +158,19 @@ class Drafting:
                 return found
 
             best_d, best_score = 0, batch / cost(lossless_width(0, masks, spare_groups))
-            rows = [list(zip(n, k)) for n, k in zip(lengths, kept_each) if n]
             for d in range(1, longest + 1):
-                # best() of every row with options, inline: the widest pick and the picks' kept drafts summed in order
-                widest, total = 0, 0
+                widest, total = 0, 0  # the widest pick, and the picks' kept drafts summed in order
                 for row in rows:
-                    top_n, top_kept = 0, None
-                    for length, kept in row:
-                        n = d if d < length else length
-                        k = kept[n - 1]
-                        if top_kept is None or k > top_kept:
-                            top_n, top_kept = n, k
-                    total += top_kept
-                    if top_n > widest:
-                        widest = top_n
+                    chosen = best(row, d)
+                    if chosen is not None:
+                        total += chosen[2]
+                        widest = max(widest, chosen[1])
                 score = (batch + total) / cost(lossless_width(widest, masks, spare_groups))
                 if score > best_score:
                     best_d, best_score = d, score
         picks = []
-        for row_options, row_kept in zip(options, kept_each):
-            chosen = best(row_options, row_kept, best_d) if best_d else None
+        for row_options, row in zip(options, rows):
+            chosen = best(row, best_d) if best_d else None
             if chosen is None:
                 picks.append((MASKS, MASKS, []))
             else:

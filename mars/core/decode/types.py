@@ -71,6 +71,21 @@ class StepBackend(Protocol):
         ...
 
 
+def error_line(error: BaseException, limit: int = 200) -> str:
+    """An error as one line: its type and the first line of its message, cut at `limit` characters."""
+    first = (str(error).strip().splitlines() or [""])[0][:limit]
+    return f"{type(error).__name__}: {first}"
+
+
+def compile_failed(error: BaseException) -> str:
+    """What a backend's `on_compile_error` hears when its compiled step raised `error` and it
+    decodes eager instead (`--compile auto`)."""
+    return (
+        f"the compiled decoding step failed ({error_line(error)}); decoding eager instead "
+        "(--compile on shows the whole error)"
+    )
+
+
 @dataclass(frozen=True)
 class StepOutput:
     """What StepBackend.step returns, on the host, the same fields whatever was asked: per read the
