@@ -3,6 +3,7 @@
     python benchmarks/step_parts.py                         # torch, the embedded default, 8 test prompts, 64 tokens
     python benchmarks/step_parts.py --backend mlx           # the same prompts through the MLX backend
     python benchmarks/step_parts.py --device cuda           # on a GPU: the forward timed between synchronisations
+    python benchmarks/step_parts.py --evict-mb 512          # also the replayed host with the weights' stream
 
 Decodes the prompts through `mars.session.Session` as `mars generate` does (the plan from the
 command's own option defaults, the checkpoint's default mode and its cost-aware feed), once
@@ -35,8 +36,14 @@ torch with mars's own forward also reports each mode's host work with the forwar
 read), then timed with them handed back as logits of the same shape, the feed's curves frozen and
 its state put back each round so that every pass decides alike (None where a replay decided
 otherwise). On a CPU the real forward streams the weights through the caches and evicts the
-loop's own code and data between steps (here touching 512 MB between replayed steps doubled the
-loop's time); a GPU runs the forward beside the host, which then sees the replayed figure.
+loop's own code and data between steps; a GPU runs the forward beside the host, which then sees
+the replayed figure. `--evict-mb N` replays each mode once more with N MB read at every replayed
+forward ("replayed_evicted"), the weights' stream without the forward: on this CPU, 512 MB (about
+the default model's float32 weights) brings the replayed host work back to the measured one's.
+
+Beside the modes, at batch 1 on torch, a peer: a plain Python loop of greedy decoding over the
+loaded transformers model and its `DynamicCache` (`plain_loop`), its forward, reduction and host
+part timed alike ("plain_loop"), and whether its replies are mars's AR replies.
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
@@ -108,6 +115,15 @@ def parse(argv):
         help=(
             "measure the per-forward cost curve again first (as `mars generate --remeasure-cost`), "
             "e.g. once the machine is quiet"
+        ),
+    )
+    p.add_argument(
+        "--evict-mb",
+        type=int,
+        default=0,
+        help=(
+            "torch, mars's own forward: also replay each mode with this many MB read at every replayed "
+            "forward (what the weights' stream does to the host's caches on a CPU); 0: not"
         ),
     )
     p.add_argument("--output", default=None)
@@ -663,11 +679,12 @@ class Replayer:
     log-probabilities are what the forward gave, while the forward computes nothing and evicts
     nothing."""
 
-    def __init__(self, lean, top: int):
+    def __init__(self, lean, top: int, evict=None):
         self.lean, self.top = lean, top
         self.calls: list = []  # (top ids (k, top), their logits, the other entries' logit, vocabulary)
         self.at = 0
         self.replaying = False
+        self.evict = evict  # an array read through at each replayed call (as a CPU forward reads the weights)
 
     def __getattr__(self, name):
         return getattr(self.lean, name)
@@ -689,6 +706,8 @@ class Replayer:
             self.calls.append((top.indices, top.values, rest, vocab))
             return logits
         cache.reserve(inputs.width, inputs.batch)  # as the forward does: the cache's room grows alike
+        if self.evict is not None:
+            self.evict.sum()
         if self.at >= len(self.calls):
             raise ReplayDiverged(f"the replay asked for forward {self.at + 1}; the forward made {len(self.calls)}")
         ids, values, rest, vocab = self.calls[self.at]
@@ -696,14 +715,16 @@ class Replayer:
         return rest.expand(ids.shape[0], vocab).clone().scatter_(1, ids, values)
 
 
-def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
+def replayed(session, ids, plans, batch: int, rounds: int, evict_mb: int = 0) -> dict:
     """Per mode, the loop's host work with the forward replayed (torch, mars's own forward): each
     mode decoded once with its forward's answers recorded, then `rounds` times with them replayed
     under the timers; the feed learns no timing in these passes (its curves frozen, its state put
     back before each), so every pass decides alike. On this CPU a real forward streams the weights
     through the caches and evicts the loop's own code and data; a device that runs the forward
-    beside the host leaves the host what this measures. None per mode where it does not apply (MLX,
-    transformers' modules) or the replay did not decide as the forward did."""
+    beside the host leaves the host what this measures. With `evict_mb`, each replayed forward also
+    reads an array of that many MB (timed as the forward's), as a forward here reads the weights.
+    None per mode where it does not apply (MLX, transformers' modules) or the replay did not decide
+    as the forward did."""
     import copy
 
     from mars.core.decode import cost
@@ -721,11 +742,16 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
             start = copy.deepcopy(session.controller, {id(session): session})
             replayer = Replayer(lean, max(1 + plan.alternative_groups, RANKS))
             decoder.forward = replayer
+            evict = None
+            if evict_mb:
+                import numpy as np
+
+                evict = np.ones(evict_mb * 2**20 // 8)
             want = session.decode(ids, plan, batch).tokens
             profiler = Profiler(session)
             profiler.install()
             clock, seconds, same, steps = Clock(), 0.0, True, 0
-            replayer.replaying = True
+            replayer.replaying, replayer.evict = True, evict
             try:
                 for _ in range(rounds):
                     session.controller = copy.deepcopy(start, {id(session): session})
@@ -763,6 +789,77 @@ def replayed(session, ids, plans, batch: int, rounds: int) -> dict:
     finally:
         frozen.undo()
     return out
+
+
+def plain_loop(session, ids, max_tokens: int, eos, rounds: int) -> dict | None:
+    """A peer beside mars's loop (torch, float32 or not, any device): a plain Python loop of greedy
+    decoding over the loaded transformers model and its `DynamicCache`, one token a step, timed as
+    the modes are: the forward from the body's pre-hook to the head's hook (synchronising on CUDA),
+    the reduction (argmax and reading the id, `int()`), and the host part, the rest of the step
+    (making the input tensor, transformers' own code around the body and head). The prompts' own
+    forwards are not counted. None on MLX."""
+    if session.backend != "torch":
+        return None
+    import torch
+    from transformers import DynamicCache
+
+    tm = session.loaded
+    model, cuda = tm.model, tm.device.type == "cuda"
+    clock = {"forward": 0.0, "start": 0.0}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(tm.device)
+
+    def begins(module, args):
+        sync()
+        clock["start"] = time.perf_counter()
+
+    def ends(module, args, out):
+        sync()
+        clock["forward"] += time.perf_counter() - clock["start"]
+
+    handles = [tm.body.register_forward_pre_hook(begins), tm.head.register_forward_hook(ends)]
+    total = reduce = forward = 0.0
+    steps, replies = 0, []
+    try:
+        with torch.inference_mode():
+            for _ in range(rounds):
+                replies = []
+                for p in ids:
+                    cache = DynamicCache(config=model.config)
+                    fed = torch.tensor([p], device=tm.device)
+                    logits = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                    token = int(logits[0, -1].argmax())
+                    row = [token]
+                    clock["forward"] = 0.0
+                    spent = 0.0
+                    while token not in eos and len(row) < max_tokens:
+                        t0 = time.perf_counter()
+                        fed = torch.tensor([[token]], device=tm.device)
+                        logits = model(input_ids=fed, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                        t1 = time.perf_counter()
+                        token = int(logits[0, -1].argmax())
+                        t2 = time.perf_counter()
+                        row.append(token)
+                        spent += t2 - t0
+                        reduce += t2 - t1
+                        steps += 1
+                    total += spent
+                    forward += clock["forward"]
+                    replies.append(row)
+    finally:
+        for h in handles:
+            h.remove()
+    per = 1000.0 / max(steps, 1)
+    return {
+        "steps": steps,
+        "ms_per_step": total * per,
+        "forward_ms_per_step": forward * per,
+        "reduce_ms_per_step": reduce * per,
+        "host_ms_per_step": (total - forward - reduce) * per,
+        "tokens": replies,
+    }
 
 
 def mode_plans(session, max_tokens: int):
@@ -909,10 +1006,16 @@ def table(report: dict) -> str:
                 f"{k} {m['host_ms_per_step'][k]:.2f} ({100 * m['host_share_of_step'][k]:.1f}%)" for k in HOST_ITEMS
             )
         )
-    if any(m.get("replayed") for m in modes.values()):
-        lines.append("host part with the forward replayed (nothing evicts the loop's caches), ms per step:")
+    evict = report.get("evict_mb")
+    for key, heading in (
+        ("replayed", "host part with the forward replayed (nothing evicts the loop's caches), ms per step:"),
+        ("replayed_evicted", f"host part replayed, {evict} MB read at each replayed forward, ms per step:"),
+    ):
+        if not any(m.get(key) for m in modes.values()):
+            continue
+        lines.append(heading)
         for name, m in modes.items():
-            r = m.get("replayed")
+            r = m.get(key)
             if r is None:
                 lines.append(f"  {name:<10} not replayed")
                 continue
@@ -940,6 +1043,14 @@ def table(report: dict) -> str:
             lines.append(f"    {v['count'] / counted:5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
     same = report["replies_equal_to_ar"]
     lines.append(f"replies of lossless equal to AR's: {same}/{report['prompts']}")
+    peer = report.get("plain_loop")
+    if peer is not None:
+        lines.append(
+            f"peer, a plain transformers loop (batch 1, {peer['steps']} steps): {peer['ms_per_step']:.2f} ms a step, "
+            f"forward {peer['forward_ms_per_step']:.2f}, reduce {peer['reduce_ms_per_step']:.2f}, "
+            f"host {peer['host_ms_per_step']:.2f}; replies equal to mars's AR: "
+            f"{report['plain_loop_replies_equal_to_ar']}/{report['prompts']}"
+        )
     return "\n".join(lines)
 
 
@@ -1024,6 +1135,8 @@ def main(argv=None) -> dict:
         profiler.remove()
 
     replays = replayed(session, ids, plans, batch, args.rounds)
+    evicted = replayed(session, ids, plans, batch, args.rounds, args.evict_mb) if args.evict_mb else {}
+    peer = plain_loop(session, ids, args.max_tokens, set(plans["AR"].eos_ids), args.rounds) if batch == 1 else None
 
     from mars.session import Decoded
 
@@ -1036,6 +1149,7 @@ def main(argv=None) -> dict:
         modes[name] = summarise(clock, transfers, h2d, r["seconds"], joined, graph[0], counted_steps[name])
         modes[name]["plan"] = plans[name].name
         modes[name]["replayed"] = replays[name]
+        modes[name]["replayed_evicted"] = evicted.get(name)
         tokens[name] = r["decoded"][0].tokens
     report = {
         "what": "where a decoding step's time goes: forward, reduce + D2H, host (benchmarks/step_parts.py)",
@@ -1049,9 +1163,14 @@ def main(argv=None) -> dict:
         "batch": batch,
         "rounds": args.rounds,
         "warmup_tokens": args.warmup_tokens,
+        "evict_mb": args.evict_mb,
         "machine": dict(machine(args, session), load_average_before=load_before),
         "modes": modes,
         "replies_equal_to_ar": sum(a == b for a, b in zip(tokens["AR"], tokens["lossless"])),
+        "plain_loop": None if peer is None else {k: v for k, v in peer.items() if k != "tokens"},
+        "plain_loop_replies_equal_to_ar": None
+        if peer is None
+        else sum(a == b for a, b in zip(tokens["AR"], peer["tokens"])),
         "tokens": tokens,
     }
     out = (

@@ -61,7 +61,7 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
             "--output",
             str(out),
         ]
-        + (["--device", "cpu", "--dtype", "float32"] if backend == "torch" else [])
+        + (["--device", "cpu", "--dtype", "float32", "--evict-mb", "1"] if backend == "torch" else [])
     )
     assert json.loads(out.read_text())["modes"].keys() == {"AR", "lossless"}
     assert report["modes"]["lossless"]["plan"].startswith("lossless")
@@ -91,17 +91,34 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         assert isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi
         assert sum(site["count"] for site in m["h2d_sites"].values()) == m["h2d_transfers"]
         assert all(site.startswith(f"mars/backends/{backend}/") for site in m["h2d_sites"]), m["h2d_sites"]
-    # torch's own forward is also timed replayed: each mode's replay decided as the forward did.
+    # torch's own forward is also timed replayed, and replayed with an array read at each forward:
+    # each mode's replay decided as the forward did.
     for name, m in report["modes"].items():
-        r = m["replayed"]
-        if backend == "mlx":
-            assert r is None
-            continue
-        assert r is not None and r["steps"] > 0, name
-        assert r["host_ms_per_step"] >= 0 and r["reduce_ms_per_step"] >= 0
+        for key in ("replayed", "replayed_evicted"):
+            r = m[key]
+            if backend == "mlx":
+                assert r is None
+                continue
+            assert r is not None and r["steps"] > 0, (name, key)
+            assert r["host_ms_per_step"] >= 0 and r["reduce_ms_per_step"] >= 0
+            assert math.isclose(
+                sum(r["host_items_ms_per_step"].values()), r["host_ms_per_step"], rel_tol=1e-6, abs_tol=1e-9
+            )
+        if backend == "torch":  # the same decisions, so the same steps; reading the array is the forward's time
+            assert m["replayed_evicted"]["steps"] == m["replayed"]["steps"]
+    assert report["evict_mb"] == (1 if backend == "torch" else 0)
+    # The peer, a plain transformers loop, at batch 1 on torch: timed alike, and greedy AR's replies.
+    peer = report["plain_loop"]
+    if backend == "torch" and batch == 1:
+        assert peer["steps"] > 0 and peer["forward_ms_per_step"] > 0 and peer["reduce_ms_per_step"] >= 0
         assert math.isclose(
-            sum(r["host_items_ms_per_step"].values()), r["host_ms_per_step"], rel_tol=1e-6, abs_tol=1e-9
+            peer["forward_ms_per_step"] + peer["reduce_ms_per_step"] + peer["host_ms_per_step"],
+            peer["ms_per_step"],
+            rel_tol=1e-6,
         )
+        assert report["plain_loop_replies_equal_to_ar"] == report["prompts"]
+    else:
+        assert peer is None and report["plain_loop_replies_equal_to_ar"] is None
     # Lossless decoding is AR's, and the timers change nothing that is decoded.
     assert report["tokens"]["lossless"] == report["tokens"]["AR"]
     assert report["replies_equal_to_ar"] == report["prompts"] == 3
