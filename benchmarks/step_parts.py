@@ -43,7 +43,10 @@ the default model's float32 weights) brings the replayed host work back to the m
 
 Beside the modes, at batch 1 on torch, a peer: a plain Python loop of greedy decoding over the
 loaded transformers model and its `DynamicCache` (`plain_loop`), its forward, reduction and host
-part timed alike ("plain_loop"), and whether its replies are mars's AR replies.
+part timed alike ("plain_loop"), and whether its replies are mars's AR replies; and, with mars's own
+forward, the least lossless loop over mars's decoder step (`chain_loop`: the longest draft on
+offer and the plan's masks, no feed, groups or trees), whose host part is the decoder's own step
+inputs and a few list operations ("chain_loop").
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
@@ -862,6 +865,128 @@ def plain_loop(session, ids, max_tokens: int, eos, rounds: int) -> dict | None:
     }
 
 
+def chain_loop(session, ids, plan, max_tokens: int, rounds: int, max_drafts: int = 8) -> dict | None:
+    """A second peer (torch, mars's own forward, batch 1): the least a greedy lossless loop does over
+    mars's own decoder step. Each step feeds the tokens not yet cached, the longest of the drafts on
+    offer (the masks' from the step before, where it kept every draft, or a lookup source's of
+    `plan`), at most `max_drafts`, and `plan.block_size` masks, under plain causal attention; it keeps
+    the leading drafts AR confirms and AR's token after them, and crops the cache to what it fed for
+    real. No feed, no groups or trees, no statistics: what is left of the host part is the decoder's
+    own step inputs and the loop's few list operations. Timed as the modes are (the forward, the
+    reduction inside `step`, the rest), the prompt's own forward not counted. None where it does not
+    apply (MLX, transformers' modules, batch > 1)."""
+    decoder = session.decoder
+    if session.backend != "torch" or getattr(decoder, "lean", None) is None:
+        return None
+    import numpy as np
+
+    from mars.core.decode.drafts import lookup_sources
+
+    lookups, eos, masks = lookup_sources(plan), set(plan.eos_ids), plan.block_size
+    timed = {"forward": 0.0, "inputs": 0.0, "step": 0.0}
+    forward, lean_logits, step = decoder.forward, decoder._lean_logits, decoder.step
+
+    def clocked(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timed[name] += time.perf_counter() - t0
+
+        return call
+
+    class TimedForward:
+        def __getattr__(self, name):
+            return getattr(forward, name)
+
+        __call__ = staticmethod(clocked("forward", forward))
+
+    patches = Patches()
+    total = reduce = spent_forward = 0.0
+    steps = taken = 0
+    replies = []
+    try:
+        for _ in range(rounds):
+            replies = []
+            for p in ids:
+                cache = decoder.new_cache(1)
+                first = step(
+                    cache,
+                    np.asarray([p]),
+                    np.arange(len(p))[None],
+                    None,
+                    np.asarray([[len(p) - 1]]),
+                    metric=None,
+                    sampling=plan.sampling,
+                )
+                seq, cached, offered = list(p) + [int(first.ids[0, 0])], len(p), []
+                patches.set(decoder, "forward", TimedForward())
+                patches.set(decoder, "_lean_logits", clocked("inputs", lean_logits))
+                patches.set(decoder, "step", clocked("step", step))
+                for k in timed:
+                    timed[k] = 0.0
+                loop = 0.0
+                while len(seq) - len(p) < max_tokens and seq[-1] not in eos:
+                    t0 = time.perf_counter()
+                    produced = len(seq) - len(p)
+                    drafts = offered
+                    for lookup in lookups:
+                        found = lookup.propose(seq, plan.lookup_drafts)
+                        if found is not None and len(found[1]) > len(drafts):
+                            drafts = found[1]
+                    drafts = drafts[: min(max_drafts, max_tokens - produced - 1)]
+                    real, d = seq[cached:], len(drafts)
+                    fed = real + drafts + [plan.mask_id] * masks
+                    last = len(real) - 1
+                    out = decoder.step(
+                        cache,
+                        np.asarray([fed]),
+                        np.arange(cached, cached + len(fed))[None],
+                        None,
+                        np.arange(last, last + d + 1 + masks)[None],
+                        metric=None,
+                        sampling=plan.sampling,
+                    )
+                    ar = out.ids[0].tolist()
+                    kept = 0
+                    while kept < d and drafts[kept] == ar[kept]:
+                        kept += 1
+                    new = drafts[:kept] + [ar[kept]]
+                    for j, t in enumerate(new):
+                        if t in eos:
+                            new = new[: j + 1]
+                            break
+                    new = new[: max_tokens - produced]
+                    seq.extend(new)
+                    offered = ar[d + 1 :] if kept == d else []
+                    cached += len(real) + kept
+                    decoder.crop(cache, cached)
+                    loop += time.perf_counter() - t0
+                    steps += 1
+                    taken += len(new)
+                patches.undo()
+                total += loop
+                spent_forward += timed["forward"]
+                reduce += timed["step"] - timed["inputs"]
+                replies.append(seq[len(p) :])
+    finally:
+        patches.undo()
+    per = 1000.0 / max(steps, 1)
+    return {
+        "steps": steps,
+        "tokens_per_forward": taken / max(steps, 1),
+        "masks": masks,
+        "max_drafts": max_drafts,
+        "ms_per_step": total * per,
+        "forward_ms_per_step": spent_forward * per,
+        "reduce_ms_per_step": reduce * per,
+        "host_ms_per_step": (total - spent_forward - reduce) * per,
+        "ms_per_token": total * 1000.0 / max(taken, 1),
+        "tokens": replies,
+    }
+
+
 def mode_plans(session, max_tokens: int):
     """(AR, lossless) plans as `mars generate` makes them: its options' own defaults, then
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
@@ -1051,6 +1176,16 @@ def table(report: dict) -> str:
             f"host {peer['host_ms_per_step']:.2f}; replies equal to mars's AR: "
             f"{report['plain_loop_replies_equal_to_ar']}/{report['prompts']}"
         )
+    chain = report.get("chain_loop")
+    if chain is not None:
+        lines.append(
+            f"peer, the least lossless loop over mars's step ({chain['masks']} masks, at most {chain['max_drafts']} "
+            f"drafts, {chain['steps']} steps, {chain['tokens_per_forward']:.2f} tok/fwd): "
+            f"{chain['ms_per_step']:.2f} ms a step, forward {chain['forward_ms_per_step']:.2f}, "
+            f"reduce + D2H {chain['reduce_ms_per_step']:.2f}, host {chain['host_ms_per_step']:.2f}, "
+            f"{chain['ms_per_token']:.2f} ms a token; replies equal to AR's: "
+            f"{report['chain_loop_replies_equal_to_ar']}/{report['prompts']}"
+        )
     return "\n".join(lines)
 
 
@@ -1137,6 +1272,7 @@ def main(argv=None) -> dict:
     replays = replayed(session, ids, plans, batch, args.rounds)
     evicted = replayed(session, ids, plans, batch, args.rounds, args.evict_mb) if args.evict_mb else {}
     peer = plain_loop(session, ids, args.max_tokens, set(plans["AR"].eos_ids), args.rounds) if batch == 1 else None
+    chain = chain_loop(session, ids, plans["lossless"], args.max_tokens, args.rounds) if batch == 1 else None
 
     from mars.session import Decoded
 
@@ -1171,6 +1307,10 @@ def main(argv=None) -> dict:
         "plain_loop_replies_equal_to_ar": None
         if peer is None
         else sum(a == b for a, b in zip(tokens["AR"], peer["tokens"])),
+        "chain_loop": None if chain is None else {k: v for k, v in chain.items() if k != "tokens"},
+        "chain_loop_replies_equal_to_ar": None
+        if chain is None
+        else sum(a == b for a, b in zip(tokens["AR"], chain["tokens"])),
         "tokens": tokens,
     }
     out = (

@@ -119,6 +119,19 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
         assert report["plain_loop_replies_equal_to_ar"] == report["prompts"]
     else:
         assert peer is None and report["plain_loop_replies_equal_to_ar"] is None
+    # The least lossless loop over mars's own step: timed alike, and AR's replies.
+    chain = report["chain_loop"]
+    if backend == "torch" and batch == 1:
+        assert chain["steps"] > 0 and chain["tokens_per_forward"] >= 1 and chain["forward_ms_per_step"] > 0
+        assert chain["reduce_ms_per_step"] >= 0
+        assert math.isclose(
+            chain["forward_ms_per_step"] + chain["reduce_ms_per_step"] + chain["host_ms_per_step"],
+            chain["ms_per_step"],
+            rel_tol=1e-6,
+        )
+        assert report["chain_loop_replies_equal_to_ar"] == report["prompts"]
+    else:
+        assert chain is None and report["chain_loop_replies_equal_to_ar"] is None
     # Lossless decoding is AR's, and the timers change nothing that is decoded.
     assert report["tokens"]["lossless"] == report["tokens"]["AR"]
     assert report["replies_equal_to_ar"] == report["prompts"] == 3
