@@ -120,8 +120,11 @@ def accept_counts(confidence: np.ndarray, metric: str, threshold, limits) -> np.
         ok = passes(confidence, metric, threshold)
     else:
         threshold = np.asarray(threshold, dtype=np.float64)
+        ar = ar_mode_rows(metric, threshold)
+        if ar.all():  # every row in AR mode (threshold 1.0): slot 0 alone, no confidence judged
+            return np.minimum(limits, 1)
         ok = passes(confidence, metric, threshold[:, None])
-        ok[ar_mode_rows(metric, threshold), 1:] = False
+        ok[ar, 1:] = False
     ok[:, 0] = True
     run = np.cumprod(ok, axis=1).sum(axis=1)
     return np.minimum(run, limits)
