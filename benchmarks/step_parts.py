@@ -1168,24 +1168,24 @@ def table(report: dict) -> str:
             lines.append(f"    {v['count'] / counted:5.2f}/step {v['bytes'] / max(v['count'], 1):8.0f} B each  {site}")
     same = report["replies_equal_to_ar"]
     lines.append(f"replies of lossless equal to AR's: {same}/{report['prompts']}")
-    peer = report.get("plain_loop")
-    if peer is not None:
-        lines.append(
-            f"peer, a plain transformers loop (batch 1, {peer['steps']} steps): {peer['ms_per_step']:.2f} ms a step, "
-            f"forward {peer['forward_ms_per_step']:.2f}, reduce {peer['reduce_ms_per_step']:.2f}, "
-            f"host {peer['host_ms_per_step']:.2f}; replies equal to mars's AR: "
-            f"{report['plain_loop_replies_equal_to_ar']}/{report['prompts']}"
-        )
-    chain = report.get("chain_loop")
-    if chain is not None:
-        lines.append(
-            f"peer, the least lossless loop over mars's step ({chain['masks']} masks, at most {chain['max_drafts']} "
-            f"drafts, {chain['steps']} steps, {chain['tokens_per_forward']:.2f} tok/fwd): "
-            f"{chain['ms_per_step']:.2f} ms a step, forward {chain['forward_ms_per_step']:.2f}, "
-            f"reduce + D2H {chain['reduce_ms_per_step']:.2f}, host {chain['host_ms_per_step']:.2f}, "
-            f"{chain['ms_per_token']:.2f} ms a token; replies equal to AR's: "
-            f"{report['chain_loop_replies_equal_to_ar']}/{report['prompts']}"
-        )
+    for key, about in (
+        ("plain_loop", lambda p: f"a plain transformers loop (batch 1, {p['steps']} steps)"),
+        (
+            "chain_loop",
+            lambda p: (
+                f"the least lossless loop over mars's step ({p['masks']} masks, at most {p['max_drafts']} "
+                f"drafts, {p['steps']} steps, {p['tokens_per_forward']:.2f} tok/fwd)"
+            ),
+        ),
+    ):
+        peer = report.get(key)
+        if peer is not None:
+            per_token = f", {peer['ms_per_token']:.2f} ms a token" if "ms_per_token" in peer else ""
+            lines.append(
+                f"peer, {about(peer)}: {peer['ms_per_step']:.2f} ms a step, forward {peer['forward_ms_per_step']:.2f}, "
+                f"reduce + D2H {peer['reduce_ms_per_step']:.2f}, host {peer['host_ms_per_step']:.2f}{per_token}; "
+                f"replies equal to AR's: {report[key + '_replies_equal_to_ar']}/{report['prompts']}"
+            )
     return "\n".join(lines)
 
 
