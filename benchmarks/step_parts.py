@@ -46,7 +46,8 @@ loaded transformers model and its `DynamicCache` (`plain_loop`), its forward, re
 part timed alike ("plain_loop"), and whether its replies are mars's AR replies; and, with mars's own
 forward, the least lossless loop over mars's decoder step (`chain_loop`: the longest draft on
 offer and the plan's masks, no feed, groups or trees), whose host part is the decoder's own step
-inputs and a few list operations ("chain_loop").
+inputs and a few list operations ("chain_loop"), then the wall time a token of AR, the lossless
+mode and that loop, untimed and interleaved ("wall_ms_per_token_interleaved").
 Device-to-host transfers are counted where the host reads a device array: torch's `.cpu()`,
 `.numpy()`, `.tolist()`, `.item()` and truth/int/float tests of a tensor (a `.numpy()` of what
 `.cpu()` returned counts once), MLX's `np.array`/`np.asarray` of an `mx.array` in the MLX
@@ -987,6 +988,26 @@ def chain_loop(session, ids, plan, max_tokens: int, rounds: int, max_drafts: int
     }
 
 
+def interleaved_wall(session, ids, plans, max_tokens: int, rounds: int) -> dict:
+    """Untimed wall time per token of AR, the lossless mode and the least lossless loop (`chain_loop`),
+    interleaved: each round decodes the prompts in each, the order reversed every other round, the
+    prompts' own forwards included alike (no timers or counters installed). Per runner, ms a token
+    per round."""
+    runners = {
+        "AR": lambda: session.decode(ids, plans["AR"], 1).tokens,
+        "lossless": lambda: session.decode(ids, plans["lossless"], 1).tokens,
+        "chain_loop": lambda: chain_loop(session, ids, plans["lossless"], max_tokens, 1)["tokens"],
+    }
+    out = {name: [] for name in runners}
+    for rnd in range(rounds):
+        for name in list(runners) if rnd % 2 == 0 else list(runners)[::-1]:
+            t0 = time.perf_counter()
+            replies = runners[name]()
+            spent = time.perf_counter() - t0
+            out[name].append(1000.0 * spent / max(sum(len(r) for r in replies), 1))
+    return out
+
+
 def mode_plans(session, max_tokens: int):
     """(AR, lossless) plans as `mars generate` makes them: its options' own defaults, then
     threshold 1.0 for AR and the checkpoint's default mode for the other (lossless for the
@@ -1186,6 +1207,12 @@ def table(report: dict) -> str:
                 f"reduce + D2H {peer['reduce_ms_per_step']:.2f}, host {peer['host_ms_per_step']:.2f}{per_token}; "
                 f"replies equal to AR's: {report[key + '_replies_equal_to_ar']}/{report['prompts']}"
             )
+    wall = report.get("wall_ms_per_token_interleaved")
+    if wall:
+        lines.append(
+            "wall time a token, untimed, interleaved rounds: "
+            + ", ".join(f"{name} {' '.join(f'{v:.2f}' for v in values)} ms" for name, values in wall.items())
+        )
     return "\n".join(lines)
 
 
@@ -1273,6 +1300,7 @@ def main(argv=None) -> dict:
     evicted = replayed(session, ids, plans, batch, args.rounds, args.evict_mb) if args.evict_mb else {}
     peer = plain_loop(session, ids, args.max_tokens, set(plans["AR"].eos_ids), args.rounds) if batch == 1 else None
     chain = chain_loop(session, ids, plans["lossless"], args.max_tokens, args.rounds) if batch == 1 else None
+    wall = interleaved_wall(session, ids, plans, args.max_tokens, args.rounds) if chain is not None else None
 
     from mars.session import Decoded
 
@@ -1311,6 +1339,7 @@ def main(argv=None) -> dict:
         "chain_loop_replies_equal_to_ar": None
         if chain is None
         else sum(a == b for a, b in zip(tokens["AR"], chain["tokens"])),
+        "wall_ms_per_token_interleaved": wall,
         "tokens": tokens,
     }
     out = (

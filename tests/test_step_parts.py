@@ -121,8 +121,14 @@ def test_parts_add_up_and_decoding_is_unchanged(checkpoint, prompts, tmp_path, b
             assert report[f"{key}_replies_equal_to_ar"] == report["prompts"], key
         else:
             assert peer is None and report[f"{key}_replies_equal_to_ar"] is None
+    # The untimed wall time a token of AR, lossless and the least loop, one value a round each.
+    wall = report["wall_ms_per_token_interleaved"]
     if backend == "torch" and batch == 1:
         assert report["chain_loop"]["tokens_per_forward"] >= 1
+        assert wall.keys() == {"AR", "lossless", "chain_loop"}
+        assert all(len(v) == report["rounds"] and min(v) > 0 for v in wall.values()), wall
+    else:
+        assert wall is None
     # Lossless decoding is AR's, and the timers change nothing that is decoded.
     assert report["tokens"]["lossless"] == report["tokens"]["AR"]
     assert report["replies_equal_to_ar"] == report["prompts"] == 3
