@@ -125,8 +125,8 @@ def test_branches_off_a_lookup_chain_keep_the_output_of_ar(tok, monkeypatch):
     confirmed = []
     real = verify.matched
 
-    def watched(group, i, kept, token, ar):
-        m = real(group, i, kept, token, ar)
+    def watched(group, i, kept, token, ar, **lists):
+        m = real(group, i, kept, token, ar, **lists)
         if group.source == TREE and m >= 2 and m == group.prefix.shape[1]:
             confirmed.append(m)
         return m

@@ -4,6 +4,7 @@ Measured once (`calibrate`, kept by the caller), refreshed from the forwards the
 
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import time
@@ -23,16 +24,35 @@ BATCH_PROBE_WIDTHS = (1, 2, 4, 8)
 PROBE_ROUNDS = 2
 
 
-def non_decreasing(values: np.ndarray) -> np.ndarray:
+def non_decreasing(values) -> np.ndarray:
     """The closest non-decreasing sequence in least squares (pool adjacent violators): unlike a
     running maximum, one point timed high by noise does not raise every wider point."""
+    return np.array(_pooled(values), dtype=np.float64)
+
+
+def _pooled(values) -> list[float]:
+    """`non_decreasing` as a list of floats."""
     blocks: list[list[float]] = []  # [mean, count]
     for v in values:
         blocks.append([float(v), 1])
         while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
             (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
             blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return np.array([m for m, n in blocks for _ in range(n)], dtype=np.float64)
+    return [m for m, n in blocks for _ in range(n)]
+
+
+def interpolated(x: float, xs: list[float], ys: list[float]) -> float:
+    """np.interp(x, xs, ys) for one x within [xs[0], xs[-1]], to the bit, in plain Python: a loop
+    step asks a few of these, and one array call costs more than the arithmetic."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    j = bisect.bisect_right(xs, x) - 1  # xs[j] <= x < xs[j + 1]
+    if x == xs[j]:
+        return ys[j]
+    slope = (ys[j + 1] - ys[j]) / (xs[j + 1] - xs[j])
+    return slope * (x - xs[j]) + ys[j]
 
 
 class CostCurve:
@@ -48,14 +68,13 @@ class CostCurve:
 
     def seconds(self, tokens: int) -> float:
         if self._arrays is None:
-            ks = np.fromiter(self.points, dtype=np.float64)
-            self._arrays = ks, non_decreasing(np.fromiter(self.points.values(), dtype=np.float64)), {}
+            self._arrays = [float(k) for k in self.points], _pooled(self.points.values()), {}
         ks, ss, known = self._arrays  # known: what was asked since the curve last changed
         t = float(max(tokens, 1))
         found = known.get(t)
         if found is None:
             if t <= ks[-1]:
-                found = float(np.interp(t, ks, ss))
+                found = interpolated(t, ks, ss)
             else:
                 slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
                 found = float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))

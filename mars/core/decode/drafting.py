@@ -3,6 +3,8 @@ each row feeds (mars.core.decode.drafts), and how many masks and groups a step f
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import numpy as np
 
 from .drafts import ALT, IN_FORWARD, MASKS, SPARE, TREE, lookup_sources
@@ -113,7 +115,8 @@ class Drafting:
         widest = max(len(r.drafts) for r, _ in live)
         best, best_score = 0, base / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
         miss = [(1.0 - st.rate(key, 0), len(r.alts)) for r, key in live]
-        hits = np.cumsum([0.0] + st.rates("runner_up", most))  # [a]: chance one of the first a runners-up is AR's token
+        # [a]: chance one of the first a runners-up is AR's token (summed in order, as np.cumsum does)
+        hits = list(accumulate([0.0] + st.rates("runner_up", most)))
         for a in range(1, most + 1):
             gain = sum(p * min(1.0, hits[min(n, a)]) for p, n in miss)
             score = (base + gain) / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups, a))

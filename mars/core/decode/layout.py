@@ -87,16 +87,20 @@ class Columns:
         return slice(self.draft_slots + 1, self.draft_slots + 1 + self.masks)
 
     def read(self) -> np.ndarray:
-        """(b, k) the column each output slot is read at (inside the feed even for a row feeding nothing)."""
-        top = self.width - 1
-        ar = self.last[:, None] + np.minimum(np.arange(self.draft_slots + 1)[None, :], self.n_drafts[:, None])
-        mk = np.minimum(self.first_mask[:, None] + np.arange(self.masks)[None, :], top)
-        read = np.clip(np.concatenate([ar, mk], axis=1), 0, top)
-        extra = self.total - self.width
-        if not extra:
-            return read
-        groups = self.width + np.arange(extra)  # every group column, each read
-        return np.concatenate([read, np.broadcast_to(groups, (len(read), groups.size))], axis=1)
+        """(b, k) the column each output slot is read at (inside the feed even for a row feeding nothing).
+        Built row by row in plain Python, one array at the end: a step's few values cost less so than
+        a dozen array operations (docs/design.md, "One step")."""
+        top, d, m = self.width - 1, self.draft_slots, self.masks
+        groups = list(range(self.width, self.total))  # every group column, each read
+        rows = []
+        for last, n in zip(self.last.tolist(), self.n_drafts.tolist()):
+            first = last + 1 + n
+            rows.append(
+                [min(max(last + (j if j < n else n), 0), top) for j in range(d + 1)]
+                + [min(max(first + j, 0), top) for j in range(m)]
+                + groups
+            )
+        return np.array(rows, dtype=np.int64).reshape(len(rows), d + 1 + m + len(groups))
 
 
 @dataclass
@@ -145,55 +149,71 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and, per fed
     column, what it sees (`see`, `start`: masks.StepMask). A live group sits, by position and by what
     it sees, as a plain window continuing after its anchor would: the chain up to its anchor, then
-    its own columns; elsewhere its columns are holes."""
+    its own columns; elsewhere its columns are holes. Built in plain Python, one array per output."""
     b, w0 = ids.shape
     width = columns.total
-    wide_ids = np.full((b, width), mask_id, dtype=np.int64)
-    wide_ids[:, :w0] = ids
-    wide_valid = np.zeros((b, width), dtype=bool)
-    wide_valid[:, :w0] = valid
-    wide_positions = np.zeros((b, width), dtype=np.int64)
-    wide_positions[:, :w0] = positions
-    see = np.empty((b, width), dtype=np.int64)
-    see[:] = np.arange(width)
-    start = see.copy()
-    rows = np.arange(b)
+    more = width - w0
+    wide_ids = [row + [mask_id] * more for row in ids.tolist()]
+    wide_valid = [row + [False] * more for row in valid.tolist()]
+    fed_positions = positions.tolist()
+    wide_positions = [row + [0] * more for row in fed_positions]
+    see = [list(range(width)) for _ in range(b)]
+    start = [list(range(width)) for _ in range(b)]
+    lasts = columns.last.tolist()
     for k, group in enumerate(columns.groups):
-        first = columns.width + columns.group_start(k)  # a group's columns lie together: slices, not index arrays
-        cols = slice(first, first + group.width)
-        live = group.live
-        p = group.prefix.shape[1]
-        if p:
-            wide_ids[:, first : first + p] = np.where(live[:, None], group.prefix, mask_id)
-        wide_valid[:, cols] = live[:, None]
-        anchor = columns.last + group.anchor  # the column the group follows
-        wide_positions[:, cols] = np.where(
-            live[:, None], positions[rows, anchor][:, None] + 1 + np.arange(group.width)[None, :], 0
-        )
-        see[:, cols] = anchor[:, None]
-        start[:, cols] = first
-    return wide_ids, wide_valid, wide_positions, see, start
+        first = columns.width + columns.group_start(k)  # a group's columns lie together
+        w, p = group.width, group.prefix.shape[1]
+        end = first + w
+        for r, (live, anchor, prefix) in enumerate(
+            zip(group.live.tolist(), group.anchor.tolist(), group.prefix.tolist())
+        ):
+            anchor += lasts[r]  # the column the group follows
+            if live:
+                wide_ids[r][first : first + p] = prefix
+                wide_valid[r][first:end] = [True] * w
+                after = fed_positions[r][anchor] + 1
+                wide_positions[r][first:end] = range(after, after + w)
+            see[r][first:end] = [anchor] * w
+            start[r][first:end] = [first] * w
+    shape = (b, width)
+    return (
+        np.array(wide_ids, dtype=np.int64).reshape(shape),
+        np.array(wide_valid, dtype=bool).reshape(shape),
+        np.array(wide_positions, dtype=np.int64).reshape(shape),
+        np.array(see, dtype=np.int64).reshape(shape),
+        np.array(start, dtype=np.int64).reshape(shape),
+    )
+
+
+def window_feed(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int], first: list[int]):
+    """Rows laid out right-aligned, [holes][tokens][masks], their positions consecutive over the
+    tokens and masks from first[r] (holes at 0): ids, valid, positions, built in plain Python."""
+    ids, valid, positions = [], [], []
+    for toks, m, at in zip(parts, n_masks, first):
+        fed = len(toks) + m
+        holes = width - fed
+        ids.append([mask_id] * holes + list(toks) + [mask_id] * m)
+        valid.append([False] * holes + [True] * fed)
+        positions.append([0] * holes + list(range(at, at + fed)))
+    shape = (len(parts), width)
+    return (
+        np.array(ids, dtype=np.int64).reshape(shape),
+        np.array(valid, dtype=bool).reshape(shape),
+        np.array(positions, dtype=np.int64).reshape(shape),
+    )
 
 
 def right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int]):
     """Lay rows out right-aligned: [holes][tokens][masks]; returns ids, valid."""
-    batch = len(parts)
-    ids = np.full((batch, width), mask_id, dtype=np.int64)
-    valid = np.zeros((batch, width), dtype=bool)
-    for r, (toks, m) in enumerate(zip(parts, n_masks)):
-        start = width - len(toks) - m
-        ids[r, start : start + len(toks)] = toks
-        valid[r, start:] = True
-    return ids, valid
+    return window_feed(parts, width, mask_id, n_masks, [0] * len(parts))[:2]
 
 
 def pad_drafts(drafts: list[list[int]], mask_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(b, D) the rows' drafts padded with the mask id, and (b,) how many each row has."""
     width = max((len(d) for d in drafts), default=0)
-    out = np.full((len(drafts), width), mask_id, dtype=np.int64)
-    for r, d in enumerate(drafts):
-        out[r, : len(d)] = d
-    return out, np.asarray([len(d) for d in drafts], dtype=np.int64)
+    out = [list(d) + [mask_id] * (width - len(d)) for d in drafts]
+    n = [len(d) for d in drafts]
+    return np.array(out, dtype=np.int64).reshape(len(drafts), width), np.array(n, dtype=np.int64)
 
 
 def consecutive_positions(valid: np.ndarray, first: list[int]) -> np.ndarray:

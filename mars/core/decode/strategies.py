@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .drafts import GROUP_SOURCES
-from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, with_groups
+from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, window_feed, with_groups
 from .plan import Plan
 from .types import Row
 
@@ -32,8 +32,9 @@ class WindowStrategy:
         drafts = [[] if r.done else r.drafts[: r.max_tokens - r.produced - 1] for r in rows]
         parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
         width = max(len(p) for p in parts) + m
-        ids, valid = right_aligned(parts, width, s.mask_id, [0 if r.done else m for r in rows])
-        positions = consecutive_positions(valid, [r.cached for r in rows])
+        ids, valid, positions = window_feed(
+            parts, width, s.mask_id, [0 if r.done else m for r in rows], [r.cached for r in rows]
+        )
         padded, n = pad_drafts(drafts, s.mask_id)
         groups = in_forward_groups(s, self.group_counts, rows, n, m)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.

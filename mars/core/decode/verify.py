@@ -62,20 +62,24 @@ class Verdict:
     matched: np.ndarray | None = None  # (b,) prefix tokens AR confirmed in `group` (greedy)
 
 
-def matched(group, i: int, kept: int, token: int, ar: np.ndarray) -> int:
+def matched(group, i: int, kept: int, token: int, ar: list[int], fields=None) -> int:
     """How many of group `group`'s prefix tokens AR confirmed for row i, -1 where the group does not
     apply: it must be live there and anchored after the `kept` drafts kept; its first prefix token
     must be AR's token after them, and each next one AR's token after the one before (`ar`: AR's
-    predictions read at the group's prefix columns)."""
-    if not group.live[i] or int(group.anchor[i]) != kept:
+    predictions read at the group's prefix columns). `fields`: the group's (live, anchor, prefix) as
+    lists, where the caller made them once for every row."""
+    live, anchor, prefix = (
+        fields if fields is not None else (group.live.tolist(), group.anchor.tolist(), group.prefix.tolist())
+    )
+    if not live[i] or anchor[i] != kept:
         return -1
-    p = group.prefix.shape[1]
-    if p == 0:
+    own = prefix[i]
+    if not own:
         return 0
-    if int(group.prefix[i, 0]) != token:
+    if own[0] != token:
         return -1
     m = 1
-    while m < p and int(group.prefix[i, m]) == int(ar[m - 1]):
+    while m < len(own) and own[m] == ar[m - 1]:
         m += 1
     return m
 
@@ -121,30 +125,42 @@ def verify(
     draft's k most likely ids with their log-probabilities, and its own (`next_top`, for trees)."""
     columns, width = layout.columns, layout.columns.draft_slots
     b = len(layout.ids)
-    chosen = np.full(b, -1, dtype=np.int64)
+    # The step's few values as plain lists (one conversion each): a row's verdict is a few comparisons.
+    limit, n_drafts = layout.limit.tolist(), layout.n_drafts.tolist()
+    drafts = layout.drafts.tolist()
+    chosen, matches = [-1] * b, [0] * b  # the group whose proposals follow, and its prefix tokens AR confirmed
     conf = second = ids = lp = None
     wanted = max(logprobs or 0, ranks if sampling.greedy else 0)
     asked = {"logprobs": wanted} if logprobs is not None or wanted else {}
-    matches = np.zeros(b, dtype=np.int64)  # prefix tokens AR confirmed in the chosen group
     if sampling.greedy:
         if runners_up:  # wanted at the next drafts' reads alone: the masks' and the groups'
             asked["runners_up"], asked["runners_up_from"] = runners_up, columns.mask_reads.start
         out = step(backend, cache, layout, mask, metric=metric, sampling=sampling, **asked)
-        ids, lp, second = out.ids, out.logprobs, out.runners_up
+        ids, lp = out.ids.tolist(), out.logprobs
+        second = out.runners_up.tolist() if out.runners_up is not None else None
         conf = np.asarray(out.conf, dtype=np.float64) if metric is not None else None
-        ar, proposals = ids[:, columns.ar_reads], ids[:, Masks.reads(columns)]
-        same = (layout.drafts == ar[:, :width]) & (np.arange(width)[None, :] < layout.n_drafts[:, None])
-        kept = np.cumprod(same, axis=1).sum(axis=1).astype(np.int64)
-        token = ar[np.arange(b), kept]
+        reads = Masks.reads(columns)
+        proposals = [row[reads] for row in ids]
+        kept, token = [], []
+        for i in range(b):  # drafts kept while each equals AR's token before it (AR's reads come first)
+            row, own, k = ids[i], drafts[i], 0
+            while k < n_drafts[i] and own[k] == row[k]:
+                k += 1
+            kept.append(k)
+            token.append(row[k])
+        fields = None
         for i in range(b):
-            if layout.limit[i] <= 0 or kept[i] == layout.n_drafts[i]:
+            if limit[i] <= 0 or kept[i] == n_drafts[i]:
                 continue  # waiting, or every draft kept: the masks after them propose
+            if fields is None:
+                fields = [(g.live.tolist(), g.anchor.tolist(), g.prefix.tolist()) for g in columns.groups]
             fits = []
             for k, g in enumerate(columns.groups):
                 start = columns.group_reads(k).start
-                m = matched(g, i, int(kept[i]), int(token[i]), ar=ids[i, start : start + g.prefix.shape[1]])
+                p = g.prefix.shape[1]
+                m = matched(g, i, kept[i], token[i], ar=ids[i][start : start + p], fields=fields[k])
                 if m >= 0:  # a whole prefix also has its masks propose: worth about a token more
-                    full = m == g.prefix.shape[1]
+                    full = m == p
                     fits.append((m + full, full, m, -k))
             if fits:
                 best = max(fits)
@@ -167,43 +183,43 @@ def verify(
             sampling=sampling,
             **asked,
         )
-        token, proposals = out.token, out.proposals
-        kept = np.asarray(out.kept, dtype=np.int64)
+        token, proposals = np.asarray(out.token).tolist(), np.asarray(out.proposals).tolist()
+        kept = np.asarray(out.kept, dtype=np.int64).tolist()
         if tree is not None:  # a node taken: it is the token, `after` the token drawn after it
             # Node k is group k (a sampled step's groups are its tree's nodes alone).
-            chosen, after = np.asarray(out.node, dtype=np.int64), out.after
-            matches = (chosen >= 0).astype(np.int64)
+            chosen, after = np.asarray(out.node, dtype=np.int64).tolist(), np.asarray(out.after).tolist()
+            matches = [int(c >= 0) for c in chosen]
         lp, ranked = out.logprobs, out.ranks
     accepted, nxt, nxt_conf, nxt_alts, nxt_top = [], [], [], [], []
     took_lp, nxt_lp = ([], []) if logprobs is not None else (None, None)
     trim = (lambda e: replace(e, top=e.top[:logprobs])) if logprobs is not None and logprobs < wanted else (lambda e: e)
     for i in range(b):
         reads: list[int] = []  # the reads of the tokens row i takes
-        if layout.limit[i] <= 0:
+        if limit[i] <= 0:
             accepted.append([])
         else:
-            took = [int(t) for t in layout.drafts[i, : kept[i]]] + [int(token[i])]
-            reads = list(range(int(kept[i]) + 1))
+            took = drafts[i][: kept[i]] + [token[i]]
+            reads = list(range(kept[i] + 1))
             if chosen[i] >= 0 and not sampling.greedy:  # the node taken, then the token drawn at its read
-                took.append(int(after[i]))
+                took.append(after[i])
                 reads.append(width + 1)
             elif chosen[i] >= 0:  # AR's tokens after the confirmed prefix, read in the group: AR's window there
-                start, m = columns.group_reads(int(chosen[i])).start, int(matches[i])
-                took += [int(t) for t in ids[i, start : start + m]]
+                start, m = columns.group_reads(chosen[i]).start, matches[i]
+                took += ids[i][start : start + m]
                 reads += list(range(start, start + m))
             accepted.append(took)
         # The masks' proposals were conditioned on every draft: wrong once one failed.
         if chosen[i] >= 0 and not sampling.greedy:  # the taken node's masks drew them
-            nxt.append((columns.groups[chosen[i]].source, [int(t) for t in proposals[i]]))
+            nxt.append((columns.groups[chosen[i]].source, list(proposals[i])))
             nxt_conf.append(None)
             read = None  # drawn on the device, not read here
         elif chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
             group = columns.groups[chosen[i]]
-            read = columns.group_reads(int(chosen[i])).start + group.prefix.shape[1]
-            nxt.append((group.source, [int(t) for t in ids[i, read : read + group.masks]]))
+            read = columns.group_reads(chosen[i]).start + group.prefix.shape[1]
+            nxt.append((group.source, ids[i][read : read + group.masks]))
             nxt_conf.append(None if conf is None else conf[i, read : read + group.masks])
-        elif kept[i] == layout.n_drafts[i]:
-            nxt.append((MASKS, [int(t) for t in proposals[i]]))
+        elif kept[i] == n_drafts[i]:
+            nxt.append((MASKS, list(proposals[i])))
             nxt_conf.append(None if conf is None else conf[i, columns.mask_reads])
             read = columns.mask_reads.start
         else:
@@ -222,20 +238,18 @@ def verify(
             nxt_top.append((lp.top_ids[i, rows_at, :ranks], lp.top[i, rows_at, :ranks], lp.chosen[i, rows_at]))
         elif ranks:
             nxt_top.append((ranked.top_ids[i, :n], ranked.top[i, :n], ranked.chosen[i, :n]))
-        nxt_alts.append(
-            [[int(t) for t in second[i, read + j]] for j in range(n)] if second is not None and read is not None else []
-        )
+        nxt_alts.append(second[i][read : read + n] if second is not None and read is not None else [])
     return Verdict(
         accepted,
         nxt,
-        np.where(layout.limit > 0, kept, 0),
-        chosen,
+        np.array([k if lim > 0 else 0 for k, lim in zip(kept, limit)], dtype=np.int64),
+        np.array(chosen, dtype=np.int64),
         nxt_alts,
         nxt_conf if metric is not None else None,
         took_lp,
         nxt_lp,
         nxt_top if ranks else None,
-        matches,
+        np.array(matches, dtype=np.int64),
     )
 
 
