@@ -845,3 +845,26 @@ def test_calibration_keeps_each_widths_fastest_round_and_times_more_when_noisy()
         patch.setattr(cost.time, "perf_counter", lambda: backend.now)
         cost.calibrate(backend, [1, 2, 3], widths=widths, repeats=3, before=heard.append)
     assert heard[0] < 1.0  # the estimate leaves out what a first forward of a shape pays
+
+
+def test_the_curves_plain_interpolation_is_numpys_to_the_bit():
+    """CostCurve reads its points in plain Python: the same floats as np.interp over the pooled
+    (non-decreasing) points, at the points, between them and past the last (its slope extended)."""
+    from mars.core.decode.cost import interpolated, non_decreasing
+
+    rng = random.Random(3)
+    for _ in range(2000):
+        ks = sorted(rng.sample(range(1, 80), rng.randint(1, 12)))
+        points = {k: rng.uniform(1e-4, 0.1) * (1 + k * rng.random()) for k in ks}
+        curve = CostCurve(points)
+        xs, ys = [float(k) for k in ks], non_decreasing(list(points.values()))
+        for t in [rng.uniform(ks[0], ks[-1]) for _ in range(3)] + ks:
+            assert interpolated(float(t), xs, ys.tolist()) == float(np.interp(float(t), xs, ys))
+        for t in [rng.randint(1, 100) for _ in range(4)] + ks:
+            t = float(max(t, 1))
+            if t <= ks[-1]:
+                want = float(np.interp(t, xs, ys))
+            else:
+                slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
+                want = float(ys[-1] + max(slope, 0.0) * (t - xs[-1]))
+            assert curve.seconds(t) == want

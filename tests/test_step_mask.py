@@ -163,3 +163,82 @@ def test_the_cached_keys_positions_follow_the_cache_rows_columns_and_growth():
     kept = cache.positions[:4, :3].clone()
     cache.reserve(20, 4)  # past the capacity: new buffers, the cached part copied
     assert cache.capacity >= 23 and torch.equal(cache.positions[:4, :3], kept)
+
+
+def _read_by_arrays(c: Columns) -> np.ndarray:
+    """Columns.read as array formulas (the reference its plain-list build must give)."""
+    top = c.width - 1
+    ar = c.last[:, None] + np.minimum(np.arange(c.draft_slots + 1)[None, :], c.n_drafts[:, None])
+    mk = np.minimum(c.first_mask[:, None] + np.arange(c.masks)[None, :], top)
+    read = np.clip(np.concatenate([ar, mk], axis=1), 0, top)
+    groups = c.width + np.arange(c.total - c.width)
+    return np.concatenate([read, np.broadcast_to(groups, (len(read), groups.size))], axis=1)
+
+
+def _groups_by_arrays(ids, valid, positions, c: Columns, mask_id: int):
+    """with_groups as array operations, one group at a time (the reference)."""
+    b, w0 = ids.shape
+    out_ids = np.concatenate([ids, np.full((b, c.total - w0), mask_id)], axis=1)
+    out_valid = np.concatenate([valid, np.zeros((b, c.total - w0), dtype=bool)], axis=1)
+    out_pos = np.concatenate([positions, np.zeros((b, c.total - w0), dtype=np.int64)], axis=1)
+    see = np.tile(np.arange(c.total), (b, 1))
+    start = see.copy()
+    for k, g in enumerate(c.groups):
+        first = c.width + c.group_start(k)
+        cols = slice(first, first + g.width)
+        anchor = c.last + g.anchor
+        out_ids[:, first : first + g.prefix.shape[1]] = np.where(g.live[:, None], g.prefix, mask_id)
+        out_valid[:, cols] = g.live[:, None]
+        after = positions[np.arange(b), anchor][:, None] + 1 + np.arange(g.width)[None, :]
+        out_pos[:, cols] = np.where(g.live[:, None], after, 0)
+        see[:, cols], start[:, cols] = anchor[:, None], first
+    return out_ids, out_valid, out_pos, see, start
+
+
+def test_the_layouts_plain_list_builds_give_the_array_formulas():
+    """The window feed, the drafts' padding, the reads and the groups' columns, built row by row in
+    plain Python, equal their array formulas in values, shapes and dtypes, over random layouts."""
+    from mars.core.decode.layout import consecutive_positions, pad_drafts, window_feed
+
+    rng = np.random.default_rng(0)
+    mask_id = 99
+    for _ in range(400):
+        b = int(rng.integers(1, 5))
+        parts = [rng.integers(0, 50, int(rng.integers(0, 7))).tolist() for _ in range(b)]
+        n_masks = rng.integers(0, 4, b).tolist()
+        width = max(len(p) + m for p, m in zip(parts, n_masks)) + int(rng.integers(1, 3))
+        first = rng.integers(0, 20, b).tolist()
+        ids, valid, positions = window_feed(parts, width, mask_id, n_masks, first)
+        assert (ids.dtype, valid.dtype, positions.dtype) == (np.int64, np.bool_, np.int64)
+        for r, (p, m) in enumerate(zip(parts, n_masks)):
+            holes = width - len(p) - m
+            assert ids[r].tolist() == [mask_id] * holes + p + [mask_id] * m
+            assert valid[r].tolist() == [False] * holes + [True] * (len(p) + m)
+        assert (positions == consecutive_positions(valid, first)).all()
+        drafts = [rng.integers(0, 50, int(rng.integers(0, 4))).tolist() for _ in range(b)]
+        padded, n = pad_drafts(drafts, mask_id)
+        assert padded.shape == (b, max(len(d) for d in drafts)) and n.tolist() == [len(d) for d in drafts]
+        assert all(
+            padded[r, : len(d)].tolist() == d and (padded[r, len(d) :] == mask_id).all() for r, d in enumerate(drafts)
+        )
+        last = rng.integers(0, width, b)
+        groups = tuple(
+            Group(
+                "x",
+                np.minimum(rng.integers(0, 3, b), width - 1 - last),
+                rng.integers(0, 50, (b, p)),
+                rng.random(b) < 0.6,
+                int(rng.integers(1, 3)),
+            )
+            for p in rng.integers(0, 3, int(rng.integers(0, 4)))
+        )
+        n_drafts = rng.integers(0, 3, b)
+        c = Columns(
+            last, n_drafts, int(n_drafts.max()) + int(rng.integers(0, 2)), int(rng.integers(0, 3)), width, width, groups
+        )
+        got = c.read()
+        assert got.dtype == np.int64 and got.shape == _read_by_arrays(c).shape and (got == _read_by_arrays(c)).all()
+        for got, want in zip(
+            with_groups(ids, valid, positions, c, mask_id), _groups_by_arrays(ids, valid, positions, c, mask_id)
+        ):
+            assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all()

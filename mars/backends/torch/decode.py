@@ -4,6 +4,9 @@ sampling's speculate, with one device-to-host copy a step."""
 
 from __future__ import annotations
 
+import bisect
+from itertools import chain
+
 import numpy as np
 import torch
 
@@ -116,6 +119,7 @@ class TorchDecoder:
         from .packed import can_pack, pack_linears
 
         self.tm = tm
+        self._device_kind = tm.device.type  # read once: a step asks it every time
         self.body = tm.body
         self.head = tm.head
         self.generator = None
@@ -329,67 +333,80 @@ class TorchDecoder:
             width = models.graph_width(fed) if self.fixed else bucket(fed)
             input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, width)
         q = input_ids.shape[1]
+        # The step's few values as plain lists from here (one array at the end): a step's host work
+        # is a few dozen numbers, and each array operation costs more than its arithmetic.
+        reads_of = read.tolist()
+        ids = input_ids.reshape(-1).tolist()
         real = None
         if valid is not None:
             valid = np.asarray(valid, dtype=bool)
-            if valid.all():  # no holes: as if none were marked
+            valid_of = valid.tolist()
+            if all(all(row) for row in valid_of):  # no holes: as if none were marked
                 valid = None
-            else:
-                read = np.where(np.take_along_axis(valid, read, axis=1), read, read[:, :1])
+            else:  # a read at a hole is never used: it shares its row's first read
+                reads_of = [[c if ok[c] else row[0] for c in row] for row, ok in zip(reads_of, valid_of)]
                 if self.skips_holes:
-                    real = np.flatnonzero(valid)
-        flat = (np.arange(b)[:, None] * q + read).reshape(-1)
-        if (flat[1:] > flat[:-1]).all():  # distinct and in order already (a row alone, most steps)
-            distinct, where = flat, np.arange(flat.size)
-        else:
-            distinct, where = np.unique(flat, return_inverse=True)
-        ids = input_ids.reshape(-1)
+                    real = [i for i, ok in enumerate(chain.from_iterable(valid_of)) if ok]
+        flat = [r * q + c for r, row in enumerate(reads_of) for c in row]
+        if all(x < y for x, y in zip(flat, flat[1:])):  # distinct and in order already (a row alone, most steps)
+            distinct, where = flat, list(range(len(flat)))
+        else:  # np.unique's distinct values and inverse
+            distinct = sorted(set(flat))
+            at = {v: i for i, v in enumerate(distinct)}
+            where = [at[v] for v in flat]
         reads = distinct
         length = []
         if self.fixed:  # the mask over the cache's room, the reads padded to a bucket, the length
-            mask, reads = self._room_inputs(own, mask, distinct, b, q)
-            length = [np.asarray([cached], dtype=np.int64)]
+            mask, padded = self._room_inputs(own, mask, np.asarray(distinct, dtype=np.int64), b, q)
+            reads, length = padded.tolist(), [cached]
         if real is not None:
             # A read of a row that is all holes is never used: any real row's output will do.
-            ids, reads = ids[real], np.minimum(np.searchsorted(real, distinct), real.size - 1)
+            ids = [ids[i] for i in real]
+            reads = [min(bisect.bisect_left(real, d), len(real) - 1) for d in distinct]
         compact = isinstance(mask, StepMask)
         views = compact and mask.see is not None
         bools = (mask.keys if compact else mask,)
         extra = [np.asarray(e) for e in extra]
-        numbers = [ids, positions, reads, where.reshape(read.shape)] + ([mask.see, mask.start] if views else []) + extra
-        numbers += ([real] if real is not None else []) + length
-        host = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for a in numbers])
-        data = [host.view(np.uint8)] + [
-            np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in bools if a is not None
-        ]
-        buf = torch.from_numpy(np.concatenate(data) if len(data) > 1 else data[0])
-        if dev.type == "cuda":
+        # (values, the shape seen on the device: None for a flat one)
+        numbers = [(ids, None), (positions.reshape(-1).tolist(), positions.shape), (reads, None), (where, read.shape)]
+        if views:
+            numbers += [(np.asarray(a).reshape(-1).tolist(), np.shape(a)) for a in (mask.see, mask.start)]
+        numbers += [(e.reshape(-1).tolist(), e.shape if e.ndim != 1 else None) for e in extra]
+        numbers += ([(real, None)] if real is not None else []) + ([(length, None)] if length else [])
+        # One int64 buffer: the numbers, then the bool mask's bytes (padded to whole int64s).
+        count = sum(len(v) for v, _ in numbers)
+        flags = None if bools[0] is None else np.ascontiguousarray(bools[0], dtype=bool).reshape(-1)
+        nbytes = 0 if flags is None else flags.size
+        host = np.zeros(count + (nbytes + 7) // 8, dtype=np.int64)
+        host[:count] = list(chain.from_iterable(v for v, _ in numbers))
+        if flags is not None:
+            host.view(np.uint8)[count * 8 : count * 8 + nbytes] = flags.view(np.uint8)
+        buf = torch.from_numpy(host)
+        kind = self._device_kind
+        if kind == "cuda":
             buf = buf.pin_memory().to(dev, non_blocking=True)
-        elif dev.type != "cpu":
+        elif kind != "cpu":
             buf = buf.to(dev)
-        numbers_dev = buf[: host.size * 8].view(torch.int64)
-        parts = [
-            part if a.ndim == 1 else part.view(a.shape)
-            for a, part in zip(numbers, numbers_dev.split([a.size for a in numbers]))
-        ]
+        pieces = buf.split([len(v) for v, _ in numbers] + [host.size - count])
+        parts = [part if shape is None else part.view(shape) for (_, shape), part in zip(numbers, pieces)]
+        allowed = pieces[-1].view(torch.bool)[:nbytes].view(bools[0].shape) if flags is not None else None
         parts.reverse()  # taken in order from the end
         ids_d, pos_d, reads_d, where_d = parts.pop(), parts.pop(), parts.pop(), parts.pop()
         see_d, start_d = (parts.pop(), parts.pop()) if views else (None, None)
         extra_d = [parts.pop().bool() if e.dtype == bool else parts.pop() for e in extra]
         real_d = parts.pop() if real is not None else None
         length_d = parts.pop() if length else None
-        allowed = buf[host.size * 8 :].view(torch.bool).view(bools[0].shape) if bools[0] is not None else None
         gate = None
         if self.tm.gate is not None and self.compiled is not None:  # one graph: the gate's column every step
             gate = (None, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
         elif self.tm.gate is not None:
-            is_mask = ids == self.tm.gate.mask_id
-            spots = np.flatnonzero(is_mask)
-            if spots.size:
-                if spots[-1] - spots[0] + 1 == spots.size:  # one run of rows: the delta on them, no column
-                    gate = (slice(int(spots[0]), int(spots[-1]) + 1), None)
+            mask_id = self.tm.gate.mask_id
+            spots = [i for i, t in enumerate(ids) if t == mask_id]
+            if spots:
+                if spots[-1] - spots[0] + 1 == len(spots):  # one run of rows: the delta on them, no column
+                    gate = (slice(spots[0], spots[-1] + 1), None)
                 else:
-                    gate = (None, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
+                    gate = (None, (ids_d == mask_id).to(self.tm.dtype)[:, None])
         exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,
@@ -414,9 +431,9 @@ class TorchDecoder:
             self._drop_compiled(error)  # nothing was written into the cache: the step again, eager
             return self._lean_logits(*asked)
         if self.fixed:
-            logits = logits[: distinct.size]  # the padded reads' rows dropped
+            logits = logits[: len(distinct)]  # the padded reads' rows dropped
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
-        return logits, where.reshape(read.shape), where_d, extra_d
+        return logits, np.array(where, dtype=np.int64).reshape(read.shape), where_d, extra_d
 
     def _room_inputs(self, cache, mask, distinct: np.ndarray, b: int, q: int):
         """A fixed-shape step's mask and reads (models.CompiledStep with `fixed`): the mask's keys
