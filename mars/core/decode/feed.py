@@ -153,6 +153,7 @@ class LosslessFeed:
         self._ar_run = 0
         self._probe = 0
         self._interval = explore  # AR steps in a row before the next probe
+        self._steady_for = None  # (its key, `_steady`'s candidates)
 
     @classmethod
     def for_plan(cls, curve: CostCurve | BatchCosts, plan, *, explore: int = 32) -> LosslessFeed:
@@ -184,19 +185,31 @@ class LosslessFeed:
     def _per_second(self, tokens: float, width: float, used: float, batch: int) -> float:
         return (1.0 + used * (tokens - 1.0)) / self.costs.seconds(batch, width)
 
+    def _steady(self, batch: int) -> list[tuple[int, int, float, float]]:
+        """Per candidate past AR's, (masks, groups, tokens, width) of feeding it forever (`_chain`),
+        each mask count's outcomes summed once for all its group counts; kept while the keep rates
+        and the batch stay as they were (a step whose drafts came from a lookup leaves them)."""
+        s = self.stats
+        mask_rates, spare_rates = s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks)
+        key = (batch, self.max_masks, self.max_groups, tuple(mask_rates), tuple(spare_rates))
+        if self._steady_for is None or self._steady_for[0] != key:
+            out = []
+            for m in range(1, self.max_masks + 1):
+                most = min(m, self.max_groups)
+                mask, spare = _outcomes(mask_rates, m, most), _outcomes(spare_rates, m, most)
+                for g in range(most + 1):
+                    tokens, width, _ = _chain(mask, spare, m, g, batch)
+                    out.append((m, g, tokens, width))
+            self._steady_for = (key, out)
+        return self._steady_for[1]
+
     def _ranked(self, batch: int) -> list[tuple[int, int]]:
         """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups): each
-        `rate` with the keep rates read once and each mask count's outcomes summed once for all
-        its group counts (the same floats)."""
-        s, used = self.stats, self.used()
-        mask_rates, spare_rates = s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks)
+        `rate` from `_steady`'s tokens and widths (the same floats)."""
+        used, seconds = self.used(), self.costs.seconds
         keyed = [((self._per_second(1.0, 1.0, used, batch), 0, 0), (0, 0))]
-        for m in range(1, self.max_masks + 1):
-            most = min(m, self.max_groups)
-            mask, spare = _outcomes(mask_rates, m, most), _outcomes(spare_rates, m, most)
-            for g in range(most + 1):
-                tokens, width, _ = _chain(mask, spare, m, g, batch)
-                keyed.append(((self._per_second(tokens, width, used, batch), -m, -g), (m, g)))
+        for m, g, tokens, width in self._steady(batch):
+            keyed.append((((1.0 + used * (tokens - 1.0)) / seconds(batch, width), -m, -g), (m, g)))
         return [c for _, c in sorted(keyed, key=lambda kc: kc[0], reverse=True)]
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
