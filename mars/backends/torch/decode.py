@@ -485,7 +485,7 @@ class TorchDecoder:
             mask = decode_mask(np.ones(keys.shape, dtype=bool), q)
         return attention_masks(mask, positions, keys, self.windows, self.tm.dtype, self.tm.device)
 
-    @torch.inference_mode()
+    @models.inference
     def step(
         self,
         cache,
@@ -529,7 +529,7 @@ class TorchDecoder:
             second = every[where]
         return StepOutput(ids, conf, second, ReadLogprobs(*(a[where] for a in host)) if logprobs is not None else None)
 
-    @torch.inference_mode()
+    @models.inference
     def speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
     ):

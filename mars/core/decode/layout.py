@@ -135,8 +135,8 @@ class Layout:
 
     def live_groups(self, source: str) -> np.ndarray | None:
         """(b,) the groups of `source` each row fed live (None where the step fed none)."""
-        groups = [g for g in self.columns.groups if g.source == source]
-        return np.sum([g.live for g in groups], axis=0).astype(np.int64) if groups else None
+        groups = [g.live.tolist() for g in self.columns.groups if g.source == source]
+        return np.array([sum(row) for row in zip(*groups)], dtype=np.int64) if groups else None
 
 
 def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:

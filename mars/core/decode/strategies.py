@@ -78,12 +78,14 @@ class WindowStrategy:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + columns.keep].copy()
         if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
-            for r, k in enumerate(kept):
-                self.key_valid[r, old + columns.last[r] + 1 + k : old + columns.first_mask[r]] = False
+            for r, (k, last, n) in enumerate(
+                zip(np.asarray(kept).tolist(), columns.last.tolist(), columns.n_drafts.tolist())
+            ):
+                self.key_valid[r, old + last + 1 + k : old + last + 1 + n] = False
             # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
             # row attends leaves the cache at once (at batch 1, every rejected draft).
-            live = self.key_valid[:, old:].any(axis=0)
-            end = old + (int(np.flatnonzero(live)[-1]) + 1 if live.any() else 0)
+            live = self.key_valid[:, old:].any(axis=0).tolist()
+            end = old + max((j + 1 for j, used in enumerate(live) if used), default=0)
             self.key_valid = self.key_valid[:, :end]
         backend.crop(cache, self.key_valid.shape[1])
         for r, b in zip(rows, before):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 
 from ....checkpoint.architectures import TORCH_OWN_FORWARD
-from .base import KVCache, ModelArgs, StepInputs, Transformer, room_layout
+from .base import KVCache, ModelArgs, StepInputs, Transformer, inference, room_layout
 from .compiled import CompiledStep, graph_width
 
 # model_type -> the module (in this folder) whose model_args reads its checkpoints: the table's
@@ -48,6 +48,7 @@ __all__ = [
     "Transformer",
     "build",
     "graph_width",
+    "inference",
     "lean_family",
     "room_layout",
 ]

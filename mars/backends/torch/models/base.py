@@ -18,6 +18,7 @@ what its checkpoints add: a bias, per-head norms, layers without RoPE, multiplie
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +47,23 @@ class ModelArgs:
     residual_multiplier: float = 1.0  # Granite
 
 
+def inference(fn):
+    """`@torch.inference_mode()` for a step's functions, at a step's cost: entered through torch's own
+    guard where it is off, and not again where it is on (a step's forward and cache calls run inside
+    the decoder's step). torch.inference_mode's Python layer (a new context object per call, its
+    clone and enter) costs tens of microseconds a call on a cold CPU cache."""
+    guard = getattr(torch._C, "_InferenceMode", None)
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            return fn(*args, **kwargs)
+        with guard(True) if guard is not None else torch.inference_mode():
+            return fn(*args, **kwargs)
+
+    return run
+
+
 class KVCache:
     """The keys and values of every layer in preallocated buffers, (layers, batch, kv heads,
     capacity, head dim): a step writes its positions at `length` and attends over the first
@@ -53,7 +71,7 @@ class KVCache:
     (one copy into buffers twice as large) only when a step would pass the capacity. Its buffers
     are inference tensors, written in inference mode only (the decoder's steps run in it)."""
 
-    @torch.inference_mode()
+    @inference
     def __init__(self, args: ModelArgs, batch: int, capacity: int, dtype, device):
         self.args = args
         self.batch = batch
@@ -68,7 +86,7 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    @torch.inference_mode()
+    @inference
     def reserve(self, width: int, batch: int) -> None:
         """Room for `width` more positions of `batch` rows."""
         if batch > self.keys.shape[1]:
@@ -90,7 +108,7 @@ class KVCache:
     def crop(self, length: int) -> None:
         self.length = min(self.length, length)
 
-    @torch.inference_mode()
+    @inference
     def keep_rows(self, rows) -> None:
         """Keep these batch rows (indices, in order), gathered in place."""
         index = torch.as_tensor(rows, dtype=torch.long, device=self.keys.device)
@@ -109,7 +127,7 @@ class KVCache:
             self.positions[:n, : self.length] = kept
         self.batch = n
 
-    @torch.inference_mode()
+    @inference
     def fit_rows(self) -> None:
         """Buffers of exactly `batch` rows (a copy, where rows were dropped since they were made): a
         compiled step's graph meets the same layout whatever rows came and went."""
@@ -120,7 +138,7 @@ class KVCache:
         if self.positions is not None:
             self.positions = self.positions[: self.batch].clone()
 
-    @torch.inference_mode()
+    @inference
     def keep_columns(self, columns) -> None:
         """Keep these cached positions (indices, in order), gathered in place."""
         index = torch.as_tensor(columns, dtype=torch.long, device=self.keys.device)
@@ -343,7 +361,7 @@ class Transformer:
             key_positions = cache.positions[:b, : c + w]
         return additive_masks(allowed, inp.positions, key_positions, self.args.window, self.dtype)
 
-    @torch.inference_mode()
+    @inference
     def __call__(self, cache: KVCache, inp: StepInputs) -> torch.Tensor:
         h = F.embedding(inp.ids, self.embed)
         if self.args.embedding_multiplier != 1.0:

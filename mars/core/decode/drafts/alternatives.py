@@ -22,8 +22,16 @@ class Alternatives:
         return plan.alternative_groups
 
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
-        alts = [r.alts[:count] if n else [] for r, n in zip(rows, n_drafts)]
-        ids, n = pad_drafts(alts, mask_id)
-        running = np.asarray([not r.done for r in rows], dtype=bool)
+        alts = [r.alts[:count] if n else [] for r, n in zip(rows, n_drafts.tolist())]
+        ids, _ = pad_drafts(alts, mask_id)
         zero = np.zeros(len(rows), dtype=np.int64)
-        return [Group(self.name, zero, ids[:, k : k + 1], (k < n) & running, masks) for k in range(ids.shape[1])]
+        return [
+            Group(
+                self.name,
+                zero,
+                ids[:, k : k + 1],
+                np.array([k < len(a) and not r.done for r, a in zip(rows, alts)], dtype=bool).reshape(len(rows)),
+                masks,
+            )
+            for k in range(ids.shape[1])
+        ]

@@ -136,37 +136,25 @@ class DraftCorpus:
         if places.size == 1:  # one place: its continuation up to the separator
             follow = t[int(places[0]) : int(places[0]) + max_drafts].tolist()
             return follow[: follow.index(-1)] if -1 in follow else follow
-        # What follows each place, a row each: a row is read only while it is still in the vote, so
-        # never past its separator (reads past the corpus's end stop at its last separator).
-        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
+        # What follows each place, a row each (reads past the corpus's end stop at its last separator),
+        # voted on column by column in plain Python: a row stays in the vote while it agreed so far,
+        # so none is read past its separator.
+        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)].tolist()
         drafts: list[int] = []
-        j = 0
-        while j < max_drafts:
-            # The columns from j on where every place still in the vote agrees, taken at once up to the
-            # first where they do not (or a separator): the vote there is unanimous.
-            same = (table[:, j:] == table[:1, j:]).all(axis=0)
-            run = int(same.argmin()) if not same.all() else same.size
-            if run:
-                agreed = table[0, j : j + run].tolist()
-                if -1 in agreed:
-                    return drafts + agreed[: agreed.index(-1)]
-                drafts += agreed
-                j += run
-                if j == max_drafts:
-                    break
-            nxt = table[:, j]  # the places disagree here
-            if j:  # past the first draft only a majority counts: if there is one, it is the median
-                token = int(np.partition(nxt, nxt.size // 2)[nxt.size // 2])
-                agree = int((nxt == token).sum())
-            else:  # the first draft: the plurality, ties to the smallest id (a few places: counted here)
-                votes = Counter(nxt.tolist())
+        for j in range(max_drafts):
+            column = [row[j] for row in table]
+            token = column[0]
+            agree = column.count(token)
+            if agree < len(column):  # the places disagree: the plurality, ties to the smallest id
+                votes = Counter(column)
                 token = min(votes, key=lambda v: (-votes[v], v))
                 agree = votes[token]
-            if token < 0 or (j and 2 * agree <= nxt.size):
+            # Past the first draft only a majority counts.
+            if token < 0 or (j and 2 * agree <= len(column)):
                 break
             drafts.append(token)
-            table = table[nxt == token]
-            j += 1
+            if agree < len(column):
+                table = [row for row in table if row[j] == token]
         return drafts
 
     def save(self, path: Path) -> None:

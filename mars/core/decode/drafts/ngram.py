@@ -47,38 +47,49 @@ def _longest(
 
 
 class _Index:
-    """One sequence's tokens in a growing array, and where each token occurs: what `match`
-    finds by scanning the whole sequence, kept up to date as the sequence grows."""
+    """Where each token of one sequence occurs: what `match` finds by scanning the whole sequence,
+    kept up to date as the sequence grows, and searched over the sequence's own list (a step's
+    lookup compares a few places: plain Python costs less there than array operations)."""
 
     def __init__(self, seq: list[int]):
         self.seq = seq  # the row's own list (it only grows); held, so its id stays this index's
-        self.tokens = np.zeros(max(64, 2 * len(seq)), dtype=np.int64)
         self.n = 0  # tokens of `seq` indexed so far
+        self.last = None  # the last of them, as indexed
         self.where: dict[int, list[int]] = {}
 
     def update(self) -> bool:
         """Index the tokens added since the last call; False where `seq` changed otherwise."""
         seq, n = self.seq, self.n
-        if len(seq) < n or (n and seq[n - 1] != self.tokens[n - 1]):
+        if len(seq) < n or (n and seq[n - 1] != self.last):
             return False
-        if len(seq) > self.tokens.size:
-            grown = np.zeros(2 * len(seq), dtype=np.int64)
-            grown[:n] = self.tokens[:n]
-            self.tokens = grown
+        where = self.where
         for j in range(n, len(seq)):
-            t = seq[j]
-            self.tokens[j] = t
-            self.where.setdefault(t, []).append(j)
+            t = int(seq[j])
+            where.setdefault(t, []).append(j)
         self.n = len(seq)
+        if self.n:
+            self.last = seq[self.n - 1]
         return True
 
     def match(self, max_drafts: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list[int]]:
-        """`match` on the indexed sequence, in work growing with its last token's earlier places."""
-        end, arr = self.n, self.tokens
+        """`match` on the indexed sequence, in work growing with its last token's earlier places:
+        each longer n keeps the places whose preceding tokens match too; the latest of the longest
+        gives the drafts."""
+        end, seq = self.n, self.seq
         if max_drafts <= 0 or end < 2:
             return 0, []
-        starts = np.asarray(self.where[int(arr[end - 1])][:-1], dtype=np.int64)  # earlier places of the last token
-        return _longest(arr, end, starts, max_drafts, max_ngram)
+        starts = self.where[int(seq[end - 1])][:-1]  # earlier places of the last token
+        found = best = 0
+        for n in range(1, min(max_ngram, end - 1) + 1):
+            if n > 1:
+                want = seq[end - n]
+                starts = [i for i in starts if i >= n - 1 and seq[i - (n - 1)] == want]
+            if not starts:
+                break
+            found, best = n, starts[-1]
+        if not found:
+            return 0, []
+        return found, [int(t) for t in seq[best + 1 : min(best + 1 + max_drafts, end)]]
 
 
 class NgramLookup:

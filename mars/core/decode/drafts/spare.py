@@ -21,10 +21,16 @@ class SpareGroups:
         return plan.spare_groups
 
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
-        count = min(count, int(n_drafts.max(initial=0))) if masks else 0
-        running = np.asarray([not r.done for r in rows], dtype=bool)
+        n = n_drafts.tolist()
+        count = min(count, max(n, default=0)) if masks else 0
         empty = np.zeros((len(rows), 0), dtype=np.int64)
         return [
-            Group(self.name, np.full(len(rows), g, dtype=np.int64), empty, (g < n_drafts) & running, masks)
+            Group(
+                self.name,
+                np.full(len(rows), g, dtype=np.int64),
+                empty,
+                np.array([g < k and not r.done for r, k in zip(rows, n)], dtype=bool).reshape(len(rows)),
+                masks,
+            )
             for g in range(count)
         ]
