@@ -72,6 +72,24 @@ def test_lookup_equals_a_brute_force_search():
         assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
 
 
+def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch):
+    """With the hashes cut to 3 bits, different n-grams share hashes all the time: a lookup keeps
+    only the places that hold the sequence's own tail, as the brute-force search does."""
+    real = corpus_drafts._hashes
+    monkeypatch.setattr(corpus_drafts, "_hashes", lambda values, n: real(values, n) & np.uint64(7))
+    monkeypatch.setattr(corpus_drafts, "_MASK", 7)
+    rng = np.random.default_rng(7)
+    shared = 0
+    for _ in range(300):
+        sequences = [rng.integers(0, 6, size=int(rng.integers(1, 30))).tolist() for _ in range(int(rng.integers(1, 5)))]
+        c = DraftCorpus(sequences)
+        seq = rng.integers(0, 6, size=int(rng.integers(2, 12))).tolist()
+        max_drafts = int(rng.integers(1, 9))
+        assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
+        shared += sum(len(found) for _, _, found in c._index.values())
+    assert shared, "no hash was shared by two n-grams: the collision path went untested"
+
+
 def test_sources_by_match_length():
     assert [corpus_drafts.source(n) for n in (2, 3, 4, 5, 6, 8)] == [
         "corpus2",

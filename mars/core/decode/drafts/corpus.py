@@ -62,7 +62,7 @@ class DraftCorpus:
         if not tokens.size or tokens[-1] != -1:
             tokens = np.concatenate([tokens, np.array([-1], dtype=np.int64)])
         self.tokens = tokens
-        self._index: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+        self._index: dict[int, tuple[np.ndarray, np.ndarray, set[int]]] | None = None
 
     def __len__(self) -> int:
         """Tokens in the corpus (separators not counted)."""
@@ -71,8 +71,9 @@ class DraftCorpus:
     def __deepcopy__(self, memo):
         return self
 
-    def _build(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per n: (sorted hashes of the n-grams without a separator, the position just after each)."""
+    def _build(self) -> dict[int, tuple[np.ndarray, np.ndarray, set[int]]]:
+        """Per n: (sorted hashes of the n-grams without a separator, the position just after each,
+        the hashes that two different n-grams share: almost always none)."""
         t = self.tokens
         values = (t + 1).astype(np.uint64)  # separators hash as 0
         # run[e]: how many tokens up to e (inclusive) since the last separator
@@ -88,7 +89,12 @@ class DraftCorpus:
             ok = run[ends] >= n
             h, after = h[ok], ends[ok] + 1
             order = np.argsort(h, kind="stable")  # equal hashes keep corpus order
-            index[n] = (h[order], after[order])
+            h, after = h[order], after[order]
+            # A hash shared by two different n-grams has two such neighbours in the sorted order.
+            pairs = np.flatnonzero(h[1:] == h[:-1])
+            window = np.arange(-n, 0)
+            differ = (t[after[pairs, None] + window] != t[after[pairs + 1, None] + window]).any(axis=1)
+            index[n] = (h, after, set(h[pairs[differ]].tolist()))
         return index
 
     def match(self, seq, *, max_drafts: int) -> tuple[int, list[int]]:
@@ -112,17 +118,22 @@ class DraftCorpus:
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             if n not in self._index:
                 continue
-            hashes, after = self._index[n]
+            hashes, after, shared = self._index[n]
             want = np.uint64(wants[n])
             lo = int(hashes.searchsorted(want, "left"))
             if lo == hashes.size or hashes[lo] != want:
                 continue
             hi = int(hashes.searchsorted(want, "right"))
             places = after[max(lo, hi - MAX_PLACES) : hi]
-            ngram = np.asarray(tail[-n:], dtype=np.int64)
-            places = places[(t[places[:, None] - n + np.arange(n)] == ngram).all(axis=1)]  # no hash collision
-            if not places.size:
-                continue
+            if wants[n] in shared:  # the places hold different n-grams: keep the tail's
+                ngram = np.asarray(tail[-n:], dtype=np.int64)
+                places = places[(t[places[:, None] - n + np.arange(n)] == ngram).all(axis=1)]
+                if not places.size:
+                    continue
+            else:  # every place holds one n-gram: the latest says whether it is the tail's (no collision)
+                at = int(places[-1])
+                if t[at - n : at].tolist() != tail[-n:]:
+                    continue
             return n, self._continue(places, max_drafts)
         return 0, []
 
@@ -136,25 +147,37 @@ class DraftCorpus:
         if places.size == 1:  # one place: its continuation up to the separator
             follow = t[int(places[0]) : int(places[0]) + max_drafts].tolist()
             return follow[: follow.index(-1)] if -1 in follow else follow
-        # What follows each place, a row each (reads past the corpus's end stop at its last separator),
-        # voted on column by column in plain Python: a row stays in the vote while it agreed so far,
-        # so none is read past its separator.
-        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)].tolist()
+        # What follows each place, a row each: a row is read only while it is still in the vote, so
+        # never past its separator (reads past the corpus's end stop at its last separator).
+        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
         drafts: list[int] = []
-        for j in range(max_drafts):
-            column = [row[j] for row in table]
-            token = column[0]
-            agree = column.count(token)
-            if agree < len(column):  # the places disagree: the plurality, ties to the smallest id
-                votes = Counter(column)
+        j = 0
+        while j < max_drafts:
+            # The columns from j on where every place still in the vote agrees, taken at once up to the
+            # first where they do not (or a separator): the vote there is unanimous.
+            same = (table[:, j:] == table[:1, j:]).all(axis=0)
+            run = int(same.argmin()) if not same.all() else same.size
+            if run:
+                agreed = table[0, j : j + run].tolist()
+                if -1 in agreed:
+                    return drafts + agreed[: agreed.index(-1)]
+                drafts += agreed
+                j += run
+                if j == max_drafts:
+                    break
+            nxt = table[:, j]  # the places disagree here
+            if j:  # past the first draft only a majority counts: if there is one, it is the median
+                token = int(np.partition(nxt, nxt.size // 2)[nxt.size // 2])
+                agree = int((nxt == token).sum())
+            else:  # the first draft: the plurality, ties to the smallest id (a few places: counted here)
+                votes = Counter(nxt.tolist())
                 token = min(votes, key=lambda v: (-votes[v], v))
                 agree = votes[token]
-            # Past the first draft only a majority counts.
-            if token < 0 or (j and 2 * agree <= len(column)):
+            if token < 0 or (j and 2 * agree <= nxt.size):
                 break
             drafts.append(token)
-            if agree < len(column):
-                table = [row for row in table if row[j] == token]
+            table = table[nxt == token]
+            j += 1
         return drafts
 
     def save(self, path: Path) -> None:
