@@ -197,6 +197,7 @@ def test_the_feed_ranks_its_candidates_by_rate_exactly():
             batch = rng.choice((1, 2, 8))
             want = sorted(feed.candidates(), key=lambda c: (feed.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
             assert feed._ranked(batch) == want, (trial, again)
+            assert feed.choose(batch) == want[0], (trial, again)  # no probe this early: the best
         rates = (stats.rates("masks", feed.max_masks), stats.rates("spare", feed.max_masks))
         for m, g in want:
             assert steady_state(rates[0][:m], rates[1][:m], m, g, batch) == steady_state(
@@ -301,6 +302,7 @@ def test_the_policy_probes_the_masks_after_a_long_run_of_ar_steps():
     assert probes[:2] == [5, 6]  # two steps: one proposes, one verifies
     # Each probe that leaves AR the best doubles the wait for the next: 10, then 20 AR steps.
     assert probes[2:] == [17, 18, 39]
+    assert {picks[i] for i in probes} == {policy._ranked(1)[1]}  # a probe feeds the runner-up candidate
     # Once the masks pay, probes come at the base rate again.
     policy.curve.points = {1: 1.0, 64: 1.0}
     policy.curve._arrays = None

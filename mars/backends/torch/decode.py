@@ -387,7 +387,7 @@ class TorchDecoder:
             buf = buf.pin_memory().to(dev, non_blocking=True)
         elif kind != "cpu":
             buf = buf.to(dev)
-        pieces = buf.split([len(v) for v, _ in numbers] + [host.size - count])
+        pieces = buf.split_with_sizes([len(v) for v, _ in numbers] + [host.size - count])
         parts = [part if shape is None else part.view(shape) for (_, shape), part in zip(numbers, pieces)]
         allowed = pieces[-1].view(torch.bool)[:nbytes].view(bools[0].shape) if flags is not None else None
         parts.reverse()  # taken in order from the end
@@ -514,8 +514,8 @@ class TorchDecoder:
         lp = read_logprobs(unique, chosen, logprobs) if logprobs is not None else []
         top = []
         if runners_up:  # the distinct rows of the reads from `runners_up_from` on, as one range
-            rows = where[:, runners_up_from:]
-            lo, hi = (int(rows.min()), int(rows.max()) + 1) if rows.size else (0, 0)
+            rows = where[:, runners_up_from:].ravel().tolist()
+            lo, hi = (min(rows), max(rows) + 1) if rows else (0, 0)
             top = [unique[lo:hi].topk(runners_up + 1, dim=-1).indices] if hi > lo else []
         host = to_host(*([chosen] + ([conf] if metric is not None else []) + top + lp))
         chosen = host.pop(0)

@@ -183,13 +183,16 @@ class Drafting:
 
     def after_step(self, layout: Layout, verdict: Verdict, rows: list[Row], seconds: float) -> None:
         n_alts = layout.live_groups(ALT)
+        n_alts = None if n_alts is None else n_alts.tolist()
         # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
         alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == ALT]
-        for i, r in enumerate(rows):
-            if layout.limit[i] > 0 and layout.n_drafts[i]:
-                self.stats.record(self._keys[i], int(layout.n_drafts[i]), int(verdict.kept[i]))
-                if n_alts is not None and n_alts[i] and not verdict.kept[i]:
-                    hit = alt_groups.index(verdict.group[i]) if verdict.group[i] in alt_groups else -1
-                    self.stats.record_alternatives(int(n_alts[i]), hit)
+        limit, fed = layout.limit.tolist(), layout.n_drafts.tolist()
+        kept, group = verdict.kept.tolist(), verdict.group.tolist()
+        for i in range(len(rows)):
+            if limit[i] > 0 and fed[i]:
+                self.stats.record(self._keys[i], fed[i], kept[i])
+                if n_alts is not None and n_alts[i] and not kept[i]:
+                    hit = alt_groups.index(group[i]) if group[i] in alt_groups else -1
+                    self.stats.record_alternatives(n_alts[i], hit)
         if self.feed is not None and self.learn:
             self.feed.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)

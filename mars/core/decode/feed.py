@@ -203,18 +203,23 @@ class LosslessFeed:
             self._steady_for = (key, out)
         return self._steady_for[1]
 
-    def _ranked(self, batch: int) -> list[tuple[int, int]]:
-        """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups): each
-        `rate` from `_steady`'s tokens and widths (the same floats)."""
+    def _scored(self, batch: int) -> list[tuple[tuple[float, int, int], tuple[int, int]]]:
+        """Per candidate, ((its `rate`, -masks, -groups), (masks, groups)): each `rate` from
+        `_steady`'s tokens and widths (the same floats). The keys differ, so they order the
+        candidates as `_ranked` does."""
         used, seconds = self.used(), self.costs.seconds
         keyed = [((self._per_second(1.0, 1.0, used, batch), 0, 0), (0, 0))]
         for m, g, tokens, width in self._steady(batch):
             keyed.append((((1.0 + used * (tokens - 1.0)) / seconds(batch, width), -m, -g), (m, g)))
-        return [c for _, c in sorted(keyed, key=lambda kc: kc[0], reverse=True)]
+        return keyed
+
+    def _ranked(self, batch: int) -> list[tuple[int, int]]:
+        """The candidates, the highest `rate` first (ties: fewer masks, then fewer groups)."""
+        return [c for _, c in sorted(self._scored(batch), key=lambda kc: kc[0], reverse=True)]
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
-        ranked = self._ranked(batch)
-        best = ranked[0]
+        scored = self._scored(batch)
+        best = max(scored, key=lambda kc: kc[0])[1]  # `_ranked`'s first, without ranking the rest
         if best == (0, 0) and self.max_masks:
             if not self._probe:
                 self._ar_run += 1
@@ -223,7 +228,7 @@ class LosslessFeed:
                     self._interval = min(2 * self._interval, 32 * self.explore)
             if self._probe:
                 self._probe -= 1
-                best = ranked[1]
+                best = [c for _, c in sorted(scored, key=lambda kc: kc[0], reverse=True)][1]
         else:
             self._ar_run = 0
             self._interval = self.explore
@@ -253,8 +258,8 @@ class ThresholdFeed(LosslessFeed):
         for m in range(self.max_masks + 1):
             yield m, 0
 
-    def _ranked(self, batch: int) -> list[tuple[int, int]]:
-        return sorted(self.candidates(), key=lambda c: (self.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
+    def _scored(self, batch: int) -> list[tuple[tuple[float, int, int], tuple[int, int]]]:
+        return [((self.rate(*c, batch=batch), -c[0], -c[1]), c) for c in self.candidates()]
 
     def rate(self, masks: int, groups: int = 0, batch: int = 1) -> float:
         reach = np.cumprod(self.stats.rates(self.source, masks))  # P(run >= j), j = 1..masks

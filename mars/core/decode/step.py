@@ -112,6 +112,8 @@ def apply(outcome: Outcome, spec: StepSpec, rows: list[Row], run: Execution, sta
     # What each row had fed for real: the cached variants commit it (kept drafts too).
     before = [len(r.seq) if not r.done else r.cached for r in rows]
     eos = set(s.eos_ids)
+    if verdict is not None:
+        fed, kept = layout.n_drafts.tolist(), verdict.kept.tolist()
     for i, r in enumerate(rows):
         if r.done:
             accepted[i] = []
@@ -120,17 +122,18 @@ def apply(outcome: Outcome, spec: StepSpec, rows: list[Row], run: Execution, sta
             r.stats.waited += 1
             continue
         if verdict is not None:
-            _apply_verdict(r, i, verdict, outcome.taken[i], layout, s)
-            before[i] += int(verdict.kept[i])
+            _apply_verdict(r, i, verdict, outcome.taken[i], layout, fed[i], kept[i], s)
+            before[i] += kept[i]
         accepted[i] = take(r, accepted[i], eos)
         if s.logprobs is not None:
             r.logprobs.extend(outcome.logprobs[i][: len(accepted[i])])
     return accepted, before
 
 
-def _apply_verdict(r: Row, i: int, verdict: Verdict, taken: int, layout: Layout, s) -> None:
-    """Row i's drafts and statistics after a step that verified them (it took tokens)."""
-    count_drafts(r, int(layout.n_drafts[i]), int(verdict.kept[i]), verdict.nxt[i], s.masks_per_step)
+def _apply_verdict(r: Row, i: int, verdict: Verdict, taken: int, layout: Layout, fed: int, kept: int, s) -> None:
+    """Row i's drafts and statistics after a step that verified them (it took tokens): it had fed
+    `fed` drafts and kept `kept`."""
+    count_drafts(r, fed, kept, verdict.nxt[i], s.masks_per_step)
     # The runners-up of the next first draft: after confident drafts taken unverified, the first left.
     r.alts = verdict.next_alts[i][taken] if taken < len(verdict.next_alts[i]) else []
     if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
