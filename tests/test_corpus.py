@@ -62,14 +62,24 @@ def test_lookup_takes_the_longest_match_and_the_continuation_most_places_agree_o
     assert len(c) == 19
 
 
-def test_lookup_equals_a_brute_force_search():
-    rng = np.random.default_rng(5)
-    for _ in range(300):
-        sequences = [rng.integers(0, 4, size=int(rng.integers(1, 25))).tolist() for _ in range(int(rng.integers(1, 5)))]
+def against_brute_force(rng, vocab: int, longest: int, trials: int = 300) -> list[DraftCorpus]:
+    """Random corpora (sequences of 1 to `longest` - 1 ids) and sequences over `vocab` ids: every
+    lookup equals `reference`'s; returns the corpora."""
+    corpora = []
+    for _ in range(trials):
+        sequences = [
+            rng.integers(0, vocab, size=int(rng.integers(1, longest))).tolist() for _ in range(int(rng.integers(1, 5)))
+        ]
         c = DraftCorpus(sequences)
-        seq = rng.integers(0, 4, size=int(rng.integers(0, 12))).tolist()
+        seq = rng.integers(0, vocab, size=int(rng.integers(0, 12))).tolist()
         max_drafts = int(rng.integers(1, 13))
         assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
+        corpora.append(c)
+    return corpora
+
+
+def test_lookup_equals_a_brute_force_search():
+    against_brute_force(np.random.default_rng(5), vocab=4, longest=25)
 
 
 def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch):
@@ -78,15 +88,8 @@ def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch):
     real = corpus_drafts._hashes
     monkeypatch.setattr(corpus_drafts, "_hashes", lambda values, n: real(values, n) & np.uint64(7))
     monkeypatch.setattr(corpus_drafts, "_MASK", 7)
-    rng = np.random.default_rng(7)
-    shared = 0
-    for _ in range(300):
-        sequences = [rng.integers(0, 6, size=int(rng.integers(1, 30))).tolist() for _ in range(int(rng.integers(1, 5)))]
-        c = DraftCorpus(sequences)
-        seq = rng.integers(0, 6, size=int(rng.integers(2, 12))).tolist()
-        max_drafts = int(rng.integers(1, 9))
-        assert c.match(seq, max_drafts=max_drafts) == reference(sequences, seq, max_drafts), (sequences, seq)
-        shared += sum(len(found) for _, _, found in c._index.values())
+    corpora = against_brute_force(np.random.default_rng(7), vocab=6, longest=30)
+    shared = sum(len(found) for c in corpora if c._index for _, _, found in c._index.values())
     assert shared, "no hash was shared by two n-grams: the collision path went untested"
 
 
