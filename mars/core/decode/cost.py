@@ -77,7 +77,7 @@ class CostCurve:
                 found = interpolated(t, ks, ss)
             else:
                 slope = (ss[-1] - ss[-2]) / (ks[-1] - ks[-2]) if len(ks) > 1 else ss[-1] / ks[-1]
-                found = float(ss[-1] + max(slope, 0.0) * (t - ks[-1]))
+                found = ss[-1] + max(slope, 0.0) * (t - ks[-1])
             known[t] = found
         return found
 

@@ -78,10 +78,10 @@ class WindowStrategy:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + columns.keep].copy()
         if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
-            for r, (k, last, n) in enumerate(
-                zip(np.asarray(kept).tolist(), columns.last.tolist(), columns.n_drafts.tolist())
+            for r, (k, last, first_mask) in enumerate(
+                zip(np.asarray(kept).tolist(), columns.last.tolist(), columns.first_mask.tolist())
             ):
-                self.key_valid[r, old + last + 1 + k : old + last + 1 + n] = False
+                self.key_valid[r, old + last + 1 + k : old + first_mask] = False
             # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
             # row attends leaves the cache at once (at batch 1, every rejected draft).
             live = self.key_valid[:, old:].any(axis=0).tolist()

@@ -62,15 +62,13 @@ class Verdict:
     matched: np.ndarray | None = None  # (b,) prefix tokens AR confirmed in `group` (greedy)
 
 
-def matched(group, i: int, kept: int, token: int, ar: list[int], fields=None) -> int:
+def matched(group, i: int, kept: int, token: int, ar: list[int], *, fields: tuple) -> int:
     """How many of group `group`'s prefix tokens AR confirmed for row i, -1 where the group does not
     apply: it must be live there and anchored after the `kept` drafts kept; its first prefix token
     must be AR's token after them, and each next one AR's token after the one before (`ar`: AR's
     predictions read at the group's prefix columns). `fields`: the group's (live, anchor, prefix) as
-    lists, where the caller made them once for every row."""
-    live, anchor, prefix = (
-        fields if fields is not None else (group.live.tolist(), group.anchor.tolist(), group.prefix.tolist())
-    )
+    lists, made once for every row."""
+    live, anchor, prefix = fields
     if not live[i] or anchor[i] != kept:
         return -1
     own = prefix[i]

@@ -30,7 +30,7 @@ class Alternatives:
                 self.name,
                 zero,
                 ids[:, k : k + 1],
-                np.array([k < len(a) and not r.done for r, a in zip(rows, alts)], dtype=bool).reshape(len(rows)),
+                np.array([k < len(a) and not r.done for r, a in zip(rows, alts)], dtype=bool),
                 masks,
             )
             for k in range(ids.shape[1])

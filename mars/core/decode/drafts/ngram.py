@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
-
 MAX_NGRAM = 10
 # Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (1, 2, 3, 6)
@@ -21,35 +19,35 @@ def match(seq: list[int], *, max_drafts: int, max_ngram: int = MAX_NGRAM, min_ng
     occurs; (0, []) if none does."""
     if max_drafts <= 0 or len(seq) < 2:
         return 0, []
-    arr = np.asarray(seq, dtype=np.int64)
-    end = len(arr)
-    starts = np.flatnonzero(arr[: end - 1] == arr[-1])  # i: arr[i] == last token, i < end - 1
-    return _longest(arr, end, starts, max_drafts, max_ngram, min_ngram)
+    seq = [int(t) for t in seq]
+    end = len(seq)
+    starts = [i for i in range(end - 1) if seq[i] == seq[-1]]  # the earlier places of the last token
+    return _longest(seq, end, starts, max_drafts, max_ngram, min_ngram)
 
 
 def _longest(
-    arr: np.ndarray, end: int, starts: np.ndarray, max_drafts: int, max_ngram: int, min_ngram: int = 1
+    seq: list[int], end: int, starts: list[int], max_drafts: int, max_ngram: int, min_ngram: int = 1
 ) -> tuple[int, list[int]]:
-    """`match` on the first `end` tokens of `arr` from `starts`, the earlier places of its last token:
-    each longer n keeps those whose preceding tokens match too; the latest of the longest gives drafts."""
+    """`match` on the first `end` tokens of `seq` from `starts`, the earlier places of its last token:
+    each longer n keeps those whose preceding tokens match too; the latest of the longest gives drafts.
+    Over plain lists: a step's lookup compares a few places, where array operations cost more."""
     found = best = 0
     for n in range(1, min(max_ngram, end - 1) + 1):
         if n > 1:
-            starts = starts[starts >= n - 1]
-            starts = starts[arr[starts - (n - 1)] == arr[end - n]]
-        if not starts.size:
+            want = seq[end - n]
+            starts = [i for i in starts if i >= n - 1 and seq[i - (n - 1)] == want]
+        if not starts:
             break
         if n >= min_ngram:
-            found, best = n, int(starts[-1])
+            found, best = n, starts[-1]
     if not found:
         return 0, []
-    return found, [int(t) for t in arr[best + 1 : min(best + 1 + max_drafts, end)]]
+    return found, [int(t) for t in seq[best + 1 : min(best + 1 + max_drafts, end)]]
 
 
 class _Index:
     """Where each token of one sequence occurs: what `match` finds by scanning the whole sequence,
-    kept up to date as the sequence grows, and searched over the sequence's own list (a step's
-    lookup compares a few places: plain Python costs less there than array operations)."""
+    kept up to date as the sequence grows, and searched over the sequence's own list."""
 
     def __init__(self, seq: list[int]):
         self.seq = seq  # the row's own list (it only grows); held, so its id stays this index's
@@ -72,24 +70,12 @@ class _Index:
         return True
 
     def match(self, max_drafts: int, max_ngram: int = MAX_NGRAM) -> tuple[int, list[int]]:
-        """`match` on the indexed sequence, in work growing with its last token's earlier places:
-        each longer n keeps the places whose preceding tokens match too; the latest of the longest
-        gives the drafts."""
+        """`match` on the indexed sequence, in work growing with its last token's earlier places."""
         end, seq = self.n, self.seq
         if max_drafts <= 0 or end < 2:
             return 0, []
         starts = self.where[int(seq[end - 1])][:-1]  # earlier places of the last token
-        found = best = 0
-        for n in range(1, min(max_ngram, end - 1) + 1):
-            if n > 1:
-                want = seq[end - n]
-                starts = [i for i in starts if i >= n - 1 and seq[i - (n - 1)] == want]
-            if not starts:
-                break
-            found, best = n, starts[-1]
-        if not found:
-            return 0, []
-        return found, [int(t) for t in seq[best + 1 : min(best + 1 + max_drafts, end)]]
+        return _longest(seq, end, starts, max_drafts, max_ngram)
 
 
 class NgramLookup:

@@ -29,7 +29,7 @@ class SpareGroups:
                 self.name,
                 np.full(len(rows), g, dtype=np.int64),
                 empty,
-                np.array([g < k and not r.done for r, k in zip(rows, n)], dtype=bool).reshape(len(rows)),
+                np.array([g < k and not r.done for r, k in zip(rows, n)], dtype=bool),
                 masks,
             )
             for g in range(count)
