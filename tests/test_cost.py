@@ -874,3 +874,79 @@ def test_the_curves_plain_interpolation_is_numpys_to_the_bit():
                 slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
                 want = float(ys[-1] + max(slope, 0.0) * (t - xs[-1]))
             assert curve.seconds(t) == want
+
+
+def _same_mask(a, b) -> bool:
+    if a is None or b is None:
+        return a is b
+    parts = [(x, y) for x, y in zip((a.keys, a.see, a.start), (b.keys, b.see, b.start))]
+    return (a.cached, a.width) == (b.cached, b.width) and all(
+        (x is None and y is None) or (x is not None and y is not None and np.array_equal(x, y)) for x, y in parts
+    )
+
+
+@pytest.mark.parametrize("mode", ["lossless", "threshold"])
+def test_a_row_alone_keeps_the_masks_and_keys_that_its_keys_give(monkeypatch, mode):
+    """A row alone on the window cache keeps only the count of its cached keys (all real) and decides
+    each step's mask without them (WindowStrategy.mask, .commit): every mask is `layout_mask` over
+    the keys, and every commit keeps the keys and crops the cache as the path over the keys does."""
+    import copy
+
+    from mars.core.decode import strategies
+    from mars.core.decode.layout import layout_mask
+
+    mask, commit = strategies.WindowStrategy.mask, strategies.WindowStrategy.commit
+    shortcuts = {"mask": 0, "commit": 0}
+
+    def stored(strategy):  # the keys as the strategy holds them, made without changing it
+        if strategy._every is not None:
+            return np.ones(strategy._every, dtype=bool)
+        return None if strategy._key_valid is None else strategy._key_valid.copy()
+
+    def checked_mask(self, layout):
+        got = mask(self, layout)
+        twin = copy.copy(self)
+        twin.key_valid = stored(self)
+        keys = layout.keys
+        want = layout_mask(twin.keys(layout), layout)
+        layout.keys = keys
+        assert _same_mask(got, want), (got, want)
+        shortcuts["mask"] += layout.holes is False
+        return got
+
+    class Crops:
+        def __init__(self):
+            self.lengths = []
+
+        def crop(self, cache, length):
+            self.lengths.append(length)
+
+    def checked_commit(self, backend, cache, rows, layout, before, kept=None):
+        twin, twin_rows, crops = copy.copy(self), [copy.copy(r) for r in rows], Crops()
+        held = stored(self)
+        twin.key_valid = np.zeros((len(rows), 0), dtype=bool) if held is None else held  # the path over the keys
+        keys = layout.keys
+        commit(twin, crops, cache, twin_rows, layout, before, kept)
+        layout.keys = keys
+        before_width = len(backend.widths)
+        commit(self, backend, cache, rows, layout, before, kept)
+        shortcuts["commit"] += self._every is not None
+        assert np.array_equal(stored(self), twin.key_valid)
+        assert backend.widths[before_width:] and crops.lengths == [self_width(self)]
+        assert [r.cached for r in rows] == [r.cached for r in twin_rows]
+
+    def self_width(strategy):
+        return stored(strategy).shape[1]
+
+    monkeypatch.setattr(strategies.WindowStrategy, "mask", checked_mask)
+    monkeypatch.setattr(strategies.WindowStrategy, "commit", checked_commit)
+    if mode == "lossless":
+        s = settings(hedge=1, alternatives=1, cache="window")
+        backend, prompt, want = RunnerUpBackend(), PROMPT, ORACLE_REPLY
+    else:
+        s = make_plan(mask_id=MASK, eos_ids=(EOS,), block_size=4, max_tokens=40, threshold=0.5, cache="window")
+        backend, prompt, want = OracleBackend(good=2), PROMPT, None
+    res = generate(backend, [prompt], s, controller=feed_of(fixed(FLAT)) if mode == "lossless" else None)
+    if want is not None:
+        assert res.tokens == [want]
+    assert shortcuts["mask"] > 5 and shortcuts["commit"] > 5, shortcuts

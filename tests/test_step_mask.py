@@ -242,3 +242,44 @@ def test_the_layouts_plain_list_builds_give_the_array_formulas():
             with_groups(ids, valid, positions, c, mask_id), _groups_by_arrays(ids, valid, positions, c, mask_id)
         ):
             assert got.dtype == want.dtype and got.shape == want.shape and (got == want).all()
+
+
+def test_a_layouts_holes_and_the_mask_decided_without_keys_are_the_keys():
+    """WindowStrategy.lay_out says whether any fed column is a hole (`Layout.holes`: rows of other
+    lengths, groups not live in a row), and the mask it decides without the keys where there is
+    none (`mask`) is `layout_mask` over them: random rows, drafts and groups, cached or not."""
+    import random
+
+    from tiny import make_plan
+
+    from mars.core.decode.drafts import ALT, SPARE
+    from mars.core.decode.strategies import WindowStrategy
+    from mars.core.decode.types import Row
+
+    rng = random.Random(0)
+    plan = make_plan(mask_id=99, eos_ids=(2,), block_size=3, max_tokens=64, lossless=True, tree=0, hedge=2)
+    seen = set()
+    for _ in range(400):
+        rows = []
+        for _ in range(rng.randint(1, 3)):
+            r = Row([rng.randrange(5, 50) for _ in range(rng.randint(1, 5))], 4, threshold=1.0, max_tokens=64)
+            r.cached = rng.randint(0, len(r.seq) - 1)
+            r.drafts = [rng.randrange(5, 50) for _ in range(rng.randint(0, 3))]
+            r.alts = [rng.randrange(5, 50) for _ in range(rng.randint(0, 2))]
+            rows.append(r)
+        strategy = WindowStrategy(plan, cached=rng.random() < 0.5)
+        strategy.masks = rng.randint(0, 3)
+        strategy.group_counts.update({SPARE: rng.randint(0, 2), ALT: rng.randint(0, 2)})
+        layout = strategy.lay_out(rows)
+        assert layout.holes == (not layout.valid.all())
+        got, want = strategy.mask(layout), layout_mask(strategy.keys(layout), layout)
+        if want is None:
+            assert got is None
+        else:
+            assert (got.cached, got.width) == (want.cached, want.width)
+            for a, b in ((got.keys, want.keys), (got.see, want.see), (got.start, want.start)):
+                assert (a is None and b is None) or np.array_equal(a, b)
+        groups = layout.columns.groups
+        seen.add((layout.holes, bool(groups) and not all(g.live.all() for g in groups), len(rows) == 1))
+    # Steps with and without holes, holes from groups alone among them, and rows alone.
+    assert {(False, False, True), (True, True, False), (False, False, False)} <= seen, seen

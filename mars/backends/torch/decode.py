@@ -270,7 +270,8 @@ class TorchDecoder:
 
     def _read_logits(self, cache, input_ids, positions, mask, read, valid=None) -> tuple[torch.Tensor, np.ndarray]:
         """One forward: the float32 logits of each distinct (row, column) that `read` names,
-        (n, vocab), and where each read finds its own among them, (b, k). A row that
+        (n, vocab), and where each read finds its own among them, (b, k) (None from mars's own
+        forward where the reads are the distinct rows in order: read c of row r is r * k + c). A row that
         feeds fewer drafts than the widest repeats its last read: the head (a large matrix
         product on a small model) runs once per distinct read. With `valid` (b, q), reads at
         holes (never used) share the row's first; mars's own forward computes the real positions
@@ -349,11 +350,12 @@ class TorchDecoder:
                     real = [i for i, ok in enumerate(chain.from_iterable(valid_of)) if ok]
         flat = [r * q + c for r, row in enumerate(reads_of) for c in row]
         if all(x < y for x, y in zip(flat, flat[1:])):  # distinct and in order already (a row alone, most steps)
-            distinct, where = flat, list(range(len(flat)))
+            distinct, where, in_order = flat, list(range(len(flat))), True
         else:  # np.unique's distinct values and inverse
             distinct = sorted(set(flat))
             at = {v: i for i, v in enumerate(distinct)}
             where = [at[v] for v in flat]
+            in_order = False
         reads = distinct
         length = []
         if self.fixed:  # the mask over the cache's room, the reads padded to a bucket, the length
@@ -363,6 +365,17 @@ class TorchDecoder:
             # A read of a row that is all holes is never used: any real row's output will do.
             ids = [ids[i] for i in real]
             reads = [min(bisect.bisect_left(real, d), len(real) - 1) for d in distinct]
+        # A gated adapter's gate: its delta on the rows fed the mask (models.Linear). Where they are one
+        # run of rows, a slice of them; elsewhere (and in a compiled step's one graph) a 0/1 column
+        # (n, 1) that travels in the step's one copy.
+        gate, column = None, None
+        if self.tm.gate is not None:
+            mask_id = self.tm.gate.mask_id
+            spots = [i for i, t in enumerate(ids) if t == mask_id]
+            if self.compiled is None and spots and spots[-1] - spots[0] + 1 == len(spots):
+                gate = (slice(spots[0], spots[-1] + 1), None)
+            elif spots or self.compiled is not None:
+                column = [int(t == mask_id) for t in ids]
         compact = isinstance(mask, StepMask)
         views = compact and mask.see is not None
         bools = (mask.keys if compact else mask,)
@@ -373,6 +386,7 @@ class TorchDecoder:
             numbers += [(np.asarray(a).reshape(-1).tolist(), np.shape(a)) for a in (mask.see, mask.start)]
         numbers += [(e.reshape(-1).tolist(), e.shape if e.ndim != 1 else None) for e in extra]
         numbers += ([(real, None)] if real is not None else []) + ([(length, None)] if length else [])
+        numbers += [(column, (len(column), 1))] if column else []
         # One int64 buffer: the numbers, then the bool mask's bytes (padded to whole int64s).
         count = sum(len(v) for v, _ in numbers)
         flags = None if bools[0] is None else np.ascontiguousarray(bools[0], dtype=bool).reshape(-1)
@@ -396,17 +410,8 @@ class TorchDecoder:
         extra_d = [parts.pop().bool() if e.dtype == bool else parts.pop() for e in extra]
         real_d = parts.pop() if real is not None else None
         length_d = parts.pop() if length else None
-        gate = None
-        if self.tm.gate is not None and self.compiled is not None:  # one graph: the gate's column every step
-            gate = (None, (ids_d == self.tm.gate.mask_id).to(self.tm.dtype)[:, None])
-        elif self.tm.gate is not None:
-            mask_id = self.tm.gate.mask_id
-            spots = [i for i, t in enumerate(ids) if t == mask_id]
-            if spots:
-                if spots[-1] - spots[0] + 1 == len(spots):  # one run of rows: the delta on them, no column
-                    gate = (slice(spots[0], spots[-1] + 1), None)
-                else:
-                    gate = (None, (ids_d == mask_id).to(self.tm.dtype)[:, None])
+        if column:  # the gate's column: the 0/1 that travelled, in the model's dtype
+            gate = (None, parts.pop().to(self.tm.dtype))
         exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,
@@ -433,7 +438,8 @@ class TorchDecoder:
         if self.fixed:
             logits = logits[: len(distinct)]  # the padded reads' rows dropped
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
-        return logits, np.array(where, dtype=np.int64).reshape(read.shape), where_d, extra_d
+        where = None if in_order else np.array(where, dtype=np.int64).reshape(read.shape)
+        return logits, where, where_d, extra_d
 
     def _room_inputs(self, cache, mask, distinct: np.ndarray, b: int, q: int):
         """A fixed-shape step's mask and reads (models.CompiledStep with `fixed`): the mask's keys
@@ -508,26 +514,40 @@ class TorchDecoder:
             host = to_host(chosen, conf, *lp)
             return StepOutput(host[0], host[1], logprobs=ReadLogprobs(*host[2:]) if logprobs is not None else None)
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
+        shape = np.shape(read)
+        if where is None:  # each read its own row, in order: each result's rows reshaped to the reads'
+
+            def by_read(a):
+                return a.reshape(shape + a.shape[1:])
+        else:
+
+            def by_read(a):
+                return a[where]
+
         chosen, conf = slot_predictions(unique, metric, sampling)
         # One device-to-host copy a step: the ids, their confidences (none in AR mode: zeros),
         # the runners-up and the log-probabilities together.
         lp = read_logprobs(unique, chosen, logprobs) if logprobs is not None else []
         top = []
         if runners_up:  # the distinct rows of the reads from `runners_up_from` on, as one range
-            rows = where[:, runners_up_from:].ravel().tolist()
-            lo, hi = (min(rows), max(rows) + 1) if rows else (0, 0)
+            if where is None:  # row r's read c is row r * k + c
+                b, k = shape
+                lo, hi = (runners_up_from, b * k) if runners_up_from < k else (0, 0)
+            else:
+                rows = where[:, runners_up_from:].ravel().tolist()
+                lo, hi = (min(rows), max(rows) + 1) if rows else (0, 0)
             top = [unique[lo:hi].topk(runners_up + 1, dim=-1).indices] if hi > lo else []
         host = to_host(*([chosen] + ([conf] if metric is not None else []) + top + lp))
         chosen = host.pop(0)
-        ids = chosen[where]
-        conf = host.pop(0)[where] if metric is not None else np.zeros(ids.shape, np.float32)
+        ids = by_read(chosen)
+        conf = by_read(host.pop(0)) if metric is not None else np.zeros(ids.shape, np.float32)
         second = None
         if runners_up:  # the rows outside the range have none (-1)
             every = np.full((unique.shape[0], runners_up), -1, dtype=np.int64)
             if top:
                 every[lo:hi] = runners_up_of(host.pop(0), chosen[lo:hi], runners_up)
-            second = every[where]
-        return StepOutput(ids, conf, second, ReadLogprobs(*(a[where] for a in host)) if logprobs is not None else None)
+            second = by_read(every)
+        return StepOutput(ids, conf, second, ReadLogprobs(*map(by_read, host)) if logprobs is not None else None)
 
     @models.inference
     def speculate(

@@ -152,23 +152,28 @@ class Drafting:
         longest = max((length for row in rows for length, _ in row), default=0)
         best_d = longest  # without a cost curve: each row's whole best option
         if self.feed is not None:
-            seconds, asked = self.feed.costs.seconds, {}  # asked: a step's cost per width, looked up once
+            seconds, asked = self.feed.costs.seconds, {}  # asked: a step's cost by its widest drafts, once
 
-            def cost(width: int) -> float:
-                found = asked.get(width)
+            def cost(widest: int) -> float:
+                found = asked.get(widest)
                 if found is None:
-                    found = asked[width] = seconds(batch, width)
+                    found = asked[widest] = seconds(batch, lossless_width(widest, masks, spare_groups))
                 return found
 
-            best_d, best_score = 0, batch / cost(lossless_width(0, masks, spare_groups))
+            best_d, best_score = 0, batch / cost(0)
             for d in range(1, longest + 1):
                 widest, total = 0, 0  # the widest pick, and the picks' kept drafts summed in order
-                for row in rows:
-                    chosen = best(row, d)
-                    if chosen is not None:
-                        total += chosen[2]
-                        widest = max(widest, chosen[1])
-                score = (batch + total) / cost(lossless_width(widest, masks, spare_groups))
+                for row in rows:  # `best(row, d)`, inline: this loop runs for every d a lookup offers
+                    top, fed = None, 0
+                    for length, kept in row:
+                        n = d if d < length else length
+                        if top is None or kept[n - 1] > top:  # ties: the first option
+                            top, fed = kept[n - 1], n
+                    if top is not None:
+                        total += top
+                        widest = max(widest, fed)
+                found = asked.get(widest)
+                score = (batch + total) / (found if found is not None else cost(widest))
                 if score > best_score:
                     best_d, best_score = d, score
         picks = []
@@ -187,7 +192,7 @@ class Drafting:
         # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
         alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == ALT]
         limit, fed = layout.limit.tolist(), layout.n_drafts.tolist()
-        kept, group = verdict.kept.tolist(), verdict.group.tolist()
+        kept, group = verdict.kept, verdict.group
         for i in range(len(rows)):
             if limit[i] > 0 and fed[i]:
                 self.stats.record(self._keys[i], fed[i], kept[i])

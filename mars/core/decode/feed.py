@@ -95,14 +95,24 @@ def steady_state(
 def _outcomes(rates, masks: int, most_groups: int) -> tuple[float, float, list[float]]:
     """Of `masks` drafts with keep rates `rates`: (expected kept, chance all are kept, and per g up
     to `most_groups` the chance that exactly g' < g are kept), each summed in the drafts' order."""
+    per_masks, by_groups = _outcomes_upto(rates, masks, most_groups)
+    return (*per_masks[masks], by_groups)
+
+
+def _outcomes_upto(rates, masks: int, most_groups: int) -> tuple[list[tuple[float, float]], list[float]]:
+    """`_outcomes` for every mask count up to `masks` in one pass: per count m, (expected kept, chance
+    all are kept); and the per-g chances of `masks`, whose first min(m, most_groups) + 1 are m's (the
+    same sums, taken in the same order)."""
     reach, kept, to_s, by_groups = 1.0, 0.0, 0.0, [0.0]  # reach: chance the first g drafts were kept
+    per_masks = [(kept, reach)]
     for g in range(masks):
         if g < most_groups:
             to_s += reach * (1.0 - rates[g])  # exactly g kept, and group g's proposals follow
             by_groups.append(to_s)
         reach *= rates[g]
         kept += reach
-    return kept, reach, by_groups
+        per_masks.append((kept, reach))
+    return per_masks, by_groups
 
 
 def _chain(mask, spare, masks: int, groups: int, batch: int) -> tuple[float, float, float]:
@@ -187,16 +197,18 @@ class LosslessFeed:
 
     def _steady(self, batch: int) -> list[tuple[int, int, float, float]]:
         """Per candidate past AR's, (masks, groups, tokens, width) of feeding it forever (`_chain`),
-        each mask count's outcomes summed once for all its group counts; kept while the keep rates
+        every mask count's outcomes summed in one pass (`_outcomes_upto`); kept while the keep rates
         and the batch stay as they were (a step whose drafts came from a lookup leaves them)."""
         s = self.stats
         mask_rates, spare_rates = s.rates(MASKS, self.max_masks), s.rates(SPARE, self.max_masks)
         key = (batch, self.max_masks, self.max_groups, tuple(mask_rates), tuple(spare_rates))
         if self._steady_for is None or self._steady_for[0] != key:
             out = []
+            mask_each, mask_groups = _outcomes_upto(mask_rates, self.max_masks, self.max_groups)
+            spare_each, spare_groups = _outcomes_upto(spare_rates, self.max_masks, self.max_groups)
             for m in range(1, self.max_masks + 1):
                 most = min(m, self.max_groups)
-                mask, spare = _outcomes(mask_rates, m, most), _outcomes(spare_rates, m, most)
+                mask, spare = (*mask_each[m], mask_groups), (*spare_each[m], spare_groups)
                 for g in range(most + 1):
                     tokens, width, _ = _chain(mask, spare, m, g, batch)
                     out.append((m, g, tokens, width))

@@ -118,6 +118,9 @@ class Layout:
     start: np.ndarray | None = None
     # (b, C + q) the cached keys' validity, then the fed columns' (the strategy's `keys`, made once).
     keys: np.ndarray | None = None
+    # Whether any fed column is a hole (None: not known; `valid` says): with none, a step's mask needs
+    # no keys where every cached key is real (WindowStrategy.mask).
+    holes: bool | None = None
 
     @cached_property
     def read(self) -> np.ndarray:
@@ -146,16 +149,17 @@ def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int =
 
 
 def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
-    """A lossless window feed widened by `columns.groups`: the new (ids, valid, positions) and, per fed
-    column, what it sees (`see`, `start`: masks.StepMask). A live group sits, by position and by what
-    it sees, as a plain window continuing after its anchor would: the chain up to its anchor, then
-    its own columns; elsewhere its columns are holes. Built in plain Python, one array per output."""
-    b, w0 = ids.shape
+    """A lossless window feed (ids, valid, positions: (b, w) arrays, or lists of rows) widened by
+    `columns.groups`: the new (ids, valid, positions) and, per fed column, what it sees (`see`,
+    `start`: masks.StepMask). A live group sits, by position and by what it sees, as a plain window
+    continuing after its anchor would: the chain up to its anchor, then its own columns; elsewhere
+    its columns are holes. Built in plain Python, one array per output."""
+    ids, valid, fed_positions = (a.tolist() if isinstance(a, np.ndarray) else a for a in (ids, valid, positions))
+    b, w0 = len(ids), len(ids[0]) if ids else 0
     width = columns.total
     more = width - w0
-    wide_ids = [row + [mask_id] * more for row in ids.tolist()]
-    wide_valid = [row + [False] * more for row in valid.tolist()]
-    fed_positions = positions.tolist()
+    wide_ids = [row + [mask_id] * more for row in ids]
+    wide_valid = [row + [False] * more for row in valid]
     wide_positions = [row + [0] * more for row in fed_positions]
     see = [list(range(width)) for _ in range(b)]
     start = [list(range(width)) for _ in range(b)]
@@ -185,9 +189,8 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     )
 
 
-def window_feed(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int], first: list[int]):
-    """Rows laid out right-aligned, [holes][tokens][masks], their positions consecutive over the
-    tokens and masks from first[r] (holes at 0): ids, valid, positions, built in plain Python."""
+def window_rows(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int], first: list[int]):
+    """`window_feed` as lists of rows, for a caller that builds on them (`with_groups`)."""
     ids, valid, positions = [], [], []
     for toks, m, at in zip(parts, n_masks, first):
         fed = len(toks) + m
@@ -195,11 +198,22 @@ def window_feed(parts: list[list[int]], width: int, mask_id: int, n_masks: list[
         ids.append([mask_id] * holes + list(toks) + [mask_id] * m)
         valid.append([False] * holes + [True] * fed)
         positions.append([0] * holes + list(range(at, at + fed)))
-    shape = (len(parts), width)
+    return ids, valid, positions
+
+
+def window_feed(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int], first: list[int]):
+    """Rows laid out right-aligned, [holes][tokens][masks], their positions consecutive over the
+    tokens and masks from first[r] (holes at 0): ids, valid, positions, built in plain Python."""
+    return feed_arrays(*window_rows(parts, width, mask_id, n_masks, first))
+
+
+def feed_arrays(ids, valid, positions):
+    """A feed's (b, w) arrays of ids, valid and positions, from arrays or lists of rows."""
+    shape = (len(ids), len(ids[0]) if len(ids) else 0)
     return (
-        np.array(ids, dtype=np.int64).reshape(shape),
-        np.array(valid, dtype=bool).reshape(shape),
-        np.array(positions, dtype=np.int64).reshape(shape),
+        np.asarray(ids, dtype=np.int64).reshape(shape),
+        np.asarray(valid, dtype=bool).reshape(shape),
+        np.asarray(positions, dtype=np.int64).reshape(shape),
     )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from .drafts.tree import RANKS, branches, row_paths
 from .execution import Execution
-from .layout import Layout, layout_mask
+from .layout import Layout
 from .plan import Mode
 from .types import DecodeStats, Row, TokenLogprob
 from .verify import Verdict, accept_by_threshold, count_drafts, take_confident, verify
@@ -62,7 +62,7 @@ def decide(run: Execution, strategy, rows: list[Row], stats: DecodeStats) -> Ste
     sets the masks, groups and drafts), then the strategy's layout and mask."""
     choice = run.choose(strategy, rows, stats)
     layout = strategy.lay_out(rows)
-    return StepSpec(layout, layout_mask(strategy.keys(layout), layout), choice)
+    return StepSpec(layout, strategy.mask(layout), choice)
 
 
 def run_step(backend, cache, spec: StepSpec, run: Execution, rows: list[Row]) -> Outcome:
@@ -113,7 +113,7 @@ def apply(outcome: Outcome, spec: StepSpec, rows: list[Row], run: Execution, sta
     before = [len(r.seq) if not r.done else r.cached for r in rows]
     eos = set(s.eos_ids)
     if verdict is not None:
-        fed, kept = layout.n_drafts.tolist(), verdict.kept.tolist()
+        fed, kept = layout.n_drafts.tolist(), verdict.kept
     for i, r in enumerate(rows):
         if r.done:
             accepted[i] = []
@@ -137,7 +137,7 @@ def _apply_verdict(r: Row, i: int, verdict: Verdict, taken: int, layout: Layout,
     # The runners-up of the next first draft: after confident drafts taken unverified, the first left.
     r.alts = verdict.next_alts[i][taken] if taken < len(verdict.next_alts[i]) else []
     if verdict.group[i] >= 0:  # AR's tokens after a confirmed group prefix count under its source
-        group, m = layout.columns.groups[verdict.group[i]], int(verdict.matched[i])
+        group, m = layout.columns.groups[verdict.group[i]], verdict.matched[i]
         if m:
             r.stats.by_source[group.source] = r.stats.by_source.get(group.source, 0) + m
     if verdict.next_top is not None:  # the tree's branches off the next drafts

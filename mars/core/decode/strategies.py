@@ -5,8 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..masks import StepMask
 from .drafts import GROUP_SOURCES
-from .layout import Columns, Layout, consecutive_positions, pad_drafts, right_aligned, window_feed, with_groups
+from .layout import (
+    Columns,
+    Layout,
+    consecutive_positions,
+    feed_arrays,
+    layout_mask,
+    pad_drafts,
+    right_aligned,
+    window_rows,
+    with_groups,
+)
 from .plan import Plan
 from .types import Row
 
@@ -20,11 +31,24 @@ class WindowStrategy:
     def __init__(self, settings: Plan, cached: bool):
         self.s = settings
         self.cached = cached
-        self.key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant
+        self._key_valid: np.ndarray | None = None  # (b, cache_len) for the cached variant (`key_valid`)
+        # (b, cache_len) where every cached key is real and the array is not made until asked for.
+        self._every: tuple[int, int] | None = None
         # Narrowed per step where the feed is measured (Execution.choose).
         self.masks = settings.masks_per_step
         # The most groups of each in-forward source a step feeds, by source name (drafts.GROUP_SOURCES).
         self.group_counts = {name: source.count(settings) for name, source in GROUP_SOURCES.items()}
+
+    @property
+    def key_valid(self) -> np.ndarray | None:
+        """(b, cache_len) which cached keys are real (the cached variant; None before its first step)."""
+        if self._every is not None:
+            self._key_valid, self._every = np.ones(self._every, dtype=bool), None
+        return self._key_valid
+
+    @key_valid.setter
+    def key_valid(self, value: np.ndarray | None) -> None:
+        self._key_valid, self._every = value, None
 
     def lay_out(self, rows: list[Row]) -> Layout:
         s, m = self.s, self.masks
@@ -32,7 +56,7 @@ class WindowStrategy:
         drafts = [[] if r.done else r.drafts[: r.max_tokens - r.produced - 1] for r in rows]
         parts = [[] if r.done else r.seq[r.cached :] + d for r, d in zip(rows, drafts)]
         width = max(len(p) for p in parts) + m
-        ids, valid, positions = window_feed(
+        ids, valid, positions = window_rows(  # lists of rows: arrays once the groups are laid out
             parts, width, s.mask_id, [0 if r.done else m for r in rows], [r.cached for r in rows]
         )
         padded, n = pad_drafts(drafts, s.mask_id)
@@ -47,11 +71,16 @@ class WindowStrategy:
             keep=width - m,
             groups=groups,
         )
+        # Holes: a row feeding fewer columns than the widest, or a group not live in a row.
+        holes = not all(map(all, valid)) or not all(all(g.live.tolist()) for g in groups)
         if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
-            return Layout(ids, positions, valid, np.asarray(limit), columns)
+            ids, valid, positions = feed_arrays(ids, valid, positions)
+            return Layout(ids, positions, valid, np.asarray(limit), columns, holes=holes)
         limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
-        return verified_layout(ids, positions, valid, limit, columns, padded, s.mask_id)
+        layout = verified_layout(ids, positions, valid, limit, columns, padded, s.mask_id)
+        layout.holes = holes
+        return layout
 
     def keep_rows(self, keep: list[int]) -> None:
         if self.key_valid is not None:
@@ -67,20 +96,35 @@ class WindowStrategy:
             return layout.valid
         return joined_keys(self.key_valid, layout)
 
+    def mask(self, layout: Layout) -> StepMask | None:
+        """The step's attention mask, `layout_mask` over `keys`: decided without the keys where every
+        cached key and every fed column is real (most steps of a row alone)."""
+        if layout.holes is False and (not self.cached or self._every is not None or self._key_valid is None):
+            cached = self._every[1] if self.cached and self._every is not None else 0
+            return None if layout.see is None else StepMask(cached, layout.ids.shape[1], None, layout.see, layout.start)
+        return layout_mask(self.keys(layout), layout)
+
     def commit(
-        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None
+        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: list[int] | None = None
     ) -> None:
         """Keep what the step fed for real (`kept`, lossless: the drafts each row kept)."""
         if not self.cached:
             return
         # Keep the real tokens just fed; the masks' keys were computed from MASK and go.
         columns = layout.columns
+        if len(rows) == 1 and not rows[0].done and self._key_valid is None:
+            # A row alone feeds no holes and every key it cached is real: so is every key it keeps, its
+            # real tokens and the drafts it kept (the rejected ones end its columns: they go).
+            old = 0 if self._every is None else self._every[1]
+            end = old + (columns.keep if kept is None else int(columns.last[0]) + 1 + kept[0])
+            self._every = (1, end)
+            backend.crop(cache, end)
+            rows[0].cached = before[0]
+            return
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + columns.keep].copy()
         if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
-            for r, (k, last, first_mask) in enumerate(
-                zip(np.asarray(kept).tolist(), columns.last.tolist(), columns.first_mask.tolist())
-            ):
+            for r, (k, last, first_mask) in enumerate(zip(kept, columns.last.tolist(), columns.first_mask.tolist())):
                 self.key_valid[r, old + last + 1 + k : old + first_mask] = False
             # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
             # row attends leaves the cache at once (at batch 1, every rejected draft).
@@ -170,8 +214,12 @@ class BlockStrategy:
             return layout.valid
         return joined_keys(self.key_valid, layout)
 
+    def mask(self, layout: Layout) -> StepMask | None:
+        """The step's attention mask: `layout_mask` over `keys`."""
+        return layout_mask(self.keys(layout), layout)
+
     def commit(
-        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: np.ndarray | None = None
+        self, backend, cache, rows: list[Row], layout: Layout, before: list[int], kept: list[int] | None = None
     ) -> None:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + layout.columns.keep]
@@ -196,8 +244,10 @@ def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts
 
 
 def verified_layout(ids, positions, valid, limit, columns: Columns, drafts: np.ndarray, mask_id: int) -> Layout:
-    """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_groups`)."""
+    """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_groups`);
+    `ids`, `positions` and `valid`: (b, w) arrays, or lists of rows."""
     if not columns.groups:
+        ids, valid, positions = feed_arrays(ids, valid, positions)
         return Layout(ids, positions, valid, limit, columns, drafts=drafts)
     ids, valid, positions, see, start = with_groups(ids, valid, positions, columns, mask_id)
     return Layout(ids, positions, valid, limit, columns, drafts=drafts, see=see, start=start)

@@ -48,8 +48,8 @@ class Verdict:
 
     accepted: list[list[int]]  # the tokens it takes: kept drafts, one AR token (none for a waiting row)
     nxt: list[tuple[str, list[int]]]  # its next drafts, (source, ids)
-    kept: np.ndarray  # (b,) drafts that passed verification
-    group: np.ndarray  # (b,) the group (index into layout.columns.groups) whose proposals follow (-1: none)
+    kept: list[int]  # per row, drafts that passed verification
+    group: list[int]  # per row, the group (index into layout.columns.groups) whose proposals follow (-1: none)
     next_alts: list[list[list[int]]]  # per next draft, its runners-up (greedy, runners-up asked for)
     conf: list | None = None  # with a metric: per row, the confidence of each next draft
     # With logprobs asked for: per row, each accepted token's (under the model's distribution where the
@@ -59,7 +59,7 @@ class Verdict:
     # With ranks asked for: per row, (ids, log-probabilities), each (next drafts, k), most likely first, and
     # the next drafts' own log-probabilities (next drafts,).
     next_top: list[tuple[np.ndarray, np.ndarray, np.ndarray]] | None = None
-    matched: np.ndarray | None = None  # (b,) prefix tokens AR confirmed in `group` (greedy)
+    matched: list[int] | None = None  # per row, prefix tokens AR confirmed in `group` (greedy)
 
 
 def matched(group, i: int, kept: int, token: int, ar: list[int], *, fields: tuple) -> int:
@@ -240,14 +240,14 @@ def verify(
     return Verdict(
         accepted,
         nxt,
-        np.array([k if lim > 0 else 0 for k, lim in zip(kept, limit)], dtype=np.int64),
-        np.array(chosen, dtype=np.int64),
+        [k if lim > 0 else 0 for k, lim in zip(kept, limit)],
+        chosen,
         nxt_alts,
         nxt_conf if metric is not None else None,
         took_lp,
         nxt_lp,
         nxt_top if ranks else None,
-        np.array(matches, dtype=np.int64),
+        matches,
     )
 
 

@@ -10,6 +10,7 @@ a few binary searches and a vote.
 
 from __future__ import annotations
 
+import bisect
 import io
 from collections import Counter
 from pathlib import Path
@@ -63,6 +64,7 @@ class DraftCorpus:
             tokens = np.concatenate([tokens, np.array([-1], dtype=np.int64)])
         self.tokens = tokens
         self._index: dict[int, tuple[np.ndarray, np.ndarray, set[int]]] | None = None
+        self._views = None  # (per n the hashes' and places' memoryviews, the tokens'), made with the index
 
     def __len__(self) -> int:
         """Tokens in the corpus (separators not counted)."""
@@ -106,8 +108,13 @@ class DraftCorpus:
             return 0, []
         if self._index is None:
             self._index = self._build()
+            # The index and the tokens as memoryviews: a lookup's binary searches and reads in plain
+            # Python (bisect), without an array operation's cost per call.
+            views = {n: (memoryview(h), memoryview(after)) for n, (h, after, _) in self._index.items()}
+            self._views = views, memoryview(self.tokens)
         tail = [int(x) for x in seq[-MAX_NGRAM:]]
         t = self.tokens
+        views, tv = self._views
         # The hash of the last n tokens for every n at once, as _hashes computes it: a token's value
         # (id + 1) times P to the power of how many tokens follow it, wrapping at 64 bits.
         wants, h, power = [0], 0, 1
@@ -118,21 +125,21 @@ class DraftCorpus:
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             if n not in self._index:
                 continue
-            hashes, after, shared = self._index[n]
-            want = np.uint64(wants[n])
-            lo = int(hashes.searchsorted(want, "left"))
-            if lo == hashes.size or hashes[lo] != want:
+            _, after, shared = self._index[n]
+            (hv, av), want = views[n], wants[n]
+            lo = bisect.bisect_left(hv, want)
+            if lo == len(hv) or hv[lo] != want:
                 continue
-            hi = int(hashes.searchsorted(want, "right"))
+            hi = bisect.bisect_right(hv, want, lo)
             places = after[max(lo, hi - MAX_PLACES) : hi]
-            if wants[n] in shared:  # the places hold different n-grams: keep the tail's
+            if want in shared:  # the places hold different n-grams: keep the tail's
                 ngram = np.asarray(tail[-n:], dtype=np.int64)
                 places = places[(t[places[:, None] - n + np.arange(n)] == ngram).all(axis=1)]
                 if not places.size:
                     continue
             else:  # every place holds one n-gram: the latest says whether it is the tail's (no collision)
-                at = int(places[-1])
-                if t[at - n : at].tolist() != tail[-n:]:
+                at = av[hi - 1]
+                if tv[at - n : at].tolist() != tail[-n:]:
                     continue
             return n, self._continue(places, max_drafts)
         return 0, []
@@ -145,7 +152,8 @@ class DraftCorpus:
     def _continue(self, places: np.ndarray, max_drafts: int) -> list[int]:
         t = self.tokens
         if places.size == 1:  # one place: its continuation up to the separator
-            follow = t[int(places[0]) : int(places[0]) + max_drafts].tolist()
+            at = int(places[0])
+            follow = self._views[1][at : at + max_drafts].tolist()
             return follow[: follow.index(-1)] if -1 in follow else follow
         # What follows each place, a row each: a row is read only while it is still in the vote, so
         # never past its separator (reads past the corpus's end stop at its last separator).
