@@ -20,7 +20,8 @@ warm-up of each, and splits the wall time of every loop step into three parts:
 - host: everything else the loop does, total - forward - reduce + D2H, itemised as step
   inputs (inside the decoder, before the forward: ids, positions, the additive mask, the
   gate, host-to-device copies), cache (crop, keep_rows, new_cache), layout (the strategy's
-  lay_out and keys, the attention mask; "feed plan" in results before 2026-12-05), drafting (which drafts and how wide,
+  lay_out, keys and mask: the attention mask; "feed plan" in results before 2026-12-05), drafting (which drafts and
+  how wide,
   before the step; statistics and cost curve after it), acceptance (verification or threshold acceptance, after the
   step's results are on the host), commit (the strategy's cache bookkeeping) and loop (the rest: rows taking tokens,
   compaction, statistics, setting up each call).
@@ -54,8 +55,8 @@ Device-to-host transfers are counted where the host reads a device array: torch'
 backend; on CUDA, torch's sync debug mode also counts every synchronising operation.
 Host-to-device copies are counted where code of the `mars` package (the frame that calls: not
 torch's, transformers' or mlx_lm's code, not this script) makes a device array of host data:
-torch's `torch.from_numpy`, `torch.tensor`, `torch.as_tensor` and `torch.asarray` of a numpy
-array or Python data (of a CPU tensor only where the result is on another device), and on CUDA
+torch's `torch.from_numpy`, `torch.frombuffer`, `torch.tensor`, `torch.as_tensor` and `torch.asarray`
+of a numpy array, a buffer or Python data (of a CPU tensor only where the result is on another device), and on CUDA
 `.to`, `.cuda()` and `.copy_` of a CPU tensor to the device (the `.to` of what such a call just
 made, or of its pinned copy, counts once with it: `torch.from_numpy(a).to(dev)` is one copy);
 MLX's `mx.array`/`mx.asarray` of numpy or Python data (not of an `mx.array`) in the MLX backend
@@ -324,9 +325,8 @@ class Profiler:
         P.set(decoding, "_advance", loop_step)
         for name in ("verify", "accept_by_threshold", "take_confident"):
             P.set(step, name, c.timed("acceptance", getattr(step, name)))
-        P.set(step, "layout_mask", c.timed("layout", step.layout_mask))
         for cls in (strategies.WindowStrategy, strategies.BlockStrategy):
-            for name in ("lay_out", "keys"):
+            for name in ("lay_out", "keys", "mask"):
                 P.set(cls, name, c.timed("layout", cls.__dict__[name]))
             P.set(cls, "commit", c.timed("commit", cls.__dict__["commit"]))
         for name in ("before_step", "after_step"):
@@ -456,7 +456,11 @@ class Profiler:
             def make(*args, **kwargs):
                 out = original(*args, **kwargs)
                 if h.active and isinstance(out, torch.Tensor):
-                    data = args[0] if args else kwargs.get("data", kwargs.get("obj", kwargs.get("ndarray")))
+                    data = (
+                        args[0]
+                        if args
+                        else kwargs.get("data", kwargs.get("obj", kwargs.get("ndarray", kwargs.get("buffer"))))
+                    )
                     # Numpy or Python data counts; a tensor's only from the CPU to a device.
                     if not isinstance(data, torch.Tensor) or (data.device.type == "cpu" and out.device.type != "cpu"):
                         where = mars_caller()
@@ -470,7 +474,7 @@ class Profiler:
             make.__doc__ = original.__doc__
             P.set(torch, name, make)
 
-        for name in ("from_numpy", "tensor", "as_tensor", "asarray"):
+        for name in ("from_numpy", "frombuffer", "tensor", "as_tensor", "asarray"):
             making(name)
         if not self.cuda:  # on a CPU no `.to` moves a tensor to a device: leave the forward's casts unwrapped
             return

@@ -78,8 +78,13 @@ def against_brute_force(rng, vocab: int, longest: int, trials: int = 300) -> lis
     return corpora
 
 
-def test_lookup_equals_a_brute_force_search():
+@pytest.mark.parametrize("few", [0, 4, 1000])
+def test_lookup_equals_a_brute_force_search(monkeypatch, few):
+    """Whether the places vote over one array of their continuations or in plain Python (up to
+    FEW_PLACES of them: none, some lookups, every lookup), a lookup is the brute-force search's."""
+    monkeypatch.setattr(corpus_drafts, "FEW_PLACES", few)
     against_brute_force(np.random.default_rng(5), vocab=4, longest=25)
+    against_brute_force(np.random.default_rng(6), vocab=2, longest=60, trials=100)  # dozens of places
 
 
 def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch):

@@ -756,6 +756,66 @@ def test_a_batch_decides_its_drafts_together():
     ]
 
 
+def test_the_drafts_common_length_is_the_best_over_every_length():
+    """Drafting._pick_all stops trying longer common lengths once even every row's best option whole
+    could not beat the best so far at the next length's cost: its picks are those of trying every
+    length (random statistics, options, batches and rising curves), and it stops early on a steep curve."""
+    from mars.core.decode.drafting import Drafting
+    from mars.core.decode.layout import lossless_width
+
+    s = make_plan(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=8, threshold=1.0, lossless=True, cache="window")
+    rng = random.Random(3)
+    stopped = 0
+    for _ in range(300):
+        steep = rng.random() < 0.5
+        points = {1: 1.0, 8: 1.0 + rng.random() * (4 if steep else 0.2), 64: 30.0 if steep else 2.0}
+        drafting = Drafting(s, LosslessFeed(CostCurve(points), 4, 1))
+        for source in ("masks", "ngram3", "corpus4"):  # keep rates of every kind, deep slots often kept for some
+            whole = rng.random()
+            for _ in range(rng.randrange(0, 40)):
+                fed = rng.randrange(1, 33)
+                drafting.stats.record(source, fed, fed if rng.random() < whole else rng.randrange(0, fed + 1))
+        batch, masks, spare = rng.randrange(1, 4), rng.randrange(0, 4), rng.randrange(0, 2)
+        sources = ("masks", "ngram3", "corpus4")
+        options = [
+            [(src, src, [7] * rng.randrange(1, 33)) for src in rng.sample(sources, rng.randrange(0, 4))]
+            for _ in range(batch)
+        ]
+        asked = []
+        seconds = drafting.feed.costs.seconds
+        drafting.feed.costs.seconds = lambda b, w: asked.append(w) or seconds(b, w)
+        got = drafting._pick_all(options, masks, spare, batch)
+        # Every length tried: each row's option keeping the most of its first d (ties: the first).
+        kept = [[drafting.stats.expected_kept_each(key, len(d)) for _, key, d in o] for o in options]
+
+        def pick(o, k, d):
+            top = None
+            for j, ((_, _, drafts), each) in enumerate(zip(o, k)):
+                n = min(d, len(drafts))
+                if top is None or each[n - 1] > top[2]:
+                    top = (j, n, each[n - 1])
+            return top
+
+        longest = max((len(d) for o in options for _, _, d in o), default=0)
+        best_d, best = 0, batch / seconds(batch, lossless_width(0, masks, spare))
+        for d in range(1, longest + 1):
+            picks = [pick(o, k, d) for o, k in zip(options, kept)]
+            total = 0
+            for p in picks:
+                total += p[2] if p is not None else 0
+            widest = max((p[1] for p in picks if p is not None), default=0)
+            score = (batch + total) / seconds(batch, lossless_width(widest, masks, spare))
+            if score > best:
+                best_d, best = d, score
+        want = []
+        for o, k in zip(options, kept):
+            p = pick(o, k, best_d) if best_d and o else None
+            want.append(("masks", "masks", []) if p is None else (o[p[0]][0], o[p[0]][1], o[p[0]][2][: p[1]]))
+        assert got == want
+        stopped += len(set(asked)) < len({lossless_width(w, masks, spare) for w in range(longest + 1)})
+    assert stopped > 20, stopped
+
+
 # -- the kept cost curve ------------------------------------------------------------------------
 
 
@@ -874,6 +934,29 @@ def test_the_curves_plain_interpolation_is_numpys_to_the_bit():
                 slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1] / xs[-1]
                 want = float(ys[-1] + max(slope, 0.0) * (t - xs[-1]))
             assert curve.seconds(t) == want
+
+
+def test_a_curve_answers_after_each_timing_as_a_fresh_one_would():
+    """A timed forward moves one point of the curve (`observe`); what was asked before keeps its answer
+    only outside the segments the move changed: after every timing, each width costs the same float
+    as on a curve made afresh from the same points (random curves, timings at old and new widths)."""
+    rng = random.Random(4)
+    kept = 0
+    for _ in range(300):
+        ks = sorted(rng.sample(range(1, 70), rng.randint(1, 8)))
+        curve = CostCurve({k: rng.uniform(0.01, 0.1) * (1 + k / 20) for k in ks}, refresh=rng.choice([0.1, 0.5]))
+        asked = [rng.randint(1, 90) for _ in range(12)] + ks
+        for _ in range(25):
+            for t in asked:
+                curve.seconds(t)
+            known = dict(curve._arrays[2])
+            width = rng.choice(list(curve.points)) if rng.random() < 0.8 else rng.randint(1, 90)
+            curve.observe(width, rng.uniform(0.005, 0.15))
+            kept += curve._arrays is not None and any(t in curve._arrays[2] for t in known)
+            fresh = CostCurve(dict(curve.points))
+            for t in asked:
+                assert curve.seconds(t) == fresh.seconds(t), (t, curve.points)
+    assert kept > 100, kept  # most timings kept some answers
 
 
 def _same_mask(a, b) -> bool:

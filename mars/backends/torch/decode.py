@@ -4,6 +4,7 @@ sampling's speculate, with one device-to-host copy a step."""
 
 from __future__ import annotations
 
+import array
 import bisect
 from itertools import chain
 
@@ -258,7 +259,7 @@ class TorchDecoder:
         host arrays (integers, booleans) the caller needs on the device beside, appended to the
         list `travelled` there; on mars's own forward they travel in the step's one copy."""
         if self.lean is not None:
-            unique, _, where, moved = self._lean_logits(cache, input_ids, positions, mask, read, valid, extra)
+            unique, _, where, moved = self._lean_logits(cache, input_ids, positions, mask, read, valid, extra, True)
             logits = unique[where]
         else:
             unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
@@ -307,16 +308,17 @@ class TorchDecoder:
         picked = hidden.reshape(b * q, hidden.shape[-1]).index_select(0, torch.from_numpy(distinct).to(dev))
         return self.head(picked[None])[0].float(), where.reshape(read.shape)
 
-    def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None, extra=()):
+    def _lean_logits(self, cache, input_ids, positions, mask, read, valid=None, extra=(), where_on_device=False):
         """`_read_logits` on mars's own forward (models.Transformer): (the logits of the distinct
-        reads, where each read finds its own, on the host and on the device, `extra` on the device).
+        reads, where each read finds its own, on the host and, with `where_on_device`, on the device (else
+        None), `extra` on the device).
         Everything the step takes is laid out on the host first and copied to the device in one
         transfer: the real positions' ids, the positions, the rows read and where each read finds
         its row, where the real positions sit (a batch with holes, packed layers), `extra` (integer
         or bool arrays a caller needs beside: speculate's drafts and tree), and the attention mask:
         a StepMask's `see` and `start` and its keys as bytes (the forward builds the mask on the
         device), or a bool mask given as an array, as bytes."""
-        asked = (cache, input_ids, positions, mask, read, valid, extra)
+        asked = (cache, input_ids, positions, mask, read, valid, extra, where_on_device)
         dev = self.tm.device
         input_ids = np.asarray(input_ids)
         positions = np.asarray(positions, dtype=np.int64)
@@ -381,37 +383,40 @@ class TorchDecoder:
         bools = (mask.keys if compact else mask,)
         extra = [np.asarray(e) for e in extra]
         # (values, the shape seen on the device: None for a flat one)
-        numbers = [(ids, None), (positions.reshape(-1).tolist(), positions.shape), (reads, None), (where, read.shape)]
+        numbers = [(ids, None), (positions.reshape(-1).tolist(), positions.shape), (reads, None)]
+        numbers += [(where, read.shape)] if where_on_device else []
         if views:
             numbers += [(np.asarray(a).reshape(-1).tolist(), np.shape(a)) for a in (mask.see, mask.start)]
         numbers += [(e.reshape(-1).tolist(), e.shape if e.ndim != 1 else None) for e in extra]
         numbers += ([(real, None)] if real is not None else []) + ([(length, None)] if length else [])
         numbers += [(column, (len(column), 1))] if column else []
-        # One int64 buffer: the numbers, then the bool mask's bytes (padded to whole int64s).
-        count = sum(len(v) for v, _ in numbers)
+        # One int64 buffer: the numbers, then the bool mask's bytes (padded to whole int64s), made by
+        # Python's own array type (no array library's code to wake between two forwards).
+        host = array.array("q", chain.from_iterable(v for v, _ in numbers))
+        count = len(host)
         flags = None if bools[0] is None else np.ascontiguousarray(bools[0], dtype=bool).reshape(-1)
         nbytes = 0 if flags is None else flags.size
-        host = np.zeros(count + (nbytes + 7) // 8, dtype=np.int64)
-        host[:count] = list(chain.from_iterable(v for v, _ in numbers))
         if flags is not None:
-            host.view(np.uint8)[count * 8 : count * 8 + nbytes] = flags.view(np.uint8)
-        buf = torch.from_numpy(host)
+            host.frombytes(flags.tobytes() + bytes(-nbytes % 8))
+        buf = torch.frombuffer(host, dtype=torch.int64)
         kind = self._device_kind
         if kind == "cuda":
             buf = buf.pin_memory().to(dev, non_blocking=True)
         elif kind != "cpu":
             buf = buf.to(dev)
-        pieces = buf.split_with_sizes([len(v) for v, _ in numbers] + [host.size - count])
+        pieces = buf.split_with_sizes([len(v) for v, _ in numbers] + [len(host) - count])
         parts = [part if shape is None else part.view(shape) for (_, shape), part in zip(numbers, pieces)]
         allowed = pieces[-1].view(torch.bool)[:nbytes].view(bools[0].shape) if flags is not None else None
         parts.reverse()  # taken in order from the end
-        ids_d, pos_d, reads_d, where_d = parts.pop(), parts.pop(), parts.pop(), parts.pop()
+        ids_d, pos_d, reads_d = parts.pop(), parts.pop(), parts.pop()
+        where_d = parts.pop() if where_on_device else None
         see_d, start_d = (parts.pop(), parts.pop()) if views else (None, None)
         extra_d = [parts.pop().bool() if e.dtype == bool else parts.pop() for e in extra]
         real_d = parts.pop() if real is not None else None
         length_d = parts.pop() if length else None
-        if column:  # the gate's column: the 0/1 that travelled, in the model's dtype
-            gate = (None, parts.pop().to(self.tm.dtype))
+        if column:  # the gate's column: the 0/1 that travelled (in the model's dtype for a compiled graph)
+            column = parts.pop()
+            gate = (None, column if self.compiled is None else column.to(self.tm.dtype))
         exact = self._exact_rows(input_ids, valid)
         inputs = models.StepInputs(
             ids=ids_d,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ class CostCurve:
             raise ValueError(f"a cost curve needs positive times at token counts >= 1, got {points}")
         self.points = {int(k): float(s) for k, s in sorted(points.items())}
         self.refresh = refresh  # weight of a newly timed forward in the running estimate
-        self._arrays = None  # (token counts, non-decreasing seconds, seconds asked), rebuilt after `observe`
+        self._arrays = None  # (token counts, non-decreasing seconds, seconds asked), kept up to date by `observe`
 
     def seconds(self, tokens: int) -> float:
         if self._arrays is None:
@@ -87,9 +88,21 @@ class CostCurve:
             return
         old = self.points.get(tokens)
         self.points[tokens] = seconds if old is None else (1 - self.refresh) * old + self.refresh * seconds
-        if old is None:
+        if old is None or self._arrays is None:  # a new point: every segment may move
             self.points = dict(sorted(self.points.items()))
-        self._arrays = None
+            self._arrays = None
+            return
+        # A point that moved changes the fit near it alone (most steps): what was asked outside the
+        # segments whose ends moved keeps its answer, the same float `seconds` would compute again.
+        ks, ss, known = self._arrays
+        fit = _pooled(self.points.values())
+        moved = [i for i, (a, b) in enumerate(zip(ss, fit)) if a != b]
+        if moved:
+            lo = ks[moved[0] - 1] if moved[0] > 0 else -math.inf
+            # Past the last point the last two points' slope extends the curve.
+            hi = ks[moved[-1] + 1] if moved[-1] < len(ks) - 2 else math.inf
+            known = {t: v for t, v in known.items() if not lo < t < hi}
+        self._arrays = ks, fit, known
 
     def frozen(self) -> CostCurve:
         """A copy that `observe` leaves as it is."""

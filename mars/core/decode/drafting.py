@@ -161,6 +161,10 @@ class Drafting:
                 return found
 
             best_d, best_score = 0, batch / cost(0)
+            # The most a step's picks may keep: each row's best option whole. A longer d keeps no more
+            # and is no narrower (a row's pick only grows with d), and the curve never falls: once even
+            # that much at d's cost cannot beat the best, no longer d can.
+            most = batch + sum(max(kept[-1] for _, kept in row) for row in rows if row)
             for d in range(1, longest + 1):
                 widest, total = 0, 0  # the widest pick, and the picks' kept drafts summed in order
                 for row in rows:  # `best(row, d)`, inline: this loop runs for every d a lookup offers
@@ -173,9 +177,12 @@ class Drafting:
                         total += top
                         widest = max(widest, fed)
                 found = asked.get(widest)
-                score = (batch + total) / (found if found is not None else cost(widest))
+                seconds_d = found if found is not None else cost(widest)
+                score = (batch + total) / seconds_d
                 if score > best_score:
                     best_d, best_score = d, score
+                elif most / seconds_d <= best_score:
+                    break
         picks = []
         for row_options, row in zip(options, rows):
             chosen = best(row, best_d) if best_d else None

@@ -158,7 +158,8 @@ class StepInputs:
     the batch x width positions (None: every position is real, n = batch x width); `positions`
     (batch, width); `reads` (k,): the rows of the n whose logits are wanted; `gate`: a gated
     adapter's gate over the n rows ((rows slice, None) where the masks are one run of rows,
-    (None, a 0/1 column (n, 1)) elsewhere, or None: no mask fed, the base weights alone);
+    (None, a 0/1 column (n, 1), integers or the model's dtype: x * 1 and x * 0 are exact either way)
+    elsewhere, or None: no mask fed, the base weights alone);
     `exact`: row-exact attention's rows (batch, width) bool and its plans, or None.
 
     The attention mask (the forward builds it on the device, `attention_masks`): `allowed`, the

@@ -25,6 +25,8 @@ MAX_NGRAM = 8
 MIN_NGRAM = 2
 # At most this many matching places vote on a continuation (the latest in the corpus).
 MAX_PLACES = 256
+# Up to this many places vote in plain Python (`_vote`); more, over one array of their continuations.
+FEW_PLACES = 16
 # Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (2, 3, 4, 6)
 _PI = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
@@ -155,6 +157,8 @@ class DraftCorpus:
             at = int(places[0])
             follow = self._views[1][at : at + max_drafts].tolist()
             return follow[: follow.index(-1)] if -1 in follow else follow
+        if places.size <= FEW_PLACES:
+            return self._vote(places.tolist(), max_drafts)
         # What follows each place, a row each: a row is read only while it is still in the vote, so
         # never past its separator (reads past the corpus's end stop at its last separator).
         table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
@@ -185,6 +189,48 @@ class DraftCorpus:
                 break
             drafts.append(token)
             table = table[nxt == token]
+            j += 1
+        return drafts
+
+    def _vote(self, places: list[int], max_drafts: int) -> list[int]:
+        """`_continue` over a few places in plain Python, each place's continuation a list (what a
+        lookup finds most often: a few array operations cost more than the comparisons)."""
+        tv = self._views[1]
+        rows = []
+        for at in places:  # reads past the corpus's end give its last separator, as the array gather does
+            row = tv[at : at + max_drafts].tolist()
+            rows.append(row + [-1] * (max_drafts - len(row)))
+        drafts: list[int] = []
+        j = 0
+        while j < max_drafts:
+            # The unanimous run from j: up to the first column where a place still in the vote differs.
+            first, stop = rows[0], max_drafts
+            for row in rows[1:]:
+                if row[j:stop] != first[j:stop]:
+                    k = j
+                    while row[k] == first[k]:
+                        k += 1
+                    stop = k
+            if stop > j:
+                agreed = first[j:stop]
+                if -1 in agreed:
+                    return drafts + agreed[: agreed.index(-1)]
+                drafts += agreed
+                j = stop
+                if j == max_drafts:
+                    break
+            nxt = [row[j] for row in rows]  # the places disagree here
+            if j:  # past the first draft only a majority counts: if there is one, it is the median
+                token = sorted(nxt)[len(nxt) // 2]
+                agree = nxt.count(token)
+            else:  # the first draft: the plurality, ties to the smallest id
+                votes = Counter(nxt)
+                token = min(votes, key=lambda v: (-votes[v], v))
+                agree = votes[token]
+            if token < 0 or (j and 2 * agree <= len(nxt)):
+                break
+            drafts.append(token)
+            rows = [row for row in rows if row[j] == token]
             j += 1
         return drafts
 
