@@ -63,7 +63,7 @@ class WindowStrategy:
         groups = in_forward_groups(s, self.group_counts, rows, n, m)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
         columns = Columns(
-            last=width - m - 1 - n,
+            last=np.array([width - m - 1 - len(d) for d in drafts], dtype=np.int64),
             n_drafts=n,
             draft_slots=padded.shape[1],
             masks=m,

@@ -18,8 +18,10 @@ from .types import Row, SampledTree, TokenLogprob
 
 
 def step(backend, cache, layout: Layout, mask, **options):
-    """One backend step over a step's layout (StepBackend.step): its ids, positions, reads and holes."""
-    return backend.step(cache, layout.ids, layout.positions, mask, layout.read, valid=layout.valid, **options)
+    """One backend step over a step's layout (StepBackend.step): its ids, positions, reads and holes
+    (none marked where the layout knows it has none)."""
+    valid = None if layout.holes is False else layout.valid
+    return backend.step(cache, layout.ids, layout.positions, mask, layout.read, valid=valid, **options)
 
 
 def accept_by_threshold(

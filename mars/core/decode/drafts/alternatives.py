@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import Group, pad_drafts
+from ..layout import Group
 
 
 class Alternatives:
@@ -23,15 +23,14 @@ class Alternatives:
 
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
         alts = [r.alts[:count] if n else [] for r, n in zip(rows, n_drafts.tolist())]
-        ids, _ = pad_drafts(alts, mask_id)
-        zero = np.zeros(len(rows), dtype=np.int64)
+        zero = np.array([0] * len(rows), dtype=np.int64)  # (arrays of lists: one array code path a step)
         return [
             Group(
                 self.name,
                 zero,
-                ids[:, k : k + 1],
+                np.array([[a[k] if k < len(a) else mask_id] for a in alts], dtype=np.int64),
                 np.array([k < len(a) and not r.done for r, a in zip(rows, alts)], dtype=bool),
                 masks,
             )
-            for k in range(ids.shape[1])
+            for k in range(max((len(a) for a in alts), default=0))
         ]

@@ -115,7 +115,6 @@ class DraftCorpus:
             views = {n: (memoryview(h), memoryview(after)) for n, (h, after, _) in self._index.items()}
             self._views = views, memoryview(self.tokens)
         tail = [int(x) for x in seq[-MAX_NGRAM:]]
-        t = self.tokens
         views, tv = self._views
         # The hash of the last n tokens for every n at once, as _hashes computes it: a token's value
         # (id + 1) times P to the power of how many tokens follow it, wrapping at 64 bits.
@@ -127,20 +126,20 @@ class DraftCorpus:
         for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
             if n not in self._index:
                 continue
-            _, after, shared = self._index[n]
+            shared = self._index[n][2]
             (hv, av), want = views[n], wants[n]
             lo = bisect.bisect_left(hv, want)
             if lo == len(hv) or hv[lo] != want:
                 continue
             hi = bisect.bisect_right(hv, want, lo)
-            places = after[max(lo, hi - MAX_PLACES) : hi]
+            places = av[max(lo, hi - MAX_PLACES) : hi].tolist()
             if want in shared:  # the places hold different n-grams: keep the tail's
-                ngram = np.asarray(tail[-n:], dtype=np.int64)
-                places = places[(t[places[:, None] - n + np.arange(n)] == ngram).all(axis=1)]
-                if not places.size:
+                ngram = tail[-n:]
+                places = [at for at in places if tv[at - n : at].tolist() == ngram]
+                if not places:
                     continue
             else:  # every place holds one n-gram: the latest says whether it is the tail's (no collision)
-                at = av[hi - 1]
+                at = places[-1]
                 if tv[at - n : at].tolist() != tail[-n:]:
                     continue
             return n, self._continue(places, max_drafts)
@@ -151,14 +150,15 @@ class DraftCorpus:
         n, found = self.match(seq, max_drafts=max_drafts)
         return (source(n), found) if found else None
 
-    def _continue(self, places: np.ndarray, max_drafts: int) -> list[int]:
+    def _continue(self, places: list[int], max_drafts: int) -> list[int]:
         t = self.tokens
-        if places.size == 1:  # one place: its continuation up to the separator
-            at = int(places[0])
+        if len(places) == 1:  # one place: its continuation up to the separator
+            at = places[0]
             follow = self._views[1][at : at + max_drafts].tolist()
             return follow[: follow.index(-1)] if -1 in follow else follow
-        if places.size <= FEW_PLACES:
-            return self._vote(places.tolist(), max_drafts)
+        if len(places) <= FEW_PLACES:
+            return self._vote(places, max_drafts)
+        places = np.asarray(places, dtype=np.int64)
         # What follows each place, a row each: a row is read only while it is still in the vote, so
         # never past its separator (reads past the corpus's end stop at its last separator).
         table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]

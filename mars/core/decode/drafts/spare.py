@@ -23,11 +23,12 @@ class SpareGroups:
     def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
         n = n_drafts.tolist()
         count = min(count, max(n, default=0)) if masks else 0
-        empty = np.zeros((len(rows), 0), dtype=np.int64)
+        b = len(rows)
+        empty = np.array([[]] * b, dtype=np.int64).reshape(b, 0)  # (arrays of lists: one array code path a step)
         return [
             Group(
                 self.name,
-                np.full(len(rows), g, dtype=np.int64),
+                np.array([g] * b, dtype=np.int64),
                 empty,
                 np.array([g < k and not r.done for r, k in zip(rows, n)], dtype=bool),
                 masks,
