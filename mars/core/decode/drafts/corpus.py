@@ -152,11 +152,7 @@ class DraftCorpus:
 
     def _continue(self, places: list[int], max_drafts: int) -> list[int]:
         t = self.tokens
-        if len(places) == 1:  # one place: its continuation up to the separator
-            at = places[0]
-            follow = self._views[1][at : at + max_drafts].tolist()
-            return follow[: follow.index(-1)] if -1 in follow else follow
-        if len(places) <= FEW_PLACES:
+        if len(places) <= FEW_PLACES:  # one place among them: its continuation up to the separator
             return self._vote(places, max_drafts)
         places = np.asarray(places, dtype=np.int64)
         # What follows each place, a row each: a row is read only while it is still in the vote, so
