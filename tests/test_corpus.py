@@ -78,11 +78,11 @@ def against_brute_force(rng, vocab: int, longest: int, trials: int = 300) -> lis
     return corpora
 
 
-@pytest.mark.parametrize("few", [0, 4, 1000])
-def test_lookup_equals_a_brute_force_search(monkeypatch, few):
-    """Whether the places vote over one array of their continuations or in plain Python (up to
-    FEW_PLACES of them: none, some lookups, every lookup), a lookup is the brute-force search's."""
-    monkeypatch.setattr(corpus_drafts, "FEW_PLACES", few)
+@pytest.mark.parametrize("most", [corpus_drafts.MAX_PLACES, 5])
+def test_lookup_equals_a_brute_force_search(monkeypatch, most):
+    """A lookup is the brute-force search's, with the places that vote capped as they are and at a few
+    (the latest `most` of dozens of places vote)."""
+    monkeypatch.setattr(corpus_drafts, "MAX_PLACES", most)
     against_brute_force(np.random.default_rng(5), vocab=4, longest=25)
     against_brute_force(np.random.default_rng(6), vocab=2, longest=60, trials=100)  # dozens of places
 

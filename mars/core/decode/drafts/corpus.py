@@ -25,8 +25,6 @@ MAX_NGRAM = 8
 MIN_NGRAM = 2
 # At most this many matching places vote on a continuation (the latest in the corpus).
 MAX_PLACES = 256
-# Up to this many places vote in plain Python (`_vote`); more, over one array of their continuations.
-FEW_PLACES = 16
 # Drafts from a match of n tokens count under the largest bucket <= n.
 BUCKETS = (2, 3, 4, 6)
 _PI = 0x9E3779B97F4A7C15  # the hash's multiplier (odd, 64-bit)
@@ -151,83 +149,33 @@ class DraftCorpus:
         return (source(n), found) if found else None
 
     def _continue(self, places: list[int], max_drafts: int) -> list[int]:
-        t = self.tokens
-        if len(places) <= FEW_PLACES:  # one place among them: its continuation up to the separator
-            return self._vote(places, max_drafts)
-        places = np.asarray(places, dtype=np.int64)
-        # What follows each place, a row each: a row is read only while it is still in the vote, so
-        # never past its separator (reads past the corpus's end stop at its last separator).
-        table = t[np.minimum(places[:, None] + np.arange(max_drafts), t.size - 1)]
-        drafts: list[int] = []
-        j = 0
-        while j < max_drafts:
-            # The columns from j on where every place still in the vote agrees, taken at once up to the
-            # first where they do not (or a separator): the vote there is unanimous.
-            same = (table[:, j:] == table[:1, j:]).all(axis=0)
-            run = int(same.argmin()) if not same.all() else same.size
-            if run:
-                agreed = table[0, j : j + run].tolist()
-                if -1 in agreed:
-                    return drafts + agreed[: agreed.index(-1)]
-                drafts += agreed
-                j += run
-                if j == max_drafts:
-                    break
-            nxt = table[:, j]  # the places disagree here
-            if j:  # past the first draft only a majority counts: if there is one, it is the median
-                token = int(np.partition(nxt, nxt.size // 2)[nxt.size // 2])
-                agree = int((nxt == token).sum())
-            else:  # the first draft: the plurality, ties to the smallest id (a few places: counted here)
-                votes = Counter(nxt.tolist())
-                token = min(votes, key=lambda v: (-votes[v], v))
-                agree = votes[token]
-            if token < 0 or (j and 2 * agree <= nxt.size):
-                break
-            drafts.append(token)
-            table = table[nxt == token]
-            j += 1
-        return drafts
-
-    def _vote(self, places: list[int], max_drafts: int) -> list[int]:
-        """`_continue` over a few places in plain Python, each place's continuation a list (what a
-        lookup finds most often: a few array operations cost more than the comparisons)."""
+        """The drafts `places` (where the tail ends in the corpus) vote for, a column at a time in
+        plain Python: what follows each place still in the vote, read off the index's memoryview
+        (reads past the corpus's end give its last separator). The first draft is the plurality (ties
+        to the smallest id), each next one the majority of the places that agreed so far, if any; a
+        separator ends them. A lookup's few hundred reads at most cost less so than array operations,
+        whose code a forward on a CPU evicts between two steps."""
         tv = self._views[1]
-        rows = []
-        for at in places:  # reads past the corpus's end give its last separator, as the array gather does
-            row = tv[at : at + max_drafts].tolist()
-            rows.append(row + [-1] * (max_drafts - len(row)))
+        end = len(tv) - 1  # the corpus ends with a separator
         drafts: list[int] = []
-        j = 0
-        while j < max_drafts:
-            # The unanimous run from j: up to the first column where a place still in the vote differs.
-            first, stop = rows[0], max_drafts
-            for row in rows[1:]:
-                if row[j:stop] != first[j:stop]:
-                    k = j
-                    while row[k] == first[k]:
-                        k += 1
-                    stop = k
-            if stop > j:
-                agreed = first[j:stop]
-                if -1 in agreed:
-                    return drafts + agreed[: agreed.index(-1)]
-                drafts += agreed
-                j = stop
-                if j == max_drafts:
-                    break
-            nxt = [row[j] for row in rows]  # the places disagree here
-            if j:  # past the first draft only a majority counts: if there is one, it is the median
-                token = sorted(nxt)[len(nxt) // 2]
-                agree = nxt.count(token)
-            else:  # the first draft: the plurality, ties to the smallest id
-                votes = Counter(nxt)
-                token = min(votes, key=lambda v: (-votes[v], v))
-                agree = votes[token]
-            if token < 0 or (j and 2 * agree <= len(nxt)):
+        for j in range(max_drafts):
+            nxt = [tv[at + j] if at + j <= end else -1 for at in places]
+            token = nxt[0]
+            agree = nxt.count(token)
+            if agree != len(nxt):  # the places disagree here
+                if j:  # past the first draft only a majority counts: if there is one, it is the median
+                    token = sorted(nxt)[len(nxt) // 2]
+                    agree = nxt.count(token)
+                    if 2 * agree <= len(nxt):
+                        break
+                else:  # the first draft: the plurality, ties to the smallest id
+                    votes = Counter(nxt)
+                    token = min(votes, key=lambda v: (-votes[v], v))
+                    agree = votes[token]
+                places = [at for at, t in zip(places, nxt) if t == token]
+            if token < 0:
                 break
             drafts.append(token)
-            rows = [row for row in rows if row[j] == token]
-            j += 1
         return drafts
 
     def save(self, path: Path) -> None:
