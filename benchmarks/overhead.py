@@ -250,7 +250,7 @@ class StepWidths:
         return getattr(self._decoder, name)
 
     def step(self, cache, ids, *args, **kwargs):
-        self.widths.append(int(ids.shape[1]))
+        self.widths.append(len(ids[0]))  # arrays or lists of rows (the decoder `takes_rows`)
         return self._decoder.step(cache, ids, *args, **kwargs)
 
 

@@ -185,3 +185,59 @@ def test_padded_widths_give_the_unpadded_outputs(case):
         assert cache.length == n + 5
     assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
     assert float((out[0] - out[1]).abs().max()) < 1e-3
+
+
+def test_a_step_given_lists_of_rows_is_the_step_given_arrays():
+    """The decoder `takes_rows`: a step whose ids, positions, reads, holes and StepMask views come as
+    lists of rows (what the loop lays a step out in) reads what the same step given as arrays reads,
+    bit for bit, and leaves the same cache; a prompt with holes, then a step with a group's view."""
+    from mars.core.decode.plan import Sampling
+    from mars.core.masks import StepMask
+
+    tm = TorchModel(make_model("llama", VOCAB, seed=3), None, None, "", torch.device("cpu"), torch.float32)
+    decoder = TorchDecoder(tm)
+    assert decoder.takes_rows
+    (prompt, positions, valid), (ids, _, _) = steps()[:2]
+    ids = np.random.default_rng(4).integers(4, VOCAB, (2, 5))
+    at = positions[:, -1:] + 1 + np.arange(5)
+    keys = np.ones((2, 9 + 5), dtype=bool)
+    keys[0, :2] = False  # the first row's holes, cached
+    keys[1, -1] = False  # a hole fed
+    see = np.tile(np.arange(5), (2, 1))
+    see[:, 3:] = 1  # the last two columns: a group anchored after column 1
+    start = np.tile(np.arange(5), (2, 1))
+    start[:, 3:] = 3
+    read = np.array([[0, 1, 2, 3], [1, 2, 3, 4]])
+    step_valid = keys[:, 9:]
+    outs, caches = [], []
+    for given in (lambda a: a, lambda a: a.tolist()):
+        cache = decoder.new_cache(2)
+        first = decoder.step(
+            cache,
+            given(prompt),
+            given(positions),
+            decode_mask(valid, 9),
+            given(np.array([[8], [8]])),
+            metric=None,
+            sampling=Sampling(),
+            valid=given(valid),
+        )
+        mask = StepMask(9, 5, keys, given(see), given(start))
+        out = decoder.step(
+            cache,
+            given(ids),
+            given(at),
+            mask,
+            given(read),
+            metric="probability",
+            sampling=Sampling(),
+            valid=given(step_valid),
+            runners_up=2,
+            runners_up_from=1,
+        )
+        outs.append((first.ids, out.ids, out.conf, out.runners_up))
+        caches.append(cache)
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b)
+    assert caches[0].length == caches[1].length == 14
+    assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)

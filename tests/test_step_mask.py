@@ -92,6 +92,58 @@ def test_a_layouts_groups_see_the_chain_up_to_their_anchor_and_their_own_block()
         assert np.array_equal(layout_mask(keys, layout).dense(b), want)
 
 
+def test_a_layouts_values_read_as_lists_and_as_arrays_alike():
+    """A layout's, a group's and the columns' values, given as lists or as arrays, read the same
+    either way (`lists`, the attributes), without making an array to say whether one was given; a
+    StepMask whose views are lists is the one whose views are arrays."""
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        b, w, p = int(rng.integers(1, 4)), int(rng.integers(1, 6)), int(rng.integers(0, 3))
+        values = dict(
+            ids=rng.integers(0, 9, (b, w)),
+            positions=rng.integers(0, 9, (b, w)),
+            valid=rng.random((b, w)) < 0.7,
+            limit=rng.integers(0, 3, b),
+            drafts=rng.integers(0, 9, (b, int(rng.integers(0, 3)))),
+            see=rng.integers(0, w, (b, w)),
+            start=rng.integers(0, w, (b, w)),
+        )
+        n = rng.integers(0, 3, b)
+        group = dict(anchor=rng.integers(0, 3, b), prefix=rng.integers(0, 9, (b, p)), live=rng.random(b) < 0.5)
+        made = []
+        for given in (lambda a: a, lambda a: a.tolist()):
+            g = Group("spare", *(given(group[k]) for k in ("anchor", "prefix", "live")), 1)
+            columns = Columns(given(n + 1), given(n), int(n.max()), 1, w, w - 1, (g,))
+            v = {k: given(a) for k, a in values.items()}
+            layout = Layout(
+                v["ids"], v["positions"], v["valid"], v["limit"], columns, v["drafts"], v["see"], v["start"]
+            )
+            # given lists, no array is made to say whether a value was given, nor to read it as lists
+            assert layout.given("drafts") and layout.lists("drafts") is not None
+            assert (layout._arrays["drafts"] is None) == isinstance(v["drafts"], list)
+            assert (layout.batch, layout.width) == (b, w) and g.prefix_width == p and g.width == p + 1
+            made.append((layout, g, columns))
+        for (one, g1, c1), (two, g2, c2) in zip(made, made[1:]):
+            for k, a in values.items():
+                assert one.lists(k) == two.lists(k) == a.tolist(), k
+                assert getattr(two, k).dtype == a.dtype and np.array_equal(getattr(two, k), a), k
+            for k, a in group.items():
+                assert g1.lists(k) == g2.lists(k) == a.tolist() and np.array_equal(getattr(g2, k), a), k
+            assert c1.lists("n_drafts") == c2.lists("n_drafts") == n.tolist()
+            assert np.array_equal(two.read, one.read) and two.lists("read") == one.read.tolist()
+            assert two.lists("n_drafts") == n.tolist() and np.array_equal(two.n_drafts, n)
+        keys = rng.random((b, 2 + w)) < 0.8
+        as_lists = StepMask(2, w, keys, values["see"].tolist(), values["start"].tolist())
+        assert np.array_equal(as_lists.dense(b), StepMask(2, w, keys, values["see"], values["start"]).dense(b))
+        assert np.array_equal(
+            as_lists.padded(w + 2, b).dense(b),
+            StepMask(2, w, keys, values["see"], values["start"]).padded(w + 2, b).dense(b),
+        )
+    empty = Layout([[1]], [[0]], [[True]], [1], Columns([0], [0], 0, 0, 1, 1))
+    assert not empty.given("drafts") and empty.lists("n_drafts") is None and empty.n_drafts is None
+    assert not empty._arrays.get("drafts") and empty.lists("see") is None
+
+
 def test_padding_leaves_the_real_columns_their_mask_and_makes_holes():
     for b, m in random_masks(2):
         wide = m.padded(m.width + 3, b).dense(b)

@@ -107,7 +107,7 @@ class StepMask:
     Query j of row r (fed column j, key cached + j) may see key k when the query and the key are
     real (`keys`: (b, cached + width) bool, None where every key is), k <= cached + j, and a fed key
     (column c = k - cached) lies in the query's view: c <= see[r, j] or c >= start[r, j] (`see`,
-    `start`: (b, width) int64, None where every query sees every column before it, plain causal;
+    `start`: (b, width) int64 arrays or lists of rows, None where every query sees every column before it, plain causal;
     start[r, j] <= j: a query sees itself). A hole query sees itself alone. A group's columns
     (mars.core.decode.layout.with_groups) see the chain up to their anchor and their own block; the
     chain's columns see every column before them. The torch and MLX backends build it on the device
@@ -126,9 +126,8 @@ class StepMask:
         j = np.arange(q)
         mask = np.broadcast_to(col[None, :] <= j[:, None], (batch, q, c + q))
         if self.see is not None:
-            mask = mask & (
-                (col[None, None, :] <= self.see[:, :, None]) | (col[None, None, :] >= self.start[:, :, None])
-            )
+            see, start = np.asarray(self.see, dtype=np.int64), np.asarray(self.start, dtype=np.int64)
+            mask = mask & ((col[None, None, :] <= see[:, :, None]) | (col[None, None, :] >= start[:, :, None]))
         if self.keys is not None:
             keys = np.asarray(self.keys, dtype=bool)
             mask = (mask & keys[:, None, :] & keys[:, c:, None]) | (col[None, None, :] == j[None, :, None])
@@ -144,6 +143,7 @@ class StepMask:
         keys = np.concatenate([keys, np.zeros((batch, pad), dtype=bool)], axis=1)
         see, start = self.see, self.start
         if see is not None:
+            see, start = np.asarray(see, dtype=np.int64), np.asarray(start, dtype=np.int64)
             own = np.broadcast_to(np.arange(self.width, width), (len(see), pad))
             see, start = np.concatenate([see, own], axis=1), np.concatenate([start, own], axis=1)
         return StepMask(self.cached, width, keys, see, start)

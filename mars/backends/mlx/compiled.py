@@ -143,8 +143,10 @@ class CompiledMlxStep:
             keys = np.zeros((b, room), dtype=bool)
             keys[:, : cached + width] = True if mask.keys is None else mask.keys
             own = np.broadcast_to(np.arange(width), (b, width))
-            see = own if mask.see is None else mask.see  # plain causal: every column up to its own
-            start = own if mask.start is None else mask.start
+            see = (
+                own if mask.see is None else np.asarray(mask.see, dtype=np.int64)
+            )  # plain causal: every column up to its own
+            start = own if mask.start is None else np.asarray(mask.start, dtype=np.int64)
             return dict(keys=keys, valid=keys[:, cached : cached + width], see=see, start=start)
         dense = np.zeros((b, width, room), dtype=bool)
         dense[:, :, : cached + width] = mask

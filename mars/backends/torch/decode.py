@@ -104,7 +104,12 @@ class TorchDecoder:
     where the eager step's are; a prompt's step and row-exact attention run eager); architectures
     without it run eager. `on_compile_error` (what `--compile auto` gives: a function taking a
     message): a compiled step that raises is dropped, the message says why, and that step and the
-    ones after it run eager on the same cache; without it the error propagates (`--compile on`)."""
+    ones after it run eager on the same cache; without it the error propagates (`--compile on`).
+
+    `step` takes the step's (b, w) host values as arrays or as lists of rows (`takes_rows`): the
+    loop hands over the lists it laid the step out in."""
+
+    takes_rows = True
 
     def __init__(
         self,
@@ -280,6 +285,7 @@ class TorchDecoder:
         if self.lean is not None:
             return self._lean_logits(cache, input_ids, positions, mask, read, valid)[:2]
         dev = self.tm.device
+        input_ids, positions = np.asarray(input_ids, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         mask = dense_mask(mask, len(input_ids))
         ids = torch.from_numpy(np.ascontiguousarray(input_ids)).to(dev)
         pos = torch.from_numpy(np.ascontiguousarray(positions)).to(dev)
@@ -320,10 +326,10 @@ class TorchDecoder:
         device), or a bool mask given as an array, as bytes."""
         asked = (cache, input_ids, positions, mask, read, valid, extra, where_on_device)
         dev = self.tm.device
-        input_ids = np.asarray(input_ids)
-        positions = np.asarray(positions, dtype=np.int64)
-        b, fed = input_ids.shape
-        read = np.asarray(read)
+        # The step's few values as plain lists (arrays or lists of rows given): a step's host work is a
+        # few dozen numbers, and each array operation costs more than its arithmetic.
+        ids_of = rows_of(input_ids)
+        b, fed = len(ids_of), len(ids_of[0])
         own = cache if cache is not None else self._lean_cache(b)
         cached = own.length
         if mask is None:  # plain causal over the cache
@@ -334,16 +340,17 @@ class TorchDecoder:
             )
         if self.buckets:
             width = models.graph_width(fed) if self.fixed else bucket(fed)
-            input_ids, positions, mask, valid = pad_width(input_ids, positions, mask, valid, cached, width)
-        q = input_ids.shape[1]
-        # The step's few values as plain lists from here (one array at the end): a step's host work
-        # is a few dozen numbers, and each array operation costs more than its arithmetic.
-        reads_of = read.tolist()
-        ids = input_ids.reshape(-1).tolist()
+            padded = pad_width(
+                np.asarray(ids_of, dtype=np.int64), np.asarray(positions, dtype=np.int64), mask, valid, cached, width
+            )
+            ids_of, positions, mask, valid = rows_of(padded[0]), padded[1], padded[2], padded[3]
+        q = len(ids_of[0])
+        reads_of = rows_of(read)
+        shape = (len(reads_of), len(reads_of[0]))  # the reads'
+        ids = list(chain.from_iterable(ids_of))
         real = None
         if valid is not None:
-            valid = np.asarray(valid, dtype=bool)
-            valid_of = valid.tolist()
+            valid_of = rows_of(valid)
             if all(all(row) for row in valid_of):  # no holes: as if none were marked
                 valid = None
             else:  # a read at a hole is never used: it shares its row's first read
@@ -383,10 +390,10 @@ class TorchDecoder:
         bools = (mask.keys if compact else mask,)
         extra = [np.asarray(e) for e in extra]
         # (values, the shape seen on the device: None for a flat one)
-        numbers = [(ids, None), (positions.reshape(-1).tolist(), positions.shape), (reads, None)]
-        numbers += [(where, read.shape)] if where_on_device else []
+        numbers = [(ids, None), (list(chain.from_iterable(rows_of(positions))), (b, q)), (reads, None)]
+        numbers += [(where, shape)] if where_on_device else []
         if views:
-            numbers += [(np.asarray(a).reshape(-1).tolist(), np.shape(a)) for a in (mask.see, mask.start)]
+            numbers += [(list(chain.from_iterable(rows_of(a))), (b, q)) for a in (mask.see, mask.start)]
         numbers += [(e.reshape(-1).tolist(), e.shape if e.ndim != 1 else None) for e in extra]
         numbers += ([(real, None)] if real is not None else []) + ([(length, None)] if length else [])
         numbers += [(column, (len(column), 1))] if column else []
@@ -417,7 +424,7 @@ class TorchDecoder:
         if column:  # the gate's column: the 0/1 that travelled (in the model's dtype for a compiled graph)
             column = parts.pop()
             gate = (None, column if self.compiled is None else column.to(self.tm.dtype))
-        exact = self._exact_rows(input_ids, valid)
+        exact = self._exact_rows(ids_of, valid)
         inputs = models.StepInputs(
             ids=ids_d,
             positions=pos_d,
@@ -443,7 +450,7 @@ class TorchDecoder:
         if self.fixed:
             logits = logits[: len(distinct)]  # the padded reads' rows dropped
         own.length = cached + fed  # the padding's keys lie past the length: the next step writes over them
-        where = None if in_order else np.array(where, dtype=np.int64).reshape(read.shape)
+        where = None if in_order else np.array(where, dtype=np.int64).reshape(shape)
         return logits, where, where_d, extra_d
 
     def _room_inputs(self, cache, mask, distinct: np.ndarray, b: int, q: int):
@@ -458,7 +465,8 @@ class TorchDecoder:
         if isinstance(mask, StepMask):
             keys = np.ones((b, cached + q), dtype=bool) if mask.keys is None else np.asarray(mask.keys, dtype=bool)
             see = np.broadcast_to(np.arange(q, dtype=np.int64), (b, q)) if mask.see is None else mask.see
-            start = see if mask.start is None else mask.start
+            see = np.asarray(see, dtype=np.int64)
+            start = see if mask.start is None else np.asarray(mask.start, dtype=np.int64)
             mask = StepMask(cached, q, models.room_layout(keys, cached, room), see, start)
         else:
             mask = models.room_layout(np.asarray(mask, dtype=bool), cached, room)
@@ -519,7 +527,7 @@ class TorchDecoder:
             host = to_host(chosen, conf, *lp)
             return StepOutput(host[0], host[1], logprobs=ReadLogprobs(*host[2:]) if logprobs is not None else None)
         unique, where = self._read_logits(cache, input_ids, positions, mask, read, valid)
-        shape = np.shape(read)
+        shape = np.shape(read) if isinstance(read, np.ndarray) else (len(read), len(read[0]))
         if where is None:  # each read its own row, in order: each result's rows reshaped to the reads'
 
             def by_read(a):
@@ -611,6 +619,11 @@ class TorchDecoder:
 
 
 _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
+def rows_of(a) -> list:
+    """A step's (b, w) host value as lists of rows: an array's `tolist`, lists as they are."""
+    return a.tolist() if isinstance(a, np.ndarray) else a
 
 
 def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]:

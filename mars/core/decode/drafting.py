@@ -195,10 +195,9 @@ class Drafting:
 
     def after_step(self, layout: Layout, verdict: Verdict, rows: list[Row], seconds: float) -> None:
         n_alts = layout.live_groups(ALT)
-        n_alts = None if n_alts is None else n_alts.tolist()
         # Which runner-up alternative was AR's token, per row (-1: none): the chosen group's place among them.
         alt_groups = [k for k, g in enumerate(layout.columns.groups) if g.source == ALT]
-        limit, fed = layout.limit.tolist(), layout.n_drafts.tolist()
+        limit, fed = layout.lists("limit"), layout.lists("n_drafts")
         kept, group = verdict.kept, verdict.group
         for i in range(len(rows)):
             if limit[i] > 0 and fed[i]:
@@ -207,4 +206,4 @@ class Drafting:
                     hit = alt_groups.index(group[i]) if group[i] in alt_groups else -1
                     self.stats.record_alternatives(n_alts[i], hit)
         if self.feed is not None and self.learn:
-            self.feed.costs.observe(int(layout.ids.shape[0]), int(layout.ids.shape[1]), seconds)
+            self.feed.costs.observe(layout.batch, layout.width, seconds)

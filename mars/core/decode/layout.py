@@ -4,45 +4,100 @@ its masks, then any groups) that the reads, the acceptance, the groups and the c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-
 import numpy as np
 
 from ..masks import StepMask
 
 
-@dataclass(frozen=True)
-class Group:
-    """The columns an in-forward draft source adds to a lossless window step: placed after row r's
-    first `anchor[r]` drafts, seeing what a plain window ending there would, it feeds `prefix[r]` (real
-    ids, e.g. a runner-up), then `masks` masks, which propose. Rows where `live[r]` is False get holes."""
+class _Field:
+    """A step's (b, w) or (b,) value, given as an array or as plain lists (of rows): read as an array
+    (made once from the lists where it was given so), or through `lists` as lists (made once from the
+    array where it was given so). A step's host side reads lists and the backend may too; the array is
+    made only where something asks for it."""
 
-    source: str  # the draft source its proposals count under
-    anchor: np.ndarray  # (b,) int64: drafts before it
-    prefix: np.ndarray  # (b, p) int64: real ids it feeds before its masks
-    live: np.ndarray  # (b,) bool
-    masks: int
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        arrays = obj._arrays
+        found = arrays.get(self.name)
+        if found is None:
+            rows = obj._lists.get(self.name)
+            if rows is None:
+                return None
+            found = arrays[self.name] = np.array(rows, dtype=self.dtype)
+        return found
+
+    def __set__(self, obj, value):
+        if value is None or isinstance(value, np.ndarray):
+            obj._arrays[self.name], obj._lists[self.name] = value, None
+        else:
+            obj._arrays[self.name], obj._lists[self.name] = None, value
+
+
+class _Values:
+    """Holds `_Field`s; `lists(name)` reads one as lists. Its values do not change once made."""
+
+    def given(self, name: str) -> bool:
+        """Whether the value `name` is not None (without making its array)."""
+        return self._arrays.get(name) is not None or self._lists.get(name) is not None
+
+    def lists(self, name: str):
+        """The value `name` as plain lists (rows of a (b, w) value), made once; None where it is None."""
+        found = self._lists.get(name)
+        if found is None:
+            array = getattr(self, name)
+            found = self._lists[name] = None if array is None else array.tolist()
+        return found
+
+
+class Group(_Values):
+    """The columns an in-forward draft source adds to a lossless window step: placed after row r's
+    first `anchor[r]` drafts ((b,) int64), seeing what a plain window ending there would, it feeds
+    `prefix[r]` ((b, p) int64: real ids, e.g. a runner-up), then `masks` masks, which propose. Rows
+    where `live[r]` ((b,) bool) is False get holes. `source`: the draft source its proposals count
+    under. Each of the three is given as an array or as lists and read as either (`lists`)."""
+
+    anchor = _Field(np.int64)
+    prefix = _Field(np.int64)
+    live = _Field(bool)
+
+    def __init__(self, source: str, anchor, prefix, live, masks: int):
+        self._arrays: dict = {}
+        self._lists: dict = {}
+        self.source, self.masks = source, masks
+        self.anchor, self.prefix, self.live = anchor, prefix, live
+        rows = self._lists["prefix"]
+        self.prefix_width = int(self.prefix.shape[1]) if rows is None else (len(rows[0]) if rows else 0)
 
     @property
     def width(self) -> int:
-        return self.prefix.shape[1] + self.masks
+        return self.prefix_width + self.masks
 
 
-@dataclass(frozen=True)
-class Columns:
-    """Where a step's parts sit among the fed columns: row r's last real token at `last[r]`, its
-    `n_drafts[r]` drafts, its masks, within the first `width` columns, then the `groups`; the cache
-    keeps the first `keep` (rejected drafts aside). Output slots (`read`): 1 + D AR reads (at `last`,
-    then each draft, a row with fewer repeating its last), the masks', then every group column."""
+class Columns(_Values):
+    """Where a step's parts sit among the fed columns: row r's last real token at `last[r]` ((b,)
+    int64), its `n_drafts[r]` drafts ((b,) int64; zeros outside lossless mode), its masks, within the
+    first `width` columns, then the `groups`; the cache keeps the first `keep` (rejected drafts aside).
+    `draft_slots`: D, the drafts' padded width (0 outside lossless mode). Output slots (`read`): 1 + D
+    AR reads (at `last`, then each draft, a row with fewer repeating its last), the masks', then every
+    group column. `last` and `n_drafts` are given as arrays or lists and read as either (`lists`)."""
 
-    last: np.ndarray  # (b,) int64
-    n_drafts: np.ndarray  # (b,) int64; zeros outside lossless mode
-    draft_slots: int  # D: the drafts' padded width (0 outside lossless mode)
-    masks: int
-    width: int  # fed columns before the groups
-    keep: int  # leading fed columns the cache keeps after the step
-    groups: tuple[Group, ...] = ()
+    last = _Field(np.int64)
+    n_drafts = _Field(np.int64)
+
+    def __init__(
+        self, last, n_drafts, draft_slots: int, masks: int, width: int, keep: int, groups: tuple[Group, ...] = ()
+    ):
+        self._arrays: dict = {}
+        self._lists: dict = {}
+        self.last, self.n_drafts = last, n_drafts
+        self.draft_slots, self.masks, self.width, self.keep, self.groups = draft_slots, masks, width, keep, groups
 
     @property
     def first_mask(self) -> np.ndarray:
@@ -86,60 +141,117 @@ class Columns:
     def mask_reads(self) -> slice:
         return slice(self.draft_slots + 1, self.draft_slots + 1 + self.masks)
 
-    def read(self) -> np.ndarray:
-        """(b, k) the column each output slot is read at (inside the feed even for a row feeding nothing).
-        Built row by row in plain Python, one array at the end: a step's few values cost less so than
-        a dozen array operations (docs/design.md, "One step")."""
+    def read_rows(self) -> list[list[int]]:
+        """Per row, the column each output slot is read at (inside the feed even for a row feeding
+        nothing): built row by row in plain Python, a step's few values cost less so than a dozen array
+        operations (docs/design.md, "One step")."""
         top, d, m = self.width - 1, self.draft_slots, self.masks
         groups = list(range(self.width, self.total))  # every group column, each read
         rows = []
-        for last, n in zip(self.last.tolist(), self.n_drafts.tolist()):
+        for last, n in zip(self.lists("last"), self.lists("n_drafts")):
             first = last + 1 + n
             rows.append(
                 [min(max(last + (j if j < n else n), 0), top) for j in range(d + 1)]
                 + [min(max(first + j, 0), top) for j in range(m)]
                 + groups
             )
-        return np.array(rows, dtype=np.int64).reshape(len(rows), d + 1 + m + len(groups))
+        return rows
 
-
-@dataclass
-class Layout:
-    ids: np.ndarray  # (b, q) int64
-    positions: np.ndarray  # (b, q) int64
-    valid: np.ndarray  # (b, q) bool: False for holes
-    limit: np.ndarray  # (b,) tokens row r may accept this step; 0 = it waits
-    columns: Columns  # where each row's parts sit; slot j of row r is read at read[r, j]
-    # Lossless mode: the drafts fed (b, D), padded, of which row r fed n_drafts[r].
-    drafts: np.ndarray | None = None
-    # With groups: (b, q) per fed column, the last column of the chain it sees and the first of its
-    # own block (masks.StepMask's `see` and `start`).
-    see: np.ndarray | None = None
-    start: np.ndarray | None = None
-    # (b, C + q) the cached keys' validity, then the fed columns' (the strategy's `keys`, made once).
-    keys: np.ndarray | None = None
-    # Whether any fed column is a hole (None: not known; `valid` says): with none, a step's mask needs
-    # no keys where every cached key is real (WindowStrategy.mask).
-    holes: bool | None = None
-
-    @cached_property
     def read(self) -> np.ndarray:
-        return self.columns.read()
+        """(b, k) `read_rows` as an array."""
+        rows = self.read_rows()
+        return np.array(rows, dtype=np.int64).reshape(
+            len(rows), self.draft_slots + 1 + self.masks + self.total - self.width
+        )
+
+
+class Layout(_Values):
+    """What one step feeds. `ids`, `positions` (b, q) int64 and `valid` (b, q) bool (False for holes);
+    `limit` (b,) the tokens row r may accept this step (0: it waits); `columns`: where each row's parts
+    sit (slot j of row r is read at `read[r, j]`); lossless mode: `drafts` (b, D), padded, of which row
+    r fed n_drafts[r]; with groups, `see` and `start` (b, q) per fed column, the last column of the
+    chain it sees and the first of its own block (masks.StepMask's). Each may be given as an array or
+    as lists of rows, and is read as either (`lists`); a layout's values do not change once made.
+    `keys`: (b, C + q) the cached keys' validity, then the fed columns' (the strategy's `keys`, made
+    once). `holes`: whether any fed column is a hole (None: not known; `valid` says): with none, a
+    step's mask needs no keys where every cached key is real (WindowStrategy.mask)."""
+
+    ids = _Field(np.int64)
+    positions = _Field(np.int64)
+    valid = _Field(bool)
+    limit = _Field(np.int64)
+    drafts = _Field(np.int64)
+    see = _Field(np.int64)
+    start = _Field(np.int64)
+
+    def __init__(
+        self,
+        ids,
+        positions,
+        valid,
+        limit,
+        columns: Columns,
+        drafts=None,
+        see=None,
+        start=None,
+        keys: np.ndarray | None = None,
+        holes: bool | None = None,
+    ):
+        self._arrays: dict = {}
+        self._lists: dict = {}
+        self.ids, self.positions, self.valid, self.limit = ids, positions, valid, limit
+        self.columns = columns
+        self.drafts, self.see, self.start = drafts, see, start
+        self.keys = keys
+        self.holes = holes
+
+    def lists(self, name: str):
+        """The value `name` as plain lists (rows of a (b, w) value), made once; None where it is None.
+        Also "read" and "n_drafts" (the columns')."""
+        found = self._lists.get(name)
+        if found is None:
+            if name == "read":
+                found = self._lists[name] = self.columns.read_rows()
+            elif name == "n_drafts":
+                found = self.columns.lists("n_drafts") if self.given("drafts") else None
+            else:
+                found = super().lists(name)
+        return found
+
+    @property
+    def width(self) -> int:
+        """The fed columns q."""
+        rows = self._lists.get("ids")
+        return len(rows[0]) if rows is not None and rows else int(self.ids.shape[1])
+
+    @property
+    def batch(self) -> int:
+        rows = self._lists.get("ids")
+        return len(rows) if rows is not None else int(self.ids.shape[0])
+
+    @property
+    def read(self) -> np.ndarray:
+        """(b, k) the column each output slot is read at (Columns.read)."""
+        found = self._arrays.get("read")
+        if found is None:
+            rows = self.lists("read")
+            found = self._arrays["read"] = np.array(rows, dtype=np.int64).reshape(len(rows), len(rows[0]))
+        return found
 
     @property
     def n_drafts(self) -> np.ndarray | None:
         """Lossless mode: (b,) drafts each row fed (None otherwise)."""
-        return None if self.drafts is None else self.columns.n_drafts
+        return self.columns.n_drafts if self.given("drafts") else None
 
     @property
     def masks(self) -> int:
         """Masks fed and read per (live) row, the spare groups' not counted."""
         return self.columns.masks
 
-    def live_groups(self, source: str) -> np.ndarray | None:
+    def live_groups(self, source: str) -> list[int] | None:
         """(b,) the groups of `source` each row fed live (None where the step fed none)."""
-        groups = [g.live.tolist() for g in self.columns.groups if g.source == source]
-        return np.array([sum(row) for row in zip(*groups)], dtype=np.int64) if groups else None
+        groups = [g.lists("live") for g in self.columns.groups if g.source == source]
+        return [sum(row) for row in zip(*groups)] if groups else None
 
 
 def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int = 0) -> int:
@@ -151,9 +263,16 @@ def lossless_width(drafts: int, masks: int, spare_groups: int, alt_groups: int =
 def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     """A lossless window feed (ids, valid, positions: (b, w) arrays, or lists of rows) widened by
     `columns.groups`: the new (ids, valid, positions) and, per fed column, what it sees (`see`,
-    `start`: masks.StepMask). A live group sits, by position and by what it sees, as a plain window
-    continuing after its anchor would: the chain up to its anchor, then its own columns; elsewhere
-    its columns are holes. Built in plain Python, one array per output."""
+    `start`: masks.StepMask), as arrays (`with_group_rows` as lists)."""
+    out = with_group_rows(ids, valid, positions, columns, mask_id)
+    shape = (len(out[0]), columns.total)
+    return tuple(np.array(a, dtype=bool if k == 1 else np.int64).reshape(shape) for k, a in enumerate(out))
+
+
+def with_group_rows(ids, valid, positions, columns: Columns, mask_id: int):
+    """`with_groups` as lists of rows. A live group sits, by position and by what it sees, as a plain
+    window continuing after its anchor would: the chain up to its anchor, then its own columns;
+    elsewhere its columns are holes. Built in plain Python."""
     ids, valid, fed_positions = (a.tolist() if isinstance(a, np.ndarray) else a for a in (ids, valid, positions))
     b, w0 = len(ids), len(ids[0]) if ids else 0
     width = columns.total
@@ -163,13 +282,13 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
     wide_positions = [row + [0] * more for row in fed_positions]
     see = [list(range(width)) for _ in range(b)]
     start = [list(range(width)) for _ in range(b)]
-    lasts = columns.last.tolist()
+    lasts = columns.lists("last")
     for k, group in enumerate(columns.groups):
         first = columns.width + columns.group_start(k)  # a group's columns lie together
-        w, p = group.width, group.prefix.shape[1]
+        w, p = group.width, group.prefix_width
         end = first + w
         for r, (live, anchor, prefix) in enumerate(
-            zip(group.live.tolist(), group.anchor.tolist(), group.prefix.tolist())
+            zip(group.lists("live"), group.lists("anchor"), group.lists("prefix"))
         ):
             anchor += lasts[r]  # the column the group follows
             if live:
@@ -179,14 +298,7 @@ def with_groups(ids, valid, positions, columns: Columns, mask_id: int):
                 wide_positions[r][first:end] = range(after, after + w)
             see[r][first:end] = [anchor] * w
             start[r][first:end] = [first] * w
-    shape = (b, width)
-    return (
-        np.array(wide_ids, dtype=np.int64).reshape(shape),
-        np.array(wide_valid, dtype=bool).reshape(shape),
-        np.array(wide_positions, dtype=np.int64).reshape(shape),
-        np.array(see, dtype=np.int64).reshape(shape),
-        np.array(start, dtype=np.int64).reshape(shape),
-    )
+    return wide_ids, wide_valid, wide_positions, see, start
 
 
 def window_rows(parts: list[list[int]], width: int, mask_id: int, n_masks: list[int], first: list[int]):
@@ -224,10 +336,14 @@ def right_aligned(parts: list[list[int]], width: int, mask_id: int, n_masks: lis
 
 def pad_drafts(drafts: list[list[int]], mask_id: int) -> tuple[np.ndarray, np.ndarray]:
     """(b, D) the rows' drafts padded with the mask id, and (b,) how many each row has."""
+    out, n = draft_rows(drafts, mask_id)
+    return np.array(out, dtype=np.int64).reshape(len(drafts), max(n, default=0)), np.array(n, dtype=np.int64)
+
+
+def draft_rows(drafts: list[list[int]], mask_id: int) -> tuple[list[list[int]], list[int]]:
+    """`pad_drafts` as lists: the padded rows, and how many drafts each row has."""
     width = max((len(d) for d in drafts), default=0)
-    out = [list(d) + [mask_id] * (width - len(d)) for d in drafts]
-    n = [len(d) for d in drafts]
-    return np.array(out, dtype=np.int64).reshape(len(drafts), width), np.array(n, dtype=np.int64)
+    return [list(d) + [mask_id] * (width - len(d)) for d in drafts], [len(d) for d in drafts]
 
 
 def consecutive_positions(valid: np.ndarray, first: list[int]) -> np.ndarray:
@@ -240,8 +356,9 @@ def layout_mask(keys: np.ndarray, layout: Layout) -> StepMask | None:
     """The attention mask of a step (masks.StepMask): causal over the cache and the fed columns, with
     holes, narrowed by the layout's `see` and `start` for the groups; None where plain causal
     attention is exact."""
-    q = layout.ids.shape[1]
+    q = layout.width
     every = bool(keys.all())
-    if every and layout.see is None:
+    see = layout.lists("see")
+    if every and see is None:
         return None
-    return StepMask(keys.shape[1] - q, q, None if every else keys, layout.see, layout.start)
+    return StepMask(keys.shape[1] - q, q, None if every else keys, see, layout.lists("start"))

@@ -37,7 +37,7 @@ class StepSpec:
 
     @property
     def width(self) -> int:
-        return int(self.layout.ids.shape[1])
+        return self.layout.width
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def apply(outcome: Outcome, spec: StepSpec, rows: list[Row], run: Execution, sta
     the fed tokens it commits to the cache: its real tokens, kept drafts included)."""
     s, layout, verdict = run.plan, spec.layout, outcome.verdict
     stats.forwards += 1
-    stats.fed_tokens += layout.ids.size
+    stats.fed_tokens += layout.batch * layout.width
     accepted = [list(a) for a in outcome.accepted]
     if verdict is not None:
         if run.drafting is not None:
@@ -106,14 +106,14 @@ def apply(outcome: Outcome, spec: StepSpec, rows: list[Row], run: Execution, sta
     else:
         stats.masks_fed[layout.columns.masks] = stats.masks_fed.get(layout.columns.masks, 0) + 1
         if run.threshold_feed is not None:
-            for i, r in enumerate(rows):
-                if layout.limit[i] > 0:
-                    run.threshold_feed.record(int(layout.limit[i]) - 1, len(accepted[i]) - 1)
+            for i, limit in enumerate(layout.lists("limit")):
+                if limit > 0:
+                    run.threshold_feed.record(limit - 1, len(accepted[i]) - 1)
     # What each row had fed for real: the cached variants commit it (kept drafts too).
     before = [len(r.seq) if not r.done else r.cached for r in rows]
     eos = set(s.eos_ids)
     if verdict is not None:
-        fed, kept = layout.n_drafts.tolist(), verdict.kept
+        fed, kept = layout.lists("n_drafts"), verdict.kept
     for i, r in enumerate(rows):
         if r.done:
             accepted[i] = []

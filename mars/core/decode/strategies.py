@@ -11,12 +11,12 @@ from .layout import (
     Columns,
     Layout,
     consecutive_positions,
-    feed_arrays,
+    draft_rows,
     layout_mask,
     pad_drafts,
     right_aligned,
     window_rows,
-    with_groups,
+    with_group_rows,
 )
 from .plan import Plan
 from .types import Row
@@ -59,25 +59,25 @@ class WindowStrategy:
         ids, valid, positions = window_rows(  # lists of rows: arrays once the groups are laid out
             parts, width, s.mask_id, [0 if r.done else m for r in rows], [r.cached for r in rows]
         )
-        padded, n = pad_drafts(drafts, s.mask_id)
+        padded, n = draft_rows(drafts, s.mask_id)
         groups = in_forward_groups(s, self.group_counts, rows, n, m)
         # Right-aligned: every row's masks start at width - m, its drafts just before them.
         columns = Columns(
-            last=np.array([width - m - 1 - len(d) for d in drafts], dtype=np.int64),
+            last=[width - m - 1 - k for k in n],
             n_drafts=n,
-            draft_slots=padded.shape[1],
+            draft_slots=max(n, default=0),
             masks=m,
             width=width,
             keep=width - m,
             groups=groups,
         )
         # Holes: a row feeding fewer columns than the widest, or a group not live in a row.
-        holes = not all(map(all, valid)) or not all(all(g.live.tolist()) for g in groups)
+        holes = not all(map(all, valid)) or not all(all(g.lists("live")) for g in groups)
+        # The layout's values stay lists (the host reads them so); arrays are made where asked for.
         if not s.verifies:
             limit = [0 if r.done else min(m + 1, r.max_tokens - r.produced) for r in rows]
-            ids, valid, positions = feed_arrays(ids, valid, positions)
-            return Layout(ids, positions, valid, np.asarray(limit), columns, holes=holes)
-        limit = np.asarray([0 if r.done else k + 1 for r, k in zip(rows, n)])
+            return Layout(ids, positions, valid, limit, columns, holes=holes)
+        limit = [0 if r.done else k + 1 for r, k in zip(rows, n)]
         layout = verified_layout(ids, positions, valid, limit, columns, padded, s.mask_id)
         layout.holes = holes
         return layout
@@ -101,7 +101,8 @@ class WindowStrategy:
         cached key and every fed column is real (most steps of a row alone)."""
         if layout.holes is False and (not self.cached or self._every is not None or self._key_valid is None):
             cached = self._every[1] if self.cached and self._every is not None else 0
-            return None if layout.see is None else StepMask(cached, layout.ids.shape[1], None, layout.see, layout.start)
+            see = layout.lists("see")
+            return None if see is None else StepMask(cached, layout.width, None, see, layout.lists("start"))
         return layout_mask(self.keys(layout), layout)
 
     def commit(
@@ -116,7 +117,7 @@ class WindowStrategy:
             # A row alone feeds no holes and every key it cached is real: so is every key it keeps, its
             # real tokens and the drafts it kept (the rejected ones end its columns: they go).
             old = 0 if self._every is None else self._every[1]
-            end = old + (columns.keep if kept is None else int(columns.last[0]) + 1 + kept[0])
+            end = old + (columns.keep if kept is None else columns.lists("last")[0] + 1 + kept[0])
             self._every = (1, end)
             backend.crop(cache, end)
             rows[0].cached = before[0]
@@ -124,8 +125,8 @@ class WindowStrategy:
         old = 0 if self.key_valid is None else self.key_valid.shape[1]
         self.key_valid = self.keys(layout)[:, : old + columns.keep].copy()
         if kept is not None:  # rejected drafts were computed from wrong ids: make them holes
-            for r, (k, last, first_mask) in enumerate(zip(kept, columns.last.tolist(), columns.first_mask.tolist())):
-                self.key_valid[r, old + last + 1 + k : old + first_mask] = False
+            for r, (k, last, n) in enumerate(zip(kept, columns.lists("last"), columns.lists("n_drafts"))):
+                self.key_valid[r, old + last + 1 + k : old + last + 1 + n] = False
             # Rows are right-aligned, so rejected drafts end every row's columns: the tail no
             # row attends leaves the cache at once (at batch 1, every rejected draft).
             live = self.key_valid[:, old:].any(axis=0).tolist()
@@ -230,7 +231,7 @@ class BlockStrategy:
         self.next_block_if_filled(rows)
 
 
-def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts: np.ndarray, masks: int) -> tuple:
+def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts, masks: int) -> tuple:
     """The groups a step that verifies drafts feeds after its columns: up to `counts[name]` of each
     in-forward source (drafts.GROUP_SOURCES), each with `masks` masks; none where drafts are not verified."""
     if not s.verifies:
@@ -243,13 +244,13 @@ def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts
     )
 
 
-def verified_layout(ids, positions, valid, limit, columns: Columns, drafts: np.ndarray, mask_id: int) -> Layout:
-    """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_groups`);
-    `ids`, `positions` and `valid`: (b, w) arrays, or lists of rows."""
+def verified_layout(ids, positions, valid, limit, columns: Columns, drafts, mask_id: int) -> Layout:
+    """A step that verifies `drafts`, widened by `columns.groups` where it has any (`with_group_rows`);
+    `ids`, `positions` and `valid`: (b, w) arrays, or lists of rows (the layout keeps what it is given,
+    the groups' widening as lists)."""
     if not columns.groups:
-        ids, valid, positions = feed_arrays(ids, valid, positions)
         return Layout(ids, positions, valid, limit, columns, drafts=drafts)
-    ids, valid, positions, see, start = with_groups(ids, valid, positions, columns, mask_id)
+    ids, valid, positions, see, start = with_group_rows(ids, valid, positions, columns, mask_id)
     return Layout(ids, positions, valid, limit, columns, drafts=drafts, see=see, start=start)
 
 

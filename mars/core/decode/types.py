@@ -41,7 +41,9 @@ class StepBackend(Protocol):
         `runners_up` n > 0 (greedy): also (`runners_up`) (b, k, n) the next n ids of each read after its
         chosen one, wanted at reads `runners_up_from` on (the reads before may have none: -1).
         `logprobs` n (not None): also (`logprobs`) a ReadLogprobs of the reads with n top
-        ids each."""
+        ids each. A backend whose `takes_rows` is True is given `input_ids`, `positions`, `read` and
+        `valid` as lists of rows (the loop's own), and a StepMask's `see` and `start` may be lists of
+        rows for any backend."""
         ...
 
     def keep_rows(self, cache, rows: list[int]) -> None:

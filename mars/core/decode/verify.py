@@ -19,7 +19,12 @@ from .types import Row, SampledTree, TokenLogprob
 
 def step(backend, cache, layout: Layout, mask, **options):
     """One backend step over a step's layout (StepBackend.step): its ids, positions, reads and holes
-    (none marked where the layout knows it has none)."""
+    (none marked where the layout knows it has none), as lists of rows to a backend that `takes_rows`
+    (what the host made them as), else as arrays."""
+    if getattr(backend, "takes_rows", False):
+        v = layout.lists
+        valid = None if layout.holes is False else v("valid")
+        return backend.step(cache, v("ids"), v("positions"), mask, v("read"), valid=valid, **options)
     valid = None if layout.holes is False else layout.valid
     return backend.step(cache, layout.ids, layout.positions, mask, layout.read, valid=valid, **options)
 
@@ -124,10 +129,9 @@ def verify(
     log-probabilities with n most likely ids (`logprobs`, `next_logprobs`); `ranks` k keeps each next
     draft's k most likely ids with their log-probabilities, and its own (`next_top`, for trees)."""
     columns, width = layout.columns, layout.columns.draft_slots
-    b = len(layout.ids)
-    # The step's few values as plain lists (one conversion each): a row's verdict is a few comparisons.
-    limit, n_drafts = layout.limit.tolist(), layout.n_drafts.tolist()
-    drafts = layout.drafts.tolist()
+    b = layout.batch
+    # The step's few values as plain lists: a row's verdict is a few comparisons.
+    limit, n_drafts, drafts = layout.lists("limit"), layout.lists("n_drafts"), layout.lists("drafts")
     chosen, matches = [-1] * b, [0] * b  # the group whose proposals follow, and its prefix tokens AR confirmed
     conf = second = ids = lp = None
     wanted = max(logprobs or 0, ranks if sampling.greedy else 0)
@@ -153,11 +157,11 @@ def verify(
             if limit[i] <= 0 or kept[i] == n_drafts[i]:
                 continue  # waiting, or every draft kept: the masks after them propose
             if fields is None:
-                fields = [(g.live.tolist(), g.anchor.tolist(), g.prefix.tolist()) for g in columns.groups]
+                fields = [(g.lists("live"), g.lists("anchor"), g.lists("prefix")) for g in columns.groups]
             fits = []
             for k, g in enumerate(columns.groups):
                 start = columns.group_reads(k).start
-                p = g.prefix.shape[1]
+                p = g.prefix_width
                 m = matched(g, i, kept[i], token[i], ar=ids[i][start : start + p], fields=fields[k])
                 if m >= 0:  # a whole prefix also has its masks propose: worth about a token more
                     full = m == p
@@ -213,9 +217,9 @@ def verify(
             nxt.append((columns.groups[chosen[i]].source, list(proposals[i])))
             nxt_conf.append(None)
             read = None  # drawn on the device, not read here
-        elif chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix.shape[1]:
+        elif chosen[i] >= 0 and matches[i] == columns.groups[chosen[i]].prefix_width:
             group = columns.groups[chosen[i]]
-            read = columns.group_reads(chosen[i]).start + group.prefix.shape[1]
+            read = columns.group_reads(chosen[i]).start + group.prefix_width
             nxt.append((group.source, ids[i][read : read + group.masks]))
             nxt_conf.append(None if conf is None else conf[i, read : read + group.masks])
         elif kept[i] == n_drafts[i]:

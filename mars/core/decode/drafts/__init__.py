@@ -12,8 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from .alternatives import Alternatives
 from .corpus import DraftCorpus
 from .masks import Masks
@@ -54,8 +52,8 @@ class GroupSource(Protocol):
         """The most groups a step of `plan` feeds (0: none); the cost-aware feed may narrow it."""
         ...
 
-    def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
-        """Up to `count` groups for the step's rows (`n_drafts[r]` drafts fed by row r), each
+    def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
+        """Up to `count` groups for the step's rows (`n_drafts[r]` drafts fed by row r: a list or an array), each
         with `masks` masks; ids of rows where a group is not live are `mask_id`."""
         ...
 

@@ -21,15 +21,16 @@ class Alternatives:
         """The most alternative groups a step of the plan feeds (Plan.alternative_groups)."""
         return plan.alternative_groups
 
-    def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
-        alts = [r.alts[:count] if n else [] for r, n in zip(rows, n_drafts.tolist())]
-        zero = np.array([0] * len(rows), dtype=np.int64)  # (arrays of lists: one array code path a step)
+    def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
+        n = n_drafts.tolist() if isinstance(n_drafts, np.ndarray) else n_drafts
+        alts = [r.alts[:count] if k else [] for r, k in zip(rows, n)]
+        zero = [0] * len(rows)  # (lists: the group makes arrays where asked for them)
         return [
             Group(
                 self.name,
                 zero,
-                np.array([[a[k] if k < len(a) else mask_id] for a in alts], dtype=np.int64),
-                np.array([k < len(a) and not r.done for r, a in zip(rows, alts)], dtype=bool),
+                [[a[k] if k < len(a) else mask_id] for a in alts],
+                [k < len(a) and not r.done for r, a in zip(rows, alts)],
                 masks,
             )
             for k in range(max((len(a) for a in alts), default=0))

@@ -20,18 +20,12 @@ class SpareGroups:
         """The most spare groups a step of the plan feeds (Plan.spare_groups)."""
         return plan.spare_groups
 
-    def groups(self, rows, n_drafts: np.ndarray, count: int, masks: int, mask_id: int) -> list[Group]:
-        n = n_drafts.tolist()
+    def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
+        n = n_drafts.tolist() if isinstance(n_drafts, np.ndarray) else n_drafts
         count = min(count, max(n, default=0)) if masks else 0
         b = len(rows)
-        empty = np.array([[]] * b, dtype=np.int64).reshape(b, 0)  # (arrays of lists: one array code path a step)
+        empty = [[]] * b  # (lists: the group makes arrays where asked for them)
         return [
-            Group(
-                self.name,
-                np.array([g] * b, dtype=np.int64),
-                empty,
-                np.array([g < k and not r.done for r, k in zip(rows, n)], dtype=bool),
-                masks,
-            )
+            Group(self.name, [g] * b, empty, [g < k and not r.done for r, k in zip(rows, n)], masks)
             for g in range(count)
         ]
