@@ -87,9 +87,12 @@ def test_lookup_equals_a_brute_force_search(monkeypatch, most):
     against_brute_force(np.random.default_rng(6), vocab=2, longest=60, trials=100)  # dozens of places
 
 
-def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch):
+@pytest.mark.parametrize("most", [corpus_drafts.MAX_PLACES, 2])
+def test_lookup_equals_a_brute_force_search_where_hashes_collide(monkeypatch, most):
     """With the hashes cut to 3 bits, different n-grams share hashes all the time: a lookup keeps
-    only the places that hold the sequence's own tail, as the brute-force search does."""
+    only the places that hold the sequence's own tail (the latest `most` of them), as the
+    brute-force search does."""
+    monkeypatch.setattr(corpus_drafts, "MAX_PLACES", most)
     real = corpus_drafts._hashes
     monkeypatch.setattr(corpus_drafts, "_hashes", lambda values, n: real(values, n) & np.uint64(7))
     monkeypatch.setattr(corpus_drafts, "_MASK", 7)

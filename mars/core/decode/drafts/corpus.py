@@ -113,7 +113,6 @@ class DraftCorpus:
             views = {n: (memoryview(h), memoryview(after)) for n, (h, after, _) in self._index.items()}
             self._views = views, memoryview(self.tokens)
         tail = [int(x) for x in seq[-MAX_NGRAM:]]
-        views, tv = self._views
         # The hash of the last n tokens for every n at once, as _hashes computes it: a token's value
         # (id + 1) times P to the power of how many tokens follow it, wrapping at 64 bits.
         wants, h, power = [0], 0, 1
@@ -121,27 +120,39 @@ class DraftCorpus:
             h = (h + (tail[-n] + 1) * power) & _MASK
             power = (power * _PI) & _MASK
             wants.append(h)
-        for n in range(min(MAX_NGRAM, len(tail)), MIN_NGRAM - 1, -1):
-            if n not in self._index:
-                continue
-            shared = self._index[n][2]
-            (hv, av), want = views[n], wants[n]
-            lo = bisect.bisect_left(hv, want)
-            if lo == len(hv) or hv[lo] != want:
-                continue
-            hi = bisect.bisect_right(hv, want, lo)
-            places = av[max(lo, hi - MAX_PLACES) : hi].tolist()
-            if want in shared:  # the places hold different n-grams: keep the tail's
-                ngram = tail[-n:]
-                places = [at for at in places if tv[at - n : at].tolist() == ngram]
-                if not places:
-                    continue
-            else:  # every place holds one n-gram: the latest says whether it is the tail's (no collision)
-                at = places[-1]
-                if tv[at - n : at].tolist() != tail[-n:]:
-                    continue
-            return n, self._continue(places, max_drafts)
-        return 0, []
+        # The tail's last n tokens occur for every n up to the longest that does (a place of n tokens is
+        # one of their last n - 1 too): a binary search over n, the shortest first (most lookups of a
+        # reply find none, or the shortest alone).
+        lo, hi = MIN_NGRAM, min(MAX_NGRAM, len(tail))
+        best, places = 0, None
+        while lo <= hi:
+            n = lo if not best else (lo + hi + 1) // 2
+            found = self._places(n, wants[n], tail)
+            if found is None:
+                if not best:
+                    return 0, []
+                hi = n - 1
+            else:
+                best, places, lo = n, found, n + 1
+        return best, self._continue(places, max_drafts)
+
+    def _places(self, n: int, want: int, tail: list[int]) -> list[int] | None:
+        """The latest places (up to MAX_PLACES) where the tail's last n tokens occur, each the
+        position just after them; None where they do not occur."""
+        if n not in self._index:
+            return None
+        (hv, av), tv = self._views[0][n], self._views[1]
+        lo = bisect.bisect_left(hv, want)
+        if lo == len(hv) or hv[lo] != want:
+            return None
+        hi = bisect.bisect_right(hv, want, lo)
+        ngram = tail[-n:]
+        if want in self._index[n][2]:  # the places hold different n-grams: keep the tail's, then the latest
+            places = [at for at in av[lo:hi].tolist() if tv[at - n : at].tolist() == ngram]
+            return places[-MAX_PLACES:] or None
+        # Every place holds one n-gram: the latest says whether it is the tail's (no collision).
+        places = av[max(lo, hi - MAX_PLACES) : hi].tolist()
+        return places if tv[places[-1] - n : places[-1]].tolist() == ngram else None
 
     def propose(self, seq, max_drafts: int) -> tuple[str, list[int]] | None:
         """Proposer: the drafts of `match` and the statistics key of their match length, or None."""
