@@ -197,6 +197,8 @@ def test_the_feed_ranks_its_candidates_by_rate_exactly():
             batch = rng.choice((1, 2, 8))
             want = sorted(feed.candidates(), key=lambda c: (feed.rate(*c, batch=batch), -c[0], -c[1]), reverse=True)
             assert feed._ranked(batch) == want, (trial, again)
+            scores = {c: key[0] for key, c in feed._scored(batch)}
+            assert scores == {c: feed.rate(*c, batch=batch) for c in feed.candidates()}, (trial, again)
             assert feed.choose(batch) == want[0], (trial, again)  # no probe this early: the best
         rates = (stats.rates("masks", feed.max_masks), stats.rates("spare", feed.max_masks))
         for m, g in want:
@@ -954,8 +956,13 @@ def test_a_curve_answers_after_each_timing_as_a_fresh_one_would():
             curve.observe(width, rng.uniform(0.005, 0.15))
             kept += curve._arrays is not None and any(t in curve._arrays[2] for t in known)
             fresh = CostCurve(dict(curve.points))
+            assert curve.seconds_of(asked) == [fresh.seconds(t) for t in asked], curve.points  # many at once
             for t in asked:
                 assert curve.seconds(t) == fresh.seconds(t), (t, curve.points)
+            rows = rng.randint(1, 9)
+            costs = BatchCosts(curve, measure=lambda b: CostCurve({k * b: v * b for k, v in curve.points.items()}))
+            widths = [rng.uniform(0.5, 40) for _ in range(6)]
+            assert costs.seconds_of(rows, widths) == [costs.seconds(rows, w) for w in widths]
     assert kept > 100, kept  # most timings kept some answers
 
 

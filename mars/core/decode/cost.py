@@ -82,6 +82,16 @@ class CostCurve:
             known[t] = found
         return found
 
+    def seconds_of(self, tokens: list[int]) -> list[float]:
+        """`seconds` of each of `tokens`, in one call (a step's feed asks a dozen)."""
+        if self._arrays is None:
+            self.seconds(1)
+        known, out = self._arrays[2], []
+        for k in tokens:
+            found = known.get(float(max(k, 1)))
+            out.append(found if found is not None else self.seconds(k))
+        return out
+
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in a forward the loop timed (a running average per token count)."""
         if seconds <= 0 or self.refresh <= 0:
@@ -175,6 +185,14 @@ class BatchCosts:
         b = self.bucket(batch)
         rows = batch if b == 1 else b  # the one-row curve takes the batch's tokens, a bucket's its own rows
         return self.curve(batch).seconds(max(1, round(rows * width)))
+
+    def seconds_of(self, batch: int, widths: list[float]) -> list[float]:
+        """`seconds(batch, w)` of each of `widths`, in one call."""
+        if batch == 1:
+            return self.one.seconds_of([max(1, round(w)) for w in widths])
+        b = self.bucket(batch)
+        rows = batch if b == 1 else b
+        return self.curve(batch).seconds_of([max(1, round(rows * w)) for w in widths])
 
     def snapshot(self) -> BatchCosts:
         """A copy of the curves so far that later timed forwards leave unchanged."""

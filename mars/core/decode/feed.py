@@ -219,10 +219,12 @@ class LosslessFeed:
         """Per candidate, ((its `rate`, -masks, -groups), (masks, groups)): each `rate` from
         `_steady`'s tokens and widths (the same floats). The keys differ, so they order the
         candidates as `_ranked` does."""
-        used, seconds = self.used(), self.costs.seconds
-        keyed = [((self._per_second(1.0, 1.0, used, batch), 0, 0), (0, 0))]
-        for m, g, tokens, width in self._steady(batch):
-            keyed.append((((1.0 + used * (tokens - 1.0)) / seconds(batch, width), -m, -g), (m, g)))
+        used, steady = self.used(), self._steady(batch)
+        # Every candidate's forward cost in one call (AR's width 1 first): the floats `seconds` gives.
+        seconds = self.costs.seconds_of(batch, [1.0] + [width for _, _, _, width in steady])
+        keyed = [(((1.0 + used * (1.0 - 1.0)) / seconds[0], 0, 0), (0, 0))]
+        for (m, g, tokens, _), cost in zip(steady, seconds[1:]):
+            keyed.append((((1.0 + used * (tokens - 1.0)) / cost, -m, -g), (m, g)))
         return keyed
 
     def _ranked(self, batch: int) -> list[tuple[int, int]]:
@@ -231,7 +233,7 @@ class LosslessFeed:
 
     def choose(self, batch: int = 1) -> tuple[int, int]:
         scored = self._scored(batch)
-        best = max(scored, key=lambda kc: kc[0])[1]  # `_ranked`'s first, without ranking the rest
+        best = max(scored)[1]  # `_ranked`'s first, without ranking the rest (the keys differ: never a tie)
         if best == (0, 0) and self.max_masks:
             if not self._probe:
                 self._ar_run += 1
