@@ -113,13 +113,17 @@ class Drafting:
             return 0
         base = batch + sum(float(st.expected_kept(key, len(r.drafts))) for r, key in live)
         widest = max(len(r.drafts) for r, _ in live)
-        best, best_score = 0, base / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups))
+        # Each count's forward cost in one call (the floats `seconds` gives).
+        seconds = self.feed.costs.seconds_of(
+            batch, [lossless_width(widest, masks, spare_groups, a) for a in range(most + 1)]
+        )
+        best, best_score = 0, base / seconds[0]
         miss = [(1.0 - st.rate(key, 0), len(r.alts)) for r, key in live]
         # [a]: chance one of the first a runners-up is AR's token (summed in order, as np.cumsum does)
         hits = list(accumulate([0.0] + st.rates("runner_up", most)))
         for a in range(1, most + 1):
             gain = sum(p * min(1.0, hits[min(n, a)]) for p, n in miss)
-            score = (base + gain) / self.feed.costs.seconds(batch, lossless_width(widest, masks, spare_groups, a))
+            score = (base + gain) / seconds[a]
             if score > best_score:
                 best, best_score = a, score
         return best
