@@ -241,33 +241,3 @@ def test_a_step_given_lists_of_rows_is_the_step_given_arrays():
         assert np.array_equal(a, b)
     assert caches[0].length == caches[1].length == 14
     assert torch.equal(caches[0].keys, caches[1].keys) and torch.equal(caches[0].values, caches[1].values)
-
-
-@pytest.mark.parametrize("case", [("llama", None), ("mistral", 5)], ids=case_id)
-def test_a_released_cache_serves_the_next_decode_and_changes_no_token(monkeypatch, case):
-    """The loop releases its cache when done; the decoder's next cache of as many rows is that one
-    (its buffers grown and holding the last decode's keys), and every decode gives the tokens a
-    fresh decoder gives, in AR, lossless and threshold mode, after a batch of another size too."""
-    from tiny import PROMPTS, make_tokenizer
-
-    from mars.backends.torch import decode
-
-    monkeypatch.setattr(decode, "CACHE_START", 8)  # every decode grows its cache
-    tok = make_tokenizer()
-    tm = TorchModel(make_model("llama", len(tok), seed=5), tok, None, "", torch.device("cpu"), torch.float32)
-    prompts = [
-        tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)["input_ids"]
-        for t in PROMPTS[:3]
-    ]
-    base = dict(mask_id=3, eos_ids=(2,), block_size=4, max_tokens=20, block_cache=8)
-    reused = TorchDecoder(tm)
-    made = []
-    real = reused.new_cache
-    monkeypatch.setattr(reused, "new_cache", lambda batch: made.append(real(batch)) or made[-1])
-    for asked in (dict(threshold=1.0), dict(lossless=True), dict(threshold=0.5), dict(lossless=True, cache="block")):
-        plan = make_plan(**base, **asked)
-        for batch in ([prompts[0]], [prompts[1]], prompts, [prompts[2]]):
-            assert generate(reused, batch, plan).tokens == generate(TorchDecoder(tm), batch, plan).tokens, asked
-    assert made[1] is made[0] and made[0].capacity > 8  # grown, released, taken again
-    assert made[2] is not made[1] and made[3] is not made[2]  # another batch size: a cache of its own
-    assert sum(a is b for a, b in zip(made, made[1:])) >= 4

@@ -131,7 +131,6 @@ class TorchDecoder:
         self.generator = None
         self._seeded = None
         self._drafted = None  # lossless sampling: the last step's mask distributions
-        self._spare = None  # a cache the loop released (`release`), for the next `new_cache`
         own = lean and models.lean_family(self.body.config) is not None
         compile = bool(compile) and own
         if pack is None:
@@ -206,19 +205,8 @@ class TorchDecoder:
 
         self._drafted = None
         if self.lean is not None:
-            spare, self._spare = self._spare, None
-            if spare is not None and spare.batch == batch == spare.keys.shape[1]:
-                spare.reset()
-                return spare
             return self._lean_cache(batch)
         return growing_cache(self.tm.model.config)
-
-    def release(self, cache) -> None:
-        """The loop is done with `cache`: the next `new_cache` of as many rows takes its buffers
-        (mars's own forward), without allocating and zeroing them again (about 5 ms for the default
-        model's 256 positions on a CPU, where each new cache's pages fault in)."""
-        if isinstance(cache, models.KVCache):
-            self._spare = cache
 
     def _lean_cache(self, batch: int):
         return models.KVCache(self.lean.args, batch, CACHE_START, self.tm.dtype, self.tm.device)

@@ -58,9 +58,6 @@ def generate(
                     on_tokens(live[i], new)
         live = _compact(backend, cache, strategy, rows, live)
 
-    release = getattr(backend, "release", None)
-    if cache is not None and release is not None:  # its memory may serve the backend's next cache
-        release(cache)
     rows = everyone
     run.report(stats)
     logprobs = [r.logprobs for r in rows] if s.logprobs is not None else None

@@ -51,9 +51,6 @@ class StepBackend(Protocol):
         kept for speculate."""
         ...
 
-    # Optional: `release(cache)`, called when the loop is done with a cache it made: the backend may
-    # give its memory to a later `new_cache`.
-
     def speculate(
         self, cache, input_ids, positions, mask, read, drafts, n_drafts, *, sampling, logprobs=None, tree=None, ranks=0
     ) -> Speculated:

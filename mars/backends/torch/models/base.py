@@ -86,12 +86,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.keys.shape[3]
 
-    def reset(self) -> None:
-        """Empty again, its buffers kept for another decode of as many rows (the decoder's `release`):
-        what they hold past the length is never read (a fixed-shape step masks it; sliding layers read
-        the first length's positions alone)."""
-        self.length = 0
-
     @inference
     def reserve(self, width: int, batch: int) -> None:
         """Room for `width` more positions of `batch` rows."""
