@@ -143,9 +143,8 @@ class CompiledMlxStep:
             keys = np.zeros((b, room), dtype=bool)
             keys[:, : cached + width] = True if mask.keys is None else mask.keys
             own = np.broadcast_to(np.arange(width), (b, width))
-            see = (
-                own if mask.see is None else np.asarray(mask.see, dtype=np.int64)
-            )  # plain causal: every column up to its own
+            # Plain causal (None): every column up to its own.
+            see = own if mask.see is None else np.asarray(mask.see, dtype=np.int64)
             start = own if mask.start is None else np.asarray(mask.start, dtype=np.int64)
             return dict(keys=keys, valid=keys[:, cached : cached + width], see=see, start=start)
         dense = np.zeros((b, width, room), dtype=bool)

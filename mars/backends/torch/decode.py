@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from ...core.acceptance import speculative_sampling, tree_sampling
+from ...core.decode.layout import rows_of
 from ...core.decode.plan import Sampling
 from ...core.decode.types import ReadLogprobs, Speculated, StepOutput, compile_failed, runners_up_of
 from ...core.masks import WIDTH_BUCKETS, StepMask, bucket, decode_mask, dense_mask, pad_width
@@ -619,11 +620,6 @@ class TorchDecoder:
 
 
 _HOST_DTYPES = {torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
-
-
-def rows_of(a) -> list:
-    """A step's (b, w) host value as lists of rows: an array's `tolist`, lists as they are."""
-    return a.tolist() if isinstance(a, np.ndarray) else a
 
 
 def to_host(*arrays: torch.Tensor, pack: bool | None = None) -> list[np.ndarray]:

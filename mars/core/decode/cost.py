@@ -85,7 +85,7 @@ class CostCurve:
     def seconds_of(self, tokens: list[int]) -> list[float]:
         """`seconds` of each of `tokens`, in one call (a step's feed asks a dozen)."""
         if self._arrays is None:
-            self.seconds(1)
+            self.seconds(1)  # the fit, made once
         known, out = self._arrays[2], []
         for k in tokens:
             found = known.get(float(max(k, 1)))

@@ -9,6 +9,11 @@ import numpy as np
 from ..masks import StepMask
 
 
+def rows_of(a) -> list:
+    """A step's (b, w) or (b,) host value as plain lists: an array's `tolist`, lists as they are."""
+    return a.tolist() if isinstance(a, np.ndarray) else a
+
+
 class _Field:
     """A step's (b, w) or (b,) value, given as an array or as plain lists (of rows): read as an array
     (made once from the lists where it was given so), or through `lists` as lists (made once from the
@@ -273,7 +278,7 @@ def with_group_rows(ids, valid, positions, columns: Columns, mask_id: int):
     """`with_groups` as lists of rows. A live group sits, by position and by what it sees, as a plain
     window continuing after its anchor would: the chain up to its anchor, then its own columns;
     elsewhere its columns are holes. Built in plain Python."""
-    ids, valid, fed_positions = (a.tolist() if isinstance(a, np.ndarray) else a for a in (ids, valid, positions))
+    ids, valid, fed_positions = rows_of(ids), rows_of(valid), rows_of(positions)
     b, w0 = len(ids), len(ids[0]) if ids else 0
     width = columns.total
     more = width - w0

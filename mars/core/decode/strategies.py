@@ -15,6 +15,7 @@ from .layout import (
     layout_mask,
     pad_drafts,
     right_aligned,
+    rows_of,
     window_rows,
     with_group_rows,
 )
@@ -233,9 +234,11 @@ class BlockStrategy:
 
 def in_forward_groups(s: Plan, counts: dict[str, int], rows: list[Row], n_drafts, masks: int) -> tuple:
     """The groups a step that verifies drafts feeds after its columns: up to `counts[name]` of each
-    in-forward source (drafts.GROUP_SOURCES), each with `masks` masks; none where drafts are not verified."""
+    in-forward source (drafts.GROUP_SOURCES), each with `masks` masks; none where drafts are not verified.
+    `n_drafts`: per row, the drafts it feeds (a list, or an array), handed to the sources as a list."""
     if not s.verifies:
         return ()
+    n_drafts = rows_of(n_drafts)
     return tuple(
         g
         for name, source in GROUP_SOURCES.items()

@@ -53,7 +53,7 @@ class GroupSource(Protocol):
         ...
 
     def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
-        """Up to `count` groups for the step's rows (`n_drafts[r]` drafts fed by row r: a list or an array), each
+        """Up to `count` groups for the step's rows (`n_drafts[r]` drafts fed by row r, a list), each
         with `masks` masks; ids of rows where a group is not live are `mask_id`."""
         ...
 

@@ -5,8 +5,6 @@ AR's token after it and the group's proposals become the next drafts."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..layout import Group
 
 
@@ -22,8 +20,7 @@ class Alternatives:
         return plan.alternative_groups
 
     def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
-        n = n_drafts.tolist() if isinstance(n_drafts, np.ndarray) else n_drafts
-        alts = [r.alts[:count] if k else [] for r, k in zip(rows, n)]
+        alts = [r.alts[:count] if k else [] for r, k in zip(rows, n_drafts)]
         zero = [0] * len(rows)  # (lists: the group makes arrays where asked for them)
         return [
             Group(

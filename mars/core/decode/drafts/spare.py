@@ -4,8 +4,6 @@ draft g + 1 is the first rejected (conditioned on verified tokens only), instead
 
 from __future__ import annotations
 
-import numpy as np
-
 from ..layout import Group
 
 
@@ -21,11 +19,10 @@ class SpareGroups:
         return plan.spare_groups
 
     def groups(self, rows, n_drafts, count: int, masks: int, mask_id: int) -> list[Group]:
-        n = n_drafts.tolist() if isinstance(n_drafts, np.ndarray) else n_drafts
-        count = min(count, max(n, default=0)) if masks else 0
+        count = min(count, max(n_drafts, default=0)) if masks else 0
         b = len(rows)
         empty = [[]] * b  # (lists: the group makes arrays where asked for them)
         return [
-            Group(self.name, [g] * b, empty, [g < k and not r.done for r, k in zip(rows, n)], masks)
+            Group(self.name, [g] * b, empty, [g < k and not r.done for r, k in zip(rows, n_drafts)], masks)
             for g in range(count)
         ]
